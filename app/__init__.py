@@ -1,0 +1,1 @@
+"""The browser UI: Gradio Blocks wiring components to pipeline calls, nothing more."""

@@ -1,0 +1,27 @@
+"""The whole app: one tab per tool, a banner saying what runs where."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app.chat_tab import build_chat_tab
+from pipeline.chat import ChatPipeline
+
+DEMO_WARNING = ("**Demo model.** No real weights were found, so a tiny built-in model with *random weights* "
+                "is running: its replies are meaningless text. Start with `--model Qwen/Qwen2.5-7B-Instruct` "
+                "(or `--weights FOLDER`) on a GPU for real answers.")
+
+
+def build_app(chat: ChatPipeline, runtime_notes: list[str]) -> gr.Blocks:
+    with gr.Blocks(title="AI Studio") as demo:
+        gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
+        if chat.is_demo:
+            gr.Markdown(DEMO_WARNING)
+        gr.Markdown(" · ".join([chat.description] + runtime_notes))
+        with gr.Tab("Chat"):
+            build_chat_tab(chat)
+        with gr.Tab("Image chat"):
+            gr.Markdown("Image chat (MiniGPT-4) is coming: upload an image and talk about it.")
+        with gr.Tab("Segment"):
+            gr.Markdown("Segment (SAM) is coming: click on an image to get masks.")
+    return demo

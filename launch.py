@@ -1,0 +1,114 @@
+"""Start AI Studio: pick backend, device and model, load, warm up, serve on 127.0.0.1.
+
+    python launch.py                       # auto: real weights on a GPU if cached, else the demo model
+    python launch.py --check               # say what would run where, and why, then exit
+    python launch.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16
+    python launch.py --weights /models/Qwen-7B-Chat --port 8080
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from pipeline.errors import UserError
+
+
+@dataclasses.dataclass
+class Plan:
+    backend: str
+    device: str
+    dtype: str
+    model_id: str
+    notes: list[str]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="AI Studio: local chat, image chat and segmentation.")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), demo/qwen-v1-tiny, "
+                                                   "demo/qwen2-tiny, a folder, or auto")
+    p.add_argument("--weights", type=Path, help="local folder with the model's config, tokenizer and weights")
+    p.add_argument("--backend", choices=["auto", "torch", "tensorrt"], default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--context", type=int, default=8192, help="context window in tokens (KV cache size)")
+    p.add_argument("--share", action="store_true", help="also serve through a public Gradio link")
+    p.add_argument("--auth", help="user:password required to open the app")
+    p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
+    return p.parse_args(argv)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    import torch
+
+    from pipeline.models import CHAT_MODELS, auto_model, locate
+
+    notes = []
+    has_gpu = torch.cuda.is_available()
+    device = ("cuda" if has_gpu else "cpu") if args.device == "auto" else args.device
+    if device.startswith("cuda") and not has_gpu:
+        raise UserError(f"--device {device}: no CUDA GPU is visible to PyTorch (torch {torch.__version__})")
+    notes.append(f"device {device}: " + (f"{torch.cuda.get_device_name(device)}" if device.startswith("cuda")
+                                         else "no CUDA GPU found" if args.device == "auto" else "asked for"))
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    if args.backend == "tensorrt":
+        raise UserError("the TensorRT backend is not available yet in this build; use --backend torch")
+    notes.append("backend torch: the TensorRT engine path is not built yet" if args.backend == "auto"
+                 else "backend torch: asked for")
+    if args.model == "auto" and args.weights is None:
+        model_id, why = auto_model(device.startswith("cuda"))
+        notes.append(f"model {model_id}: {why}")
+    else:
+        model_id = args.model if args.model != "auto" else str(args.weights)
+        if model_id not in CHAT_MODELS and not Path(model_id).is_dir() and args.weights is None:
+            notes.append(f"model {model_id}: not in the registry, trying it as a hub id")
+    found = locate(model_id, args.weights)
+    notes.append(f"weights: {found.source}" + (f" ({found.path})" if found.path else ""))
+    return Plan("torch", device, dtype, model_id, notes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        plan = make_plan(args)
+        if args.check:
+            print("\n".join([f"AI Studio would run {plan.model_id} on {plan.backend}/{plan.device}/{plan.dtype}"]
+                            + [f"  - {n}" for n in plan.notes]))
+            return 0
+        auth = tuple(args.auth.split(":", 1)) if args.auth else None
+        if args.auth and len(auth) != 2:
+            raise UserError("--auth must look like user:password")
+        import torch
+
+        from app.ui import build_app
+        from pipeline.chat import ChatPipeline
+        from pipeline.llm.sampling import SamplingParams
+        from pipeline.models import resolve
+
+        for note in plan.notes:
+            print(f"[studio] {note}", flush=True)
+        model = resolve(plan.model_id, args.weights)
+        start = time.perf_counter()
+        chat = ChatPipeline(model.path, plan.model_id, device=plan.device, dtype=getattr(torch, plan.dtype),
+                            max_context=args.context, is_demo=model.is_demo)
+        for _ in chat.stream([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=2, temperature=0)):
+            pass  # warm-up: first kernels and graph capture happen now, not on the first user's message
+        print(f"[studio] loaded and warmed up {chat.description} in {time.perf_counter() - start:.1f} s", flush=True)
+        app = build_app(chat, [n for n in plan.notes if n.startswith("backend")])
+        app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
+                                                      share=args.share, auth=auth, show_error=True)
+        return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

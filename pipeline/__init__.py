@@ -1,0 +1,1 @@
+"""Pipelines: what the UI calls. Each pipeline = pre/post-processing + one backend."""

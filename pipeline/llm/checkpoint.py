@@ -1,0 +1,239 @@
+"""Read and write decoder checkpoints in the on-disk formats users have.
+
+Formats: transformers folders (Qwen2/2.5, Qwen3, LLaMA/Vicuna; safetensors or `.bin`, single or
+sharded with an index) and Qwen v1 folders (Qwen-7B-Chat: `transformer.h.N.attn.c_attn` holds
+q/k/v, `mlp.w1` is up, `mlp.w2` is gate). Every format maps onto the decoder's own names
+(see `model.py`), so one writer per format also gives the Qwen v1 → Qwen2 converter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from pipeline.errors import UserError
+from pipeline.llm.config import DecoderConfig, config_from_hf, hf_config_dict, qwen_v1_config_dict
+from pipeline.llm.model import Decoder
+
+StateDict = dict[str, Tensor]
+
+
+def read_config(folder: Path) -> DecoderConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise UserError(f"no config.json in {folder}: point at a model folder (with config.json and weights)")
+    return config_from_hf(json.loads(path.read_text()))
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = folder / index_name
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [folder / n for n in names]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return [folder / single]
+    found = sorted(folder.glob("*.safetensors"))
+    if found:
+        return found
+    raise UserError(f"no weights in {folder} (expected *.safetensors or pytorch_model.bin)")
+
+
+def read_tensors(folder: Path, dtype: torch.dtype | None = None) -> StateDict:
+    """All tensors of a checkpoint folder, shard by shard, with a progress bar for big ones."""
+    folder = Path(folder)
+    files = _weight_files(folder)
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise UserError(f"checkpoint in {folder} is incomplete: missing {', '.join(missing)}")
+    tensors: StateDict = {}
+    for path in tqdm(files, desc=f"loading {folder.name}", unit="shard", disable=len(files) < 2):
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                part = {k: f.get_tensor(k) for k in f.keys()}
+        else:
+            part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        tensors.update({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
+                        for k, v in part.items()})
+    return tensors
+
+
+def _take(raw: StateDict, key: str) -> Tensor:
+    try:
+        return raw.pop(key)
+    except KeyError:
+        raise UserError(f"checkpoint lacks tensor {key!r}: wrong model type or a truncated download?") from None
+
+
+def hf_to_internal(config: DecoderConfig, raw: StateDict) -> StateDict:
+    sd = {"embed.weight": _take(raw, "model.embed_tokens.weight"), "norm.weight": _take(raw, "model.norm.weight")}
+    for i in range(config.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        attn = p + "self_attn."
+        sd[o + "attn.wqkv.weight"] = torch.cat([_take(raw, attn + f"{n}_proj.weight") for n in "qkv"])
+        if config.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([_take(raw, attn + f"{n}_proj.bias") for n in "qkv"])
+        if config.qk_norm:
+            sd[o + "attn.q_norm.weight"] = _take(raw, attn + "q_norm.weight")
+            sd[o + "attn.k_norm.weight"] = _take(raw, attn + "k_norm.weight")
+        sd[o + "attn.wo.weight"] = _take(raw, attn + "o_proj.weight")
+        sd[o + "attn_norm.weight"] = _take(raw, p + "input_layernorm.weight")
+        sd[o + "mlp_norm.weight"] = _take(raw, p + "post_attention_layernorm.weight")
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat(
+            [_take(raw, p + "mlp.gate_proj.weight"), _take(raw, p + "mlp.up_proj.weight")])
+        sd[o + "mlp.w_down.weight"] = _take(raw, p + "mlp.down_proj.weight")
+    sd["lm_head.weight"] = sd["embed.weight"] if config.tie_word_embeddings else _take(raw, "lm_head.weight")
+    return sd
+
+
+def qwen_v1_to_internal(config: DecoderConfig, raw: StateDict) -> StateDict:
+    sd = {"embed.weight": _take(raw, "transformer.wte.weight"), "norm.weight": _take(raw, "transformer.ln_f.weight")}
+    for i in range(config.num_layers):
+        p, o = f"transformer.h.{i}.", f"layers.{i}."
+        sd[o + "attn.wqkv.weight"] = _take(raw, p + "attn.c_attn.weight")
+        sd[o + "attn.wqkv.bias"] = _take(raw, p + "attn.c_attn.bias")
+        sd[o + "attn.wo.weight"] = _take(raw, p + "attn.c_proj.weight")
+        sd[o + "attn_norm.weight"] = _take(raw, p + "ln_1.weight")
+        sd[o + "mlp_norm.weight"] = _take(raw, p + "ln_2.weight")
+        # Qwen v1 computes w1(x) * silu(w2(x)): w2 is the gate, w1 the up projection.
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat([_take(raw, p + "mlp.w2.weight"), _take(raw, p + "mlp.w1.weight")])
+        sd[o + "mlp.w_down.weight"] = _take(raw, p + "mlp.c_proj.weight")
+    sd["lm_head.weight"] = sd["embed.weight"] if config.tie_word_embeddings else _take(raw, "lm_head.weight")
+    return sd
+
+
+def internal_to_hf(config: DecoderConfig, sd: StateDict) -> StateDict:
+    raw = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+    split = [config.q_size, config.kv_size, config.kv_size]
+    for i in range(config.num_layers):
+        p, o = f"model.layers.{i}.", f"layers.{i}."
+        attn = p + "self_attn."
+        for n, w in zip("qkv", sd[o + "attn.wqkv.weight"].split(split)):
+            raw[attn + f"{n}_proj.weight"] = w
+        if config.qkv_bias:
+            for n, b in zip("qkv", sd[o + "attn.wqkv.bias"].split(split)):
+                raw[attn + f"{n}_proj.bias"] = b
+        if config.qk_norm:
+            raw[attn + "q_norm.weight"] = sd[o + "attn.q_norm.weight"]
+            raw[attn + "k_norm.weight"] = sd[o + "attn.k_norm.weight"]
+        raw[attn + "o_proj.weight"] = sd[o + "attn.wo.weight"]
+        raw[p + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
+        raw[p + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
+        gate, up = sd[o + "mlp.w_gate_up.weight"].chunk(2)
+        raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"] = gate, up
+        raw[p + "mlp.down_proj.weight"] = sd[o + "mlp.w_down.weight"]
+    if not config.tie_word_embeddings:
+        raw["lm_head.weight"] = sd["lm_head.weight"]
+    return raw
+
+
+def internal_to_qwen_v1(config: DecoderConfig, sd: StateDict) -> StateDict:
+    raw = {"transformer.wte.weight": sd["embed.weight"], "transformer.ln_f.weight": sd["norm.weight"]}
+    for i in range(config.num_layers):
+        p, o = f"transformer.h.{i}.", f"layers.{i}."
+        raw[p + "attn.c_attn.weight"] = sd[o + "attn.wqkv.weight"]
+        raw[p + "attn.c_attn.bias"] = sd[o + "attn.wqkv.bias"]
+        raw[p + "attn.c_proj.weight"] = sd[o + "attn.wo.weight"]
+        raw[p + "ln_1.weight"] = sd[o + "attn_norm.weight"]
+        raw[p + "ln_2.weight"] = sd[o + "mlp_norm.weight"]
+        gate, up = sd[o + "mlp.w_gate_up.weight"].chunk(2)
+        raw[p + "mlp.w2.weight"], raw[p + "mlp.w1.weight"] = gate, up
+        raw[p + "mlp.c_proj.weight"] = sd[o + "mlp.w_down.weight"]
+    if not config.tie_word_embeddings:
+        raw["lm_head.weight"] = sd["lm_head.weight"]
+    return raw
+
+
+def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
+    """Build the decoder for a checkpoint folder of any supported format, weights in `dtype` on `device`."""
+    folder = Path(folder)
+    config = read_config(folder)
+    raw = read_tensors(folder, dtype)
+    sd = qwen_v1_to_internal(config, raw) if config.family == "qwen" else hf_to_internal(config, raw)
+    with torch.device("meta"):
+        model = Decoder(config)
+    model.load_state_dict(sd, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device).eval()
+
+
+def _contiguous(sd: StateDict) -> StateDict:
+    """Own storage per tensor: safetensors refuses views and shared tensors."""
+    return {k: v.detach().contiguous().clone() for k, v in sd.items()}
+
+
+def write_checkpoint(folder: Path, config: DecoderConfig, sd: StateDict, fmt: str,
+                     max_shard_bytes: int = 4 << 30) -> None:
+    """Write `sd` (decoder names) as a `fmt` ("hf" or "qwen") folder, sharding with an index past
+    `max_shard_bytes`. Written to a temporary folder and renamed, so a crash leaves nothing half-done."""
+    folder = Path(folder)
+    if fmt == "hf":
+        raw, cfg = internal_to_hf(config, sd), hf_config_dict(config)
+    elif fmt == "qwen":
+        raw, cfg = internal_to_qwen_v1(config, sd), qwen_v1_config_dict(config)
+    else:
+        raise ValueError(f"unknown checkpoint format {fmt!r}")
+    raw = _contiguous(raw)
+    cfg["torch_dtype"] = str(sd["embed.weight"].dtype).removeprefix("torch.")
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for key, t in raw.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for n, shard in enumerate(shards, 1):
+                name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in raw.values())},
+                     "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+TOKENIZER_FILES = ("qwen.tiktoken", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                   "special_tokens_map.json", "generation_config.json", "vocab.json", "merges.txt")
+
+
+def convert_qwen_v1_to_hf(src: Path, dst: Path) -> None:
+    """Write a Qwen v1 folder in Qwen2 transformers format (also what TensorRT-LLM's Qwen2 path reads).
+
+    Qwen2 has no logn scaling or dynamic NTK, so the result matches Qwen v1 within `seq_length`.
+    Tokenizer files are copied as they are.
+    """
+    src, dst = Path(src), Path(dst)
+    config = read_config(src)
+    if config.family != "qwen":
+        raise UserError(f"{src} is not a Qwen v1 checkpoint (model_type {config.family!r})")
+    sd = qwen_v1_to_internal(config, read_tensors(src))
+    write_checkpoint(dst, config, sd, "hf")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, dst / name)

@@ -1,0 +1,166 @@
+"""One config for every decoder we run, derived from the checkpoint's own `config.json`.
+
+The families differ only in a few switches (qkv bias, qk-norm, GQA, Qwen v1's logn scaling and
+dynamic NTK), so one dataclass describes them all and the model code reads only this.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pipeline.errors import UserError
+
+FAMILIES = ("qwen", "qwen2", "qwen3", "llama")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    # Qwen v1 long-context tricks: both switch on past `seq_length` (the trained context).
+    logn_attn: bool = False
+    dynamic_ntk: bool = False
+    seq_length: int = 0
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _require(cfg: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in cfg]
+    if missing:
+        raise UserError(f"config.json lacks {', '.join(missing)}: is this a complete checkpoint folder?")
+
+
+def _check_rope_scaling(cfg: dict) -> None:
+    scaling = cfg.get("rope_scaling")
+    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+        raise UserError(f"rope_scaling {scaling} is not supported yet; use a checkpoint without it")
+
+
+def config_from_hf(cfg: dict) -> DecoderConfig:
+    """Map a transformers-style `config.json` (Qwen2/2.5, Qwen3, LLaMA/Vicuna) or a Qwen v1 one."""
+    model_type = cfg.get("model_type")
+    if model_type == "qwen":
+        return _config_from_qwen_v1(cfg)
+    if model_type not in ("qwen2", "qwen3", "llama"):
+        raise UserError(
+            f"model_type {model_type!r} is not supported; supported: Qwen v1, Qwen2/2.5, Qwen3, LLaMA/Vicuna"
+        )
+    _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    _check_rope_scaling(cfg)
+    heads = cfg["num_attention_heads"]
+    return DecoderConfig(
+        family=model_type,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def _config_from_qwen_v1(cfg: dict) -> DecoderConfig:
+    """Qwen-7B-Chat's config: `intermediate_size` counts w1 and w2 together, so it halves."""
+    _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if cfg.get("rotary_pct", 1.0) != 1.0:
+        raise UserError("Qwen v1 checkpoints with rotary_pct != 1 are not supported")
+    heads = cfg["num_attention_heads"]
+    seq_length = cfg.get("seq_length", 2048)
+    return DecoderConfig(
+        family="qwen",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"] // 2,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=cfg.get("kv_channels") or cfg["hidden_size"] // heads,
+        # Dynamic NTK is what lets Qwen v1 run past its trained length; 32768 is its logn table size.
+        max_position_embeddings=32768 if cfg.get("use_dynamic_ntk", False) else seq_length,
+        rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-6),
+        rope_theta=float(cfg.get("rotary_emb_base", 10000.0)),
+        qkv_bias=True,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        logn_attn=bool(cfg.get("use_logn_attn", False)),
+        dynamic_ntk=bool(cfg.get("use_dynamic_ntk", False)),
+        seq_length=seq_length,
+    )
+
+
+def hf_config_dict(config: DecoderConfig) -> dict[str, Any]:
+    """The transformers `config.json` for our config (Qwen v1 is written as Qwen2, its closest kin)."""
+    model_type = "qwen2" if config.family == "qwen" else config.family
+    archs = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+    out: dict[str, Any] = {
+        "architectures": [archs[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.seq_length if config.family == "qwen" else config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "hidden_act": "silu",
+    }
+    if model_type == "llama":
+        out["attention_bias"] = config.qkv_bias
+    return out
+
+
+def qwen_v1_config_dict(config: DecoderConfig) -> dict[str, Any]:
+    """Qwen v1's own `config.json` layout, as Qwen-7B-Chat ships it."""
+    if config.num_kv_heads != config.num_heads or not config.qkv_bias or config.qk_norm:
+        raise UserError("only MHA decoders with qkv bias and no qk-norm can be written in Qwen v1 format")
+    return {
+        "architectures": ["QWenLMHeadModel"],
+        "model_type": "qwen",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size * 2,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "kv_channels": config.head_dim,
+        "layer_norm_epsilon": config.rms_norm_eps,
+        "rotary_emb_base": config.rope_theta,
+        "rotary_pct": 1.0,
+        "seq_length": config.seq_length or config.max_position_embeddings,
+        "use_dynamic_ntk": config.dynamic_ntk,
+        "use_logn_attn": config.logn_attn,
+        "no_bias": True,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }

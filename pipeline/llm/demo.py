@@ -1,0 +1,125 @@
+"""Tiny built-in demo checkpoints: deterministic random weights in the real on-disk formats.
+
+They let the app start anywhere (no GPU, no weights, no network) and go through exactly the
+loaders real checkpoints use. Their text is meaningless: the weights are random.
+
+- `demo/qwen-v1-tiny`: a Qwen v1 folder (`transformer.h.N.*`, `qwen.tiktoken`, logn + dynamic NTK).
+- `demo/qwen2-tiny`: a Qwen2 transformers folder (GQA, qkv bias, `tokenizer.json` + chat template).
+Both vocabularies are BPE-trained by `tokenizers` on `assets/demo_corpus.txt` (English, Chinese,
+emoji, code), so multi-byte characters really are split across tokens, as in the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from pipeline.llm.checkpoint import write_checkpoint
+from pipeline.llm.config import DecoderConfig
+from pipeline.llm.model import Decoder
+from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, write_tiktoken_ranks
+
+CORPUS = Path(__file__).resolve().parents[2] / "assets" / "demo_corpus.txt"
+BPE_VOCAB = 640
+SEED = 1234
+CHATML_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DEMO_MODELS = ("demo/qwen-v1-tiny", "demo/qwen2-tiny")
+
+
+def _train_bpe(special_tokens: list[str]):
+    """Byte-level BPE with Qwen's pre-tokenizer pattern, trained on the demo corpus."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PAT_STR), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=special_tokens, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS.read_text().splitlines(keepends=True), trainer)
+    return tok
+
+
+def _qwen_v1_tokenizer(folder: Path) -> int:
+    """Write `qwen.tiktoken`; returns the vocabulary size including Qwen's 208 special tokens."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    unicode_to_byte = {u: b for b, u in bytes_to_unicode().items()}
+    vocab = _train_bpe([]).get_vocab()
+    ranks = {bytes(unicode_to_byte[c] for c in piece): rank for piece, rank in vocab.items()}
+    write_tiktoken_ranks(folder / "qwen.tiktoken", ranks)
+    return len(ranks) + len(QWEN_SPECIALS)
+
+
+def _qwen2_tokenizer(folder: Path) -> int:
+    """Write `tokenizer.json` + `tokenizer_config.json` (ChatML template) like a Qwen2 folder."""
+    tok = _train_bpe([ENDOFTEXT, IM_START, IM_END])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END, "pad_token": ENDOFTEXT,
+        "model_max_length": 1024, "chat_template": CHATML_TEMPLATE,
+    }, indent=2))
+    ids = [tok.token_to_id(t) for t in (IM_END, ENDOFTEXT)]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    return tok.get_vocab_size()
+
+
+def _random_weights(config: DecoderConfig) -> dict[str, torch.Tensor]:
+    torch.manual_seed(SEED)
+    model = Decoder(config)
+    with torch.no_grad():  # give the norms and biases some spread, as trained ones have
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif name == "embed.weight":
+                p.normal_(0, 1.0)
+    return model.state_dict()
+
+
+def _build(name: str, folder: Path) -> None:
+    qwen_v1 = name == "demo/qwen-v1-tiny"
+    vocab = _qwen_v1_tokenizer(folder) if qwen_v1 else _qwen2_tokenizer(folder)
+    config = DecoderConfig(
+        family="qwen" if qwen_v1 else "qwen2", vocab_size=-(-vocab // 64) * 64, hidden_size=64,
+        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=4 if qwen_v1 else 2, head_dim=16,
+        max_position_embeddings=32768 if qwen_v1 else 1024, rope_theta=10000.0, qkv_bias=True,
+        logn_attn=qwen_v1, dynamic_ntk=qwen_v1, seq_length=256 if qwen_v1 else 0,
+    )
+    write_checkpoint(folder / "weights", config, _random_weights(config), "qwen" if qwen_v1 else "hf")
+    for f in (folder / "weights").iterdir():
+        os.replace(f, folder / f.name)
+    (folder / "weights").rmdir()
+
+
+def demo_model_dir(name: str, cache_dir: Path) -> Path:
+    """The demo checkpoint's folder, built once into the cache (atomically, one builder at a time)."""
+    if name not in DEMO_MODELS:
+        raise KeyError(name)
+    folder = Path(cache_dir) / "demo" / name.split("/", 1)[1]
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / "config.json").is_file():
+            tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+            try:
+                _build(name, tmp)
+                os.replace(tmp, folder)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    return folder

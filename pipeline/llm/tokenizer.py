@@ -1,0 +1,184 @@
+"""Tokenizers behind one small interface: Qwen v1's tiktoken vocabulary and HF `tokenizers`.
+
+Both expose each token's raw bytes, so streaming detokenization is one mechanism for all models
+(an incremental UTF-8 decoder over bytes, in `streaming.py`), and a Chinese character split across
+three byte tokens is never shown half-done.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import unicodedata
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import tiktoken
+
+from pipeline.errors import UserError
+
+# Qwen v1 (tokenization_qwen.py): pre-tokenizer pattern and special tokens, numbered right after
+# the mergeable ranks (151643 of them in qwen.tiktoken, so <|endoftext|> is 151643).
+QWEN_PAT_STR = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+QWEN_SPECIALS = (ENDOFTEXT, IM_START, IM_END) + tuple(f"<|extra_{i}|>" for i in range(205))
+
+
+class Tokenizer(ABC):
+    """What the pipelines need from a tokenizer; user text never turns into special tokens."""
+
+    chat_template: str | None = None
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids; special-token spellings inside `text` stay ordinary text."""
+
+    @abstractmethod
+    def special_id(self, token: str) -> int | None:
+        """Id of a special token such as `<|im_end|>`, or None when the vocabulary lacks it."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Ids below this are real tokens; a model's embedding table is often padded past it."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (a special token: its spelling)."""
+
+    @property
+    @abstractmethod
+    def special_ids(self) -> set[int]:
+        """Control tokens, never shown to the user."""
+
+    @property
+    @abstractmethod
+    def eos_ids(self) -> set[int]:
+        """Ids that end a reply for this model, whatever the prompt format."""
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
+    def render_chat_template(self, messages: list[dict]) -> list[int]:
+        raise NotImplementedError
+
+
+def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    """A `.tiktoken` file: one `base64(token) rank` pair per line."""
+    ranks = {}
+    for line in Path(path).read_bytes().splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def write_tiktoken_ranks(path: Path, ranks: dict[bytes, int]) -> None:
+    lines = (f"{base64.b64encode(tok).decode()} {rank}" for tok, rank in sorted(ranks.items(), key=lambda x: x[1]))
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+class QwenTiktokenTokenizer(Tokenizer):
+    """Qwen v1 (Qwen-7B-Chat): `qwen.tiktoken` + its special tokens, NFC-normalised like the original."""
+
+    def __init__(self, vocab_file: Path):
+        ranks = read_tiktoken_ranks(vocab_file)
+        self.specials = {tok: len(ranks) + i for i, tok in enumerate(QWEN_SPECIALS)}
+        self._enc = tiktoken.Encoding("qwen", pat_str=QWEN_PAT_STR, mergeable_ranks=ranks,
+                                      special_tokens=self.specials)
+        self._special_bytes = {i: t.encode() for t, i in self.specials.items()}
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=set(), disallowed_special=())
+
+    def special_id(self, token: str) -> int | None:
+        return self.specials.get(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    def token_bytes(self, token_id: int) -> bytes:
+        special = self._special_bytes.get(token_id)
+        return special if special is not None else self._enc.decode_single_token_bytes(token_id)
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(self.specials.values())
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return {self.specials[ENDOFTEXT]}
+
+
+class HFTokenizer(Tokenizer):
+    """Any transformers fast tokenizer with a byte-level (Qwen2/3) or byte-fallback (LLaMA) vocabulary."""
+
+    def __init__(self, folder: Path):
+        from transformers import AutoTokenizer  # import lazily: transformers is slow to import
+
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot load the tokenizer in {folder}: {e}") from None
+        self.chat_template = self._tok.chat_template
+        self._bytes = self._byte_table()
+        eos = self._tok.eos_token_id
+        self._eos = {eos} if eos is not None else set()
+        gen_cfg = Path(folder) / "generation_config.json"
+        if gen_cfg.is_file():
+            extra = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            self._eos |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+
+    def _byte_table(self) -> list[bytes]:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        decoder = json.loads(self._tok.backend_tokenizer.to_str()).get("decoder") or {}
+        kinds = {d["type"] for d in decoder.get("decoders", [decoder])}
+        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
+        specials = set(self._tok.all_special_tokens) | set(self._tok.get_added_vocab())
+        if "ByteLevel" in kinds:
+            unicode_to_byte = {u: b for b, u in bytes_to_unicode().items()}
+            return [p.encode() if p in specials else bytes(unicode_to_byte[c] for c in p) for p in pieces]
+        if "ByteFallback" in kinds:  # SentencePiece-style: ▁ is a space, <0xNN> a raw byte
+            return [p.encode() if p in specials else
+                    bytes([int(p[3:5], 16)]) if len(p) == 6 and p.startswith("<0x") and p.endswith(">")
+                    else p.replace("\u2581", " ").encode() for p in pieces]
+        raise UserError(f"unsupported tokenizer decoder {sorted(kinds)}: need byte-level or byte-fallback BPE")
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    def special_id(self, token: str) -> int | None:
+        return self._tok.get_added_vocab().get(token)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._bytes)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(self._tok.all_special_ids)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self._eos
+
+    def render_chat_template(self, messages: list[dict]) -> list[int]:
+        """The checkpoint's own chat template, rendered by transformers and tokenized with special
+        tokens parsed (as transformers does, so a user typing `<|im_end|>` here types a special)."""
+        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self._tok.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(folder: Path) -> Tokenizer:
+    folder = Path(folder)
+    if (folder / "qwen.tiktoken").is_file():
+        return QwenTiktokenTokenizer(folder / "qwen.tiktoken")
+    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+        return HFTokenizer(folder)
+    raise UserError(f"no tokenizer in {folder} (expected qwen.tiktoken or tokenizer.json)")

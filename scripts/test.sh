@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Install (into .venv) and run the tests. On a machine without a GPU torch 2.13.0 is the CPU wheel.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0" -r requirements-dev.txt
+.venv/bin/python -m pytest -q "$@"
