@@ -53,10 +53,12 @@ def _require(cfg: dict, *keys: str) -> None:
         raise UserError(f"config.json lacks {', '.join(missing)}: is this a complete checkpoint folder?")
 
 
-def _check_rope_scaling(cfg: dict) -> None:
-    scaling = cfg.get("rope_scaling")
-    if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-        raise UserError(f"rope_scaling {scaling} is not supported yet; use a checkpoint without it")
+def _rope_theta(cfg: dict) -> float:
+    """RoPE base from hub configs (`rope_theta` + `rope_scaling`) or transformers 5 (`rope_parameters`)."""
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type")) not in (None, "default"):
+        raise UserError(f"RoPE scaling {rope} is not supported yet; use a checkpoint without it")
+    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
 def config_from_hf(cfg: dict) -> DecoderConfig:
@@ -69,7 +71,6 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
             f"model_type {model_type!r} is not supported; supported: Qwen v1, Qwen2/2.5, Qwen3, LLaMA/Vicuna"
         )
     _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    _check_rope_scaling(cfg)
     heads = cfg["num_attention_heads"]
     return DecoderConfig(
         family=model_type,
@@ -82,7 +83,7 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=_rope_theta(cfg),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
         qk_norm=model_type == "qwen3",
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
