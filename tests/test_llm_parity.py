@@ -26,9 +26,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def random_hf_model(kind: str, seed: int = 0):
+def random_hf_model(kind: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = getattr(transformers, ARCH[kind])(CASES[kind]()).eval()
+    config = CASES[kind]()
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    model = getattr(transformers, ARCH[kind])(config).eval()
     with torch.no_grad():  # trained-like spread: biases and norms that are not all 0 / 1
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -108,28 +111,10 @@ def test_bin_checkpoint_loads(tmp_path):
     assert rel_err(our_logits(tmp_path, ids), ref) <= 1e-4
 
 
-def qwen2_mha_checkpoint(tmp_path, seed=7):
-    """A Qwen2 checkpoint shaped like Qwen v1 (MHA, qkv bias) — the kind a Qwen v1 folder maps onto."""
-    torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)
-    model = random_hf_model("qwen2", seed)
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
-    model.load_state_dict(random_hf_model_state(cfg, seed))
-    model.save_pretrained(tmp_path / "qwen2")
-    return model, tmp_path / "qwen2"
-
-
-def random_hf_model_state(cfg, seed):
-    torch.manual_seed(seed)
-    m = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            p.normal_(0, 0.1) if name.endswith("bias") else p.uniform_(0.5, 1.5) if "norm" in name else None
-    return m.state_dict()
-
-
 def test_qwen_v1_checkpoint_from_qwen2_gives_same_logits(tmp_path):
-    model, qwen2_dir = qwen2_mha_checkpoint(tmp_path)
+    model = random_hf_model("qwen2", seed=7, num_key_value_heads=4)  # MHA with qkv bias: Qwen v1's shape
+    qwen2_dir = tmp_path / "qwen2"
+    model.save_pretrained(qwen2_dir)
     config = read_config(qwen2_dir)
     v1_config = type(config)(**{**config.to_dict(), "family": "qwen", "seq_length": 512,
                                 "logn_attn": True, "dynamic_ntk": True, "max_position_embeddings": 32768})

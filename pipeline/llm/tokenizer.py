@@ -162,7 +162,8 @@ class HFTokenizer(Tokenizer):
 
     @property
     def special_ids(self) -> set[int]:
-        return set(self._tok.all_special_ids)
+        marked = {i for i, t in self._tok.added_tokens_decoder.items() if t.special}
+        return marked | set(self._tok.all_special_ids)
 
     @property
     def eos_ids(self) -> set[int]:
