@@ -1,0 +1,92 @@
+"""End to end: `launch.py` in a subprocess on a free port, driven through `gradio_client`."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client")
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAMS = dict(system_prompt="You are a helpful assistant.", temperature=0.7, top_p=0.9, top_k=40,
+              repetition_penalty=1.05, max_new_tokens=24, seed=3)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("app") / "launch.log"
+    env = {**os.environ, "STUDIO_CACHE": str(tmp_path_factory.mktemp("cache")), "GRADIO_ANALYTICS_ENABLED": "False"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "1024"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while f"127.0.0.1:{port}" not in log.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"launch.py did not come up:\n{log.read_text()}")
+        time.sleep(0.5)
+    client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+    yield client, log
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def text_of(message: dict) -> str:
+    content = message["content"]
+    return content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+
+
+def stream_chat(client, message: str, history: list) -> list:
+    job = client.submit(message, history, *PARAMS.values(), api_name="/chat")
+    return list(job)
+
+
+def test_serves_on_localhost_with_demo_model(app):
+    _, log = app
+    text = log.read_text()
+    assert "http://127.0.0.1:" in text and "demo/qwen-v1-tiny" in text
+
+
+def test_multi_turn_chat_streams(app):
+    client, _ = app
+    updates = stream_chat(client, "Hello! 你好", [])
+    assert len(updates) > 2  # streamed: several partial updates before the last
+    _, history, status = updates[-1]
+    assert [m["role"] for m in history] == ["user", "assistant"]
+    assert text_of(history[0]) == "Hello! 你好" and text_of(history[1])
+    partial = [text_of(u[1][-1]) for u in updates]
+    assert all(partial[-1].startswith(p) for p in partial)  # each update extends the last
+    assert "tok/s" in status
+
+    updates = stream_chat(client, "And a follow-up?", history)
+    _, history2, _ = updates[-1]
+    assert [m["role"] for m in history2] == ["user", "assistant", "user", "assistant"]
+    assert text_of(history2[1]) == text_of(history[1]) and text_of(history2[2]) == "And a follow-up?"
+
+
+@pytest.mark.parametrize("message, overrides, expected", [
+    ("", {}, "empty"),
+    ("   \n ", {}, "empty"),
+    ("hi", {"temperature": 1e9}, "temperature|maximum"),
+    ("hi", {"top_p": -4}, "top-p|minimum"),
+    ("hi", {"max_new_tokens": 10**7}, "max new tokens|maximum"),
+])
+def test_bad_requests_get_clear_errors_and_app_keeps_serving(app, message, overrides, expected):
+    client, _ = app
+    params = {**PARAMS, **overrides}
+    with pytest.raises(Exception) as err:
+        client.predict(message, [], *params.values(), api_name="/chat")
+    assert any(word in str(err.value) for word in expected.split("|")), str(err.value)
+    _, history, _ = client.predict("still there?", [], *PARAMS.values(), api_name="/chat")
+    assert text_of(history[0]) == "still there?"
