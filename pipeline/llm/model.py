@@ -86,8 +86,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
                 logn: Tensor | None, kv_len: int) -> Tensor:
+        """`mask` None means a fresh prefill (positions 0..T-1): plain causal attention, which lets
+        SDPA pick its flash kernel instead of the masked one."""
         c = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -104,7 +106,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         k_all, v_all = self.kv_cache.update(input_pos, k, v)
         y = F.scaled_dot_product_attention(
-            q, k_all[:, :, :kv_len], v_all[:, :, :kv_len], attn_mask=mask,
+            q, k_all[:, :, :kv_len], v_all[:, :, :kv_len], attn_mask=mask, is_causal=mask is None,
             enable_gqa=c.num_heads != c.num_kv_heads,
         )
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, c.q_size))
@@ -131,7 +133,7 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = FeedForward(config)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, input_pos: Tensor,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
                 logn: Tensor | None, kv_len: int) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask, input_pos, logn, kv_len)
         return x + self.mlp(self.mlp_norm(x))
@@ -195,7 +197,8 @@ class Decoder(nn.Module):
         """
         x = self.embed(idx) if embeds is None else embeds
         kv_len = kv_len or self.max_seq_len
-        mask = (self.positions[None, :kv_len] <= input_pos[:, None])[None, None]
+        fresh_prefill = kv_len == x.shape[1]  # the cache holds exactly these tokens, at 0..T-1
+        mask = None if fresh_prefill else (self.positions[None, :kv_len] <= input_pos[:, None])[None, None]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
         logn = self.logn[input_pos] if self.config.logn_attn else None
         for layer in self.layers:
