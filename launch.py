@@ -51,8 +51,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     notes = []
     has_gpu = torch.cuda.is_available()
     device = ("cuda" if has_gpu else "cpu") if args.device == "auto" else args.device
-    if device.startswith("cuda") and not has_gpu:
-        raise UserError(f"--device {device}: no CUDA GPU is visible to PyTorch (torch {torch.__version__})")
+    kind, _, index = device.partition(":")
+    if device != "cpu" and (kind != "cuda" or not (index.isdigit() or index == "")):
+        raise UserError(f"--device {device}: use auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and int(index or 0) >= (count := torch.cuda.device_count() if has_gpu else 0):
+        raise UserError(f"--device {device}: PyTorch sees {count} CUDA GPU(s) (torch {torch.__version__})")
     notes.append(f"device {device}: " + (f"{torch.cuda.get_device_name(device)}" if device.startswith("cuda")
                                          else "no CUDA GPU found" if args.device == "auto" else "asked for"))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")

@@ -90,3 +90,43 @@ def test_bad_requests_get_clear_errors_and_app_keeps_serving(app, message, overr
     assert any(word in str(err.value) for word in expected.split("|")), str(err.value)
     _, history, _ = client.predict("still there?", [], *PARAMS.values(), api_name="/chat")
     assert text_of(history[0]) == "still there?"
+
+
+def test_stop_ends_the_reply_and_keeps_the_text(app):
+    client, _ = app
+    params = {**PARAMS, "max_new_tokens": 4000, "temperature": 1.0}
+    job = client.submit("Write a very long story", [], *params.values(), api_name="/chat")
+    deadline = time.time() + 60
+    while len(job.outputs()) < 3 and time.time() < deadline:
+        time.sleep(0.05)
+    client.predict(api_name="/stop")
+    deadline = time.time() + 30
+    while not job.done() and time.time() < deadline:
+        time.sleep(0.1)
+    assert job.done(), "the reply did not stop"
+    outputs = job.outputs()
+    assert outputs and text_of(outputs[-1][1][-1])  # what was said before Stop is kept
+    new_tokens = int(outputs[-1][2].split(" tokens")[0]) if "tokens" in outputs[-1][2] else 0
+    assert new_tokens < 4000
+
+
+def test_launch_errors_are_one_line(tmp_path):
+    env = {**os.environ, "STUDIO_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    for args, expected in [(["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "could not download"),
+                           (["--weights", str(tmp_path / "missing")], "not a folder"),
+                           (["--device", "cuda:99"], "--device cuda:99: PyTorch sees"),
+                           (["--device", "tpu"], "use auto, cpu, cuda or cuda:N")]:
+        proc = subprocess.run([sys.executable, "launch.py", *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert expected in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_check_says_what_would_run(tmp_path):
+    env = {**os.environ, "STUDIO_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "launch.py", "--check"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0
+    assert "would run" in proc.stdout and "backend torch" in proc.stdout and "weights:" in proc.stdout
+    assert not (tmp_path / "demo").exists()  # --check builds and downloads nothing
