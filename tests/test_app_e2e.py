@@ -37,7 +37,7 @@ def app(tmp_path_factory):
             pytest.fail(f"launch.py did not come up:\n{log.read_text()}")
         time.sleep(0.5)
     client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
-    yield client, log
+    yield client, log, port
     proc.terminate()
     proc.wait(timeout=30)
 
@@ -53,13 +53,28 @@ def stream_chat(client, message: str, history: list) -> list:
 
 
 def test_serves_on_localhost_with_demo_model(app):
-    _, log = app
+    _, log, port = app
     text = log.read_text()
     assert "http://127.0.0.1:" in text and "demo/qwen-v1-tiny" in text
+    page = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False).config
+    assert "random weights" in str(page) and "meaningless" in str(page)  # the UI says it plainly
+
+
+def test_one_users_stop_does_not_stop_another_users_reply(app):
+    client, _, port = app
+    other = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)  # another browser session
+    params = {**PARAMS, "max_new_tokens": 300, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+              "repetition_penalty": 1.3}
+    job = client.submit("Tell me everything", [], *params.values(), api_name="/chat")
+    while len(job.outputs()) < 2 and not job.done():
+        time.sleep(0.05)
+    other.predict(api_name="/stop")
+    _, history, status = job.result(timeout=120)
+    assert "cancelled" not in status and text_of(history[-1])
 
 
 def test_multi_turn_chat_streams(app):
-    client, _ = app
+    client, *_ = app
     updates = stream_chat(client, "Hello! 你好", [])
     assert len(updates) > 2  # streamed: several partial updates before the last
     _, history, status = updates[-1]
@@ -83,7 +98,7 @@ def test_multi_turn_chat_streams(app):
     ("hi", {"max_new_tokens": 10**7}, "max new tokens|maximum"),
 ])
 def test_bad_requests_get_clear_errors_and_app_keeps_serving(app, message, overrides, expected):
-    client, _ = app
+    client, *_ = app
     params = {**PARAMS, **overrides}
     with pytest.raises(Exception) as err:
         client.predict(message, [], *params.values(), api_name="/chat")
@@ -93,7 +108,7 @@ def test_bad_requests_get_clear_errors_and_app_keeps_serving(app, message, overr
 
 
 def test_stop_ends_the_reply_and_keeps_the_text(app):
-    client, _ = app
+    client, *_ = app
     params = {**PARAMS, "max_new_tokens": 4000, "temperature": 1.0}
     job = client.submit("Write a very long story", [], *params.values(), api_name="/chat")
     deadline = time.time() + 60
