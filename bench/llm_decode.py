@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.llm.checkpoint import hf_to_internal  # noqa: E402
+from pipeline.llm.checkpoint import HF_LAYOUT, to_internal  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
 from pipeline.llm.generate import GenerationStats, Generator  # noqa: E402
 from pipeline.llm.model import Decoder  # noqa: E402
@@ -101,7 +101,7 @@ def main() -> None:
     config = config_from_hf(hf_cfg.to_dict())
     with torch.device("meta"):
         ours = Decoder(config)
-    ours.load_state_dict(hf_to_internal(config, dict(hf.state_dict())), assign=True)
+    ours.load_state_dict(to_internal(config, dict(hf.state_dict()), HF_LAYOUT), assign=True)
     ours.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters()) - ours.embed.weight.nbytes
     res["params_B"] = round(sum(p.numel() for p in ours.parameters()) / 1e9, 3)

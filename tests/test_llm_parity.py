@@ -5,8 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pipeline.llm.checkpoint import (convert_qwen_v1_to_hf, hf_to_internal, load_decoder, read_config,  # noqa: E402
-                                     read_tensors, write_checkpoint)
+from pipeline.llm.checkpoint import (HF_LAYOUT, convert_qwen_v1_to_hf, load_decoder, read_config,  # noqa: E402
+                                     read_tensors, to_internal, write_checkpoint)
 from pipeline.llm.generate import Generator  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 
@@ -118,7 +118,7 @@ def test_qwen_v1_checkpoint_from_qwen2_gives_same_logits(tmp_path):
     config = read_config(qwen2_dir)
     v1_config = type(config)(**{**config.to_dict(), "family": "qwen", "seq_length": 512,
                                 "logn_attn": True, "dynamic_ntk": True, "max_position_embeddings": 32768})
-    write_checkpoint(tmp_path / "qwen_v1", v1_config, hf_to_internal(config, read_tensors(qwen2_dir)), "qwen")
+    write_checkpoint(tmp_path / "qwen_v1", v1_config, to_internal(config, read_tensors(qwen2_dir), HF_LAYOUT), "qwen")
     keys = set(read_tensors(tmp_path / "qwen_v1"))
     assert "transformer.h.0.attn.c_attn.weight" in keys and "transformer.h.0.mlp.w2.weight" in keys
     assert read_config(tmp_path / "qwen_v1").family == "qwen"

@@ -8,6 +8,7 @@ q/k/v, `mlp.w1` is up, `mlp.w2` is gate). Every format maps onto the decoder's o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -75,83 +76,81 @@ def _take(raw: StateDict, key: str) -> Tensor:
         raise UserError(f"checkpoint lacks tensor {key!r}: wrong model type or a truncated download?") from None
 
 
-def hf_to_internal(config: DecoderConfig, raw: StateDict) -> StateDict:
-    sd = {"embed.weight": _take(raw, "model.embed_tokens.weight"), "norm.weight": _take(raw, "model.norm.weight")}
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint format keeps each decoder tensor. `renames` maps per-layer decoder names to
+    the format's; `qkv` and `gate_up` name the pieces our fused tensors are concatenated from."""
+
+    embed: str
+    norm: str
+    layer: str  # prefix with {} for the layer index
+    renames: dict[str, str]
+    gate_up: tuple[str, str]
+    qkv: tuple[str, str, str] | None = None  # None: the format fuses q/k/v as we do (and renames it)
+
+
+HF_LAYOUT = Layout(
+    embed="model.embed_tokens.weight", norm="model.norm.weight", layer="model.layers.{}.",
+    renames={"attn.wo.weight": "self_attn.o_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+             "mlp_norm.weight": "post_attention_layernorm.weight", "mlp.w_down.weight": "mlp.down_proj.weight",
+             "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"},
+    gate_up=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    qkv=("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."),
+)
+# Qwen v1 computes w1(x) * silu(w2(x)): w2 is the gate, w1 the up projection.
+QWEN_V1_LAYOUT = Layout(
+    embed="transformer.wte.weight", norm="transformer.ln_f.weight", layer="transformer.h.{}.",
+    renames={"attn.wqkv.weight": "attn.c_attn.weight", "attn.wqkv.bias": "attn.c_attn.bias",
+             "attn.wo.weight": "attn.c_proj.weight", "attn_norm.weight": "ln_1.weight",
+             "mlp_norm.weight": "ln_2.weight", "mlp.w_down.weight": "mlp.c_proj.weight"},
+    gate_up=("mlp.w2.weight", "mlp.w1.weight"),
+)
+
+
+def _layer_names(config: DecoderConfig, layout: Layout) -> dict[str, str]:
+    """The one-to-one renames that exist for this config (no q/k-norm or bias where there is none)."""
+    skip = set()
+    if not config.qk_norm:
+        skip |= {"attn.q_norm.weight", "attn.k_norm.weight"}
+    if not config.qkv_bias:
+        skip.add("attn.wqkv.bias")
+    return {ours: theirs for ours, theirs in layout.renames.items() if ours not in skip}
+
+
+def to_internal(config: DecoderConfig, raw: StateDict, layout: Layout) -> StateDict:
+    """Checkpoint tensors (consumed from `raw`) under the decoder's own names."""
+    sd = {"embed.weight": _take(raw, layout.embed), "norm.weight": _take(raw, layout.norm)}
     for i in range(config.num_layers):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        attn = p + "self_attn."
-        sd[o + "attn.wqkv.weight"] = torch.cat([_take(raw, attn + f"{n}_proj.weight") for n in "qkv"])
-        if config.qkv_bias:
-            sd[o + "attn.wqkv.bias"] = torch.cat([_take(raw, attn + f"{n}_proj.bias") for n in "qkv"])
-        if config.qk_norm:
-            sd[o + "attn.q_norm.weight"] = _take(raw, attn + "q_norm.weight")
-            sd[o + "attn.k_norm.weight"] = _take(raw, attn + "k_norm.weight")
-        sd[o + "attn.wo.weight"] = _take(raw, attn + "o_proj.weight")
-        sd[o + "attn_norm.weight"] = _take(raw, p + "input_layernorm.weight")
-        sd[o + "mlp_norm.weight"] = _take(raw, p + "post_attention_layernorm.weight")
-        sd[o + "mlp.w_gate_up.weight"] = torch.cat(
-            [_take(raw, p + "mlp.gate_proj.weight"), _take(raw, p + "mlp.up_proj.weight")])
-        sd[o + "mlp.w_down.weight"] = _take(raw, p + "mlp.down_proj.weight")
+        p, o = layout.layer.format(i), f"layers.{i}."
+        sd.update({o + ours: _take(raw, p + theirs) for ours, theirs in _layer_names(config, layout).items()})
+        if layout.qkv:
+            sd[o + "attn.wqkv.weight"] = torch.cat([_take(raw, p + q + "weight") for q in layout.qkv])
+            if config.qkv_bias:
+                sd[o + "attn.wqkv.bias"] = torch.cat([_take(raw, p + q + "bias") for q in layout.qkv])
+        sd[o + "mlp.w_gate_up.weight"] = torch.cat([_take(raw, p + name) for name in layout.gate_up])
     sd["lm_head.weight"] = sd["embed.weight"] if config.tie_word_embeddings else _take(raw, "lm_head.weight")
     return sd
 
 
-def qwen_v1_to_internal(config: DecoderConfig, raw: StateDict) -> StateDict:
-    sd = {"embed.weight": _take(raw, "transformer.wte.weight"), "norm.weight": _take(raw, "transformer.ln_f.weight")}
-    for i in range(config.num_layers):
-        p, o = f"transformer.h.{i}.", f"layers.{i}."
-        sd[o + "attn.wqkv.weight"] = _take(raw, p + "attn.c_attn.weight")
-        sd[o + "attn.wqkv.bias"] = _take(raw, p + "attn.c_attn.bias")
-        sd[o + "attn.wo.weight"] = _take(raw, p + "attn.c_proj.weight")
-        sd[o + "attn_norm.weight"] = _take(raw, p + "ln_1.weight")
-        sd[o + "mlp_norm.weight"] = _take(raw, p + "ln_2.weight")
-        # Qwen v1 computes w1(x) * silu(w2(x)): w2 is the gate, w1 the up projection.
-        sd[o + "mlp.w_gate_up.weight"] = torch.cat([_take(raw, p + "mlp.w2.weight"), _take(raw, p + "mlp.w1.weight")])
-        sd[o + "mlp.w_down.weight"] = _take(raw, p + "mlp.c_proj.weight")
-    sd["lm_head.weight"] = sd["embed.weight"] if config.tie_word_embeddings else _take(raw, "lm_head.weight")
-    return sd
-
-
-def internal_to_hf(config: DecoderConfig, sd: StateDict) -> StateDict:
-    raw = {"model.embed_tokens.weight": sd["embed.weight"], "model.norm.weight": sd["norm.weight"]}
+def from_internal(config: DecoderConfig, sd: StateDict, layout: Layout) -> StateDict:
+    """The decoder's tensors under a checkpoint format's names (views: split, not copied)."""
+    raw = {layout.embed: sd["embed.weight"], layout.norm: sd["norm.weight"]}
     split = [config.q_size, config.kv_size, config.kv_size]
     for i in range(config.num_layers):
-        p, o = f"model.layers.{i}.", f"layers.{i}."
-        attn = p + "self_attn."
-        for n, w in zip("qkv", sd[o + "attn.wqkv.weight"].split(split)):
-            raw[attn + f"{n}_proj.weight"] = w
-        if config.qkv_bias:
-            for n, b in zip("qkv", sd[o + "attn.wqkv.bias"].split(split)):
-                raw[attn + f"{n}_proj.bias"] = b
-        if config.qk_norm:
-            raw[attn + "q_norm.weight"] = sd[o + "attn.q_norm.weight"]
-            raw[attn + "k_norm.weight"] = sd[o + "attn.k_norm.weight"]
-        raw[attn + "o_proj.weight"] = sd[o + "attn.wo.weight"]
-        raw[p + "input_layernorm.weight"] = sd[o + "attn_norm.weight"]
-        raw[p + "post_attention_layernorm.weight"] = sd[o + "mlp_norm.weight"]
-        gate, up = sd[o + "mlp.w_gate_up.weight"].chunk(2)
-        raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"] = gate, up
-        raw[p + "mlp.down_proj.weight"] = sd[o + "mlp.w_down.weight"]
+        p, o = layout.layer.format(i), f"layers.{i}."
+        raw.update({p + theirs: sd[o + ours] for ours, theirs in _layer_names(config, layout).items()})
+        if layout.qkv:
+            raw.update({p + q + "weight": w for q, w in zip(layout.qkv, sd[o + "attn.wqkv.weight"].split(split))})
+            if config.qkv_bias:
+                raw.update({p + q + "bias": b for q, b in zip(layout.qkv, sd[o + "attn.wqkv.bias"].split(split))})
+        raw.update(zip((p + name for name in layout.gate_up), sd[o + "mlp.w_gate_up.weight"].chunk(2)))
     if not config.tie_word_embeddings:
         raw["lm_head.weight"] = sd["lm_head.weight"]
     return raw
 
 
-def internal_to_qwen_v1(config: DecoderConfig, sd: StateDict) -> StateDict:
-    raw = {"transformer.wte.weight": sd["embed.weight"], "transformer.ln_f.weight": sd["norm.weight"]}
-    for i in range(config.num_layers):
-        p, o = f"transformer.h.{i}.", f"layers.{i}."
-        raw[p + "attn.c_attn.weight"] = sd[o + "attn.wqkv.weight"]
-        raw[p + "attn.c_attn.bias"] = sd[o + "attn.wqkv.bias"]
-        raw[p + "attn.c_proj.weight"] = sd[o + "attn.wo.weight"]
-        raw[p + "ln_1.weight"] = sd[o + "attn_norm.weight"]
-        raw[p + "ln_2.weight"] = sd[o + "mlp_norm.weight"]
-        gate, up = sd[o + "mlp.w_gate_up.weight"].chunk(2)
-        raw[p + "mlp.w2.weight"], raw[p + "mlp.w1.weight"] = gate, up
-        raw[p + "mlp.c_proj.weight"] = sd[o + "mlp.w_down.weight"]
-    if not config.tie_word_embeddings:
-        raw["lm_head.weight"] = sd["lm_head.weight"]
-    return raw
+def layout_of(config: DecoderConfig) -> Layout:
+    return QWEN_V1_LAYOUT if config.family == "qwen" else HF_LAYOUT
 
 
 def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
@@ -159,7 +158,7 @@ def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str |
     folder = Path(folder)
     config = read_config(folder)
     raw = read_tensors(folder, dtype)
-    sd = qwen_v1_to_internal(config, raw) if config.family == "qwen" else hf_to_internal(config, raw)
+    sd = to_internal(config, raw, layout_of(config))
     with torch.device("meta"):
         model = Decoder(config)
     model.load_state_dict(sd, strict=True, assign=True)
@@ -179,9 +178,9 @@ def write_checkpoint(folder: Path, config: DecoderConfig, sd: StateDict, fmt: st
     `max_shard_bytes`. Written to a temporary folder and renamed, so a crash leaves nothing half-done."""
     folder = Path(folder)
     if fmt == "hf":
-        raw, cfg = internal_to_hf(config, sd), hf_config_dict(config)
+        raw, cfg = from_internal(config, sd, HF_LAYOUT), hf_config_dict(config)
     elif fmt == "qwen":
-        raw, cfg = internal_to_qwen_v1(config, sd), qwen_v1_config_dict(config)
+        raw, cfg = from_internal(config, sd, QWEN_V1_LAYOUT), qwen_v1_config_dict(config)
     else:
         raise ValueError(f"unknown checkpoint format {fmt!r}")
     raw = _contiguous(raw)
@@ -232,7 +231,7 @@ def convert_qwen_v1_to_hf(src: Path, dst: Path) -> None:
     config = read_config(src)
     if config.family != "qwen":
         raise UserError(f"{src} is not a Qwen v1 checkpoint (model_type {config.family!r})")
-    sd = qwen_v1_to_internal(config, read_tensors(src))
+    sd = to_internal(config, read_tensors(src), QWEN_V1_LAYOUT)
     write_checkpoint(dst, config, sd, "hf")
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
