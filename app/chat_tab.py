@@ -46,7 +46,9 @@ def _stats_line(stats) -> str:
             f"ended: {stats.finish_reason}")
 
 
-def build_chat_tab(pipeline: ChatPipeline) -> None:
+def build_chat_tab(pipeline: ChatPipeline, app: gr.Blocks, storage_secret: str) -> None:
+    """`storage_secret` encrypts the conversation kept in the browser's localStorage, so a reload or
+    an app restart does not lose it (the secret must outlive the process for the latter)."""
     flags = CancelFlags()
 
     def respond(message: str, history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
@@ -99,13 +101,19 @@ def build_chat_tab(pipeline: ChatPipeline) -> None:
                 max_new_tokens = gr.Slider(1, 4096, value=512, step=1, label="Max new tokens")
                 seed = gr.Number(-1, precision=0, label="Seed (-1 = random)")
 
+    saved = gr.BrowserState([], storage_key="ai-studio-chat", secret=storage_secret)
     inputs = [message, chatbot, system_prompt, temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed]
     outputs = [message, chatbot, status]
+    keep = dict(fn=lambda history: history, inputs=chatbot, outputs=saved, api_visibility="private")
     on_enter = message.submit(respond, inputs, outputs, api_name="chat", concurrency_limit=1)
     on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=1)
+    on_enter.then(**keep)
+    on_send.then(**keep)
 
-    def stop_reply(request: gr.Request) -> None:
+    def stop_reply(request: gr.Request) -> str:
         flags.cancel(request.session_hash or "")
+        return "Stopped: the reply so far is kept."
 
-    stop.click(stop_reply, None, None, cancels=[on_enter, on_send], api_name="stop")
-    clear.click(lambda: ([], "", ""), None, [chatbot, message, status], api_visibility="private")
+    stop.click(stop_reply, None, status, cancels=[on_enter, on_send], api_name="stop").then(**keep)
+    clear.click(lambda: ([], "", ""), None, [chatbot, message, status], api_visibility="private").then(**keep)
+    app.load(lambda history: history, saved, chatbot, api_visibility="private")

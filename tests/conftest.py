@@ -1,9 +1,14 @@
+import os
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pipeline.llm.demo import demo_model_dir  # noqa: E402
 
@@ -21,3 +26,29 @@ def qwen_v1_demo(studio_cache) -> Path:
 @pytest.fixture(scope="session")
 def qwen2_demo(studio_cache) -> Path:
     return demo_model_dir("demo/qwen2-tiny", studio_cache)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def running_app(tmp_path_factory):
+    """`launch.py` in a subprocess on a free port (demo model, fresh cache): yields (url, log, port)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("app") / "launch.log"
+    env = {**os.environ, "STUDIO_CACHE": str(tmp_path_factory.mktemp("cache")), "GRADIO_ANALYTICS_ENABLED": "False"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "1024"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.time() + 180
+    while f"127.0.0.1:{port}" not in log.read_text():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"launch.py did not come up:\n{log.read_text()}")
+        time.sleep(0.5)
+    yield f"http://127.0.0.1:{port}/", log, port
+    proc.terminate()
+    proc.wait(timeout=30)

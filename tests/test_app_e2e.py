@@ -1,45 +1,23 @@
 """End to end: `launch.py` in a subprocess on a free port, driven through `gradio_client`."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 gradio_client = pytest.importorskip("gradio_client")
 
-ROOT = Path(__file__).resolve().parents[1]
 PARAMS = dict(system_prompt="You are a helpful assistant.", temperature=0.7, top_p=0.9, top_k=40,
               repetition_penalty=1.05, max_new_tokens=24, seed=3)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    port = free_port()
-    log = tmp_path_factory.mktemp("app") / "launch.log"
-    env = {**os.environ, "STUDIO_CACHE": str(tmp_path_factory.mktemp("cache")), "GRADIO_ANALYTICS_ENABLED": "False"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "1024"],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.time() + 180
-    while f"127.0.0.1:{port}" not in log.read_text():
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"launch.py did not come up:\n{log.read_text()}")
-        time.sleep(0.5)
-    client = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
-    yield client, log, port
-    proc.terminate()
-    proc.wait(timeout=30)
+def app(running_app):
+    url, log, port = running_app
+    return gradio_client.Client(url, verbose=False), log, port
 
 
 def text_of(message: dict) -> str:

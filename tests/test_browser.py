@@ -1,0 +1,58 @@
+"""The Chat tab in a real browser (headless Debian Chromium driven by Playwright)."""
+
+import os
+
+import pytest
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in requirements-dev.txt")
+CHROMIUM = "/usr/bin/chromium"
+if not os.path.exists(CHROMIUM):
+    pytest.skip("Debian chromium is not installed (apt-get install chromium); "
+                "tests/test_app_e2e.py covers the same endpoints through gradio_client", allow_module_level=True)
+
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(scope="module")
+def page(running_app):
+    url, _, _ = running_app
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        yield page
+        browser.close()
+
+
+def send(page, text: str) -> None:
+    box = page.get_by_placeholder("Type a message, Enter to send")
+    box.fill(text)
+    box.press("Enter")
+
+
+def test_chat_streams_survives_reload_and_clears(page):
+    send(page, "Hello from the browser")
+    page.get_by_text("tok/s").wait_for()
+    assert page.get_by_text("Hello from the browser").count() >= 1
+    assert page.get_by_text("random weights").count() >= 1  # the demo banner
+
+    page.reload()
+    page.get_by_text("Hello from the browser").first.wait_for()  # restored from the browser's storage
+
+    page.get_by_role("button", name="New chat").click()
+    page.get_by_text("Hello from the browser").first.wait_for(state="detached")
+    page.wait_for_timeout(1500)  # the saved copy is updated right after the clear
+    page.reload()
+    page.wait_for_timeout(1500)
+    assert page.get_by_text("Hello from the browser").count() == 0  # cleared stays cleared
+
+
+def test_stop_keeps_the_partial_reply(page):
+    page.get_by_label("Max new tokens").first.fill("4000")
+    send(page, "A very long story please")
+    page.get_by_text("generating…").wait_for()
+    page.get_by_role("button", name="Stop").click()
+    page.get_by_text("Stopped: the reply so far is kept.").wait_for()
+    assert page.get_by_text("A very long story please").count() >= 1
