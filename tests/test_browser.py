@@ -38,6 +38,7 @@ def test_chat_streams_survives_reload_and_clears(page):
     assert page.get_by_text("Hello from the browser").count() >= 1
     assert page.get_by_text("random weights").count() >= 1  # the demo banner
 
+    page.wait_for_timeout(1500)  # the browser's copy is saved right after the reply ends
     page.reload()
     page.get_by_text("Hello from the browser").first.wait_for()  # restored from the browser's storage
 
