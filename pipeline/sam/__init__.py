@@ -1,0 +1,1 @@
+"""SAM (Segment Anything): model parts named after the paper, and their checkpoints."""

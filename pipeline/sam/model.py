@@ -1,0 +1,121 @@
+"""SAM = image encoder + prompt encoder + mask decoder, with the official checkpoints' layout.
+
+Variants: the three published ViT sizes and a tiny demo configuration (random weights, same
+`.pth` layout, same 1024-px input and 256×256 low-res masks) so the Segment tab runs anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.errors import UserError
+from pipeline.sam.image_encoder import ImageEncoderViT
+from pipeline.sam.mask_decoder import MaskDecoder, TwoWayTransformer
+from pipeline.sam.prompt_encoder import PromptEncoder
+
+PIXEL_MEAN = (123.675, 116.28, 103.53)
+PIXEL_STD = (58.395, 57.12, 57.375)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamConfig:
+    encoder_embed_dim: int
+    encoder_depth: int
+    encoder_num_heads: int
+    encoder_global_attn_indexes: tuple[int, ...]
+    img_size: int = 1024
+    patch_size: int = 16
+    window_size: int = 14
+    prompt_embed_dim: int = 256
+    decoder_depth: int = 2
+    decoder_mlp_dim: int = 2048
+    decoder_num_heads: int = 8
+    mask_in_chans: int = 16
+
+    @property
+    def embedding_size(self) -> int:
+        return self.img_size // self.patch_size
+
+
+VARIANTS = {
+    "vit_h": SamConfig(1280, 32, 16, (7, 15, 23, 31)),
+    "vit_l": SamConfig(1024, 24, 16, (5, 11, 17, 23)),
+    "vit_b": SamConfig(768, 12, 12, (2, 5, 8, 11)),
+    "demo": SamConfig(32, 2, 2, (1,), prompt_embed_dim=32, decoder_mlp_dim=64, decoder_num_heads=2),
+}
+
+
+class Sam(nn.Module):
+    def __init__(self, config: SamConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        self.image_encoder = ImageEncoderViT(c.img_size, c.patch_size, c.encoder_embed_dim, c.encoder_depth,
+                                             c.encoder_num_heads, c.encoder_global_attn_indexes, c.window_size,
+                                             c.prompt_embed_dim)
+        grid = (c.embedding_size, c.embedding_size)
+        self.prompt_encoder = PromptEncoder(c.prompt_embed_dim, grid, (c.img_size, c.img_size), c.mask_in_chans)
+        self.mask_decoder = MaskDecoder(
+            c.prompt_embed_dim,
+            TwoWayTransformer(c.decoder_depth, c.prompt_embed_dim, c.decoder_num_heads, c.decoder_mlp_dim),
+            iou_head_hidden_dim=c.prompt_embed_dim)
+        self.register_buffer("pixel_mean", torch.tensor(PIXEL_MEAN).view(-1, 1, 1), persistent=False)
+        self.register_buffer("pixel_std", torch.tensor(PIXEL_STD).view(-1, 1, 1), persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pixel_mean.device
+
+    def preprocess(self, image: Tensor) -> Tensor:
+        """[3, h, w] RGB 0..255 (longest side already `img_size`) → normalised, padded [1, 3, S, S]."""
+        x = (image.float() - self.pixel_mean) / self.pixel_std
+        h, w = x.shape[-2:]
+        return F.pad(x, (0, self.config.img_size - w, 0, self.config.img_size - h))[None]
+
+    def decode(self, embedding: Tensor, points: tuple[Tensor, Tensor] | None, box: Tensor | None,
+               mask_input: Tensor | None, multimask_output: bool) -> tuple[Tensor, Tensor]:
+        """Low-res mask logits [1, M, 4h, 4w] and IoU predictions [1, M] for prompts in model-input pixels."""
+        sparse, dense = self.prompt_encoder(points, box, mask_input)
+        return self.mask_decoder(embedding, self.prompt_encoder.get_dense_pe(), sparse, dense, multimask_output)
+
+    def upscale_masks(self, low_res: Tensor, input_size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
+        """Low-res logits → logits at the original image size (undo padding, then resizing)."""
+        s = self.config.img_size
+        masks = F.interpolate(low_res, (s, s), mode="bilinear", align_corners=False)
+        masks = masks[..., :input_size[0], :input_size[1]]
+        return F.interpolate(masks, original_size, mode="bilinear", align_corners=False)
+
+
+def variant_of(state: dict[str, Tensor]) -> SamConfig:
+    """Which configuration a checkpoint's tensors describe (by width and depth)."""
+    try:
+        width = state["image_encoder.patch_embed.proj.weight"].shape[0]
+        depth = 1 + max(int(k.split(".")[2]) for k in state if k.startswith("image_encoder.blocks."))
+    except (KeyError, ValueError):
+        raise UserError("this file is not a SAM checkpoint (no image_encoder.blocks.* tensors)") from None
+    for config in VARIANTS.values():
+        if (config.encoder_embed_dim, config.encoder_depth) == (width, depth):
+            return config
+    raise UserError(f"unknown SAM variant: encoder width {width}, depth {depth}")
+
+
+def load_sam(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Sam:
+    """Load an official-layout SAM `.pth` (tensors only: `weights_only=True`)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"SAM checkpoint {path} does not exist") from None
+    except Exception as e:  # a truncated download or a non-checkpoint file
+        raise UserError(f"cannot read SAM checkpoint {path}: {type(e).__name__}: {e}") from None
+    with torch.device("meta"):
+        model = Sam(variant_of(state))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.register_buffer("pixel_mean", torch.tensor(PIXEL_MEAN).view(-1, 1, 1), persistent=False)
+    model.register_buffer("pixel_std", torch.tensor(PIXEL_STD).view(-1, 1, 1), persistent=False)
+    model.image_encoder.to(dtype)
+    return model.to(device).eval()
