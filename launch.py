@@ -23,6 +23,7 @@ class Plan:
     device: str
     dtype: str
     model_id: str
+    sam: str
     notes: list[str]
 
 
@@ -33,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), demo/qwen-v1-tiny, "
                                                    "demo/qwen2-tiny, a folder, or auto")
     p.add_argument("--weights", type=Path, help="local folder with the model's config, tokenizer and weights")
+    p.add_argument("--sam", default="auto", help="sam_vit_h, sam_vit_l, sam_vit_b, demo/sam-tiny, a .pth file, "
+                                                 "or auto (vit_h on a GPU when cached, else the demo)")
     p.add_argument("--backend", choices=["auto", "torch", "tensorrt"], default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
@@ -46,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> Plan:
     import torch
 
-    from pipeline.models import CHAT_MODELS, auto_model, locate
+    from pipeline.models import CHAT_MODELS, auto_model, cache_dir, locate
+    from pipeline.sam.weights import DEMO as SAM_DEMO
+    from pipeline.sam.weights import locate_sam
 
     notes = []
     has_gpu = torch.cuda.is_available()
@@ -72,7 +77,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
             notes.append(f"model {model_id}: not in the registry, trying it as a hub id")
     found = locate(model_id, args.weights)
     notes.append(f"weights: {found.source}" + (f" ({found.path})" if found.path else ""))
-    return Plan("torch", device, dtype, model_id, notes)
+    sam = args.sam
+    if sam == "auto":
+        cached = locate_sam("sam_vit_h", cache_dir())[1] == "cache"
+        sam = "sam_vit_h" if device.startswith("cuda") and cached else SAM_DEMO
+        notes.append(f"segment model {sam}: " + ("CUDA GPU and the checkpoint in the cache" if sam != SAM_DEMO else
+                     "the built-in demo SAM (random weights); pass --sam sam_vit_h to download the real one"))
+    notes.append(f"segment weights: {locate_sam(sam, cache_dir())[1]}")
+    return Plan("torch", device, dtype, model_id, sam, notes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,12 +98,16 @@ def main(argv: list[str] | None = None) -> int:
         auth = tuple(args.auth.split(":", 1)) if args.auth else None
         if args.auth and len(auth) != 2:
             raise UserError("--auth must look like user:password")
+        import numpy as np
         import torch
 
         from app.ui import build_app
         from pipeline.chat import ChatPipeline
         from pipeline.llm.sampling import SamplingParams
-        from pipeline.models import resolve
+        from pipeline.models import cache_dir, resolve
+        from pipeline.sam.weights import DEMO as SAM_DEMO
+        from pipeline.sam.weights import resolve_sam
+        from pipeline.segment import SegmentPipeline
 
         for note in plan.notes:
             print(f"[studio] {note}", flush=True)
@@ -102,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         for _ in chat.stream([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=2, temperature=0)):
             pass  # warm-up: first kernels and graph capture happen now, not on the first user's message
         print(f"[studio] loaded and warmed up {chat.description} in {time.perf_counter() - start:.1f} s", flush=True)
-        app = build_app(chat, [n for n in plan.notes if n.startswith("backend")])
+        start = time.perf_counter()
+        segment = SegmentPipeline(resolve_sam(plan.sam, cache_dir()), device=plan.device,
+                                  dtype=getattr(torch, plan.dtype), is_demo=plan.sam == SAM_DEMO)
+        segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # warm-up: first kernels now, not on a click
+        print(f"[studio] loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s", flush=True)
+        app = build_app(chat, segment, [n for n in plan.notes if n.startswith("backend")])
         app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                       share=args.share, auth=auth, show_error=True)
         return 0

@@ -1,0 +1,80 @@
+"""Turning whatever a user uploads into an RGB uint8 array, or a clear message why not.
+
+Shared by the image tools: the size is checked from the file header before decoding (so a
+20000×20000 PNG is refused without allocating it), EXIF rotation is applied, and every mode
+(grayscale, palette, RGBA, 16-bit, float, CMYK) ends up as 8-bit RGB.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from pipeline.errors import UserError
+
+MAX_PIXELS = 64_000_000  # about 8000×8000; larger photos are almost always mistakes or bombs
+MIN_SIDE = 16
+
+
+def _to_rgb(img: Image.Image) -> np.ndarray:
+    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):  # 16-bit / 32-bit grayscale: stretch to 8 bits
+        arr = np.asarray(img, dtype=np.float64)
+        top = arr.max()
+        gray = (arr / top * 255 if top > 0 else arr).clip(0, 255).astype(np.uint8)
+        return np.repeat(gray[..., None], 3, axis=2)
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")  # transparent areas shown on white, as a viewer would
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return np.asarray(Image.alpha_composite(background, rgba).convert("RGB"))
+    return np.asarray(img.convert("RGB"))
+
+
+def load_image(source: str | Path | bytes | np.ndarray | Image.Image) -> np.ndarray:
+    """RGB uint8 [H, W, 3] from a path, bytes, a PIL image or an array; `UserError` when unusable."""
+    if isinstance(source, np.ndarray):
+        if source.ndim == 2:
+            source = np.repeat(source[..., None], 3, axis=2)
+        if source.ndim != 3 or source.shape[2] not in (3, 4):
+            raise UserError(f"expected an H×W×3 image array, got shape {source.shape}")
+        source = Image.fromarray(source.astype(np.uint8) if source.dtype != np.uint8 else source)
+    if isinstance(source, Image.Image):
+        img = source
+    else:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                img = Image.open(io.BytesIO(source) if isinstance(source, bytes) else source)
+        except FileNotFoundError:
+            raise UserError(f"image file {source} does not exist") from None
+        except Image.DecompressionBombError as e:
+            raise UserError(f"the image is too large to open safely: {e}") from None
+        except (UnidentifiedImageError, OSError) as e:
+            raise UserError(f"this file is not an image we can read ({type(e).__name__}); "
+                            f"use PNG, JPEG, WebP, BMP or TIFF") from None
+    w, h = img.size
+    if w * h > MAX_PIXELS:
+        raise UserError(f"the image is too large: {w}×{h} ({w * h / 1e6:.0f} MP); the limit is "
+                        f"{MAX_PIXELS / 1e6:.0f} MP — downscale it first")
+    if min(w, h) < MIN_SIDE:
+        raise UserError(f"the image is only {w}×{h} pixels; it needs at least {MIN_SIDE}×{MIN_SIDE}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = ImageOps.exif_transpose(img)
+            return np.ascontiguousarray(_to_rgb(img))
+    except (OSError, ValueError, SyntaxError) as e:  # truncated or corrupt pixel data
+        raise UserError(f"the image file is damaged and cannot be decoded ({e})") from None
+
+
+def fit_for_display(image: np.ndarray, max_side: int = 1600) -> tuple[np.ndarray, float]:
+    """A copy no larger than `max_side` for the browser, and its scale (displayed / original pixels)."""
+    h, w = image.shape[:2]
+    scale = min(1.0, max_side / max(h, w))
+    if scale == 1.0:
+        return image, 1.0
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    return np.asarray(Image.fromarray(image).resize(size, Image.BILINEAR)), scale

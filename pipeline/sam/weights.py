@@ -1,0 +1,71 @@
+"""Where SAM checkpoints come from: a local `.pth`, our cache, a download, or the built-in demo."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+
+from pipeline.errors import UserError
+from pipeline.sam.model import VARIANTS, Sam
+
+CHECKPOINTS = {  # the official releases (facebookresearch/segment-anything)
+    "sam_vit_h": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_h_4b8939.pth",
+    "sam_vit_l": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_l_0b3195.pth",
+    "sam_vit_b": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_b_01ec64.pth",
+}
+DEMO = "demo/sam-tiny"
+DEMO_SEED = 4321
+
+
+def _atomic_save(state: dict, path: Path) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def _build_demo(path: Path) -> None:
+    """Random weights with some spread (so clicks give varied masks), in the official `.pth` layout."""
+    torch.manual_seed(DEMO_SEED)
+    model = Sam(VARIANTS["demo"])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.2)
+    _atomic_save(model.state_dict(), path)
+
+
+def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:
+    """The checkpoint path for `name` (a registry name, the demo, or a `.pth` path) and its source."""
+    if name == DEMO:
+        return Path(cache_dir) / "sam" / "sam_demo_tiny.pth", "built-in demo"
+    if name in CHECKPOINTS:
+        path = Path(cache_dir) / "sam" / CHECKPOINTS[name].rsplit("/", 1)[1]
+        return path, "cache" if path.is_file() else "download"
+    if Path(name).is_file():
+        return Path(name), "local file"
+    raise UserError(f"unknown SAM model {name!r}: use {', '.join(CHECKPOINTS)}, {DEMO} or a .pth file")
+
+
+def resolve_sam(name: str, cache_dir: Path) -> Path:
+    """Like `locate_sam`, then build the demo or download the checkpoint (with a progress bar)."""
+    path, source = locate_sam(name, cache_dir)
+    if source in ("local file", "cache") or (source == "built-in demo" and path.is_file()):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return path
+        if source == "built-in demo":
+            _build_demo(path)
+            return path
+        try:  # writes to a temporary file and renames it when complete
+            torch.hub.download_url_to_file(CHECKPOINTS[name], str(path), progress=True)
+        except Exception as e:
+            raise UserError(f"could not download {name} ({type(e).__name__}); offline? fetch "
+                            f"{CHECKPOINTS[name]} elsewhere and pass --sam /path/to/file.pth") from None
+    return path

@@ -1,0 +1,146 @@
+"""SegmentPipeline on the demo SAM: caching, prompts at original size, bad input; image loading."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from official_sam import official_sam_modules
+from pipeline.errors import UserError
+from pipeline.images import fit_for_display, load_image
+from pipeline.sam.weights import resolve_sam
+from pipeline.segment import SegmentPipeline, input_size, mask_png, render_overlay
+
+
+@pytest.fixture(scope="module")
+def checkpoint(studio_cache):
+    return resolve_sam("demo/sam-tiny", studio_cache)
+
+
+@pytest.fixture(scope="module")
+def seg(checkpoint):
+    return SegmentPipeline(checkpoint, is_demo=True)
+
+
+@pytest.fixture(scope="module")
+def photo():
+    return load_image("assets/examples/shapes.jpg")  # 800×600
+
+
+def png_bytes(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_input_size_follows_the_longest_side():
+    assert input_size((600, 800), 1024) == (768, 1024)
+    assert input_size((1200, 900), 1024) == (1024, 768)
+    assert input_size((3, 2000), 1024) == (2, 1024)
+
+
+def test_preprocessing_matches_official(seg):
+    official_sam_modules()
+    from segment_anything.modeling import Sam as OfficialSam
+
+    pixels = torch.randint(0, 256, (3, 768, 1024)).float()
+    official = OfficialSam.preprocess(seg.model, pixels[None])  # the official method on our buffers
+    assert torch.allclose(seg.model.preprocess(pixels), official)
+
+
+def test_encoder_runs_once_per_image(checkpoint, photo):
+    seg = SegmentPipeline(checkpoint)
+    handle = seg.set_image(photo)
+    for points, labels in ([[100, 200]], [1]), ([[100, 200], [500, 300]], [1, 0]):
+        result = seg.predict(handle, points, labels)
+        assert result.masks.shape == (3, 600, 800) and result.masks.dtype == bool
+        assert result.scores.shape == (3,) and result.low_res_logits.shape == (3, 256, 256)
+    assert seg.set_image(photo.copy()).key == handle.key  # same content, same embedding
+    assert seg.stats.encoder_runs == 1 and seg.stats.cache_hits >= 3
+
+
+def test_box_single_mask_and_refinement(seg, photo):
+    handle = seg.set_image(photo)
+    first = seg.predict(handle, box=[80, 120, 330, 370], multimask=False)
+    assert first.masks.shape == (1, 600, 800)
+    refined = seg.predict(handle, [[200, 240]], [1], box=[80, 120, 330, 370],
+                          mask_input=first.low_res_logits[0], multimask=False)
+    plain = seg.predict(handle, [[200, 240]], [1], box=[80, 120, 330, 370], multimask=False)
+    assert not np.allclose(refined.low_res_logits, plain.low_res_logits)  # the previous mask was used
+
+
+def test_cache_is_bounded_and_evicted_images_still_work(checkpoint):
+    seg = SegmentPipeline(checkpoint, cache_bytes=1)  # room for one embedding only
+    images = [np.full((64, 96, 3), v, dtype=np.uint8) for v in (10, 120, 240)]
+    handles = [seg.set_image(img) for img in images]
+    assert len(seg._cache) == 1 and seg.stats.encoder_runs == 3
+    assert seg.predict(handles[0], [[5, 5]], [1]).masks.shape == (3, 64, 96)  # re-encoded on demand
+    assert seg.stats.encoder_runs == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(), "add a point"),
+    (dict(points=[[900, 10]], labels=[1]), "outside the 800×600 image"),
+    (dict(points=[[-1, 10]], labels=[1]), "outside"),
+    (dict(points=[[10, 10]], labels=[2]), "label"),
+    (dict(points=[[10, 10]], labels=[]), "labels"),
+    (dict(box=[300, 10, 100, 50]), "x0 < x1"),
+    (dict(box=[0, 0, 801, 50]), "inside"),
+])
+def test_bad_prompts_are_explained(seg, photo, kwargs, message):
+    with pytest.raises(UserError, match=message):
+        seg.predict(seg.set_image(photo), **kwargs)
+
+
+def test_overlay_and_png(seg, photo):
+    result = seg.predict(seg.set_image(photo), [[100, 200]], [1])
+    overlay = render_overlay(photo, result.masks[0], [[100, 200]], [1], box=[10, 10, 50, 50])
+    assert overlay.shape == photo.shape and overlay.dtype == np.uint8
+    png = Image.open(io.BytesIO(mask_png(result.masks[0])))
+    assert png.size == (800, 600) and set(np.unique(np.asarray(png))) <= {0, 255}
+
+
+@pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "I;16", "I", "F", "CMYK", "1"])
+def test_every_image_mode_becomes_rgb(mode):
+    base = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 50, 3), dtype=np.uint8))
+    img = base.convert(mode) if mode not in ("I;16", "I", "F") else Image.fromarray(
+        (np.arange(2000).reshape(40, 50) * 30).astype({"I;16": np.uint16, "I": np.int32, "F": np.float32}[mode]))
+    data = png_bytes(img) if mode not in ("CMYK", "F", "I") else _tiff(img)
+    arr = load_image(data)
+    assert arr.shape == (40, 50, 3) and arr.dtype == np.uint8
+    if mode == "I;16":
+        assert arr.max() > 200  # 16-bit range stretched, not clipped to black
+
+
+def _tiff(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="TIFF")
+    return buf.getvalue()
+
+
+def test_bad_images_are_explained(tmp_path):
+    with pytest.raises(UserError, match="not an image"):
+        load_image(b"definitely not a picture")
+    with pytest.raises(UserError, match="only 1×1"):
+        load_image(png_bytes(Image.new("RGB", (1, 1))))
+    huge = tmp_path / "huge.png"
+    Image.new("1", (20000, 20000)).save(huge)  # small file, 400 MP
+    with pytest.raises(UserError, match="too large"):
+        load_image(huge)
+    big = tmp_path / "big.png"
+    Image.new("1", (9000, 9000)).save(big)  # 81 MP: past our limit, below Pillow's bomb guard
+    with pytest.raises(UserError, match="9000×9000"):
+        load_image(big)
+    truncated = png_bytes(Image.fromarray(np.random.default_rng(1).integers(0, 255, (300, 300, 3), dtype=np.uint8)))
+    with pytest.raises(UserError):
+        load_image(truncated[: len(truncated) // 2])
+    with pytest.raises(UserError, match="does not exist"):
+        load_image(tmp_path / "missing.png")
+
+
+def test_display_copy_is_bounded():
+    image = np.zeros((3000, 4000, 3), dtype=np.uint8)
+    shown, scale = fit_for_display(image, 1600)
+    assert shown.shape == (1200, 1600, 3) and scale == 0.4
