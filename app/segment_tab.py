@@ -52,12 +52,13 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
         if s.corner is not None:
             display = render_overlay(display, None, [[c * s.scale for c in s.corner]], [1])
         gallery = [] if p is None else [(fit_for_display(render_overlay(s.handle.image, m), 256)[0],
-                                         f"#{i + 1} · IoU {score:.2f}") for i, (m, score) in
-                                        enumerate(zip(p.masks, p.scores))]
+                                         f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
+                                        for i, (m, score) in enumerate(zip(p.masks, p.scores))]
         download = gr.DownloadButton(value=_write_png(mask_png(mask)) if mask is not None else None,
                                      interactive=mask is not None)
         st = seg.stats
-        status = (f"{len(s.points)} points{' + box' if s.box else ''} · encoder runs {st.encoder_runs} "
+        n = len(s.points)
+        status = (f"{n} point{'' if n == 1 else 's'}{' + box' if s.box else ''} · encoder runs {st.encoder_runs} "
                   f"(last {st.last_encoder_ms:.0f} ms), cached embeddings reused {st.cache_hits}× · "
                   f"decoder {st.last_decoder_ms:.1f} ms")
         return display, gallery, download, status
@@ -138,7 +139,8 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
     with gr.Row():
         with gr.Column(scale=3):
             canvas = gr.Image(label="Image — upload, then click on an object", type="filepath",
-                              sources=["upload", "clipboard"], format="png", height=560)
+                              sources=["upload", "clipboard"], format="png", height=560,
+                              elem_id="segment-canvas")
         with gr.Column(scale=2):
             label = gr.Radio([POSITIVE, NEGATIVE], value=POSITIVE, label="A click marks")
             mode = gr.Radio([POINTS, BOX], value=POINTS, label="Prompt")
@@ -146,9 +148,10 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
             with gr.Row():
                 undo = gr.Button("Undo")
                 clear = gr.Button("Clear prompts")
-            gallery = gr.Gallery(label="Candidates", columns=3, height=220, allow_preview=False)
+            gallery = gr.Gallery(label="Candidates", columns=3, height=220, allow_preview=False,
+                                 elem_id="segment-candidates")
             download = gr.DownloadButton("Download chosen mask (PNG)", interactive=False)
-            status = gr.Markdown("")
+            status = gr.Markdown("", elem_id="segment-status")
     outputs = [canvas, state, gallery, download, status]
     gr.Examples(examples, inputs=canvas, outputs=outputs, fn=on_image, run_on_click=True, cache_examples=False)
     canvas.upload(on_image, canvas, outputs, api_visibility="private")

@@ -57,3 +57,29 @@ def test_stop_keeps_the_partial_reply(page):
     page.get_by_role("button", name="Stop").click()
     page.get_by_text("Stopped: the reply so far is kept.").wait_for()
     assert page.get_by_text("A very long story please").count() >= 1
+
+
+def test_segment_tab_clicks_undo_and_box(page):
+    page.get_by_role("tab", name="Segment").click()
+    page.locator("#segment-canvas input[type=file]").set_input_files("assets/examples/shapes.jpg")
+    status = page.locator("#segment-status")
+    status.get_by_text("encoder runs").wait_for()
+    image = page.locator("#segment-canvas img").first
+    image.wait_for()
+    box = image.bounding_box()
+    image.click(position={"x": box["width"] * 0.25, "y": box["height"] * 0.4})
+    status.get_by_text("1 point ").wait_for()
+    runs = status.inner_text().split("encoder runs ")[1].split(" ")[0]
+    page.locator("#segment-candidates img").nth(2).wait_for()  # three candidates
+    assert page.get_by_text("IoU").count() >= 3
+    page.get_by_label("Background (−)").check()
+    image.click(position={"x": box["width"] * 0.7, "y": box["height"] * 0.6})
+    status.get_by_text("2 points").wait_for()
+    assert status.inner_text().split("encoder runs ")[1].split(" ")[0] == runs  # same image: no re-encode
+    page.get_by_role("button", name="Undo").click()
+    status.get_by_text("1 point ").wait_for()
+    page.get_by_label("Box (two clicks: opposite corners)").check()
+    image.click(position={"x": box["width"] * 0.1, "y": box["height"] * 0.1})
+    image.click(position={"x": box["width"] * 0.5, "y": box["height"] * 0.6})
+    status.get_by_text("1 point + box").wait_for()
+    assert page.get_by_role("button", name="Download chosen mask (PNG)").is_enabled()
