@@ -15,7 +15,8 @@ from gradio.utils import get_upload_folder
 
 from pipeline.errors import UserError
 from pipeline.images import fit_for_display, load_image
-from pipeline.segment import ImageHandle, Prediction, SegmentPipeline, mask_png, render_overlay
+from pipeline.segment import (ImageHandle, Prediction, SegmentPipeline, mask_png, render_everything,
+                              render_overlay)
 
 POSITIVE, NEGATIVE = "Object (+)", "Background (−)"
 POINTS, BOX = "Points", "Box (two clicks: opposite corners)"
@@ -129,6 +130,16 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
         s = Session(s.handle, s.scale)
         return render(s)
 
+    def on_everything(s: Session | None):
+        if s is None:
+            raise gr.Error("upload or choose an image first")
+        masks = seg.segment_everything(s.handle)
+        display, _ = fit_for_display(render_everything(s.handle.image, masks))
+        n = seg.everything_grid
+        found = (f"{len(masks)} masks found from a {n}×{n} grid of points" if masks else
+                 "no confident, stable masks found" + (" (the demo SAM has random weights)" if seg.is_demo else ""))
+        return display, f"Segment everything: {found}. Click the image to go back to prompting."
+
     def on_choose(s: Session | None, evt: gr.SelectData):
         if s is None or s.prediction is None:
             raise gr.Error("no candidates yet: click on the image first")
@@ -148,6 +159,7 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
             with gr.Row():
                 undo = gr.Button("Undo")
                 clear = gr.Button("Clear prompts")
+                everything = gr.Button("Segment everything")
             gallery = gr.Gallery(label="Candidates", columns=3, height=220, allow_preview=False,
                                  elem_id="segment-candidates")
             download = gr.DownloadButton("Download chosen mask (PNG)", interactive=False)
@@ -160,6 +172,7 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
     undo.click(on_undo, [state, multimask], outputs, api_visibility="private")
     clear.click(on_clear, state, outputs, api_visibility="private")
     gallery.select(on_choose, state, outputs, api_visibility="private")
+    everything.click(on_everything, state, [canvas, status], api_visibility="private")
 
     def segment(image: FileData, points: str = "[]", box: str = "", multimask: bool = True) -> tuple[FileData, str]:
         """API: masks for `points` (JSON [[x, y, label], …], label 1 object / 0 background) and/or `box`

@@ -70,6 +70,7 @@ class SegmentPipeline:
         self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.stats = SegmentStats()
+        self.everything_grid = 32 if self.model.device.type == "cuda" else 12
         c = self.model.config
         self.description = (f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth} · torch · {device} · "
                             f"{str(dtype).removeprefix('torch.')}")
@@ -136,6 +137,85 @@ class SegmentPipeline:
                                 low_res[0].float().cpu().numpy(), (time.perf_counter() - start) * 1e3)
             self.stats.last_decoder_ms = result.decoder_ms
         return result
+
+    @torch.inference_mode()
+    def segment_everything(self, handle: ImageHandle, points_per_side: int | None = None, min_score: float = 0.88,
+                           min_stability: float = 0.92, nms_iou: float = 0.7, batch: int = 64) -> list[AutoMask]:
+        """Masks for a grid of single-point prompts, kept when SAM is confident and the mask is
+        stable (barely changes when the logit threshold moves by ±1), duplicates removed by NMS.
+        The grid is 32×32 on a GPU, 12×12 on the CPU (each point costs a decoder pass)."""
+        points_per_side = points_per_side or self.everything_grid
+        h, w = handle.size
+        embedding = self._embedding(handle)
+        ih, iw = input_size((h, w), self.model.config.img_size)
+        device = self.model.device
+        steps = (torch.arange(points_per_side, device=device) + 0.5) / points_per_side
+        grid = torch.stack(torch.meshgrid(steps * iw, steps * ih, indexing="xy"), -1).reshape(-1, 1, 2)
+        logits, scores = [], []
+        with self._lock:
+            for chunk in grid.split(batch):
+                labels = torch.ones(chunk.shape[:2], dtype=torch.int64, device=device)
+                low, iou = self.model.decode(embedding, (chunk, labels), None, None, True)
+                logits.append(low.flatten(0, 1))
+                scores.append(iou.flatten())
+        logits, scores = torch.cat(logits), torch.cat(scores).float()
+        stability = (logits > 1).flatten(1).sum(1) / (logits > -1).flatten(1).sum(1).clamp(min=1)
+        keep = (scores > min_score) & (stability > min_stability) & (logits > 0).flatten(1).any(1)
+        logits, scores, stability = logits[keep], scores[keep], stability[keep]
+        if not len(logits):
+            return []
+        kept = box_nms(mask_boxes(logits > 0), scores, nms_iou)
+        masks = torch.cat([self.model.upscale_masks(logits[idx][:, None], (ih, iw), (h, w)) > 0
+                           for idx in kept.split(16)])
+        return [AutoMask(m[0].cpu().numpy(), scores[i].item(), stability[i].item()) for m, i in zip(masks, kept)]
+
+
+@dataclasses.dataclass
+class AutoMask:
+    mask: np.ndarray  # bool [H, W]
+    score: float  # predicted IoU
+    stability: float
+
+
+def box_nms(boxes: torch.Tensor, scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Indices of boxes (x0, y0, x1, y1) kept by greedy non-maximum suppression, best first."""
+    order = scores.argsort(descending=True)
+    boxes = boxes[order].float()
+    area = (boxes[:, 2] - boxes[:, 0]).clamp(min=0) * (boxes[:, 3] - boxes[:, 1]).clamp(min=0)
+    lt = torch.maximum(boxes[:, None, :2], boxes[None, :, :2])
+    rb = torch.minimum(boxes[:, None, 2:], boxes[None, :, 2:])
+    inter = (rb - lt).clamp(min=0).prod(-1)
+    iou = inter / (area[:, None] + area[None, :] - inter).clamp(min=1e-6)
+    suppressed = torch.zeros(len(boxes), dtype=torch.bool)
+    keep = []
+    for i in range(len(boxes)):
+        if not suppressed[i]:
+            keep.append(i)
+            suppressed |= iou[i].cpu() > threshold
+    return order[torch.tensor(keep, dtype=torch.long)]
+
+
+def mask_boxes(masks: torch.Tensor) -> torch.Tensor:
+    """Tight boxes (x0, y0, x1, y1) of boolean masks [N, H, W]; empty masks give zero boxes."""
+    n, h, w = masks.shape
+    rows, cols = masks.any(2), masks.any(1)
+    ys, xs = torch.arange(h, device=masks.device), torch.arange(w, device=masks.device)
+    y0 = torch.where(rows, ys, h).amin(1)
+    y1 = torch.where(rows, ys, -1).amax(1) + 1
+    x0 = torch.where(cols, xs, w).amin(1)
+    x1 = torch.where(cols, xs, -1).amax(1) + 1
+    return torch.stack([x0, y0, x1, y1], 1).clamp(min=0) * masks.flatten(1).any(1, keepdim=True)
+
+
+EVERYTHING_COLOURS = np.random.default_rng(7).integers(40, 255, (256, 3)).astype(np.float32)
+
+
+def render_everything(image: np.ndarray, masks: Sequence[AutoMask]) -> np.ndarray:
+    """Every mask in its own colour, largest first so small ones stay visible on top."""
+    out = image.astype(np.float32)
+    for i, m in enumerate(sorted(masks, key=lambda m: -int(m.mask.sum()))):
+        out[m.mask] = out[m.mask] * 0.4 + EVERYTHING_COLOURS[i % 256] * 0.6
+    return out.astype(np.uint8)
 
 
 def check_prompts(points: Sequence[Sequence[float]], labels: Sequence[int], box: Sequence[float] | None,

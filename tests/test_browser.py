@@ -83,3 +83,5 @@ def test_segment_tab_clicks_undo_and_box(page):
     image.click(position={"x": box["width"] * 0.5, "y": box["height"] * 0.6})
     status.get_by_text("1 point + box").wait_for()
     assert page.get_by_role("button", name="Download chosen mask (PNG)").is_enabled()
+    page.get_by_role("button", name="Segment everything").click()
+    status.get_by_text("Segment everything:").wait_for()

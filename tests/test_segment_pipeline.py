@@ -144,3 +144,53 @@ def test_display_copy_is_bounded():
     image = np.zeros((3000, 4000, 3), dtype=np.uint8)
     shown, scale = fit_for_display(image, 1600)
     assert shown.shape == (1200, 1600, 3) and scale == 0.4
+
+
+class NotATensor:
+    pass
+
+
+def test_checkpoints_load_tensors_only(tmp_path):
+    from pipeline.sam.model import load_sam
+
+    torch.save({"image_encoder.blocks.0.attn.qkv.weight": NotATensor()}, tmp_path / "evil.pth")
+    with pytest.raises(UserError, match="cannot read SAM checkpoint"):  # weights_only refuses the object
+        load_sam(tmp_path / "evil.pth")
+    torch.save({"some.weight": torch.zeros(2)}, tmp_path / "other.pth")
+    with pytest.raises(UserError, match="not a SAM checkpoint"):
+        load_sam(tmp_path / "other.pth")
+    with pytest.raises(UserError, match="does not exist"):
+        load_sam(tmp_path / "missing.pth")
+
+
+def test_sam_names_resolve(tmp_path, checkpoint):
+    from pipeline.sam.weights import locate_sam
+
+    assert locate_sam("sam_vit_h", tmp_path) == (tmp_path / "sam" / "sam_vit_h_4b8939.pth", "download")
+    assert locate_sam(str(checkpoint), tmp_path) == (checkpoint, "local file")
+    with pytest.raises(UserError, match="unknown SAM model"):
+        locate_sam("sam_vit_x", tmp_path)
+
+
+def test_box_nms_and_mask_boxes():
+    from pipeline.segment import box_nms, mask_boxes
+
+    boxes = torch.tensor([[0, 0, 10, 10], [1, 1, 10, 10], [20, 20, 30, 30], [0, 0, 10, 9]])
+    keep = box_nms(boxes, torch.tensor([0.5, 0.9, 0.8, 0.7]), threshold=0.7)
+    assert keep.tolist() == [1, 2]  # the best of the three overlapping boxes, and the separate one
+    masks = torch.zeros(2, 8, 12, dtype=torch.bool)
+    masks[0, 2:5, 3:9] = True
+    assert mask_boxes(masks).tolist() == [[3, 2, 9, 5], [0, 0, 0, 0]]
+
+
+def test_segment_everything_mechanics(seg, photo):
+    handle = seg.set_image(photo)
+    runs = seg.stats.encoder_runs
+    loose = seg.segment_everything(handle, points_per_side=8, min_score=-1e9, min_stability=-1.0, nms_iou=1.0)
+    assert loose and all(m.mask.shape == (600, 800) and m.mask.any() for m in loose)
+    strict = seg.segment_everything(handle, points_per_side=8, min_score=-1e9, min_stability=-1.0, nms_iou=0.5)
+    assert len(strict) <= len(loose)  # NMS only removes
+    assert seg.stats.encoder_runs == runs  # the cached embedding serves the whole grid
+    from pipeline.segment import render_everything
+
+    assert render_everything(photo, strict).shape == photo.shape
