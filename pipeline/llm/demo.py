@@ -5,7 +5,9 @@ loaders real checkpoints use. Their text is meaningless: the weights are random.
 
 - `demo/qwen-v1-tiny`: a Qwen v1 folder (`transformer.h.N.*`, `qwen.tiktoken`, logn + dynamic NTK).
 - `demo/qwen2-tiny`: a Qwen2 transformers folder (GQA, qkv bias, `tokenizer.json` + chat template).
-Both vocabularies are BPE-trained by `tokenizers` on `assets/demo_corpus.txt` (English, Chinese,
+- `demo/llama-tiny`: a LLaMA transformers folder with a SentencePiece-style byte-fallback vocabulary
+  (`▁` for spaces, `<0xNN>` byte tokens, `<s>`/`</s>`): the Vicuna stand-in for image chat.
+All vocabularies are BPE-trained by `tokenizers` on `assets/demo_corpus.txt` (English, Chinese,
 emoji, code), so multi-byte characters really are split across tokens, as in the real ones.
 """
 
@@ -33,7 +35,7 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-DEMO_MODELS = ("demo/qwen-v1-tiny", "demo/qwen2-tiny")
+DEMO_MODELS = ("demo/qwen-v1-tiny", "demo/qwen2-tiny", "demo/llama-tiny")
 
 
 def _train_bpe(special_tokens: list[str]):
@@ -76,6 +78,35 @@ def _qwen2_tokenizer(folder: Path) -> int:
     return tok.get_vocab_size()
 
 
+def _llama_tokenizer(folder: Path) -> int:
+    """SentencePiece-style BPE as LLaMA/Vicuna ship it in `tokenizer.json`: byte tokens are ordinary
+    vocabulary entries (ids 3..258), only <unk>, <s>, </s> are special."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer_tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    trainer_tok.normalizer = normalizer
+    trainer_tok.train_from_iterator(CORPUS.read_text().splitlines(),
+                                    trainers.BpeTrainer(vocab_size=BPE_VOCAB, show_progress=False,
+                                                        special_tokens=["<unk>"]))
+    model = json.loads(trainer_tok.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for piece in sorted((p for p in model["vocab"] if p not in vocab), key=model["vocab"].get):
+        vocab[piece] = len(vocab)
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 2048}, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    return tok.get_vocab_size()
+
+
 def _random_weights(config: DecoderConfig) -> dict[str, torch.Tensor]:
     torch.manual_seed(SEED)
     model = Decoder(config)
@@ -91,15 +122,21 @@ def _random_weights(config: DecoderConfig) -> dict[str, torch.Tensor]:
 
 
 def _build(name: str, folder: Path) -> None:
-    qwen_v1 = name == "demo/qwen-v1-tiny"
-    vocab = _qwen_v1_tokenizer(folder) if qwen_v1 else _qwen2_tokenizer(folder)
-    config = DecoderConfig(
-        family="qwen" if qwen_v1 else "qwen2", vocab_size=-(-vocab // 64) * 64, hidden_size=64,
-        intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=4 if qwen_v1 else 2, head_dim=16,
-        max_position_embeddings=32768 if qwen_v1 else 1024, rope_theta=10000.0, qkv_bias=True,
-        logn_attn=qwen_v1, dynamic_ntk=qwen_v1, seq_length=256 if qwen_v1 else 0,
-    )
-    write_checkpoint(folder / "weights", config, _random_weights(config), "qwen" if qwen_v1 else "hf")
+    if name == "demo/llama-tiny":
+        vocab, fmt = _llama_tokenizer(folder), "hf"
+        config = DecoderConfig(family="llama", vocab_size=-(-vocab // 64) * 64, hidden_size=64, intermediate_size=128,
+                               num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, max_position_embeddings=2048)
+    else:
+        qwen_v1 = name == "demo/qwen-v1-tiny"
+        vocab = _qwen_v1_tokenizer(folder) if qwen_v1 else _qwen2_tokenizer(folder)
+        fmt = "qwen" if qwen_v1 else "hf"
+        config = DecoderConfig(
+            family="qwen" if qwen_v1 else "qwen2", vocab_size=-(-vocab // 64) * 64, hidden_size=64,
+            intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=4 if qwen_v1 else 2, head_dim=16,
+            max_position_embeddings=32768 if qwen_v1 else 1024, rope_theta=10000.0, qkv_bias=True,
+            logn_attn=qwen_v1, dynamic_ntk=qwen_v1, seq_length=256 if qwen_v1 else 0,
+        )
+    write_checkpoint(folder / "weights", config, _random_weights(config), fmt)
     for f in (folder / "weights").iterdir():
         os.replace(f, folder / f.name)
     (folder / "weights").rmdir()
