@@ -36,6 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", type=Path, help="local folder with the model's config, tokenizer and weights")
     p.add_argument("--sam", default="auto", help="sam_vit_h, sam_vit_l, sam_vit_b, demo/sam-tiny, a .pth file, "
                                                  "or auto (vit_h on a GPU when cached, else the demo)")
+    p.add_argument("--minigpt4-ckpt", type=Path, help="MiniGPT-4 checkpoint (prerained_minigpt4_7b.pth, holds llama_proj)")
+    p.add_argument("--minigpt4-vision", type=Path, help="folder with eva_vit_g.pth + blip2_pretrained_flant5xxl.pth, "
+                                                         "or a transformers BLIP-2 folder")
+    p.add_argument("--minigpt4-llm", type=Path, help="the Vicuna / LLaMA-2-chat transformers folder MiniGPT-4 uses")
+    p.add_argument("--minigpt4-template", choices=["vicuna_v0", "llama2"], default="vicuna_v0")
     p.add_argument("--backend", choices=["auto", "torch", "tensorrt"], default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
@@ -84,7 +89,36 @@ def make_plan(args: argparse.Namespace) -> Plan:
         notes.append(f"segment model {sam}: " + ("CUDA GPU and the checkpoint in the cache" if sam != SAM_DEMO else
                      "the built-in demo SAM (random weights); pass --sam sam_vit_h to download the real one"))
     notes.append(f"segment weights: {locate_sam(sam, cache_dir())[1]}")
+    parts = [args.minigpt4_ckpt, args.minigpt4_vision, args.minigpt4_llm]
+    if any(parts) and not all(parts):
+        raise UserError("image chat needs all three of --minigpt4-ckpt, --minigpt4-vision and --minigpt4-llm")
+    for part in filter(None, parts):
+        if not part.exists():
+            raise UserError(f"{part} does not exist")
+    notes.append("image chat: MiniGPT-4 from the given files" if all(parts) else
+                 "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one")
     return Plan("torch", device, dtype, model_id, sam, notes)
+
+
+def load_image_chat(args: argparse.Namespace, plan: Plan):
+    """MiniGPT-4 from the three given parts, or the demo built into the cache."""
+    import torch
+
+    from pipeline.image_chat import ImageChatPipeline
+    from pipeline.llm.demo import demo_model_dir
+    from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder
+    from pipeline.models import cache_dir
+
+    dtype = getattr(torch, plan.dtype)
+    if args.minigpt4_ckpt:
+        vision = load_vision_folder(args.minigpt4_ckpt, args.minigpt4_vision, plan.device, dtype)
+        return ImageChatPipeline(vision, args.minigpt4_llm, args.minigpt4_llm.name, args.minigpt4_template,
+                                 plan.device, dtype, max_context=2048)
+    llm = demo_model_dir("demo/llama-tiny", cache_dir())
+    vision_dir = demo_vision_dir(cache_dir(), llm_width=64)
+    vision = load_vision_folder(vision_dir / "prerained_minigpt4_7b.pth", vision_dir, plan.device, dtype)
+    return ImageChatPipeline(vision, llm, "demo/llama-tiny", args.minigpt4_template, plan.device, dtype,
+                             max_context=2048, is_demo=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
                                   dtype=getattr(torch, plan.dtype), is_demo=plan.sam == SAM_DEMO)
         segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # warm-up: first kernels now, not on a click
         print(f"[studio] loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s", flush=True)
-        app = build_app(chat, segment, [n for n in plan.notes if n.startswith("backend")])
+        start = time.perf_counter()
+        image_chat = load_image_chat(args, plan)
+        print(f"[studio] loaded {image_chat.description} in {time.perf_counter() - start:.1f} s", flush=True)
+        app = build_app(chat, image_chat, segment, [n for n in plan.notes if n.startswith("backend")])
         app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                       share=args.share, auth=auth, show_error=True)
         return 0

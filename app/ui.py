@@ -9,8 +9,10 @@ from pathlib import Path
 import gradio as gr
 
 from app.chat_tab import build_chat_tab
+from app.image_chat_tab import build_image_chat_tab
 from app.segment_tab import build_segment_tab, example_images
 from pipeline.chat import ChatPipeline
+from pipeline.image_chat import ImageChatPipeline
 from pipeline.models import cache_dir
 from pipeline.segment import SegmentPipeline
 
@@ -19,6 +21,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples"
 DEMO_WARNING = ("**Demo model.** No real weights were found, so a tiny built-in model with *random weights* "
                 "is running: its replies are meaningless text. Start with `--model Qwen/Qwen2.5-7B-Instruct` "
                 "(or `--weights FOLDER`) on a GPU for real answers.")
+MINIGPT4_DEMO_WARNING = ("**Demo MiniGPT-4.** Tiny vision and language models with *random weights* are running: "
+                         "the answers are meaningless text. Pass `--minigpt4-ckpt`, `--minigpt4-vision` and "
+                         "`--minigpt4-llm` (see README) for the real MiniGPT-4.")
 SAM_DEMO_WARNING = ("**Demo SAM.** A tiny SAM with *random weights* is running: masks follow your clicks "
                     "mechanically but mean nothing. Start with `--sam sam_vit_h` (downloads 2.4 GB) or "
                     "`--sam /path/to/sam_vit_h_4b8939.pth` for real masks.")
@@ -37,16 +42,19 @@ def browser_storage_secret() -> str:
     return path.read_text().strip()
 
 
-def build_app(chat: ChatPipeline, segment: SegmentPipeline, runtime_notes: list[str]) -> gr.Blocks:
+def build_app(chat: ChatPipeline, image_chat: ImageChatPipeline, segment: SegmentPipeline,
+              runtime_notes: list[str]) -> gr.Blocks:
     with gr.Blocks(title="AI Studio") as demo:
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
         if chat.is_demo:
             gr.Markdown(DEMO_WARNING)
-        gr.Markdown(" · ".join([chat.description, segment.description] + runtime_notes))
+        gr.Markdown(" · ".join([chat.description, image_chat.description, segment.description] + runtime_notes))
         with gr.Tab("Chat"):
             build_chat_tab(chat, demo, browser_storage_secret())
         with gr.Tab("Image chat"):
-            gr.Markdown("Image chat (MiniGPT-4) is coming: upload an image and talk about it.")
+            if image_chat.is_demo:
+                gr.Markdown(MINIGPT4_DEMO_WARNING)
+            build_image_chat_tab(image_chat, example_images(EXAMPLES))
         with gr.Tab("Segment"):
             if segment.is_demo:
                 gr.Markdown(SAM_DEMO_WARNING)

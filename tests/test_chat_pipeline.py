@@ -121,7 +121,7 @@ def test_qwen_v1_long_context_factors():
 
 def test_demo_qwen_v1_rescales_rope_past_its_trained_length(qwen_v1_demo):
     pipe = ChatPipeline(qwen_v1_demo, "demo/qwen-v1-tiny", max_context=1024, is_demo=True)
-    model = pipe.generator.model
+    model = pipe.llm.model
     list(pipe.stream(chat("short"), SamplingParams(max_new_tokens=2, temperature=0)))
     assert model.ntk_alpha == 1
     events = list(pipe.stream(chat("long " * 100), SamplingParams(max_new_tokens=2, temperature=0)))
@@ -153,16 +153,16 @@ def test_cancel_stops_mid_reply_and_keeps_the_text(pipeline):
             cancel.set()
         stats = event.stats or stats
     assert stats.finish_reason == "cancelled" and 0 < stats.new_tokens < 200
-    assert pipeline.generator.lock.acquire(blocking=False)  # the model is free again
-    pipeline.generator.lock.release()
+    assert pipeline.llm.generator.lock.acquire(blocking=False)  # the model is free again
+    pipeline.llm.generator.lock.release()
 
 
 def test_abandoned_stream_frees_the_model(pipeline):
     events = pipeline.stream(chat("Hello"), SamplingParams(max_new_tokens=100, temperature=0))
     next(events)
     events.close()
-    assert pipeline.generator.lock.acquire(blocking=False)
-    pipeline.generator.lock.release()
+    assert pipeline.llm.generator.lock.acquire(blocking=False)
+    pipeline.llm.generator.lock.release()
 
 
 def test_reply_fills_context_with_notice(qwen_v1_demo):

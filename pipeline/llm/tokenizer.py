@@ -29,6 +29,7 @@ class Tokenizer(ABC):
     """What the pipelines need from a tokenizer; user text never turns into special tokens."""
 
     chat_template: str | None = None
+    bos_id: int | None = None  # a beginning-of-sequence token the model expects first (LLaMA's <s>)
 
     @abstractmethod
     def encode(self, text: str) -> list[int]:
@@ -123,6 +124,7 @@ class HFTokenizer(Tokenizer):
         except (OSError, ValueError) as e:
             raise UserError(f"cannot load the tokenizer in {folder}: {e}") from None
         self.chat_template = self._tok.chat_template
+        self.bos_id = self._tok.bos_token_id
         self._bytes = self._byte_table()
         eos = self._tok.eos_token_id
         self._eos = {eos} if eos is not None else set()

@@ -35,8 +35,10 @@ class VisionConfig:
     llm_width: int = 4096
 
 
-TINY = VisionConfig(vit_width=32, vit_depth=2, vit_heads=2, vit_mlp=64, qformer_width=32, qformer_depth=2,
-                    qformer_heads=2, qformer_mlp=64, llm_width=64)
+# Widths keep the originals' head rules (ViT-g: width / 88 heads, Q-Former: width / 64) so the
+# demo's sizes are read off its tensors exactly like real checkpoints'.
+TINY = VisionConfig(vit_width=176, vit_depth=2, vit_heads=2, vit_mlp=352, qformer_width=128, qformer_depth=2,
+                    qformer_heads=2, qformer_mlp=256, llm_width=64)
 
 
 class EvaAttention(nn.Module):

@@ -1,0 +1,54 @@
+"""The Image-chat tab: an image beside a streamed conversation about it (MiniGPT-4). Wiring only."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
+from pipeline.errors import UserError
+from pipeline.image_chat import ImageChatPipeline
+from pipeline.images import load_image
+
+
+def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> None:
+    flags = CancelFlags()
+
+    def respond(image: str | None, message: str, history: list, temperature: float, top_p: float, top_k: int,
+                repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
+        """Stream an answer about `image` (a file); yields (textbox, history, status). Seed -1 = random."""
+        params, history = start_turn(message, history, (temperature, top_p, top_k, repetition_penalty,
+                                                        max_new_tokens, seed))
+        try:
+            if not image:
+                raise UserError("upload an image first: image chat talks about one picture")
+            pixels = load_image(image)
+        except UserError as e:
+            raise gr.Error(str(e)) from None
+        messages = history + [{"role": "user", "content": message}]
+        yield from stream_turn(lambda cancel: pipeline.stream(pixels, messages, params, cancel), history, message,
+                               flags, request)
+
+    with gr.Row():
+        with gr.Column(scale=2):
+            image = gr.Image(label="Image (a new one starts a new conversation)", type="filepath",
+                             sources=["upload", "clipboard"], height=420, elem_id="image-chat-image")
+            gr.Examples(examples, inputs=image)
+        with gr.Column(scale=3):
+            chatbot = gr.Chatbot(label="Conversation about the image", height=420, buttons=["copy", "copy_all"])
+            with gr.Row():
+                message = gr.Textbox(placeholder="Ask about the image, Enter to send", show_label=False, scale=6)
+                send = gr.Button("Send", variant="primary", scale=1)
+            with gr.Row():
+                stop = gr.Button("Stop")
+                restart = gr.Button("Restart conversation")
+            status = gr.Markdown("")
+            sampling = sampling_controls(max_new_tokens=300)
+
+    inputs = [image, message, chatbot, *sampling]
+    outputs = [message, chatbot, status]
+    on_enter = message.submit(respond, inputs, outputs, api_name="image_chat", concurrency_limit=1)
+    on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=1)
+    wire_stop(stop, flags, [on_enter, on_send], status, "image_chat_stop")
+    fresh = dict(fn=lambda: ([], ""), inputs=None, outputs=[chatbot, status], api_visibility="private")
+    restart.click(**fresh)
+    image.change(**fresh)
