@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import gradio as gr
+from gradio.data_classes import FileData
 
 from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
 from pipeline.errors import UserError
@@ -30,7 +33,7 @@ def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> No
 
     with gr.Row():
         with gr.Column(scale=2):
-            image = gr.Image(label="Image (a new one starts a new conversation)", type="filepath",
+            image = gr.Image(label="Image (a new one starts a new conversation)", type="filepath", image_mode=None,
                              sources=["upload", "clipboard"], height=420, elem_id="image-chat-image")
             gr.Examples(examples, inputs=image)
         with gr.Column(scale=3):
@@ -46,9 +49,22 @@ def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> No
 
     inputs = [image, message, chatbot, *sampling]
     outputs = [message, chatbot, status]
-    on_enter = message.submit(respond, inputs, outputs, api_name="image_chat", concurrency_limit=1)
+    on_enter = message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=1)
     on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=1)
     wire_stop(stop, flags, [on_enter, on_send], status, "image_chat_stop")
     fresh = dict(fn=lambda: ([], ""), inputs=None, outputs=[chatbot, status], api_visibility="private")
     restart.click(**fresh)
     image.change(**fresh)
+
+    def image_chat(image: FileData | None, message: str, history: list[dict], temperature: float = 0.7,
+                   top_p: float = 0.8, top_k: int = 20, repetition_penalty: float = 1.05, max_new_tokens: int = 300,
+                   seed: int = -1, request: gr.Request = None) -> Iterator[tuple[list[dict], str]]:
+        """API: stream an answer about `image` to `message` after `history` (a list of {role, content});
+        yields (history with the growing answer, status). Any file may be sent: what is not a usable
+        image gets a clear message. /image_chat_stop stops this session's answer."""
+        path = image["path"] if isinstance(image, dict) else image.path if image is not None else None
+        for _, new_history, line in respond(path, message, history, temperature, top_p, top_k, repetition_penalty,
+                                            max_new_tokens, seed, request):
+            yield new_history, line
+
+    gr.api(image_chat, api_name="image_chat", concurrency_limit=1)

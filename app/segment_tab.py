@@ -149,7 +149,7 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
     state = gr.State(None)
     with gr.Row():
         with gr.Column(scale=3):
-            canvas = gr.Image(label="Image — upload, then click on an object", type="filepath",
+            canvas = gr.Image(label="Image — upload, then click on an object", type="filepath", image_mode=None,
                               sources=["upload", "clipboard"], format="png", height=560,
                               elem_id="segment-canvas")
         with gr.Column(scale=2):

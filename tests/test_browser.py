@@ -85,3 +85,21 @@ def test_segment_tab_clicks_undo_and_box(page):
     assert page.get_by_role("button", name="Download chosen mask (PNG)").is_enabled()
     page.get_by_role("button", name="Segment everything").click()
     status.get_by_text("Segment everything:").wait_for()
+
+
+def test_image_chat_tab_two_turns_and_restart(page):
+    page.get_by_role("tab", name="Image chat").click()
+    page.locator("#image-chat-image input[type=file]").set_input_files("assets/examples/fruit_bowl.jpg")
+    page.locator("#image-chat-image img").first.wait_for()
+    box = page.get_by_placeholder("Ask about the image, Enter to send")
+    box.fill("What is unusual here?")
+    box.press("Enter")
+    page.get_by_text("tok/s").first.wait_for()
+    box.fill("Tell me more about the bowl")
+    box.press("Enter")
+    page.get_by_text("Tell me more about the bowl").wait_for()
+    page.wait_for_function("document.body.innerText.split('tok/s').length > 1")
+    assert page.get_by_text("What is unusual here?").count() >= 1
+    assert page.locator("#image-chat-image img").count() >= 1  # the image stays beside the conversation
+    page.get_by_role("button", name="Restart conversation").click()
+    page.get_by_text("What is unusual here?").first.wait_for(state="detached")
