@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from timing import cuda_ms  # noqa: E402
 from pipeline.llm.checkpoint import HF_LAYOUT, to_internal  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
 from pipeline.llm.generate import GenerationStats, Generator  # noqa: E402
@@ -30,20 +32,6 @@ from pipeline.llm.sampling import SamplingParams  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 GREEDY = SamplingParams(max_new_tokens=256, temperature=0, repetition_penalty=1.0)
-
-
-def cuda_ms(fn, warm: int = 2, iters: int = 5) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth_tbps() -> float:

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from timing import cuda_ms  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
 from pipeline.segment import SegmentPipeline  # noqa: E402
 
@@ -38,21 +40,6 @@ def official_modules():
     from segment_anything import build_sam
 
     return build_sam
-
-
-def cuda_ms(fn, warm: int = 3, iters: int = 20) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

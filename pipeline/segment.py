@@ -167,7 +167,8 @@ class SegmentPipeline:
         kept = box_nms(mask_boxes(logits > 0), scores, nms_iou)
         masks = torch.cat([self.model.upscale_masks(logits[idx][:, None], (ih, iw), (h, w)) > 0
                            for idx in kept.split(16)])
-        return [AutoMask(m[0].cpu().numpy(), scores[i].item(), stability[i].item()) for m, i in zip(masks, kept)]
+        return [AutoMask(m[0].cpu().numpy(), scores[i].item(), stability[i].item()) for m, i in zip(masks, kept)
+                if m.any()]  # a mask only in the padding is empty once cropped
 
 
 @dataclasses.dataclass

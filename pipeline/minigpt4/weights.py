@@ -25,6 +25,7 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.minigpt4.vision import TINY, MiniGPT4Vision, VisionConfig
+from pipeline.random_weights import spread_weights
 
 # transformers BLIP-2 name → original name (EVA ViT-g / BLIP-2 / MiniGPT-4)
 HF_TO_ORIGINAL = [
@@ -144,12 +145,7 @@ def load_vision(minigpt4_ckpt: Path, *, eva: Path | None = None, blip2: Path | N
 
 def build_demo(folder: Path, llm_width: int) -> None:
     """Tiny random vision weights written as the original three files, loaded like real ones."""
-    torch.manual_seed(2024)
-    model = MiniGPT4Vision(dataclasses.replace(TINY, llm_width=llm_width))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name.lower() and name.endswith("weight") else p.normal_(0, 0.2)
-    state = model.state_dict()
+    state = spread_weights(MiniGPT4Vision(dataclasses.replace(TINY, llm_width=llm_width)), seed=2024).state_dict()
     eva = {k.removeprefix("visual_encoder."): v for k, v in state.items() if k.startswith("visual_encoder.")}
     blip2 = {k: v for k, v in state.items() if k.startswith(("Qformer.", "query_tokens", "ln_vision."))}
     minigpt4 = {k: v for k, v in state.items() if k.startswith("llama_proj.")}

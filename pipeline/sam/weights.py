@@ -9,6 +9,7 @@ import torch
 from filelock import FileLock
 
 from pipeline.errors import UserError
+from pipeline.random_weights import spread_weights
 from pipeline.sam.model import VARIANTS, Sam
 
 CHECKPOINTS = {  # the official releases (facebookresearch/segment-anything)
@@ -28,15 +29,7 @@ def _atomic_save(state: dict, path: Path) -> None:
 
 def _build_demo(path: Path) -> None:
     """Random weights with some spread (so clicks give varied masks), in the official `.pth` layout."""
-    torch.manual_seed(DEMO_SEED)
-    model = Sam(VARIANTS["demo"])
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0, 0.2)
-    _atomic_save(model.state_dict(), path)
+    _atomic_save(spread_weights(Sam(VARIANTS["demo"]), DEMO_SEED).state_dict(), path)
 
 
 def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:
