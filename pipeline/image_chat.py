@@ -18,6 +18,7 @@ import torch
 from PIL import Image
 
 from pipeline.chat import ChatEvent, LanguageModel
+from pipeline.cuda_graphs import CapturedCall
 from pipeline.errors import UserError
 from pipeline.llm.sampling import SamplingParams
 from pipeline.minigpt4.template import IMAGE_TOKEN, MiniGPT4Format
@@ -40,6 +41,7 @@ class ImageChatPipeline:
         self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.encoder_runs = 0
+        self._graphed_vision: CapturedCall | None = None
         self.description = f"MiniGPT-4 ({template}) over {self.llm.description}"
 
     def preprocess(self, image: np.ndarray) -> torch.Tensor:
@@ -56,8 +58,13 @@ class ImageChatPipeline:
         with self._lock:
             if key not in self._cache:
                 param = next(self.vision.parameters())
+                pixels = self.preprocess(image).to(param.device, param.dtype)
                 try:
-                    feats = self.vision(self.preprocess(image).to(param.device, param.dtype))[0]
+                    if param.device.type == "cuda":  # ~600 small kernels: replay them as one graph
+                        self._graphed_vision = self._graphed_vision or CapturedCall(self.vision, pixels)
+                        feats = self._graphed_vision(pixels)[0]
+                    else:
+                        feats = self.vision(pixels)[0]
                 except torch.OutOfMemoryError:
                     raise UserError("the GPU ran out of memory encoding this image") from None
                 self._cache[key] = feats.to(self.llm.model.embed.weight.dtype)

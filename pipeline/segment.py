@@ -21,6 +21,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from pipeline.errors import UserError
+from pipeline.sam.graphed_decoder import GraphedDecoder
 from pipeline.sam.model import load_sam
 
 
@@ -71,6 +72,8 @@ class SegmentPipeline:
         self._lock = threading.Lock()
         self.stats = SegmentStats()
         self.everything_grid = 32 if self.model.device.type == "cuda" else 12
+        # Clicks replay captured CUDA graphs on a GPU (launch overhead dominates a click); eager elsewhere.
+        self._decode = GraphedDecoder(self.model) if self.model.device.type == "cuda" else self.model.decode
         c = self.model.config
         self.description = (f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth} · torch · {device} · "
                             f"{str(dtype).removeprefix('torch.')}")
@@ -131,7 +134,7 @@ class SegmentPipeline:
         if mask_input is not None:
             mask_arg = torch.as_tensor(mask_input, dtype=torch.float32, device=device).reshape(1, 1, 256, 256)
         with self._lock:
-            low_res, scores = self.model.decode(embedding, point_args, box_arg, mask_arg, multimask)
+            low_res, scores = self._decode(embedding, point_args, box_arg, mask_arg, multimask)
             masks = self.model.upscale_masks(low_res, (ih, iw), (h, w)) > 0.0
             result = Prediction(masks[0].cpu().numpy(), scores[0].float().cpu().numpy(),
                                 low_res[0].float().cpu().numpy(), (time.perf_counter() - start) * 1e3)

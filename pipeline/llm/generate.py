@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.model import Decoder
 from pipeline.llm.sampling import SamplingParams, next_token
 
@@ -35,21 +36,6 @@ class GenerationStats:
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
 
 
-class _DecodeGraph:
-    """One captured decode step reading `kv_len` cache positions; inputs/outputs at fixed addresses."""
-
-    def __init__(self, model: Decoder, token: Tensor, pos: Tensor, kv_len: int):
-        self.graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
-            for _ in range(2):
-                model(pos, idx=token, kv_len=kv_len)
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(self.graph):
-            self.logits = model(pos, idx=token, kv_len=kv_len)
-
-
 class Generator:
     """Owns the model's static cache; one generation at a time (the lock), any number of callers."""
 
@@ -62,7 +48,8 @@ class Generator:
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self._pos = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graphs: dict[int, CapturedCall] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None  # shared by the buckets
 
     def _decode_step(self, pos: int) -> Tensor:
         """Logits [vocab] for `self._token` placed at position `pos`."""
@@ -71,10 +58,10 @@ class Generator:
             return self.model(self._pos, idx=self._token, kv_len=pos + 1)[0, -1]
         kv_len = min(-(-(pos + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.max_seq_len)
         if kv_len not in self._graphs:
-            self._graphs[kv_len] = _DecodeGraph(self.model, self._token, self._pos, kv_len)
-        graph = self._graphs[kv_len]
-        graph.graph.replay()
-        return graph.logits[0, -1]
+            self._graphs[kv_len] = CapturedCall(
+                lambda token, pos: self.model(pos, idx=token, kv_len=kv_len), self._token, self._pos,
+                pool=self._pool)
+        return self._graphs[kv_len](self._token, self._pos)[0, -1]
 
     @torch.inference_mode()
     def stream(self, params: SamplingParams, stop_ids: set[int], prompt_ids: list[int] | None = None,
