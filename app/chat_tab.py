@@ -35,10 +35,10 @@ def build_chat_tab(pipeline: ChatPipeline, app: gr.Blocks, storage_secret: str) 
             with gr.Row():
                 stop = gr.Button("Stop")
                 clear = gr.Button("New chat")
-            status = gr.Markdown("")
+            status = gr.Markdown("", elem_id="chat-status")
         with gr.Column(scale=2):
             system_prompt = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=3)
-            sampling = sampling_controls()
+            sampling = sampling_controls("chat")
 
     saved = gr.BrowserState([], storage_key="ai-studio-chat", secret=storage_secret)
     inputs = [message, chatbot, system_prompt, *sampling]

@@ -39,16 +39,17 @@ class CancelFlags:
             flag.set()
 
 
-def sampling_controls(max_new_tokens: int = 512) -> list:
-    """Temperature, top-p, top-k, repetition penalty, max new tokens, seed (in `SamplingParams` order)."""
+def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
+    """Temperature, top-p, top-k, repetition penalty, max new tokens, seed (in `SamplingParams` order);
+    element ids start with `tab` so each tab's controls can be found."""
     with gr.Accordion("Sampling", open=True):
         return [
-            gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)"),
-            gr.Slider(0.05, 1, value=0.8, step=0.05, label="Top-p"),
-            gr.Slider(0, 200, value=20, step=1, label="Top-k (0 = off)"),
-            gr.Slider(1.0, 2.0, value=1.05, step=0.01, label="Repetition penalty"),
-            gr.Slider(1, 4096, value=max_new_tokens, step=1, label="Max new tokens"),
-            gr.Number(-1, precision=0, label="Seed (-1 = random)"),
+            gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)", elem_id=f"{tab}-temperature"),
+            gr.Slider(0.05, 1, value=0.8, step=0.05, label="Top-p", elem_id=f"{tab}-top-p"),
+            gr.Slider(0, 200, value=20, step=1, label="Top-k (0 = off)", elem_id=f"{tab}-top-k"),
+            gr.Slider(1.0, 2.0, value=1.05, step=0.01, label="Repetition penalty", elem_id=f"{tab}-repetition"),
+            gr.Slider(1, 4096, value=max_new_tokens, step=1, label="Max new tokens", elem_id=f"{tab}-max-new-tokens"),
+            gr.Number(-1, precision=0, label="Seed (-1 = random)", elem_id=f"{tab}-seed"),
         ]
 
 

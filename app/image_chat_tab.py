@@ -44,8 +44,8 @@ def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> No
             with gr.Row():
                 stop = gr.Button("Stop")
                 restart = gr.Button("Restart conversation")
-            status = gr.Markdown("")
-            sampling = sampling_controls(max_new_tokens=300)
+            status = gr.Markdown("", elem_id="image-chat-status")
+            sampling = sampling_controls("image-chat", max_new_tokens=300)
 
     inputs = [image, message, chatbot, *sampling]
     outputs = [message, chatbot, status]

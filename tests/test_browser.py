@@ -34,7 +34,7 @@ def send(page, text: str) -> None:
 
 def test_chat_streams_survives_reload_and_clears(page):
     send(page, "Hello from the browser")
-    page.get_by_text("tok/s").wait_for()
+    page.locator("#chat-status").get_by_text("tok/s").wait_for()
     assert page.get_by_text("Hello from the browser").count() >= 1
     assert page.get_by_text("random weights").count() >= 1  # the demo banner
 
@@ -51,11 +51,12 @@ def test_chat_streams_survives_reload_and_clears(page):
 
 
 def test_stop_keeps_the_partial_reply(page):
-    page.get_by_label("Max new tokens").first.fill("4000")
+    page.locator("#chat-max-new-tokens input[type=number]").fill("4000")
+    page.locator("#chat-max-new-tokens input[type=number]").press("Enter")
     send(page, "A very long story please")
-    page.get_by_text("generating…").wait_for()
-    page.get_by_role("button", name="Stop").click()
-    page.get_by_text("Stopped: the reply so far is kept.").wait_for()
+    page.locator("#chat-status").get_by_text("generating…").wait_for()
+    page.get_by_role("button", name="Stop").first.click()
+    page.locator("#chat-status").get_by_text("Stopped: the reply so far is kept.").wait_for()
     assert page.get_by_text("A very long story please").count() >= 1
 
 
@@ -92,13 +93,14 @@ def test_image_chat_tab_two_turns_and_restart(page):
     page.locator("#image-chat-image input[type=file]").set_input_files("assets/examples/fruit_bowl.jpg")
     page.locator("#image-chat-image img").first.wait_for()
     box = page.get_by_placeholder("Ask about the image, Enter to send")
+    status = page.locator("#image-chat-status")
     box.fill("What is unusual here?")
     box.press("Enter")
-    page.get_by_text("tok/s").first.wait_for()
+    status.get_by_text("tok/s").wait_for()
     box.fill("Tell me more about the bowl")
     box.press("Enter")
     page.get_by_text("Tell me more about the bowl").wait_for()
-    page.wait_for_function("document.body.innerText.split('tok/s').length > 1")
+    status.get_by_text("tok/s").wait_for()
     assert page.get_by_text("What is unusual here?").count() >= 1
     assert page.locator("#image-chat-image img").count() >= 1  # the image stays beside the conversation
     page.get_by_role("button", name="Restart conversation").click()
