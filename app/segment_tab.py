@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gradio as gr
 import numpy as np
+from PIL import Image
 from gradio.data_classes import FileData
 from gradio.utils import get_upload_folder
 
@@ -25,6 +26,7 @@ POINTS, BOX = "Points", "Box (two clicks: opposite corners)"
 @dataclasses.dataclass
 class Session:
     handle: ImageHandle
+    display: np.ndarray = dataclasses.field(repr=False)  # the image at browser size, drawn on every click
     scale: float  # displayed pixels per original pixel
     points: list[list[float]] = dataclasses.field(default_factory=list)
     labels: list[int] = dataclasses.field(default_factory=list)
@@ -33,6 +35,13 @@ class Session:
     history: list[str] = dataclasses.field(default_factory=list)  # "point" | "box", for Undo
     prediction: Prediction | None = None
     chosen: int = 0
+
+
+def shrink(mask: np.ndarray | None, like: np.ndarray) -> np.ndarray | None:
+    """A full-size mask at the display copy's size (nearest neighbour keeps it binary)."""
+    if mask is None or mask.shape == like.shape[:2]:
+        return mask
+    return np.asarray(Image.fromarray(mask).resize((like.shape[1], like.shape[0]), Image.NEAREST))
 
 
 def _write_png(data: bytes) -> str:
@@ -46,13 +55,15 @@ def _write_png(data: bytes) -> str:
 
 def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
     def view(s: Session):
-        """(display image, gallery, download, status) for the session's current state."""
+        """(display image, gallery, download, status) for the session's current state. Drawing
+        happens at browser size, so a click on a 40-MP photo costs no more than on a small one."""
         p = s.prediction
         mask = p.masks[s.chosen] if p is not None else None
-        display, _ = fit_for_display(render_overlay(s.handle.image, mask, s.points, s.labels, s.box))
-        if s.corner is not None:
-            display = render_overlay(display, None, [[c * s.scale for c in s.corner]], [1])
-        gallery = [] if p is None else [(fit_for_display(render_overlay(s.handle.image, m), 256)[0],
+        shown = [[v * s.scale for v in point] for point in s.points + ([s.corner] if s.corner else [])]
+        labels = s.labels + ([1] if s.corner else [])
+        box = [v * s.scale for v in s.box] if s.box else None
+        display = render_overlay(s.display, shrink(mask, s.display), shown, labels, box)
+        gallery = [] if p is None else [(fit_for_display(render_overlay(s.display, shrink(m, s.display)), 256)[0],
                                          f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
                                         for i, (m, score) in enumerate(zip(p.masks, p.scores))]
         download = gr.DownloadButton(value=_write_png(mask_png(mask)) if mask is not None else None,
@@ -82,7 +93,7 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
             return None, None, [], gr.DownloadButton(value=None, interactive=False), ""
         try:
             image = load_image(path)
-            s = Session(seg.set_image(image), fit_for_display(image)[1])
+            s = Session(seg.set_image(image), *fit_for_display(image))
         except UserError as e:
             raise gr.Error(str(e)) from None
         return render(s)
@@ -127,14 +138,14 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
     def on_clear(s: Session | None):
         if s is None:
             return None, None, [], gr.DownloadButton(value=None, interactive=False), ""
-        s = Session(s.handle, s.scale)
+        s = Session(s.handle, s.display, s.scale)
         return render(s)
 
     def on_everything(s: Session | None):
         if s is None:
             raise gr.Error("upload or choose an image first")
         masks = seg.segment_everything(s.handle)
-        display, _ = fit_for_display(render_everything(s.handle.image, masks))
+        display = render_everything(s.display, [dataclasses.replace(m, mask=shrink(m.mask, s.display)) for m in masks])
         n = seg.everything_grid
         found = (f"{len(masks)} masks found from a {n}×{n} grid of points" if masks else
                  "no confident, stable masks found" + (" (the demo SAM has random weights)" if seg.is_demo else ""))
