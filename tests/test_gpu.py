@@ -1,0 +1,78 @@
+"""The pipelines on a CUDA GPU, as `launch.py` runs them there (bf16, CUDA graphs).
+
+Skipped without a GPU (CI has none); run on the lent H100 with `python3 -m pytest tests/test_gpu.py`.
+Each graphed path is checked against the same computation run eagerly.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (the CPU paths are covered by the other tests)", allow_module_level=True)
+
+from pipeline.chat import ChatPipeline  # noqa: E402
+from pipeline.image_chat import ImageChatPipeline  # noqa: E402
+from pipeline.images import load_image  # noqa: E402
+from pipeline.llm.demo import demo_model_dir  # noqa: E402
+from pipeline.llm.generate import Generator  # noqa: E402
+from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder  # noqa: E402
+from pipeline.sam.weights import resolve_sam  # noqa: E402
+from pipeline.segment import SegmentPipeline  # noqa: E402
+
+GREEDY = SamplingParams(max_new_tokens=300, temperature=0, repetition_penalty=1.0)
+
+
+@pytest.mark.parametrize("name", ["demo/qwen-v1-tiny", "demo/qwen2-tiny", "demo/llama-tiny"])
+def test_chat_on_gpu_graphs_match_eager(studio_cache, name):
+    pipe = ChatPipeline(demo_model_dir(name, studio_cache), name, device="cuda", dtype=torch.bfloat16,
+                        max_context=1024)
+    assert pipe.llm.generator.use_cuda_graphs
+    prompt = pipe.format.render([{"role": "user", "content": "Hello 你好"}])
+    graphed = list(pipe.llm.generator.stream(GREEDY, set(), prompt_ids=prompt))  # crosses a 256-token bucket
+    eager = list(Generator(pipe.llm.model, 1024, use_cuda_graphs=False).stream(GREEDY, set(), prompt_ids=prompt))
+    assert graphed == eager and len(graphed) == 300
+    pipe = ChatPipeline(demo_model_dir(name, studio_cache), name, device="cuda", dtype=torch.bfloat16,
+                        max_context=1024)
+    events = list(pipe.stream([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=20, seed=3)))
+    assert events[-1].stats.new_tokens > 0
+
+
+def test_image_chat_on_gpu(studio_cache):
+    llm = demo_model_dir("demo/llama-tiny", studio_cache)
+    vision_dir = demo_vision_dir(studio_cache, llm_width=64)
+    vision = load_vision_folder(vision_dir / "prerained_minigpt4_7b.pth", vision_dir, "cuda", torch.bfloat16)
+    pipe = ImageChatPipeline(vision, llm, "demo/llama-tiny", device="cuda", dtype=torch.bfloat16)
+    photo = load_image("assets/examples/fruit_bowl.jpg")
+    graphed = pipe.encode_image(photo)
+    with torch.inference_mode():
+        eager = pipe.vision(pipe.preprocess(photo).to("cuda", torch.bfloat16))[0]
+    assert torch.equal(graphed, eager)
+    first = list(pipe.stream(photo, [{"role": "user", "content": "What is it?"}], SamplingParams(max_new_tokens=12)))
+    answer = "".join(e.text for e in first)
+    second = list(pipe.stream(photo, [{"role": "user", "content": "What is it?"},
+                                      {"role": "assistant", "content": answer},
+                                      {"role": "user", "content": "Why?"}], SamplingParams(max_new_tokens=12)))
+    assert second[-1].stats.prompt_tokens > first[-1].stats.prompt_tokens and pipe.encoder_runs == 1
+
+
+def test_segment_on_gpu_graphs_match_eager(studio_cache):
+    seg = SegmentPipeline(resolve_sam("demo/sam-tiny", studio_cache), device="cuda", dtype=torch.bfloat16)
+    photo = load_image("assets/examples/shapes.jpg")
+    handle = seg.set_image(photo)
+    for points, labels, box in [([[100, 200]], [1], None), ([[100, 200], [500, 300]], [1, 0], None),
+                                ([[100, 200]], [1], [50, 50, 400, 400]), ([], [], [50, 50, 400, 400])]:
+        for _ in range(2):  # capture, then replay
+            result = seg.predict(handle, points, labels, box)
+        with torch.inference_mode():
+            embedding = seg._embedding(handle)
+            scale = torch.tensor([1024 / 800, 768 / 600], device="cuda")
+            pts = (torch.tensor([points], device="cuda") * scale, torch.tensor([labels], device="cuda")) \
+                if points else None
+            bx = (torch.tensor([box], device="cuda").view(1, 2, 2) * scale).view(1, 4) if box else None
+            low, _ = seg.model.decode(embedding, pts, bx, None, True)
+        assert np.array_equal(result.low_res_logits, low[0].float().cpu().numpy())
+        assert result.masks.shape == (3, 600, 800)
+    assert seg.stats.encoder_runs == 1
+    assert isinstance(seg.segment_everything(handle, points_per_side=8), list)
