@@ -173,3 +173,10 @@ def test_reply_fills_context_with_notice(qwen_v1_demo):
     if last.stats.finish_reason == "context":
         assert "context" in last.notice
     assert last.stats.prompt_tokens + last.stats.new_tokens <= 64
+
+
+def test_a_model_without_chat_format_is_refused_clearly(studio_cache):
+    from pipeline.llm.demo import demo_model_dir
+
+    with pytest.raises(UserError, match="neither a chat template nor ChatML"):
+        ChatPipeline(demo_model_dir("demo/llama-tiny", studio_cache), "demo/llama-tiny")
