@@ -134,6 +134,16 @@ def main() -> None:
     eager = Generator(ours, max_seq_len=2048, use_cuda_graphs=False)
     res["ours_eager_decode_tok_s"] = round(ours_decode(eager, ids, SamplingParams(
         max_new_tokens=64, temperature=0, repetition_penalty=1.0))[1].tokens_per_s, 1)
+    import plugins.fused
+
+    plugins.fused.ENABLED = False  # the same decoder with stock torch ops between the GEMVs
+    unfused = Generator(ours, max_seq_len=2048)
+    ours_decode(unfused, ids, GREEDY)
+    res["ours_graph_decode_tok_s_unfused"] = round(ours_decode(unfused, ids, GREEDY)[1].tokens_per_s, 1)
+    unfused_tokens, _ = ours_decode(Generator(ours, max_seq_len=2048), ids, check)
+    plugins.fused.ENABLED = True
+    res["fused_vs_unfused_greedy_prefix_match_of_32"] = next(
+        (i for i, (a, b) in enumerate(zip(graph_tokens, unfused_tokens)) if a != b), 32)
     graphed = Generator(ours, max_seq_len=2048)
     first = SamplingParams(max_new_tokens=1, temperature=0, repetition_penalty=1.0)
     ttft = sorted(ours_decode(graphed, ids, first)[1].time_to_first_token_s for _ in range(7))[3]
@@ -176,6 +186,7 @@ def main() -> None:
                      round(res["ours_graph_decode_tok_s"] / res["hf_static_compiled_decode_tok_s"], 2)))
     rows.append(("ratio ours_graph / hf_eager", round(res["ours_graph_decode_tok_s"] / res["hf_eager_decode_tok_s"], 2)))
     rows.append(("ours_graph / roofline", round(res["ours_graph_decode_tok_s"] / res["roofline_tok_s"], 2)))
+    rows.append(("fused / unfused decode", round(res["ours_graph_decode_tok_s"] / res["ours_graph_decode_tok_s_unfused"], 2)))
     rows.append(("ratio prefill hf / ours", round(res["hf_prefill1024_ms"] / res["ours_prefill1024_ms"], 2)))
     print("\n".join(f"{k:45s} {v}" for k, v in rows))
 

@@ -76,3 +76,28 @@ def test_segment_on_gpu_graphs_match_eager(studio_cache):
         assert result.masks.shape == (3, 600, 800)
     assert seg.stats.encoder_runs == 1
     assert isinstance(seg.segment_everything(handle, points_per_side=8), list)
+
+
+def test_fused_kernels_match_the_torch_reference():
+    from plugins.fused import (rms_norm, rms_norm_reference, rotary_, rotary_reference, silu_mul,
+                               silu_mul_reference)
+
+    def close(a, b, tol):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        return rel <= tol and (a == b).float().mean().item() > 0.9
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n in (64, 3584, 4096):  # demo, Qwen2.5-7B and Qwen-7B widths
+        x = torch.randn(5, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+        assert close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), 1e-3)
+    for n in (128, 11008, 18944):
+        gu = torch.randn(3, 2 * n, device="cuda", dtype=torch.bfloat16, generator=g)
+        assert close(silu_mul(gu), silu_mul_reference(gu), 1e-3)
+    qkv = torch.randn(1, 6, (32 + 2 * 4) * 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = qkv[..., :32 * 128].view(1, 6, 32, 128)  # a strided view, as in the decoder
+    cos, sin = torch.randn(6, 128, device="cuda", generator=g), torch.randn(6, 128, device="cuda", generator=g)
+    expected = rotary_reference(q.clone(), cos[:, None].to(q.dtype), sin[:, None].to(q.dtype))
+    out = rotary_(q, cos, sin)
+    assert out.data_ptr() == q.data_ptr()  # in place
+    assert ((out.float() - expected.float()).norm() / expected.float().norm()).item() <= 4e-3

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.llm.config import DecoderConfig
+from plugins.fused import rms_norm, rotary_, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -28,10 +29,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32 as every reference implementation does; bf16 variance loses digits.
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
+        # Normalised in fp32 as every reference implementation does (bf16 variance loses digits);
+        # one fused kernel on CUDA.
+        return rms_norm(x, self.weight, self.eps)
 
 
 class KVCache(nn.Module):
@@ -47,11 +47,6 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, input_pos, k)
         self.v.index_copy_(2, input_pos, v)
         return self.k, self.v
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def rope_tables(head_dim: int, max_seq: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
@@ -98,9 +93,7 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotary_(q, cos, sin), rotary_(k, cos, sin)
         if logn is not None:
             q = q * logn[:, None, None].to(q.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
@@ -121,8 +114,7 @@ class FeedForward(nn.Module):
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(silu_mul(self.w_gate_up(x)))
 
 
 class Block(nn.Module):
