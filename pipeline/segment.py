@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from pipeline.cuda_graphs import CapturedCall
 from pipeline.errors import UserError
 from pipeline.sam.graphed_decoder import GraphedDecoder
 from pipeline.sam.model import load_sam
@@ -74,6 +75,7 @@ class SegmentPipeline:
         self.everything_grid = 32 if self.model.device.type == "cuda" else 12
         # Clicks replay captured CUDA graphs on a GPU (launch overhead dominates a click); eager elsewhere.
         self._decode = GraphedDecoder(self.model) if self.model.device.type == "cuda" else self.model.decode
+        self._graphed_encoder: CapturedCall | None = None
         c = self.model.config
         self.description = (f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth} · torch · {device} · "
                             f"{str(dtype).removeprefix('torch.')}")
@@ -98,7 +100,11 @@ class SegmentPipeline:
             pixels = torch.from_numpy(resized).to(self.model.device).permute(2, 0, 1)
             x = self.model.preprocess(pixels).to(self.dtype)
             try:
-                embedding = self.model.image_encoder(x).float()
+                if self.model.device.type == "cuda":  # Python launches leave the GPU idle: replay a graph
+                    self._graphed_encoder = self._graphed_encoder or CapturedCall(self.model.image_encoder, x)
+                    embedding = self._graphed_encoder(x).float()
+                else:
+                    embedding = self.model.image_encoder(x).float()
             except torch.OutOfMemoryError:
                 raise UserError("the GPU ran out of memory encoding this image; close other tools or "
                                 "use a smaller SAM variant") from None

@@ -7,6 +7,7 @@ Each graphed path is checked against the same computation run eagerly.
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU paths are covered by the other tests)", allow_module_level=True)
@@ -61,6 +62,10 @@ def test_segment_on_gpu_graphs_match_eager(studio_cache):
     seg = SegmentPipeline(resolve_sam("demo/sam-tiny", studio_cache), device="cuda", dtype=torch.bfloat16)
     photo = load_image("assets/examples/shapes.jpg")
     handle = seg.set_image(photo)
+    with torch.inference_mode():
+        pixels = torch.from_numpy(np.array(Image.fromarray(photo).resize((1024, 768), Image.BILINEAR))).cuda()
+        eager = seg.model.image_encoder(seg.model.preprocess(pixels.permute(2, 0, 1)).to(torch.bfloat16)).float()
+    assert torch.equal(seg._embedding(handle), eager)  # the replayed encoder graph
     for points, labels, box in [([[100, 200]], [1], None), ([[100, 200], [500, 300]], [1, 0], None),
                                 ([[100, 200]], [1], [50, 50, 400, 400]), ([], [], [50, 50, 400, 400])]:
         for _ in range(2):  # capture, then replay

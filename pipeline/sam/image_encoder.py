@@ -2,8 +2,8 @@
 positions, then a conv neck to the 256-channel image embedding (Kirillov et al., 2023).
 
 Parameter names follow the official checkpoints (`image_encoder.blocks.N.attn.rel_pos_h`, …) so
-`sam_vit_{b,l,h}_*.pth` load as they are. Attention runs through SDPA with the relative-position
-terms as an additive bias, which lets PyTorch pick a fused kernel.
+`sam_vit_{b,l,h}_*.pth` load as they are. Attention runs through one SDPA call with the
+relative-position terms folded into q and k (see `Attention.forward`), so no bias is materialised.
 """
 
 from __future__ import annotations
@@ -62,16 +62,35 @@ class Attention(nn.Module):
         self.rel_pos_w = nn.Parameter(torch.zeros(2 * input_size[1] - 1, head_dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        """Attention with SAM's decomposed relative positions, folded into q and k.
+
+        The position term of query i and key j is rel_h[i, row(j)] + rel_w[i, col(j)]. Rather than
+        materialise it as an [hw, hw] bias per head (half a gigabyte per global layer at ViT-H),
+        q gets rel_h and rel_w appended and k gets one-hot row and column indicators, so one
+        plain attention call (flash kernels included) computes scale·q·k + both terms.
+        """
         b, h, w, _ = x.shape
         qkv = self.qkv(x).reshape(b, h * w, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # [b, heads, h*w, head_dim]
+        head_dim = q.shape[-1]
         rh = relative_positions(h, h, self.rel_pos_h).to(q.dtype)
         rw = relative_positions(w, w, self.rel_pos_w).to(q.dtype)
-        r_q = q.reshape(b, self.num_heads, h, w, -1)
-        rel_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, rh)
-        rel_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, rw)
-        bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(b, self.num_heads, h * w, h * w)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        r_q = q.reshape(b, self.num_heads, h, w, head_dim)
+        rel_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, rh).reshape(b, self.num_heads, h * w, h)
+        rel_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, rw).reshape(b, self.num_heads, h * w, w)
+        width = head_dim + h + w
+        width += -width % 8  # fused kernels want head sizes in multiples of 8; the padding stays zero
+        shape = (b, self.num_heads, h * w, width)
+        q_aug, k_aug, v_aug = (q.new_zeros(shape) for _ in range(3))
+        q_aug[..., :head_dim] = q * head_dim ** -0.5
+        q_aug[..., head_dim:head_dim + h] = rel_h
+        q_aug[..., head_dim + h:head_dim + h + w] = rel_w
+        k_aug[..., :head_dim] = k
+        k_aug[..., head_dim:head_dim + h] = torch.eye(h, dtype=q.dtype, device=q.device).repeat_interleave(w, 0)
+        k_aug[..., head_dim + h:head_dim + h + w] = torch.eye(w, dtype=q.dtype, device=q.device).repeat(h, 1)
+        v_aug[..., :head_dim] = v
+        q, k, v = q_aug, k_aug, v_aug
+        y = F.scaled_dot_product_attention(q, k, v, scale=1.0)[..., :head_dim]
         return self.proj(y.transpose(1, 2).reshape(b, h, w, -1))
 
 
