@@ -159,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[studio] loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s", flush=True)
         start = time.perf_counter()
         image_chat = load_image_chat(args, plan)
-        print(f"[studio] loaded {image_chat.description} in {time.perf_counter() - start:.1f} s", flush=True)
+        image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)
+        print(f"[studio] loaded and warmed up {image_chat.description} in {time.perf_counter() - start:.1f} s",
+              flush=True)
         app = build_app(chat, image_chat, segment, [n for n in plan.notes if n.startswith("backend")])
         app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                       share=args.share, auth=auth, show_error=True)
