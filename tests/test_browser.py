@@ -51,8 +51,10 @@ def test_chat_streams_survives_reload_and_clears(page):
 
 
 def test_stop_keeps_the_partial_reply(page):
-    page.locator("#chat-max-new-tokens input[type=number]").fill("4000")
-    page.locator("#chat-max-new-tokens input[type=number]").press("Enter")
+    # Greedy: the random demo model then never samples an end token, so the reply is still running.
+    for control, value in (("#chat-max-new-tokens", "4000"), ("#chat-temperature", "0")):
+        page.locator(f"{control} input[type=number]").fill(value)
+        page.locator(f"{control} input[type=number]").press("Enter")
     send(page, "A very long story please")
     page.locator("#chat-status").get_by_text("generating…").wait_for()
     page.get_by_role("button", name="Stop").first.click()
