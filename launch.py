@@ -105,6 +105,7 @@ def load_image_chat(args: argparse.Namespace, plan: Plan):
     import torch
 
     from pipeline.image_chat import ImageChatPipeline
+    from pipeline.llm.checkpoint import read_config
     from pipeline.llm.demo import demo_model_dir
     from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder
     from pipeline.models import cache_dir
@@ -115,7 +116,7 @@ def load_image_chat(args: argparse.Namespace, plan: Plan):
         return ImageChatPipeline(vision, args.minigpt4_llm, args.minigpt4_llm.name, args.minigpt4_template,
                                  plan.device, dtype, max_context=2048)
     llm = demo_model_dir("demo/llama-tiny", cache_dir())
-    vision_dir = demo_vision_dir(cache_dir(), llm_width=64)
+    vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm).hidden_size)
     vision = load_vision_folder(vision_dir / "prerained_minigpt4_7b.pth", vision_dir, plan.device, dtype)
     return ImageChatPipeline(vision, llm, "demo/llama-tiny", args.minigpt4_template, plan.device, dtype,
                              max_context=2048, is_demo=True)

@@ -207,7 +207,3 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
         return FileData(path=_write_png(mask_png(result.masks[best]))), json.dumps(info)
 
     gr.api(segment, api_name="segment")
-
-
-def example_images(folder: Path) -> list[str]:
-    return sorted(str(p) for p in folder.glob("*.jpg"))

@@ -10,7 +10,7 @@ import gradio as gr
 
 from app.chat_tab import build_chat_tab
 from app.image_chat_tab import build_image_chat_tab
-from app.segment_tab import build_segment_tab, example_images
+from app.segment_tab import build_segment_tab
 from pipeline.chat import ChatPipeline
 from pipeline.image_chat import ImageChatPipeline
 from pipeline.models import cache_dir
@@ -27,6 +27,11 @@ MINIGPT4_DEMO_WARNING = ("**Demo MiniGPT-4.** Tiny vision and language models wi
 SAM_DEMO_WARNING = ("**Demo SAM.** A tiny SAM with *random weights* is running: masks follow your clicks "
                     "mechanically but mean nothing. Start with `--sam sam_vit_h` (downloads 2.4 GB) or "
                     "`--sam /path/to/sam_vit_h_4b8939.pth` for real masks.")
+
+
+def example_images() -> list[str]:
+    """The sample photos offered by the image tabs."""
+    return sorted(str(p) for p in EXAMPLES.glob("*.jpg"))
 
 
 def browser_storage_secret() -> str:
@@ -54,9 +59,9 @@ def build_app(chat: ChatPipeline, image_chat: ImageChatPipeline, segment: Segmen
         with gr.Tab("Image chat"):
             if image_chat.is_demo:
                 gr.Markdown(MINIGPT4_DEMO_WARNING)
-            build_image_chat_tab(image_chat, example_images(EXAMPLES))
+            build_image_chat_tab(image_chat, example_images())
         with gr.Tab("Segment"):
             if segment.is_demo:
                 gr.Markdown(SAM_DEMO_WARNING)
-            build_segment_tab(segment, example_images(EXAMPLES))
+            build_segment_tab(segment, example_images())
     return demo
