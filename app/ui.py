@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from app.chat_tab import build_chat_tab
 from app.image_chat_tab import build_image_chat_tab
 from app.segment_tab import build_segment_tab
 from pipeline.chat import ChatPipeline
+from pipeline.files import atomic_write
 from pipeline.image_chat import ImageChatPipeline
 from pipeline.models import cache_dir
 from pipeline.segment import SegmentPipeline
@@ -39,11 +39,7 @@ def browser_storage_secret() -> str:
     conversations saved in the browser survive an app restart."""
     path = cache_dir() / "browser-storage.key"
     if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(secrets.token_urlsafe(32))
-        tmp.chmod(0o600)
-        os.replace(tmp, path)
+        atomic_write(path, secrets.token_urlsafe(32), mode=0o600)
     return path.read_text().strip()
 
 

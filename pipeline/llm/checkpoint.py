@@ -8,22 +8,21 @@ q/k/v, `mlp.w1` is up, `mlp.w2` is gate). Every format maps onto the decoder's o
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from pipeline.errors import UserError
-from pipeline.llm.config import DecoderConfig, config_from_hf, hf_config_dict, qwen_v1_config_dict
+from pipeline.files import atomic_folder
+from pipeline.llm.config import CONFIG_WRITERS, DecoderConfig, config_from_hf
+from pipeline.llm.families import QWEN_V1, Layout, family_of
 from pipeline.llm.model import Decoder
+from pipeline.weights_io import read_json, read_weight_file
 
 StateDict = dict[str, Tensor]
 
@@ -32,14 +31,14 @@ def read_config(folder: Path) -> DecoderConfig:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise UserError(f"no config.json in {folder}: point at a model folder (with config.json and weights)")
-    return config_from_hf(json.loads(path.read_text()))
+    return config_from_hf(read_json(path))
 
 
 def _weight_files(folder: Path) -> list[Path]:
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = folder / index_name
         if index.is_file():
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(read_json(index).get("weight_map", {}).values()))
             return [folder / n for n in names]
     for single in ("model.safetensors", "pytorch_model.bin"):
         if (folder / single).is_file():
@@ -59,11 +58,7 @@ def read_tensors(folder: Path, dtype: torch.dtype | None = None) -> StateDict:
         raise UserError(f"checkpoint in {folder} is incomplete: missing {', '.join(missing)}")
     tensors: StateDict = {}
     for path in tqdm(files, desc=f"loading {folder.name}", unit="shard", disable=len(files) < 2):
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt") as f:
-                part = {k: f.get_tensor(k) for k in f.keys()}
-        else:
-            part = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        part = read_weight_file(path, "model weights")
         tensors.update({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
                         for k, v in part.items()})
     return tensors
@@ -74,37 +69,6 @@ def _take(raw: StateDict, key: str) -> Tensor:
         return raw.pop(key)
     except KeyError:
         raise UserError(f"checkpoint lacks tensor {key!r}: wrong model type or a truncated download?") from None
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """Where a checkpoint format keeps each decoder tensor. `renames` maps per-layer decoder names to
-    the format's; `qkv` and `gate_up` name the pieces our fused tensors are concatenated from."""
-
-    embed: str
-    norm: str
-    layer: str  # prefix with {} for the layer index
-    renames: dict[str, str]
-    gate_up: tuple[str, str]
-    qkv: tuple[str, str, str] | None = None  # None: the format fuses q/k/v as we do (and renames it)
-
-
-HF_LAYOUT = Layout(
-    embed="model.embed_tokens.weight", norm="model.norm.weight", layer="model.layers.{}.",
-    renames={"attn.wo.weight": "self_attn.o_proj.weight", "attn_norm.weight": "input_layernorm.weight",
-             "mlp_norm.weight": "post_attention_layernorm.weight", "mlp.w_down.weight": "mlp.down_proj.weight",
-             "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"},
-    gate_up=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    qkv=("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj."),
-)
-# Qwen v1 computes w1(x) * silu(w2(x)): w2 is the gate, w1 the up projection.
-QWEN_V1_LAYOUT = Layout(
-    embed="transformer.wte.weight", norm="transformer.ln_f.weight", layer="transformer.h.{}.",
-    renames={"attn.wqkv.weight": "attn.c_attn.weight", "attn.wqkv.bias": "attn.c_attn.bias",
-             "attn.wo.weight": "attn.c_proj.weight", "attn_norm.weight": "ln_1.weight",
-             "mlp_norm.weight": "ln_2.weight", "mlp.w_down.weight": "mlp.c_proj.weight"},
-    gate_up=("mlp.w2.weight", "mlp.w1.weight"),
-)
 
 
 def _layer_names(config: DecoderConfig, layout: Layout) -> dict[str, str]:
@@ -150,7 +114,7 @@ def from_internal(config: DecoderConfig, sd: StateDict, layout: Layout) -> State
 
 
 def layout_of(config: DecoderConfig) -> Layout:
-    return QWEN_V1_LAYOUT if config.family == "qwen" else HF_LAYOUT
+    return family_of(config.family).layout
 
 
 def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
@@ -176,14 +140,18 @@ def write_checkpoint(folder: Path, config: DecoderConfig, sd: StateDict, fmt: st
                      max_shard_bytes: int = 4 << 30) -> None:
     """Write `sd` (decoder names) as a `fmt` ("hf" or "qwen") folder, sharding with an index past
     `max_shard_bytes`. Written to a temporary folder and renamed, so a crash leaves nothing half-done."""
-    folder = Path(folder)
-    if fmt == "hf":
-        raw, cfg = from_internal(config, sd, HF_LAYOUT), hf_config_dict(config)
-    elif fmt == "qwen":
-        raw, cfg = from_internal(config, sd, QWEN_V1_LAYOUT), qwen_v1_config_dict(config)
-    else:
+    with atomic_folder(folder) as tmp:
+        write_checkpoint_files(tmp, config, sd, fmt, max_shard_bytes)
+
+
+def write_checkpoint_files(folder: Path, config: DecoderConfig, sd: StateDict, fmt: str,
+                           max_shard_bytes: int = 4 << 30) -> None:
+    """`write_checkpoint`'s files, written into the existing `folder` (for callers that add more files
+    to it and make the whole folder atomic themselves)."""
+    if fmt not in CONFIG_WRITERS:
         raise ValueError(f"unknown checkpoint format {fmt!r}")
-    raw = _contiguous(raw)
+    cfg = CONFIG_WRITERS[fmt](config)
+    raw = _contiguous(from_internal(config, sd, family_of(cfg["model_type"]).layout))
     cfg["torch_dtype"] = str(sd["embed.weight"].dtype).removeprefix("torch.")
     shards: list[dict[str, Tensor]] = [{}]
     size = 0
@@ -194,27 +162,18 @@ def write_checkpoint(folder: Path, config: DecoderConfig, sd: StateDict, fmt: st
             size = 0
         shards[-1][key] = t
         size += nbytes
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for n, shard in enumerate(shards, 1):
-                name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, name))
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in raw.values())},
-                     "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for n, shard in enumerate(shards, 1):
+        name = f"model-{n:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in raw.values())},
+             "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 TOKENIZER_FILES = ("qwen.tiktoken", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
@@ -227,12 +186,13 @@ def convert_qwen_v1_to_hf(src: Path, dst: Path) -> None:
     Qwen2 has no logn scaling or dynamic NTK, so the result matches Qwen v1 within `seq_length`.
     Tokenizer files are copied as they are.
     """
-    src, dst = Path(src), Path(dst)
+    src = Path(src)
     config = read_config(src)
-    if config.family != "qwen":
+    if config.family != QWEN_V1.model_type:
         raise UserError(f"{src} is not a Qwen v1 checkpoint (model_type {config.family!r})")
-    sd = to_internal(config, read_tensors(src), QWEN_V1_LAYOUT)
-    write_checkpoint(dst, config, sd, "hf")
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+    sd = to_internal(config, read_tensors(src), QWEN_V1.layout)
+    with atomic_folder(dst) as tmp:
+        write_checkpoint_files(tmp, config, sd, "hf")
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)

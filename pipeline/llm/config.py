@@ -1,7 +1,8 @@
 """One config for every decoder we run, derived from the checkpoint's own `config.json`.
 
 The families differ only in a few switches (qkv bias, qk-norm, GQA, Qwen v1's logn scaling and
-dynamic NTK), so one dataclass describes them all and the model code reads only this.
+dynamic NTK), so one dataclass describes them all and the model code reads only this. Which family
+has which switches is `families.FAMILIES`' business; this module reads and writes config.json.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ import dataclasses
 from typing import Any
 
 from pipeline.errors import UserError
-
-FAMILIES = ("qwen", "qwen2", "qwen3", "llama")
+from pipeline.llm.families import FAMILIES, QWEN_V1, family_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,11 @@ class DecoderConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def trained_context(self) -> int:
+        """The context it was trained on (Qwen v1 runs past it with dynamic NTK)."""
+        return self.seq_length or self.max_position_embeddings
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -63,17 +68,13 @@ def _rope_theta(cfg: dict) -> float:
 
 def config_from_hf(cfg: dict) -> DecoderConfig:
     """Map a transformers-style `config.json` (Qwen2/2.5, Qwen3, LLaMA/Vicuna) or a Qwen v1 one."""
-    model_type = cfg.get("model_type")
-    if model_type == "qwen":
-        return _config_from_qwen_v1(cfg)
-    if model_type not in ("qwen2", "qwen3", "llama"):
-        raise UserError(
-            f"model_type {model_type!r} is not supported; supported: Qwen v1, Qwen2/2.5, Qwen3, LLaMA/Vicuna"
-        )
+    family = family_of(cfg.get("model_type"))
     _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if not family.is_transformers:
+        return _config_from_qwen_v1(cfg)
     heads = cfg["num_attention_heads"]
     return DecoderConfig(
-        family=model_type,
+        family=family.model_type,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -84,21 +85,20 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=_rope_theta(cfg),
-        qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qkv_bias=family.qkv_bias if family.qkv_bias is not None else bool(cfg.get("attention_bias", False)),
+        qk_norm=family.qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
 
 
 def _config_from_qwen_v1(cfg: dict) -> DecoderConfig:
     """Qwen-7B-Chat's config: `intermediate_size` counts w1 and w2 together, so it halves."""
-    _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     if cfg.get("rotary_pct", 1.0) != 1.0:
         raise UserError("Qwen v1 checkpoints with rotary_pct != 1 are not supported")
     heads = cfg["num_attention_heads"]
     seq_length = cfg.get("seq_length", 2048)
     return DecoderConfig(
-        family="qwen",
+        family=QWEN_V1.model_type,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"] // 2,
@@ -110,7 +110,8 @@ def _config_from_qwen_v1(cfg: dict) -> DecoderConfig:
         max_position_embeddings=32768 if cfg.get("use_dynamic_ntk", False) else seq_length,
         rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-6),
         rope_theta=float(cfg.get("rotary_emb_base", 10000.0)),
-        qkv_bias=True,
+        qkv_bias=QWEN_V1.qkv_bias,
+        qk_norm=QWEN_V1.qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         logn_attn=bool(cfg.get("use_logn_attn", False)),
         dynamic_ntk=bool(cfg.get("use_dynamic_ntk", False)),
@@ -120,11 +121,10 @@ def _config_from_qwen_v1(cfg: dict) -> DecoderConfig:
 
 def hf_config_dict(config: DecoderConfig) -> dict[str, Any]:
     """The transformers `config.json` for our config (Qwen v1 is written as Qwen2, its closest kin)."""
-    model_type = "qwen2" if config.family == "qwen" else config.family
-    archs = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+    family = FAMILIES[family_of(config.family).transformers_type]
     out: dict[str, Any] = {
-        "architectures": [archs[model_type]],
-        "model_type": model_type,
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -132,24 +132,25 @@ def hf_config_dict(config: DecoderConfig) -> dict[str, Any]:
         "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "max_position_embeddings": config.seq_length if config.family == "qwen" else config.max_position_embeddings,
+        "max_position_embeddings": config.trained_context,
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "tie_word_embeddings": config.tie_word_embeddings,
         "hidden_act": "silu",
     }
-    if model_type == "llama":
+    if family.qkv_bias is None:
         out["attention_bias"] = config.qkv_bias
     return out
 
 
 def qwen_v1_config_dict(config: DecoderConfig) -> dict[str, Any]:
     """Qwen v1's own `config.json` layout, as Qwen-7B-Chat ships it."""
-    if config.num_kv_heads != config.num_heads or not config.qkv_bias or config.qk_norm:
+    if (config.num_kv_heads != config.num_heads or config.qkv_bias != QWEN_V1.qkv_bias
+            or config.qk_norm != QWEN_V1.qk_norm):
         raise UserError("only MHA decoders with qkv bias and no qk-norm can be written in Qwen v1 format")
     return {
-        "architectures": ["QWenLMHeadModel"],
-        "model_type": "qwen",
+        "architectures": [QWEN_V1.architecture],
+        "model_type": QWEN_V1.model_type,
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size * 2,
@@ -159,9 +160,12 @@ def qwen_v1_config_dict(config: DecoderConfig) -> dict[str, Any]:
         "layer_norm_epsilon": config.rms_norm_eps,
         "rotary_emb_base": config.rope_theta,
         "rotary_pct": 1.0,
-        "seq_length": config.seq_length or config.max_position_embeddings,
+        "seq_length": config.trained_context,
         "use_dynamic_ntk": config.dynamic_ntk,
         "use_logn_attn": config.logn_attn,
         "no_bias": True,
         "tie_word_embeddings": config.tie_word_embeddings,
     }
+
+
+CONFIG_WRITERS = {"hf": hf_config_dict, "qwen": qwen_v1_config_dict}  # write_checkpoint's formats

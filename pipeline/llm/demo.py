@@ -14,15 +14,13 @@ emoji, code), so multi-byte characters really are split across tokens, as in the
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from filelock import FileLock
 
-from pipeline.llm.checkpoint import write_checkpoint
+from pipeline.files import atomic_folder
+from pipeline.llm.checkpoint import write_checkpoint_files
 from pipeline.llm.config import DecoderConfig
 from pipeline.llm.model import Decoder
 from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, write_tiktoken_ranks
@@ -136,10 +134,7 @@ def _build(name: str, folder: Path) -> None:
             max_position_embeddings=32768 if qwen_v1 else 1024, rope_theta=10000.0, qkv_bias=True,
             logn_attn=qwen_v1, dynamic_ntk=qwen_v1, seq_length=256 if qwen_v1 else 0,
         )
-    write_checkpoint(folder / "weights", config, _random_weights(config), fmt)
-    for f in (folder / "weights").iterdir():
-        os.replace(f, folder / f.name)
-    (folder / "weights").rmdir()
+    write_checkpoint_files(folder, config, _random_weights(config), fmt)
 
 
 def demo_model_dir(name: str, cache_dir: Path) -> Path:
@@ -152,11 +147,6 @@ def demo_model_dir(name: str, cache_dir: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
         if not (folder / "config.json").is_file():
-            tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-            try:
+            with atomic_folder(folder) as tmp:
                 _build(name, tmp)
-                os.replace(tmp, folder)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
     return folder

@@ -13,19 +13,17 @@ All `.pth` files load with `weights_only=True`.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 from pathlib import Path
 
 import torch
 from filelock import FileLock
-from safetensors import safe_open
 from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.minigpt4.vision import TINY, MiniGPT4Vision, VisionConfig
 from pipeline.random_weights import spread_weights
+from pipeline.weights_io import read_json, read_weight_file, write_weight_file
 
 # transformers BLIP-2 name → original name (EVA ViT-g / BLIP-2 / MiniGPT-4)
 HF_TO_ORIGINAL = [
@@ -91,29 +89,18 @@ def config_from_tensors(state: dict[str, Tensor], llm_width: int | None = None) 
         llm_width=llm_width or state["llama_proj.weight"].shape[0])
 
 
-def _load_pth(path: Path) -> dict[str, Tensor]:
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist") from None
-    except Exception as e:
-        raise UserError(f"cannot read {path}: {type(e).__name__}: {e}") from None
-    return data.get("model", data) if isinstance(data, dict) else {}
-
-
 def read_hf_blip2(folder: Path) -> dict[str, Tensor]:
     """Only the vision, Q-Former and query tensors of a transformers BLIP-2 folder (not its LLM)."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+    files = sorted(set(read_json(index).get("weight_map", {}).values())) if index.is_file() else \
         [p.name for p in folder.glob("*.safetensors")]
     if not files:
         raise UserError(f"no safetensors files in {folder}")
     wanted = re.compile(r"^(vision_model\.|qformer\.|query_tokens$)")
     out = {}
     for name in files:
-        with safe_open(str(folder / name), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys() if wanted.match(k)})
+        out.update(read_weight_file(folder / name, "BLIP-2 weights", keep=wanted.match))
     return out
 
 
@@ -124,14 +111,14 @@ def load_vision(minigpt4_ckpt: Path, *, eva: Path | None = None, blip2: Path | N
     if hf_blip2 is not None:
         state = hf_to_original(read_hf_blip2(hf_blip2))
     elif eva is not None and blip2 is not None:
-        eva_state = _load_pth(eva)
+        eva_state = read_weight_file(eva, "EVA ViT-g weights")
         state = {k if k.startswith("visual_encoder.") else f"visual_encoder.{k}": v for k, v in eva_state.items()}
-        state.update({k: v for k, v in _load_pth(blip2).items()
-                      if k.startswith(("Qformer.bert.", "query_tokens", "ln_vision.", "visual_encoder."))})
+        state.update(read_weight_file(blip2, "BLIP-2 weights", keep=lambda k: k.startswith(
+            ("Qformer.bert.", "query_tokens", "ln_vision.", "visual_encoder."))))
     else:
         raise UserError("give the vision weights: eva_vit_g.pth + blip2_pretrained_flant5xxl.pth, "
                         "or a transformers BLIP-2 folder")
-    state.update({k: v for k, v in _load_pth(minigpt4_ckpt).items() if k.startswith("llama_proj.")})
+    state.update(read_weight_file(minigpt4_ckpt, "MiniGPT-4 checkpoint", keep=lambda k: k.startswith("llama_proj.")))
     config = config_from_tensors(state)
     with torch.device("meta"):
         model = MiniGPT4Vision(config)
@@ -149,12 +136,9 @@ def build_demo(folder: Path, llm_width: int) -> None:
     eva = {k.removeprefix("visual_encoder."): v for k, v in state.items() if k.startswith("visual_encoder.")}
     blip2 = {k: v for k, v in state.items() if k.startswith(("Qformer.", "query_tokens", "ln_vision."))}
     minigpt4 = {k: v for k, v in state.items() if k.startswith("llama_proj.")}
-    folder.mkdir(parents=True, exist_ok=True)
     for name, part in (("eva_vit_g.pth", eva), ("blip2_pretrained_flant5xxl.pth", {"model": blip2}),
                        ("prerained_minigpt4_7b.pth", {"model": minigpt4})):
-        tmp = folder / f"{name}.{os.getpid()}.tmp"
-        torch.save(part, tmp)
-        os.replace(tmp, folder / name)
+        write_weight_file(folder / name, part)
 
 
 def load_vision_folder(minigpt4_ckpt: Path, vision_dir: Path, device: str | torch.device = "cpu",

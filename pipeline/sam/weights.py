@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -11,6 +10,7 @@ from filelock import FileLock
 from pipeline.errors import UserError
 from pipeline.random_weights import spread_weights
 from pipeline.sam.model import VARIANTS, Sam
+from pipeline.weights_io import write_weight_file
 
 CHECKPOINTS = {  # the official releases (facebookresearch/segment-anything)
     "sam_vit_h": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_h_4b8939.pth",
@@ -21,15 +21,9 @@ DEMO = "demo/sam-tiny"
 DEMO_SEED = 4321
 
 
-def _atomic_save(state: dict, path: Path) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
 def _build_demo(path: Path) -> None:
     """Random weights with some spread (so clicks give varied masks), in the official `.pth` layout."""
-    _atomic_save(spread_weights(Sam(VARIANTS["demo"]), DEMO_SEED).state_dict(), path)
+    write_weight_file(path, spread_weights(Sam(VARIANTS["demo"]), DEMO_SEED).state_dict())
 
 
 def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:

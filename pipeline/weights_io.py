@@ -1,0 +1,112 @@
+"""Reading and writing weight files (safetensors, PyTorch `.bin`/`.pth`) for every loader.
+
+Weight files are big downloads, so users meet truncated, corrupt and mixed-up ones; each of those
+becomes one `UserError` that names the file and says what to do, here, instead of a traceback from
+whichever loader met it. `.bin`/`.pth` files load with `weights_only=True`: a pickle holding code is
+refused, never run.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from pipeline.errors import UserError
+from pipeline.files import atomic_write
+
+ZIP_MAGIC, PICKLE_MAGIC, LFS_POINTER = b"PK", b"\x80", b"version https://git-lfs"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else 'no details'}"[:200]
+
+
+def _read_safetensors(path: Path, keep: Callable[[str], bool]) -> dict[str, Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+
+
+def _read_torch(path: Path, mmap: bool) -> dict[str, Tensor]:
+    """A `.bin`/`.pth` state dict; one wrapped in a `model` entry (LAVIS, MiniGPT-4) is unwrapped."""
+    data = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    if isinstance(data, dict) and isinstance(data.get("model"), dict):
+        data = data["model"]
+    if not isinstance(data, dict):
+        raise UserError(f"it holds a {type(data).__name__}, not named tensors; give a state dict checkpoint")
+    bad = next((k for k, v in data.items() if not isinstance(v, Tensor)), None)
+    if bad is not None:
+        raise UserError(f"its entry {bad!r} is not a tensor but {type(data[bad]).__name__}; "
+                        f"give a state dict checkpoint")
+    return data
+
+
+def _read(path: Path, keep: Callable[[str], bool]) -> dict[str, Tensor]:
+    """The tensors of an existing file; raises `UserError` (reason and advice, without the file name)."""
+    safetensors = path.suffix == ".safetensors"
+    with path.open("rb") as f:
+        head = f.read(len(LFS_POINTER))
+    if head.startswith(LFS_POINTER):
+        raise UserError("it is a Git LFS pointer, not the weights; fetch them (git lfs pull) or re-download")
+    if len(head) < 9:
+        raise UserError("it is truncated (empty or nearly); re-download it")
+    if safetensors and head[8:9] != b"{" or not safetensors and not head.startswith((ZIP_MAGIC, PICKLE_MAGIC)):
+        raise UserError(f"it is not a {'safetensors' if safetensors else 'PyTorch'} weights file "
+                        f"(it starts with {head[:4].hex(' ')}); check that this is the right file")
+    try:
+        if safetensors:
+            return _read_safetensors(path, keep)
+        return {k: v for k, v in _read_torch(path, mmap=head.startswith(ZIP_MAGIC)).items() if keep(k)}
+    except UserError:
+        raise
+    except Exception as e:  # the loaders are called right, so what they trip over is the file's content
+        unpickling = isinstance(e, pickle.UnpicklingError)
+        if unpickling and (code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e))):
+            raise UserError(f"it holds Python objects besides tensors ({code[1]}), which are not loaded "
+                            f"because that could run code; use a checkpoint of plain tensors") from None
+        # torch wraps the unpickler's own error (the useful part) in a long weights_only notice
+        cause = e.__context__ if unpickling and e.__context__ else e
+        raise UserError(f"it is truncated or corrupt ({_first_line(cause)}); re-download it") from None
+
+
+def read_weight_file(path: Path, what: str = "weights file", keep: Callable[[str], bool] = lambda k: True
+                     ) -> dict[str, Tensor]:
+    """The tensors (named as in the file, those whose names `keep` accepts) of a `.safetensors` file or a
+    `.bin`/`.pth` state dict; `what` names the file's role in error messages ("SAM checkpoint")."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            raise UserError("it is a folder; give the weights file in it")
+        if not path.exists():
+            raise UserError("it does not exist; check the path")
+        return _read(path, keep)
+    except (UserError, OSError) as e:  # OSError: opening it (permissions, a failing disk)
+        reason = e if isinstance(e, UserError) else _first_line(e)
+        raise UserError(f"cannot read {what} {path}: {reason}") from None
+
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's `config.json` or shard index; a truncated or mangled one is a `UserError`."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"cannot read {path}: it is not valid JSON ({_first_line(e)}); re-download it") from None
+    if not isinstance(data, dict):
+        raise UserError(f"cannot read {path}: it holds a JSON {type(data).__name__}, not an object; re-download it")
+    return data
+
+
+def write_weight_file(path: Path, tensors: dict) -> None:
+    """`torch.save` `tensors` (a state dict, or one wrapped as the original checkpoint wraps it) atomically.
+    For small files (the demos'): it is written from memory."""
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    atomic_write(path, buffer.getvalue())
