@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", choices=["auto", "torch", "tensorrt"], default="auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    p.add_argument("--context", type=int, default=8192, help="context window in tokens (KV cache size)")
+    p.add_argument("--context", type=int, default=8192, help="context window in tokens per conversation")
+    p.add_argument("--max-batch", type=int, default=8, choices=[1, 2, 4, 8, 16, 32],
+                   help="conversations the chat engine decodes together (more wait their turn)")
     p.add_argument("--share", action="store_true", help="also serve through a public Gradio link")
     p.add_argument("--auth", help="user:password required to open the app")
     p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
@@ -104,6 +106,7 @@ def load_image_chat(args: argparse.Namespace, plan: Plan):
     """MiniGPT-4 from the three given parts, or the demo built into the cache."""
     import torch
 
+    from pipeline.engines import load_language_model, vision_encoder
     from pipeline.image_chat import ImageChatPipeline
     from pipeline.llm.checkpoint import read_config
     from pipeline.llm.demo import demo_model_dir
@@ -112,14 +115,16 @@ def load_image_chat(args: argparse.Namespace, plan: Plan):
 
     dtype = getattr(torch, plan.dtype)
     if args.minigpt4_ckpt:
-        vision = load_vision_folder(args.minigpt4_ckpt, args.minigpt4_vision, plan.device, dtype)
-        return ImageChatPipeline(vision, args.minigpt4_llm, args.minigpt4_llm.name, args.minigpt4_template,
-                                 plan.device, dtype, max_context=2048)
-    llm = demo_model_dir("demo/llama-tiny", cache_dir())
-    vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm).hidden_size)
-    vision = load_vision_folder(vision_dir / "prerained_minigpt4_7b.pth", vision_dir, plan.device, dtype)
-    return ImageChatPipeline(vision, llm, "demo/llama-tiny", args.minigpt4_template, plan.device, dtype,
-                             max_context=2048, is_demo=True)
+        ckpt, vision_dir, llm_dir, llm_id, is_demo = (args.minigpt4_ckpt, args.minigpt4_vision, args.minigpt4_llm,
+                                                      args.minigpt4_llm.name, False)
+    else:
+        llm_dir, llm_id, is_demo = demo_model_dir("demo/llama-tiny", cache_dir()), "demo/llama-tiny", True
+        vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm_dir).hidden_size)
+        ckpt = vision_dir / "prerained_minigpt4_7b.pth"
+    encoder = vision_encoder(load_vision_folder(ckpt, vision_dir, plan.device, dtype), plan.backend)
+    llm = load_language_model(llm_dir, llm_id, plan.backend, plan.device, dtype, max_context=2048,
+                              max_batch=args.max_batch)
+    return ImageChatPipeline(encoder, llm, args.minigpt4_template, is_demo=is_demo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 
         from app.ui import build_app
         from pipeline.chat import ChatPipeline
+        from pipeline.engines import load_language_model, sam_engine
         from pipeline.llm.sampling import SamplingParams
         from pipeline.models import cache_dir, resolve
         from pipeline.sam.weights import DEMO as SAM_DEMO
+        from pipeline.sam.model import load_sam
         from pipeline.sam.weights import resolve_sam
         from pipeline.segment import SegmentPipeline
 
@@ -148,14 +155,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[studio] {note}", flush=True)
         model = resolve(plan.model_id, args.weights)
         start = time.perf_counter()
-        chat = ChatPipeline(model.path, plan.model_id, device=plan.device, dtype=getattr(torch, plan.dtype),
-                            max_context=args.context, is_demo=model.is_demo)
-        for _ in chat.stream([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=2, temperature=0)):
-            pass  # warm-up: first kernels and graph capture happen now, not on the first user's message
+        chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backend, plan.device,
+                                                getattr(torch, plan.dtype), args.context, args.max_batch),
+                            is_demo=model.is_demo)
+        warm_up = [{"role": "user", "content": "Hi"}]
+        for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now
+            reply = "".join(e.text for e in chat.stream(warm_up, SamplingParams(max_new_tokens=2, temperature=0),
+                                                        session="warm-up"))
+            warm_up += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
         print(f"[studio] loaded and warmed up {chat.description} in {time.perf_counter() - start:.1f} s", flush=True)
         start = time.perf_counter()
-        segment = SegmentPipeline(resolve_sam(plan.sam, cache_dir()), device=plan.device,
-                                  dtype=getattr(torch, plan.dtype), is_demo=plan.sam == SAM_DEMO)
+        sam = load_sam(resolve_sam(plan.sam, cache_dir()), device=plan.device, dtype=getattr(torch, plan.dtype))
+        segment = SegmentPipeline(engine=sam_engine(sam, plan.backend), is_demo=plan.sam == SAM_DEMO)
         segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # warm-up: first kernels now, not on a click
         print(f"[studio] loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s", flush=True)
         start = time.perf_counter()

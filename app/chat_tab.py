@@ -22,8 +22,8 @@ def build_chat_tab(pipeline: ChatPipeline, app: gr.Blocks, storage_secret: str) 
                                                         max_new_tokens, seed))
         system = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt.strip() else []
         messages = system + history + [{"role": "user", "content": message}]
-        yield from stream_turn(lambda cancel: pipeline.stream(messages, params, cancel), history, message, flags,
-                               request)
+        yield from stream_turn(lambda cancel, session: pipeline.stream(messages, params, cancel, session), history,
+                               message, flags, request, "chat")
 
     with gr.Row():
         with gr.Column(scale=4):
@@ -44,11 +44,12 @@ def build_chat_tab(pipeline: ChatPipeline, app: gr.Blocks, storage_secret: str) 
     inputs = [message, chatbot, system_prompt, *sampling]
     outputs = [message, chatbot, status]
     keep = dict(fn=lambda history: history, inputs=chatbot, outputs=saved, api_visibility="private")
-    on_enter = message.submit(respond, inputs, outputs, api_name="chat", concurrency_limit=1)
-    on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=1)
+    # No concurrency limit: the engine batches every session's reply (and queues past its batch).
+    on_enter = message.submit(respond, inputs, outputs, api_name="chat", concurrency_limit=None)
+    on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
     on_enter.then(**keep)
     on_send.then(**keep)
 
-    wire_stop(stop, flags, [on_enter, on_send], status, "stop").then(**keep)
+    wire_stop(stop, flags, status, "stop")
     clear.click(lambda: ([], "", ""), None, [chatbot, message, status], api_visibility="private").then(**keep)
     app.load(lambda history: history, saved, chatbot, api_visibility="private")

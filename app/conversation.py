@@ -7,9 +7,12 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 
-from pipeline.chat import ChatEvent
+from app.errors import shown_to_user
 from pipeline.errors import UserError
+from pipeline.llm.language_model import ChatEvent
 from pipeline.llm.sampling import SamplingParams
+
+STOPPED = "Stopped: the reply so far is kept."
 
 
 def text_of(content) -> str:
@@ -53,47 +56,52 @@ def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
         ]
 
 
+@shown_to_user
 def start_turn(message, history, sampling) -> tuple[SamplingParams, list[dict]]:
-    """Validated parameters and the history as plain {role, content} dicts; `gr.Error` if unusable."""
+    """Validated parameters and the history as plain {role, content} dicts."""
     temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed = sampling
     try:
         params = SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
                                 top_p=float(top_p), top_k=int(top_k), repetition_penalty=float(repetition_penalty),
                                 seed=None if seed is None or int(seed) < 0 else int(seed)).validated()
-        if not isinstance(message, str) or not message.strip():
-            raise UserError("the message is empty: type something to send")
-    except (UserError, TypeError, ValueError) as e:
-        raise gr.Error(str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise UserError(f"unusable sampling settings: {e}") from None
+    if not isinstance(message, str) or not message.strip():
+        raise UserError("the message is empty: type something to send")
     return params, [{"role": m["role"], "content": text_of(m["content"])} for m in history or []]
 
 
 def stats_line(stats) -> str:
-    return (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · first token "
-            f"{stats.time_to_first_token_s * 1000:.0f} ms · prompt {stats.prompt_tokens} tokens · "
+    reused = f" ({stats.cached_tokens} reused from the last turn)" if stats.cached_tokens else ""
+    line = (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · first token "
+            f"{stats.time_to_first_token_s * 1000:.0f} ms · prompt {stats.prompt_tokens} tokens{reused} · "
             f"ended: {stats.finish_reason}")
+    return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
 
 
-def stream_turn(reply: Callable[[threading.Event], Iterator[ChatEvent]], history: list[dict], message: str,
-                flags: CancelFlags, request: gr.Request) -> Iterator[tuple[str, list[dict], str]]:
-    """Run one reply, yielding (cleared textbox, history with the growing answer, status line)."""
+@shown_to_user
+def stream_turn(reply: Callable[[threading.Event, str], Iterator[ChatEvent]], history: list[dict], message: str,
+                flags: CancelFlags, request: gr.Request, tool: str) -> Iterator[tuple[str, list[dict], str]]:
+    """Run one reply, yielding (cleared textbox, history with the growing answer, status line).
+    `reply(cancel, session)` gets the session's Stop flag and the session name the engine keys
+    its cached turns by (one per browser session and tool)."""
     history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
     notices: list[str] = []
-    try:
-        for event in reply(flags.fresh(request.session_hash or "")):
-            if event.notice:
-                notices.append(event.notice)
-                gr.Warning(event.notice)
-            history[-1]["content"] += event.text
-            status = stats_line(event.stats) if event.stats else "generating…"
-            yield "", history, " · ".join(notices + [status])
-    except UserError as e:
-        raise gr.Error(str(e)) from None
+    session = request.session_hash or ""
+    for event in reply(flags.fresh(session), f"{tool}:{session}"):
+        if event.notice:
+            notices.append(event.notice)
+            gr.Warning(event.notice)
+        history[-1]["content"] += event.text
+        status = stats_line(event.stats) if event.stats else "generating…"
+        yield "", history, " · ".join(notices + [status])
 
 
-def wire_stop(stop: gr.Button, flags: CancelFlags, replies: list, status: gr.Markdown, api_name: str):
-    """Stop sets the session's flag (the loop ends at once) and cancels the running event."""
+def wire_stop(stop: gr.Button, flags: CancelFlags, status: gr.Markdown, api_name: str):
+    """Stop sets the session's flag: the engine drops the reply at its next step and the reply's
+    last update (the text so far, "ended: cancelled") still reaches the page."""
     def stop_reply(request: gr.Request) -> str:
         flags.cancel(request.session_hash or "")
-        return "Stopped: the reply so far is kept."
+        return STOPPED
 
-    return stop.click(stop_reply, None, status, cancels=replies, api_name=api_name)
+    return stop.click(stop_reply, None, status, api_name=api_name)

@@ -8,6 +8,7 @@ import gradio as gr
 from gradio.data_classes import FileData
 
 from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
+from app.errors import shown_to_user
 from pipeline.errors import UserError
 from pipeline.image_chat import ImageChatPipeline
 from pipeline.images import load_image
@@ -16,20 +17,18 @@ from pipeline.images import load_image
 def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> None:
     flags = CancelFlags()
 
+    @shown_to_user
     def respond(image: str | None, message: str, history: list, temperature: float, top_p: float, top_k: int,
                 repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
         """Stream an answer about `image` (a file); yields (textbox, history, status). Seed -1 = random."""
         params, history = start_turn(message, history, (temperature, top_p, top_k, repetition_penalty,
                                                         max_new_tokens, seed))
-        try:
-            if not image:
-                raise UserError("upload an image first: image chat talks about one picture")
-            pixels = load_image(image)
-        except UserError as e:
-            raise gr.Error(str(e)) from None
+        if not image:
+            raise UserError("upload an image first: image chat talks about one picture")
+        pixels = load_image(image)
         messages = history + [{"role": "user", "content": message}]
-        yield from stream_turn(lambda cancel: pipeline.stream(pixels, messages, params, cancel), history, message,
-                               flags, request)
+        yield from stream_turn(lambda cancel, session: pipeline.stream(pixels, messages, params, cancel, session),
+                               history, message, flags, request, "image-chat")
 
     with gr.Row():
         with gr.Column(scale=2):
@@ -49,9 +48,9 @@ def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> No
 
     inputs = [image, message, chatbot, *sampling]
     outputs = [message, chatbot, status]
-    on_enter = message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=1)
-    on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=1)
-    wire_stop(stop, flags, [on_enter, on_send], status, "image_chat_stop")
+    message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
+    send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
+    wire_stop(stop, flags, status, "image_chat_stop")
     fresh = dict(fn=lambda: ([], ""), inputs=None, outputs=[chatbot, status], api_visibility="private")
     restart.click(**fresh)
     image.change(**fresh)
@@ -67,4 +66,4 @@ def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> No
                                             max_new_tokens, seed, request):
             yield new_history, line
 
-    gr.api(image_chat, api_name="image_chat", concurrency_limit=1)
+    gr.api(image_chat, api_name="image_chat", concurrency_limit=None)

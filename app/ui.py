@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from pathlib import Path
 
@@ -60,4 +61,11 @@ def build_app(chat: ChatPipeline, image_chat: ImageChatPipeline, segment: Segmen
             if segment.is_demo:
                 gr.Markdown(SAM_DEMO_WARNING)
             build_segment_tab(segment, example_images())
+
+        def engine_status() -> str:
+            """API: what the LLM engines are doing now, as JSON {"chat": {...}, "image_chat": {...}}
+            (requests running and queued, batch size, cache rows, decode steps so far)."""
+            return json.dumps({"chat": chat.llm.engine.status(), "image_chat": image_chat.llm.engine.status()})
+
+        gr.api(engine_status, api_name="engine_status")
     return demo

@@ -23,22 +23,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from timing import cuda_ms  # noqa: E402
-from pipeline.llm.checkpoint import HF_LAYOUT, to_internal  # noqa: E402
+from timing import copy_bandwidth_tbps, cuda_ms  # noqa: E402
+from pipeline.llm.checkpoint import to_internal  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
-from pipeline.llm.generate import GenerationStats, Generator  # noqa: E402
-from pipeline.llm.model import Decoder  # noqa: E402
+from pipeline.llm.families import HF_LAYOUT  # noqa: E402
+from pipeline.llm.engine import GenerationStats, Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
+from plugins.fused import REFERENCE  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 GREEDY = SamplingParams(max_new_tokens=256, temperature=0, repetition_penalty=1.0)
-
-
-def copy_bandwidth_tbps() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = cuda_ms(lambda: y.copy_(x), warm=3, iters=10)
-    return 2 * x.numel() / (ms / 1e3) / 1e12
 
 
 def hf_decode_tok_s(model, prompt: torch.Tensor, n: int = 128) -> float:
@@ -60,10 +55,19 @@ def hf_decode_tok_s(model, prompt: torch.Tensor, n: int = 128) -> float:
     return run(n)
 
 
-def ours_decode(generator: Generator, prompt: list[int], params: SamplingParams) -> tuple[list[int], GenerationStats]:
-    stats = GenerationStats()
-    tokens = list(generator.stream(params, stop_ids=set(), prompt_ids=prompt, stats=stats))
-    return tokens, stats
+def ours_decode(engine: TorchLLMEngine, prompt: list[int], params: SamplingParams) -> tuple[list[int], GenerationStats]:
+    stream = engine.submit(Prompt(tuple(prompt)), params, stop_ids=set())
+    tokens = list(stream)
+    return tokens, stream.stats
+
+
+def engine_for(model: Decoder, graphs: bool = True) -> TorchLLMEngine:
+    return TorchLLMEngine(model, 2048, model.config.vocab_size, max_batch=1, rows=1, use_cuda_graphs=graphs)
+
+
+def prefill_logits(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
+    cache = KVCache(model.config, 1, 2048, torch.bfloat16, "cuda")
+    return model(cache, RotaryTables(model.config, 2048, "cuda"), Prefill(0, 0), tokens=tokens)
 
 
 def main() -> None:
@@ -99,17 +103,15 @@ def main() -> None:
     with torch.inference_mode():
         # Fidelity: logits on one prompt, then greedy tokens.
         ref = hf(prompt).logits[0, -1].float()
-        ours.setup_caches(2048)
-        mine = ours(torch.arange(128, device="cuda"), idx=prompt, kv_len=128)[0, -1].float()
+        mine = prefill_logits(ours, prompt)[0, -1].float()
         res["logits_rel_err_vs_hf_bf16"] = round(((mine - ref).norm() / ref.norm()).item(), 5)
         hf_tokens = hf.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[0, 128:].tolist()
     check = SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.0)
     ids = prompt[0].tolist()
-    graphed = Generator(ours, max_seq_len=2048)
+    graphed = engine_for(ours)  # each engine owns its cache and graphs: several can share one model
     graph_tokens, _ = ours_decode(graphed, ids, check)
-    # Each Generator re-makes the model's cache: never replay an older one's graphs after this.
-    eager_tokens, _ = ours_decode(Generator(ours, max_seq_len=2048, use_cuda_graphs=False), ids, check)
+    eager_tokens, _ = ours_decode(engine_for(ours, graphs=False), ids, check)
     res["greedy_prefix_match_vs_hf_of_32"] = next((i for i, (a, b) in enumerate(zip(graph_tokens, hf_tokens))
                                                     if a != b), 32)
     res["graph_equals_eager_32_tokens"] = graph_tokens == eager_tokens
@@ -118,9 +120,7 @@ def main() -> None:
     long = torch.randint(0, 150000, (1, 1024), device="cuda")
     with torch.inference_mode():
         res["hf_prefill1024_ms"] = round(cuda_ms(lambda: hf(long, use_cache=False)), 2)
-        ours.setup_caches(2048)
-        res["ours_prefill1024_ms"] = round(cuda_ms(
-            lambda: ours(torch.arange(1024, device="cuda"), idx=long, kv_len=1024, last_only=True)), 2)
+        res["ours_prefill1024_ms"] = round(cuda_ms(lambda: prefill_logits(ours, long)), 2)
     flops = 2 * (res["params_B"] * 1e9 - config.vocab_size * config.hidden_size) * 1024
     flops += 2 * 2 * config.num_layers * 1024 * 1024 * config.hidden_size / 2  # causal attention
     res["prefill1024_compute_floor_ms_at_732TFs"] = round(flops / 732e12 * 1e3, 2)
@@ -128,23 +128,20 @@ def main() -> None:
     # Decode.
     with torch.inference_mode():
         res["hf_eager_decode_tok_s"] = round(hf_decode_tok_s(hf, prompt), 1)
-    graphed = Generator(ours, max_seq_len=2048)
     ours_decode(graphed, ids, GREEDY)  # captures the graphs for these lengths
     res["ours_graph_decode_tok_s"] = round(ours_decode(graphed, ids, GREEDY)[1].tokens_per_s, 1)
-    eager = Generator(ours, max_seq_len=2048, use_cuda_graphs=False)
+    eager = engine_for(ours, graphs=False)
     res["ours_eager_decode_tok_s"] = round(ours_decode(eager, ids, SamplingParams(
         max_new_tokens=64, temperature=0, repetition_penalty=1.0))[1].tokens_per_s, 1)
-    import plugins.fused
-
-    plugins.fused.ENABLED = False  # the same decoder with stock torch ops between the GEMVs
-    unfused = Generator(ours, max_seq_len=2048)
+    with torch.device("meta"):  # the same weights with stock torch ops between the GEMVs
+        reference = Decoder(config, kernels=REFERENCE)
+    reference.load_state_dict(ours.state_dict(), assign=True)
+    unfused = engine_for(reference.eval())
     ours_decode(unfused, ids, GREEDY)
     res["ours_graph_decode_tok_s_unfused"] = round(ours_decode(unfused, ids, GREEDY)[1].tokens_per_s, 1)
-    unfused_tokens, _ = ours_decode(Generator(ours, max_seq_len=2048), ids, check)
-    plugins.fused.ENABLED = True
+    unfused_tokens, _ = ours_decode(unfused, ids, check)
     res["fused_vs_unfused_greedy_prefix_match_of_32"] = next(
         (i for i, (a, b) in enumerate(zip(graph_tokens, unfused_tokens)) if a != b), 32)
-    graphed = Generator(ours, max_seq_len=2048)
     first = SamplingParams(max_new_tokens=1, temperature=0, repetition_penalty=1.0)
     ttft = sorted(ours_decode(graphed, ids, first)[1].time_to_first_token_s for _ in range(7))[3]
     res["ours_ttft_ms_prompt128"] = round(ttft * 1e3, 1)

@@ -16,9 +16,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.llm.checkpoint import HF_LAYOUT, to_internal  # noqa: E402
+from pipeline.llm.checkpoint import to_internal  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
-from pipeline.llm.model import Decoder  # noqa: E402
+from pipeline.llm.families import HF_LAYOUT  # noqa: E402
+from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,7 +46,8 @@ def main() -> None:
     with torch.device("meta"):
         ours = Decoder(config)
     ours.load_state_dict(to_internal(config, dict(sd16), HF_LAYOUT), assign=True)
-    ours.eval().setup_caches(512)
+    ours.eval()
+    cache, rope = KVCache(config, 1, 512, torch.bfloat16, "cuda"), RotaryTables(config, 512, "cuda")
     prompts = [torch.randint(0, 150000, (1, 128), generator=torch.Generator().manual_seed(s)).cuda() for s in range(4)]
     full = (hf32.model.layers, hf16.model.layers, ours.layers)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -57,7 +59,7 @@ def main() -> None:
             for ids in prompts:
                 ref = hf32(ids).logits[0].double()
                 hf_err.append(rel(hf16(ids).logits[0], ref))
-                ours_err.append(rel(ours(torch.arange(128, device="cuda"), idx=ids, kv_len=128)[0], ref))
+                ours_err.append(rel(ours(cache, rope, Prefill(0, 0), tokens=ids, last_only=False)[0], ref))
             res[f"depth{depth}_ours_bf16_vs_fp32"] = [round(e, 5) for e in ours_err]
             res[f"depth{depth}_hf_bf16_vs_fp32"] = [round(e, 5) for e in hf_err]
     Path(os.environ.get("OUT", "/tmp")).joinpath("llm_fidelity.json").write_text(json.dumps(res, indent=1))

@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import cuda_ms  # noqa: E402
-from pipeline.cuda_graphs import CapturedCall  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
-from pipeline.segment import SegmentPipeline  # noqa: E402
+from pipeline.segment import SegmentPipeline, SegmentStats  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 
@@ -59,6 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(state, Path(tmp) / "sam_vit_h.pth")
         seg = SegmentPipeline(Path(tmp) / "sam_vit_h.pth", device="cuda", dtype=torch.bfloat16)
+    engine = seg.engine  # replays CUDA graphs (encoder and clicks)
     ours32 = Sam(VARIANTS["vit_h"]).cuda().eval()
     ours32.load_state_dict(state)
     x = torch.randn(1, 3, 1024, 1024, device="cuda")
@@ -68,7 +68,7 @@ def main() -> None:
     with torch.inference_mode():
         ref = official.image_encoder(x)
         res["embed_rel_err_ours_fp32"] = round(rel(ours32.image_encoder(x), ref), 7)
-        ours_bf16 = seg.model.image_encoder(x.bfloat16()).float()
+        ours_bf16 = engine.model.image_encoder(x.bfloat16()).float()
         res["embed_rel_err_ours_bf16"] = round(rel(ours_bf16, ref), 5)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             res["embed_rel_err_official_bf16_autocast"] = round(rel(official.image_encoder(x).float(), ref), 5)
@@ -83,7 +83,7 @@ def main() -> None:
             return model.decode(emb, (coords, labels), None, None, True)
 
         low_ref, _ = official_click(ref)
-        low_bf16, _ = ours_click(seg.model, ours_bf16)
+        low_bf16, _ = ours_click(engine.model, ours_bf16)
         a, b = low_ref > 0, low_bf16 > 0
         res["click_mask_iou_ours_bf16_vs_official_fp32"] = round(((a & b).sum() / (a | b).sum().clamp(min=1)).item(), 4)
         res["click_logits_rel_err_ours_fp32"] = round(rel(ours_click(ours32, ref)[0], low_ref), 7)
@@ -95,22 +95,24 @@ def main() -> None:
                 official.image_encoder(x)
         res["encoder_ms_official_bf16_autocast"] = round(cuda_ms(autocast_encoder, 2, 10), 2)
         xb = x.bfloat16()
-        res["encoder_ms_ours_bf16_eager"] = round(cuda_ms(lambda: seg.model.image_encoder(xb), 2, 10), 2)
-        graphed_encoder = CapturedCall(seg.model.image_encoder, xb)  # what SegmentPipeline replays on a GPU
-        res["encoder_graph_equals_eager"] = bool(torch.equal(graphed_encoder(xb), seg.model.image_encoder(xb)))
-        res["encoder_ms_ours_bf16"] = round(cuda_ms(lambda: graphed_encoder(xb), 2, 10), 2)
+        res["encoder_ms_ours_bf16_eager"] = round(cuda_ms(lambda: engine.model.image_encoder(xb), 2, 10), 2)
+        res["encoder_graph_equals_eager"] = bool(torch.equal(engine.encode(x), engine.model.image_encoder(xb).float()))
+        res["encoder_ms_ours_bf16"] = round(cuda_ms(lambda: engine.encode(x), 2, 10), 2)
         res["click_ms_official_fp32"] = round(cuda_ms(lambda: official_click(ref)), 3)
-        res["click_ms_ours_fp32_eager"] = round(cuda_ms(lambda: ours_click(seg.model, ref)), 3)
-        graphed = seg._decode(ref, (coords, labels), None, None, True)
-        eager = ours_click(seg.model, ref)
+        res["click_ms_ours_fp32_eager"] = round(cuda_ms(lambda: ours_click(engine.model, ref)), 3)
+        graphed = engine.decode(ref, (coords, labels), None, None, True)
+        eager = ours_click(engine.model, ref)
         res["click_graph_equals_eager"] = bool(torch.equal(graphed[0], eager[0]) and torch.equal(graphed[1], eager[1]))
-        res["click_ms_ours_fp32_graph"] = round(cuda_ms(lambda: seg._decode(ref, (coords, labels), None, None, True)), 3)
+        res["click_ms_ours_fp32_graph"] = round(
+            cuda_ms(lambda: engine.decode(ref, (coords, labels), None, None, True)), 3)
     del ours32
     photo = np.random.default_rng(0).integers(0, 255, (1000, 1500, 3), dtype=np.uint8)
-    handle = seg.set_image(photo)
-    res["pipeline_set_image_ms_first"] = round(seg.stats.last_encoder_ms, 1)
-    res["pipeline_predict_ms_1500x1000"] = round(cuda_ms(lambda: seg.predict(handle, [[700, 500]], [1])), 3)
-    res["pipeline_encoder_runs_after_clicks"] = seg.stats.encoder_runs
+    stats = SegmentStats()
+    handle = seg.set_image(photo, stats)
+    res["pipeline_set_image_ms_first"] = round(stats.last_encoder_ms, 1)
+    res["pipeline_predict_ms_1500x1000"] = round(
+        cuda_ms(lambda: seg.predict(handle, [[700, 500]], [1], stats=stats)), 3)
+    res["pipeline_encoder_runs_after_clicks"] = stats.encoder_runs
     res["ratio_encoder_official_autocast_over_ours"] = round(
         res["encoder_ms_official_bf16_autocast"] / res["encoder_ms_ours_bf16"], 2)
     res["ratio_click_official_over_ours_graph"] = round(res["click_ms_official_fp32"] / res["click_ms_ours_fp32_graph"], 2)

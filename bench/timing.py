@@ -18,3 +18,11 @@ def cuda_ms(fn, warm: int = 3, iters: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth_tbps() -> float:
+    """Device-to-device copy bandwidth (read + write), the ceiling a memory-bound decode step meets."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = cuda_ms(lambda: y.copy_(x), warm=3, iters=10)
+    return 2 * x.numel() / (ms / 1e3) / 1e12

@@ -37,3 +37,9 @@ class CapturedCall:
                 buffer.copy_(value)
         self.graph.replay()
         return _clone(self.outputs)
+
+    def replay(self):
+        """Run on whatever `inputs` hold now and return the graph's own output buffers (no copies):
+        for a caller that writes the inputs itself and reads the outputs before the next replay."""
+        self.graph.replay()
+        return self.outputs

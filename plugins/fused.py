@@ -8,11 +8,15 @@ path is checked against that reference (`tests/test_gpu.py`).
 
 RMSNorm and SiLU·up round exactly like the reference (bf16 products of fp32 values); RoPE keeps its
 products in fp32 and rounds once, which is slightly more accurate than the reference's three roundings.
+
+Which set a model uses is an explicit choice (`Kernels`, given to the model's constructor), not a
+process-wide switch, so a benchmark can run fused and reference models side by side.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +28,9 @@ try:
 except ImportError:  # CPU-only installs: the torch reference is used
     triton = None
 
-ENABLED = os.environ.get("STUDIO_FUSED", "1") != "0"
-
 
 def _use_triton(x: Tensor) -> bool:
-    return ENABLED and triton is not None and x.is_cuda
+    return triton is not None and x.is_cuda
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -38,7 +40,9 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on x [batch, tokens, heads, head_dim] with cos/sin [batch, tokens, head_dim] (fp32)."""
     x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
@@ -87,7 +91,7 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm_fused(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if not _use_triton(x) or not x.is_contiguous():
         return rms_norm_reference(x, weight, eps)
     n = x.shape[-1]
@@ -96,18 +100,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return out
 
 
-def rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on x [batch, tokens, heads, head_dim] with cos/sin [tokens, head_dim]; in place on CUDA."""
-    if not _use_triton(x) or x.shape[0] != 1 or x.stride(-1) != 1 or x.stride(2) != x.shape[-1]:
-        return rotary_reference(x, cos[:, None].to(x.dtype), sin[:, None].to(x.dtype))
-    _, tokens, heads, dim = x.shape
+def rotary_fused(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on x [batch, tokens, heads, head_dim] with cos/sin [batch, tokens, head_dim]; in place on CUDA."""
+    batch, tokens, heads, dim = x.shape
+    # Every (row, token) pair must lie one `step` after the last: a decode batch (one token per
+    # row) steps by rows, a prefill (one row) by tokens.
+    step = x.stride(1) if tokens > 1 else x.stride(0)
+    if (not _use_triton(x) or x.stride(-1) != 1 or x.stride(2) != dim
+            or (batch > 1 and tokens > 1 and x.stride(0) != tokens * x.stride(1))):
+        return rotary_reference(x, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _rotary_kernel[(tokens * heads,)](x, cos, sin, heads, dim // 2, x.stride(1),
-                                      BLOCK=triton.next_power_of_2(dim // 2))
+    _rotary_kernel[(batch * tokens * heads,)](x, cos, sin, heads, dim // 2, step,
+                                              BLOCK=triton.next_power_of_2(dim // 2))
     return x
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
+def silu_mul_fused(gate_up: Tensor) -> Tensor:
     """SiLU(gate) · up for gate_up = [gate; up] along the last dimension."""
     if not _use_triton(gate_up) or not gate_up.is_contiguous():
         return silu_mul_reference(gate_up)
@@ -117,3 +125,16 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """The elementwise kernels a decoder runs between its GEMMs."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    rotary: Callable[[Tensor, Tensor, Tensor], Tensor]  # may work in place
+    silu_mul: Callable[[Tensor], Tensor]
+
+
+REFERENCE = Kernels(rms_norm_reference, rotary_reference, silu_mul_reference)
+FUSED = Kernels(rms_norm_fused, rotary_fused, silu_mul_fused)  # the reference wherever Triton cannot run

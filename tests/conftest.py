@@ -41,7 +41,7 @@ def running_app(tmp_path_factory):
     log = tmp_path_factory.mktemp("app") / "launch.log"
     env = {**os.environ, "STUDIO_CACHE": str(tmp_path_factory.mktemp("cache")), "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "1024"],
+        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "4096"],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 180
     while f"127.0.0.1:{port}" not in log.read_text():

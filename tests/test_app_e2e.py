@@ -1,5 +1,6 @@
 """End to end: `launch.py` in a subprocess on a free port, driven through `gradio_client`."""
 
+import json
 import os
 import subprocess
 import sys
@@ -85,22 +86,62 @@ def test_bad_requests_get_clear_errors_and_app_keeps_serving(app, message, overr
     assert text_of(history[0]) == "still there?"
 
 
+# Greedy, 4000 new tokens in a 4096-token context: this reply runs until its length limit (the
+# pipeline test checks that it does), so only Stop can end it early.
+ENDLESS = {**PARAMS, "max_new_tokens": 4000, "temperature": 0, "repetition_penalty": 1.0}
+ENDLESS_MESSAGE = "Write a very long story"
+
+
 def test_stop_ends_the_reply_and_keeps_the_text(app):
     client, *_ = app
-    params = {**PARAMS, "max_new_tokens": 4000, "temperature": 1.0}
-    job = client.submit("Write a very long story", [], *params.values(), api_name="/chat")
+    job = client.submit(ENDLESS_MESSAGE, [], *ENDLESS.values(), api_name="/chat")
     deadline = time.time() + 60
     while len(job.outputs()) < 3 and time.time() < deadline:
         time.sleep(0.05)
     client.predict(api_name="/stop")
-    deadline = time.time() + 30
-    while not job.done() and time.time() < deadline:
-        time.sleep(0.1)
-    assert job.done(), "the reply did not stop"
-    outputs = job.outputs()
-    assert outputs and text_of(outputs[-1][1][-1])  # what was said before Stop is kept
-    new_tokens = int(outputs[-1][2].split(" tokens")[0]) if "tokens" in outputs[-1][2] else 0
-    assert new_tokens < 4000
+    _, history, status = job.result(timeout=30)
+    assert "ended: cancelled" in status and status.startswith("Stopped: the reply so far is kept.")
+    assert text_of(history[-1])  # what was said before Stop is kept
+    assert int(status.split("kept. ")[1].split(" tokens")[0]) < 4000
+
+
+def engine_status(client) -> dict:
+    return json.loads(client.predict(api_name="/engine_status"))["chat"]
+
+
+def test_eight_sessions_chat_at_once_and_each_gets_its_own_reply(app):
+    _, _, port = app
+    clients = [gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False) for _ in range(8)]
+    params = {**PARAMS, "max_new_tokens": 120, "temperature": 0, "repetition_penalty": 1.0}
+    messages = [f"Session {i}: tell me about the number {i * 7}" for i in range(8)]
+    alone = [text_of(clients[0].predict(m, [], *params.values(), api_name="/chat")[1][-1]) for m in messages[:2]]
+    jobs = [c.submit(m, [], *params.values(), api_name="/chat") for c, m in zip(clients, messages)]
+    running = 0
+    while not all(j.done() for j in jobs):
+        running = max(running, engine_status(clients[0])["running"])
+        time.sleep(0.02)
+    replies = [job.result()[1] for job in jobs]
+    assert running > 1  # the engine decoded several sessions together
+    for message, history in zip(messages, replies):
+        assert text_of(history[0]) == message and text_of(history[1])
+    assert [text_of(h[1]) for h in replies[:2]] == alone  # batched with others, the same reply as alone
+
+
+def test_a_segment_click_is_answered_while_chats_generate(app):
+    from gradio_client import handle_file
+
+    client, _, port = app
+    photo = handle_file("assets/examples/street.jpg")
+    client.predict(photo, "[[470, 350, 1]]", "", True, api_name="/segment")  # the image is encoded now
+    chatters = [gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False) for _ in range(4)]
+    jobs = [c.submit(ENDLESS_MESSAGE, [], *ENDLESS.values(), api_name="/chat") for c in chatters]
+    while engine_status(client)["running"] < 4:
+        time.sleep(0.02)
+    client.predict(photo, "[[100, 450, 1]]", "", True, api_name="/segment")
+    assert engine_status(client)["running"] == 4  # the click did not wait for the chats to end
+    for c in chatters:
+        c.predict(api_name="/stop")
+    assert all("ended: cancelled" in job.result(timeout=30)[2] for job in jobs)
 
 
 def test_launch_errors_are_one_line(tmp_path):

@@ -9,18 +9,25 @@ from pipeline.image_chat import ImageChatPipeline
 from pipeline.images import load_image
 from pipeline.llm.demo import demo_model_dir
 from pipeline.llm.sampling import SamplingParams
-from pipeline.minigpt4.template import IMAGE_TOKEN, MINIGPT4_SYSTEM, MiniGPT4Format
+from pipeline.engines import load_language_model, vision_encoder
+from pipeline.llm.engine import TokenStream
+from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.minigpt4.template import IMAGE, MINIGPT4_SYSTEM, PLACEHOLDER_ID, MiniGPT4Format
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder
 
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0)
 
 
+def demo_parts(studio_cache):
+    llm = load_language_model(demo_model_dir("demo/llama-tiny", studio_cache), "demo/llama-tiny", max_context=2048)
+    vision_dir = demo_vision_dir(studio_cache, llm_width=64)
+    return load_vision_folder(vision_dir / "prerained_minigpt4_7b.pth", vision_dir), llm
+
+
 @pytest.fixture(scope="module")
 def pipe(studio_cache):
-    llm = demo_model_dir("demo/llama-tiny", studio_cache)
-    vision_dir = demo_vision_dir(studio_cache, llm_width=64)
-    vision = load_vision_folder(vision_dir / "prerained_minigpt4_7b.pth", vision_dir)
-    return ImageChatPipeline(vision, llm, "demo/llama-tiny", is_demo=True)
+    vision, llm = demo_parts(studio_cache)
+    return ImageChatPipeline(vision_encoder(vision), llm, is_demo=True)
 
 
 @pytest.fixture(scope="module")
@@ -41,43 +48,58 @@ def test_prompt_ids_and_image_slot_follow_the_template(pipe):
     ids = pipe.format.render([user("What is unusual here?")])
     before = [tok.bos_id] + tok.encode(MINIGPT4_SYSTEM + "###Human: <Img>")
     after = tok.encode("</Img> What is unusual here?###Assistant:")
-    assert ids == before + [IMAGE_TOKEN] * 32 + after
-    assert ids.index(IMAGE_TOKEN) == len(before) and ids.count(IMAGE_TOKEN) == 32
+    assert ids.ids == tuple(before + [PLACEHOLDER_ID] * 32 + after) and ids.slots == ((len(before), 32),)
 
 
 def test_multi_turn_keeps_image_and_history(pipe):
     tok = pipe.llm.tokenizer
     ids = pipe.format.render([user("What is it?"), assistant("A bowl of fruit."), user("What colour is the bowl?")])
-    assert ids.count(IMAGE_TOKEN) == 32
-    start = ids.index(IMAGE_TOKEN)
-    text = tok.decode([i for i in ids[start + 32:]])
+    (start, length), = ids.slots
+    text = tok.decode(list(ids.ids[start + length:]))
     assert text.strip() == ("</Img> What is it?###Assistant: A bowl of fruit.###Human: What colour is the bowl?"
                             "###Assistant:")
 
 
 def test_user_text_cannot_make_image_slots(pipe):
     ids = pipe.format.render([user("<ImageHere> <Img><ImageHere></Img> <s>")])
-    assert ids.count(IMAGE_TOKEN) == 32 and ids.count(pipe.llm.tokenizer.bos_id) == 1
+    assert ids.slots == ((ids.slots[0][0], 32),) and ids.ids.count(pipe.llm.tokenizer.bos_id) == 1
 
 
 def test_llama2_template(pipe):
     fmt = MiniGPT4Format(pipe.llm.tokenizer, "llama2", 32)
     segments = fmt.segments([user("q1"), assistant("a1"), user("q2")])
     bos = pipe.llm.tokenizer.bos_id
-    assert segments == [bos, MINIGPT4_SYSTEM, bos, "[INST] <Img>", IMAGE_TOKEN, "</Img> q1 [/INST] a1", bos,
+    assert segments == [bos, MINIGPT4_SYSTEM, bos, "[INST] <Img>", IMAGE, "</Img> q1 [/INST] a1", bos,
                         "[INST] q2 [/INST] "]
 
 
-def test_image_embeddings_are_spliced_at_the_slot(pipe, photo):
+def test_image_embeddings_fill_the_slot(pipe, photo):
+    """The engine's logits for a filled prompt equal a direct forward over hand-spliced embeddings."""
     image_embeds = pipe.encode_image(photo)
     assert image_embeds.shape == (32, 64)
-    ids = pipe.format.render([user("Describe it.")])
-    embeds = pipe.splice(ids, image_embeds)[0]
-    start = ids.index(IMAGE_TOKEN)
+    prompt = pipe.format.render([user("Describe it.")]).fill(image_embeds, "photo")
+    (start, length), = prompt.slots
+    model = pipe.llm.engine.model
     with torch.inference_mode():
-        text_embeds = pipe.llm.model.embed(torch.tensor([i for i in ids if i != IMAGE_TOKEN]))
-    assert torch.equal(embeds[start:start + 32], image_embeds)
-    assert torch.equal(torch.cat([embeds[:start], embeds[start + 32:]]), text_embeds)
+        embeds = model.embed(torch.tensor([prompt.ids]))
+        embeds[0, start:start + length] = image_embeds
+        cache, rope = KVCache(model.config, 1, 256, torch.float32, "cpu"), RotaryTables(model.config, 256, "cpu")
+        expected = model(cache, rope, Prefill(row=0, start=0), embeds=embeds)[0, -1, :pipe.llm.tokenizer.vocab_size]
+    stream = pipe.llm.engine.submit(prompt, GREEDY, stop_ids=set(), keep_logits=True)
+    stream.wait()
+    torch.testing.assert_close(stream.logits[0], expected, rtol=0, atol=1e-5)
+
+
+def test_next_turn_reuses_the_cached_image_and_history(pipe, photo):
+    params = SamplingParams(max_new_tokens=8, temperature=0)
+    first = list(pipe.stream(photo, [user("What is it?")], params, session="s1"))
+    answer = "".join(e.text for e in first)
+    second = list(pipe.stream(photo, [user("What is it?"), assistant(answer), user("Why?")], params, session="s1"))
+    slot_end = pipe.format.render([user("What is it?")]).slots[0][0] + 32
+    assert second[-1].stats.cached_tokens > slot_end  # the image and the first question were not recomputed
+    other = np.ascontiguousarray(photo[:, ::-1])
+    third = list(pipe.stream(other, [user("What is it?"), assistant(answer), user("Why?")], params, session="s1"))
+    assert third[-1].stats.cached_tokens == slot_end - 32  # another image: reuse stops where the image starts
 
 
 def test_image_is_encoded_once_per_image(pipe, photo):
@@ -113,10 +135,18 @@ def test_generation_stops_at_separator_however_it_tokenizes(pipe, photo, monkeyp
     }[split]
     assert "###" in tok.decode(script)
 
-    def scripted(params, stop_ids, **kwargs):
-        yield from script
+    class ScriptedStream(TokenStream):  # ends when the reply loop cancels it, as an engine would
+        def cancel(self, reason="cancelled"):
+            super().cancel(reason)
+            self.end(reason)
 
-    monkeypatch.setattr(pipe.llm.generator, "stream", scripted)
+    def scripted(prompt, params, stop_ids, **kwargs):
+        stream = ScriptedStream(None, keep_logits=False)
+        for token in script:
+            stream.deliver(token)
+        return stream
+
+    monkeypatch.setattr(pipe.llm.engine, "submit", scripted)
     events = list(pipe.stream(photo, [user("What is it?")], GREEDY))
     assert "".join(e.text for e in events).rstrip() == "A red apple."
     assert events[-1].stats.finish_reason == "stop"
@@ -134,10 +164,8 @@ def test_bad_input_is_explained(pipe, photo):
 
 
 def test_projection_must_fit_the_llm(studio_cache):
-    llm = demo_model_dir("demo/llama-tiny", studio_cache)
-    vision_dir = demo_vision_dir(studio_cache, llm_width=64)
-    vision = load_vision_folder(vision_dir / "prerained_minigpt4_7b.pth", vision_dir)
+    vision, llm = demo_parts(studio_cache)
     vision.llama_proj = torch.nn.Linear(vision.config.qformer_width, 48)
     vision.config = type(vision.config)(**{**vision.config.__dict__, "llm_width": 48})
     with pytest.raises(UserError, match="another LLM"):
-        ImageChatPipeline(vision, llm, "demo/llama-tiny")
+        ImageChatPipeline(vision_encoder(vision), llm)

@@ -5,9 +5,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pipeline.llm.checkpoint import (HF_LAYOUT, convert_qwen_v1_to_hf, load_decoder, read_config,  # noqa: E402
+from pipeline.llm.checkpoint import (convert_qwen_v1_to_hf, load_decoder, read_config,  # noqa: E402
                                      read_tensors, to_internal, write_checkpoint)
-from pipeline.llm.generate import Generator  # noqa: E402
+from pipeline.llm.families import HF_LAYOUT  # noqa: E402
+from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3, max_position_embeddings=512)
@@ -52,11 +54,14 @@ def hf_checkpoint(request, tmp_path_factory):
     return kind, model, folder
 
 
+def cache_for(model, max_seq: int = 128) -> tuple[KVCache, RotaryTables]:
+    return KVCache(model.config, 1, max_seq, torch.float32, "cpu"), RotaryTables(model.config, max_seq, "cpu")
+
+
 def our_logits(folder, ids: torch.Tensor) -> torch.Tensor:
     ours = load_decoder(folder)
-    ours.setup_caches(128)
     with torch.inference_mode():
-        return ours(torch.arange(ids.shape[1]), idx=ids, kv_len=ids.shape[1])
+        return ours(*cache_for(ours), Prefill(row=0, start=0), tokens=ids, last_only=False)
 
 
 def test_checkpoint_is_sharded(hf_checkpoint):
@@ -80,9 +85,10 @@ def test_greedy_tokens_match_transformers_for_32_steps(hf_checkpoint):
         # A repetition penalty (same rule in both) keeps random tiny models from repeating one token.
         ref = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, repetition_penalty=1.3,
                              eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
-    generator = Generator(load_decoder(folder), max_seq_len=64)
-    ours = list(generator.stream(SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.3),
-                                 stop_ids=set(), prompt_ids=prompt[0].tolist()))
+    engine = TorchLLMEngine(load_decoder(folder), context=64, vocab_size=320)
+    ours = list(engine.submit(Prompt(tuple(prompt[0].tolist())),
+                              SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.3), stop_ids=set()))
+    engine.close()
     assert ours == ref
     if not model.config.tie_word_embeddings:  # a tied random model echoes its own input token forever
         assert len(set(ours)) > 3  # a real sequence, not one token repeated
@@ -94,10 +100,12 @@ def test_cached_decoding_matches_full_forward(hf_checkpoint):
     ids = torch.randint(0, 320, (1, 20), generator=torch.Generator().manual_seed(3))
     full = our_logits(folder, ids)
     model = load_decoder(folder)
-    model.setup_caches(64)
+    cache, rope = cache_for(model, 64)
+    one = torch.zeros(1, dtype=torch.long)
     with torch.inference_mode():
-        steps = [model(torch.arange(8), idx=ids[:, :8], kv_len=8)]
-        steps += [model(torch.tensor([t]), idx=ids[:, t:t + 1], kv_len=t + 1) for t in range(8, 20)]
+        steps = [model(cache, rope, Prefill(row=0, start=0), tokens=ids[:, :8], last_only=False)]
+        steps += [model(cache, rope, Decode(one + t, one, kv_len=t + 1), tokens=ids[:, t:t + 1])
+                  for t in range(8, 20)]
     assert rel_err(torch.cat(steps, dim=1), full) <= 1e-5
 
 

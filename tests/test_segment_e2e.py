@@ -27,10 +27,11 @@ def test_clicks_give_masks_of_the_image_size_and_reuse_the_embedding(client):
     mask, first = segment(client, PHOTO, "[[470, 350, 1]]")
     assert mask.size == (960, 540) and set(np.unique(np.asarray(mask))) <= {0, 255}
     assert len(first["scores"]) == 3
+    assert not first["cached"] and first["encoder_ms"] > 0 and first["decoder_ms"] > 0  # this call encoded
     for points in ("[[470, 350, 1], [200, 200, 0]]", "[[100, 450, 1]]", "[[10, 10, 0], [950, 530, 1]]"):
         mask, info = segment(client, PHOTO, points)
         assert mask.size == (960, 540)
-    assert info["stats"]["encoder_runs"] == first["stats"]["encoder_runs"]  # the encoder ran once for this image
+        assert info["cached"] and info["encoder_ms"] == 0  # the encoder ran once for this image
     mask, info = segment(client, PHOTO, box="[380, 300, 560, 400]", multimask=False)
     assert mask.size == (960, 540) and len(info["scores"]) == 1
 

@@ -10,8 +10,12 @@ from PIL import Image
 from official_sam import official_sam_modules
 from pipeline.errors import UserError
 from pipeline.images import fit_for_display, load_image
+from app.segment_render import mask_png, render_everything, render_overlay
+from pipeline.sam.engine import TorchSamEngine
+from pipeline.sam.model import load_sam
+from pipeline.sam.transforms import input_size, preprocess
 from pipeline.sam.weights import resolve_sam
-from pipeline.segment import SegmentPipeline, input_size, mask_png, render_overlay
+from pipeline.segment import SegmentPipeline, SegmentStats
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +45,35 @@ def test_input_size_follows_the_longest_side():
     assert input_size((3, 2000), 1024) == (2, 1024)
 
 
-def test_preprocessing_matches_official(seg):
+def test_preprocessing_matches_official(checkpoint):
     official_sam_modules()
     from segment_anything.modeling import Sam as OfficialSam
 
     pixels = torch.randint(0, 256, (3, 768, 1024)).float()
-    official = OfficialSam.preprocess(seg.model, pixels[None])  # the official method on our buffers
-    assert torch.allclose(seg.model.preprocess(pixels), official)
+    official = OfficialSam.preprocess(load_sam(checkpoint), pixels[None])  # the official method, SAM's constants
+    assert torch.allclose(preprocess(pixels, 1024), official)
 
 
 def test_encoder_runs_once_per_image(checkpoint, photo):
     seg = SegmentPipeline(checkpoint)
-    handle = seg.set_image(photo)
+    stats = SegmentStats()
+    handle = seg.set_image(photo, stats)
     for points, labels in ([[100, 200]], [1]), ([[100, 200], [500, 300]], [1, 0]):
-        result = seg.predict(handle, points, labels)
+        result = seg.predict(handle, points, labels, stats=stats)
         assert result.masks.shape == (3, 600, 800) and result.masks.dtype == bool
         assert result.scores.shape == (3,) and result.low_res_logits.shape == (3, 256, 256)
-    assert seg.set_image(photo.copy()).key == handle.key  # same content, same embedding
-    assert seg.stats.encoder_runs == 1 and seg.stats.cache_hits >= 3
+    assert seg.set_image(photo.copy(), stats).key == handle.key  # same content, same embedding
+    assert stats.encoder_runs == 1 and stats.cache_hits == 3
+    assert stats.last_encoder_ms > 0 and stats.last_decoder_ms > 0
+
+
+def test_a_ready_engine_can_be_given(checkpoint, photo):
+    engine = TorchSamEngine(load_sam(checkpoint))
+    seg = SegmentPipeline(engine=engine, is_demo=True)
+    assert seg.engine is engine and "torch (CPU)" in seg.description
+    assert seg.predict(seg.set_image(photo), [[100, 200]], [1]).masks.shape == (3, 600, 800)
+    with pytest.raises(TypeError, match="one of them"):
+        SegmentPipeline(checkpoint, engine=engine)
 
 
 def test_box_single_mask_and_refinement(seg, photo):
@@ -73,11 +88,12 @@ def test_box_single_mask_and_refinement(seg, photo):
 
 def test_cache_is_bounded_and_evicted_images_still_work(checkpoint):
     seg = SegmentPipeline(checkpoint, cache_bytes=1)  # room for one embedding only
+    stats = SegmentStats()
     images = [np.full((64, 96, 3), v, dtype=np.uint8) for v in (10, 120, 240)]
-    handles = [seg.set_image(img) for img in images]
-    assert len(seg._cache) == 1 and seg.stats.encoder_runs == 3
-    assert seg.predict(handles[0], [[5, 5]], [1]).masks.shape == (3, 64, 96)  # re-encoded on demand
-    assert seg.stats.encoder_runs == 4
+    handles = [seg.set_image(img, stats) for img in images]
+    assert len(seg._cache) == 1 and stats.encoder_runs == 3
+    assert seg.predict(handles[0], [[5, 5]], [1], stats=stats).masks.shape == (3, 64, 96)  # re-encoded on demand
+    assert stats.encoder_runs == 4
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -151,8 +167,6 @@ class NotATensor:
 
 
 def test_checkpoints_load_tensors_only(tmp_path):
-    from pipeline.sam.model import load_sam
-
     torch.save({"image_encoder.blocks.0.attn.qkv.weight": NotATensor()}, tmp_path / "evil.pth")
     with pytest.raises(UserError, match="cannot read SAM checkpoint"):  # weights_only refuses the object
         load_sam(tmp_path / "evil.pth")
@@ -185,12 +199,14 @@ def test_box_nms_and_mask_boxes():
 
 def test_segment_everything_mechanics(seg, photo):
     handle = seg.set_image(photo)
-    runs = seg.stats.encoder_runs
-    loose = seg.segment_everything(handle, points_per_side=8, min_score=-1e9, min_stability=-1.0, nms_iou=1.0)
+    stats = SegmentStats()
+    loose = seg.segment_everything(handle, points_per_side=8, min_score=-1e9, min_stability=-1.0, nms_iou=1.0,
+                                   stats=stats)
     assert loose and all(m.mask.shape == (600, 800) and m.mask.any() for m in loose)
-    strict = seg.segment_everything(handle, points_per_side=8, min_score=-1e9, min_stability=-1.0, nms_iou=0.5)
+    strict = seg.segment_everything(handle, points_per_side=8, min_score=-1e9, min_stability=-1.0, nms_iou=0.5,
+                                    stats=stats)
     assert len(strict) <= len(loose)  # NMS only removes
-    assert seg.stats.encoder_runs == runs  # the cached embedding serves the whole grid
-    from pipeline.segment import render_everything
-
+    assert stats.encoder_runs == 0 and stats.cache_hits == 2  # the cached embedding serves the whole grid
     assert render_everything(photo, strict).shape == photo.shape
+    small, _ = fit_for_display(photo, 400)
+    assert render_everything(small, strict).shape == small.shape  # full-size masks drawn on the display copy

@@ -1,8 +1,11 @@
 """One decoder-only transformer for Qwen v1, Qwen2/2.5, Qwen3 and LLaMA/Vicuna.
 
-gpt-fast style: plain modules, a static KV cache owned by each attention layer, fused q/k/v and
-gate/up projections (one GEMM each instead of three and two). Family differences are switches
-on `DecoderConfig`: qkv bias, qk-norm, GQA, and Qwen v1's logn scaling and dynamic NTK.
+gpt-fast style: plain modules, fused q/k/v and gate/up projections (one GEMM each instead of three
+and two). Family differences are switches on `DecoderConfig`: qkv bias, qk-norm, GQA, and Qwen v1's
+logn scaling and dynamic NTK. The model holds weights only: the KV cache and the rotary tables
+belong to the engine that schedules requests (`pipeline/llm/engine.py`) and come in as arguments,
+with a `Prefill` (one request's new tokens into one cache row) or a `Decode` (one token for each of
+the cache's first B rows, each at its own position).
 
 State-dict names (the loaders map every checkpoint format onto these):
   embed.weight · layers.N.attn_norm.weight · layers.N.attn.wqkv.{weight,bias}
@@ -12,6 +15,7 @@ State-dict names (the loaders map every checkpoint format onto these):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -19,34 +23,47 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.llm.config import DecoderConfig
-from plugins.fused import rms_norm, rotary_, silu_mul
+from plugins.fused import FUSED, Kernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, kernels: Kernels):
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalised in fp32 as every reference implementation does (bf16 variance loses digits);
-        # one fused kernel on CUDA.
-        return rms_norm(x, self.weight, self.eps)
+        # Normalised in fp32 as every reference implementation does (bf16 variance loses digits).
+        return self.kernels.rms_norm(x, self.weight, self.eps)
 
 
-class KVCache(nn.Module):
-    """Static cache [batch, kv_heads, max_seq, head_dim]: fixed addresses, so decode can be graphed."""
+class KVCache:
+    """Keys and values [layers, rows, kv_heads, max_seq, head_dim] at fixed addresses (graphable).
 
-    def __init__(self, batch: int, max_seq: int, kv_heads: int, head_dim: int, dtype, device):
-        super().__init__()
-        shape = (batch, kv_heads, max_seq, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+    A row holds one sequence. The engine keeps the rows of running requests first, so a batched
+    decode step reads rows 0..B-1 as a plain view, and moves a row with `swap_rows` when a
+    request joins or leaves (a copy of the filled part, once per event, not per step).
+    """
 
-    def update(self, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
+    def __init__(self, config: DecoderConfig, rows: int, max_seq: int, dtype: torch.dtype, device):
+        shape = (config.num_layers, rows, config.num_kv_heads, max_seq, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.rows, self.max_seq = rows, max_seq
+
+    @staticmethod
+    def row_bytes(config: DecoderConfig, max_seq: int, dtype: torch.dtype) -> int:
+        return 2 * config.num_layers * config.num_kv_heads * max_seq * config.head_dim * dtype.itemsize
+
+    def swap_rows(self, a: int, b: int, length: int) -> None:
+        """Exchange the first `length` positions of rows a and b in every layer."""
+        if a == b or length == 0:
+            return
+        for t in (self.k, self.v):
+            held = t[:, a, :, :length].clone()
+            t[:, a, :, :length] = t[:, b, :, :length]
+            t[:, b, :, :length] = held
 
 
 def rope_tables(head_dim: int, max_seq: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
@@ -70,21 +87,72 @@ def qwen_logn_scale(max_seq: int, seq_length: int) -> Tensor:
     return scale.float()
 
 
+class RotaryTables:
+    """Position tables for sequences up to `max_seq`: cos/sin [tables, max_seq, head_dim].
+
+    Most models have one table. Qwen v1's dynamic NTK picks the RoPE base from the prompt length
+    at prefill (alpha 1, 3, 7, … per doubling past `seq_length`) and keeps it while decoding, so
+    requests of different lengths use different tables: one per alpha, indexed per row.
+    """
+
+    def __init__(self, config: DecoderConfig, max_seq: int, device):
+        c = config
+        self.config = config
+        self.alphas = [1.0]
+        if c.dynamic_ntk:
+            while self.alphas[-1] < qwen_ntk_alpha(max_seq, c.seq_length):
+                self.alphas.append(self.alphas[-1] * 2 + 1)
+        tables = [rope_tables(c.head_dim, max_seq, c.rope_theta * a ** (c.head_dim / (c.head_dim - 2)), device)
+                  for a in self.alphas]
+        self.cos = torch.stack([cos for cos, _ in tables])
+        self.sin = torch.stack([sin for _, sin in tables])
+        self.logn = qwen_logn_scale(max_seq, c.seq_length).to(device) if c.logn_attn else None
+
+    def table_for(self, context_len: int) -> int:
+        """Which table a prompt of `context_len` tokens uses (always 0 without dynamic NTK)."""
+        if not self.config.dynamic_ntk:
+            return 0
+        return self.alphas.index(qwen_ntk_alpha(context_len, self.config.seq_length))
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """One request's tokens at positions start.. of cache row `row`; `table` picks its rotary table."""
+
+    row: int
+    start: int
+    table: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Decode:
+    """One token for each cache row 0..B-1, at `positions` [B], with rotary `tables` [B]; attention
+    reads the first `kv_len` positions (masked per row beyond each row's own position)."""
+
+    positions: Tensor
+    tables: Tensor
+    kv_len: int
+
+
+Step = Prefill | Decode
+
+
 class Attention(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, kernels: Kernels):
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.wqkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
         self.wo = nn.Linear(config.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.kv_cache: KVCache | None = None
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
-                logn: Tensor | None, kv_len: int) -> Tensor:
-        """`mask` None means a fresh prefill (positions 0..T-1): plain causal attention, which lets
-        SDPA pick its flash kernel instead of the masked one."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: Tensor | None,
+                k_cache: Tensor, v_cache: Tensor, step: Step) -> Tensor:
+        """`k_cache`/`v_cache` are this layer's [rows, kv_heads, max_seq, head_dim]; `mask` None
+        means a fresh prefill (positions 0..T-1): plain causal attention, which lets SDPA pick
+        its flash kernel instead of the masked one."""
         c = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -93,108 +161,87 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_(q, cos, sin), rotary_(k, cos, sin)
+        q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
         if logn is not None:
-            q = q * logn[:, None, None].to(q.dtype)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        k_all, v_all = self.kv_cache.update(input_pos, k, v)
-        y = F.scaled_dot_product_attention(
-            q, k_all[:, :, :kv_len], v_all[:, :, :kv_len], attn_mask=mask, is_causal=mask is None,
-            enable_gqa=c.num_heads != c.num_kv_heads,
-        )
+            q = q * logn[:, :, None, None].to(q.dtype)
+        q = q.transpose(1, 2)
+        if isinstance(step, Prefill):
+            end = step.start + seqlen
+            k_cache[step.row, :, step.start:end] = k[0].transpose(0, 1)
+            v_cache[step.row, :, step.start:end] = v[0].transpose(0, 1)
+            keys, values = k_cache[step.row:step.row + 1, :, :end], v_cache[step.row:step.row + 1, :, :end]
+        else:
+            rows = torch.arange(bsz, device=x.device)
+            k_cache[rows, :, step.positions] = k[:, 0]
+            v_cache[rows, :, step.positions] = v[:, 0]
+            keys, values = k_cache[:bsz, :, :step.kv_len], v_cache[:bsz, :, :step.kv_len]
+        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, c.q_size))
 
 
 class FeedForward(nn.Module):
     """SwiGLU with gate and up fused into one GEMM."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, kernels: Kernels):
         super().__init__()
+        self.kernels = kernels
         self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(silu_mul(self.w_gate_up(x)))
+        return self.w_down(self.kernels.silu_mul(self.w_gate_up(x)))
 
 
 class Block(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, kernels: Kernels):
         super().__init__()
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = FeedForward(config)
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.attn = Attention(config, kernels)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = FeedForward(config, kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None, input_pos: Tensor,
-                logn: Tensor | None, kv_len: int) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask, input_pos, logn, kv_len)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: Tensor | None,
+                k_cache: Tensor, v_cache: Tensor, step: Step) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, logn, mask, k_cache, v_cache, step)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    """`kernels` picks the elementwise kernels between the GEMMs (fused Triton ones on CUDA by default)."""
+
+    def __init__(self, config: DecoderConfig, kernels: Kernels = FUSED):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Block(config, kernels) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
-        self.max_seq_len = 0
-        self.ntk_alpha = 1.0
 
-    def setup_caches(self, max_seq_len: int, batch: int = 1) -> None:
-        """Allocate the static KV cache and position tables for sequences up to `max_seq_len`."""
-        c = self.config
-        if max_seq_len > c.max_position_embeddings:
-            raise ValueError(f"context {max_seq_len} exceeds the model's {c.max_position_embeddings} positions")
-        weight = self.embed.weight
-        for layer in self.layers:
-            layer.attn.kv_cache = KVCache(batch, max_seq_len, c.num_kv_heads, c.head_dim, weight.dtype, weight.device)
-        self.max_seq_len = max_seq_len
-        self.register_buffer("positions", torch.arange(max_seq_len, device=weight.device), persistent=False)
-        cos, sin = rope_tables(c.head_dim, max_seq_len, c.rope_theta, weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.ntk_alpha = 1.0
-        if c.logn_attn:
-            self.register_buffer("logn", qwen_logn_scale(max_seq_len, c.seq_length).to(weight.device),
-                                 persistent=False)
+    def forward(self, cache: KVCache, rope: RotaryTables, step: Step, tokens: Tensor | None = None,
+                embeds: Tensor | None = None, last_only: bool = True) -> Tensor:
+        """Logits for `tokens` [B, T] (or ready-made `embeds` [B, T, hidden]) placed as `step` says.
 
-    def prepare_context(self, context_len: int) -> None:
-        """Before a prefill of `context_len` tokens: Qwen v1 rescales RoPE for long prompts (NTK).
-
-        The factor is fixed at prefill and kept through decoding, as Qwen v1 does; the tables are
-        rewritten in place so captured decode graphs keep valid pointers.
+        A `Prefill` is one row (B = 1) of T tokens; `last_only` skips the LM head for all but its
+        last position. A `Decode` is one token (T = 1) for each of cache rows 0..B-1.
         """
-        c = self.config
-        if not c.dynamic_ntk:
-            return
-        alpha = qwen_ntk_alpha(context_len, c.seq_length)
-        if alpha == self.ntk_alpha:
-            return
-        theta = c.rope_theta * alpha ** (c.head_dim / (c.head_dim - 2))
-        cos, sin = rope_tables(c.head_dim, self.max_seq_len, theta, self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
-        self.ntk_alpha = alpha
-
-    def forward(self, input_pos: Tensor, idx: Tensor | None = None, embeds: Tensor | None = None,
-                kv_len: int | None = None, last_only: bool = False) -> Tensor:
-        """Logits for tokens `idx` (or ready-made `embeds`) written at cache positions `input_pos`.
-
-        `kv_len` bounds how much of the cache attention reads (all of it when None, as a captured
-        decode graph needs); `last_only` skips the LM head for all but the last position (prefill).
-        """
-        x = self.embed(idx) if embeds is None else embeds
-        kv_len = kv_len or self.max_seq_len
-        fresh_prefill = kv_len == x.shape[1]  # the cache holds exactly these tokens, at 0..T-1
-        mask = None if fresh_prefill else (self.positions[None, :kv_len] <= input_pos[:, None])[None, None]
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]
-        logn = self.logn[input_pos] if self.config.logn_attn else None
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, input_pos, logn, kv_len)
+        x = self.embed(tokens) if embeds is None else embeds
+        bsz, seqlen = x.shape[:2]
+        if isinstance(step, Prefill):
+            positions = torch.arange(step.start, step.start + seqlen, device=x.device)[None]
+            cos, sin = rope.cos[step.table, positions], rope.sin[step.table, positions]
+            keys = torch.arange(step.start + seqlen, device=x.device)
+            mask = None if step.start == 0 else (keys[None] <= positions[0, :, None])[None, None]
+        else:
+            positions = step.positions[:, None]
+            cos, sin = rope.cos[step.tables[:, None], positions], rope.sin[step.tables[:, None], positions]
+            keys = torch.arange(step.kv_len, device=x.device)
+            mask = (keys[None] <= step.positions[:, None])[:, None, None]
+        logn = rope.logn[positions] if rope.logn is not None else None
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, logn, mask, cache.k[i], cache.v[i], step)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))

@@ -1,44 +1,77 @@
 """Chat messages → prompt token ids, fitted to the context window.
 
-Two formats: the checkpoint's own chat template where its tokenizer config has one, else ChatML
-built piece by piece as Qwen v1 does (`<|im_start|>role\\ncontent<|im_end|>\\n`), so user text
-can never inject special tokens. When a conversation outgrows the context, the oldest turns go
-first (the system prompt stays), and a single over-long message is cut in the middle; each cut
-comes back as a notice for the UI.
+Formats share one `PromptFormat` protocol: the checkpoint's own chat template where its tokenizer
+config has one, else ChatML built piece by piece as Qwen v1 does (`<|im_start|>role\\ncontent<|im_end|>\\n`),
+so user text can never inject special tokens; MiniGPT-4's templates live beside its model. When a
+conversation outgrows the context, the oldest turns go first (the system prompt stays), and a
+single over-long message is cut in the middle; each cut comes back as a notice for the UI.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from pipeline.errors import UserError
+from pipeline.llm.engine import Prompt
 from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
 
 ROLES = ("system", "user", "assistant")
 
 
-class PromptFormat:
-    """Renders messages ([{"role", "content"}], content a string) and knows when a reply ends."""
+class PromptFormat(Protocol):
+    """How a model wants a conversation written: ChatML, a checkpoint's chat template, MiniGPT-4's
+    templates. `render` gives the prompt; a reply ends at a stop id or a stop string."""
+
+    tokenizer: Tokenizer
+    stop_ids: set[int]
+    stop_strings: tuple[str, ...]
+
+    def render(self, messages: Sequence[dict]) -> Prompt: ...
+
+
+# A model may spell the end marker as text instead of emitting the special token.
+CHATML_STOP_STRINGS = (IM_END, IM_START)
+
+
+def _chatml_stop_ids(tokenizer: Tokenizer) -> set[int]:
+    return tokenizer.eos_ids | ({tokenizer.special_id(t) for t in (IM_START, IM_END, ENDOFTEXT)} - {None})
+
+
+class ChatMLFormat:
+    """ChatML built piece by piece as Qwen v1 does, so user text can never inject special tokens."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.use_template = tokenizer.chat_template is not None
-        specials = [tokenizer.special_id(t) for t in (IM_START, IM_END, ENDOFTEXT)]
-        if not self.use_template and None in specials[:2]:
+        if tokenizer.special_id(IM_START) is None or tokenizer.special_id(IM_END) is None:
             raise UserError("this tokenizer has neither a chat template nor ChatML tokens; cannot build chat prompts")
-        self.stop_ids = tokenizer.eos_ids | {i for i in specials if i is not None}
-        # A model may spell the end marker as text instead of emitting the special token.
-        self.stop_strings = (IM_END, IM_START)
+        self.tokenizer = tokenizer
+        self.stop_ids = _chatml_stop_ids(tokenizer)
+        self.stop_strings = CHATML_STOP_STRINGS
 
-    def render(self, messages: Sequence[dict]) -> list[int]:
-        if self.use_template:
-            return self.tokenizer.render_chat_template(list(messages))
+    def render(self, messages: Sequence[dict]) -> Prompt:
         tok = self.tokenizer
         start, end, newline = tok.special_id(IM_START), tok.special_id(IM_END), tok.encode("\n")
         ids: list[int] = []
         for m in messages:
             ids += [start] + tok.encode(m["role"]) + newline + tok.encode(m["content"]) + [end] + newline
-        return ids + [start] + tok.encode("assistant") + newline
+        return Prompt(tuple(ids + [start] + tok.encode("assistant") + newline))
+
+
+class ChatTemplateFormat:
+    """The checkpoint's own chat template (its tokenizer config's Jinja), with ChatML's stops."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.stop_ids = _chatml_stop_ids(tokenizer)
+        self.stop_strings = CHATML_STOP_STRINGS
+
+    def render(self, messages: Sequence[dict]) -> Prompt:
+        return Prompt(tuple(self.tokenizer.render_chat_template(list(messages))))
+
+
+def chat_format(tokenizer: Tokenizer) -> PromptFormat:
+    """The checkpoint's chat template where its tokenizer config has one, else ChatML."""
+    return ChatTemplateFormat(tokenizer) if tokenizer.chat_template is not None else ChatMLFormat(tokenizer)
 
 
 def check_messages(messages: Sequence[dict]) -> None:
@@ -54,34 +87,34 @@ def check_messages(messages: Sequence[dict]) -> None:
         raise UserError("the message is empty: type something to send")
 
 
-def fit_prompt(fmt: PromptFormat, messages: Sequence[dict], budget: int) -> tuple[list[int], list[str]]:
-    """Prompt ids of at most `budget` tokens, and notices saying what had to go."""
+def fit_prompt(fmt: PromptFormat, messages: Sequence[dict], budget: int) -> tuple[Prompt, list[str]]:
+    """A prompt of at most `budget` tokens, and notices saying what had to go."""
     check_messages(messages)
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns = list(messages[len(system):])
     notices = []
     dropped = 0
-    ids = fmt.render(system + turns)
-    while len(ids) > budget and len(turns) > 1:
+    prompt = fmt.render(system + turns)
+    while len(prompt) > budget and len(turns) > 1:
         cut = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), len(turns) - 1)
         dropped += cut
         turns = turns[cut:]
-        ids = fmt.render(system + turns)
+        prompt = fmt.render(system + turns)
     if dropped:
         notices.append(f"The conversation outgrew the model's context: the {dropped} oldest "
                        f"message{'s' if dropped > 1 else ''} no longer reach the model.")
-    if len(ids) > budget:
+    if len(prompt) > budget:
         content_ids = fmt.tokenizer.encode(turns[-1]["content"])
         keep = len(content_ids)
-        while len(ids) > budget:  # re-tokenization at the cut can shift a token or two: retry
-            keep -= len(ids) - budget + 2
+        while len(prompt) > budget:  # re-tokenization at the cut can shift a token or two: retry
+            keep -= len(prompt) - budget + 2
             if keep < 16:
                 raise UserError("the system prompt leaves no room for a message; shorten it or raise the context")
             turns[-1] = {"role": "user", "content": _cut_middle(fmt.tokenizer, content_ids, keep)}
-            ids = fmt.render(system + turns)
+            prompt = fmt.render(system + turns)
         notices.append(f"Your message was {len(content_ids)} tokens, too long for the context: "
                        f"its middle was cut, keeping the first and last {keep // 2} tokens.")
-    return ids, notices
+    return prompt, notices
 
 
 def _cut_middle(tokenizer: Tokenizer, ids: list[int], keep: int) -> str:

@@ -1,8 +1,16 @@
-"""Sampling parameters (validated once, with messages a user can act on) and the next-token draw."""
+"""Sampling parameters (validated once, with messages a user can act on) and the next-token draw.
+
+The draw works on a batch of rows, each with its own parameters, in one set of tensor operations,
+and takes its randomness as one uniform number per row (inverse-CDF sampling) from the request's
+own seeded generator: a row's token depends only on its logits, its parameters and its own random
+stream, never on what else shares the batch.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import random
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -45,25 +53,53 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x rejects NaN
 
 
-def next_token(logits: Tensor, params: SamplingParams, seen: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Draw one token id from `logits` [vocab]; `seen` [vocab] bool marks ids for the repetition penalty.
+class Draws:
+    """A request's own random stream: seeded for reproducible replies, else fresh entropy."""
 
-    Order as in transformers: repetition penalty, temperature, top-k, top-p. Returns a 0-d tensor
-    on the logits' device, so the caller decides when to synchronise.
+    def __init__(self, seed: int | None):
+        self._rng = random.Random(seed)
+
+    def next(self) -> float:
+        return self._rng.random()
+
+
+COLUMNS = ("uniform", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def sampling_columns(params: Sequence[SamplingParams], uniforms: Sequence[float], vocab: int) -> list[list[float]]:
+    """The per-row numbers `sample` reads, one list per entry of COLUMNS (top-k 0 = off)."""
+    return [list(uniforms), [p.temperature for p in params],
+            [p.top_k if 0 < p.top_k < vocab else 0 for p in params], [p.top_p for p in params],
+            [p.repetition_penalty for p in params]]
+
+
+def sample(logits: Tensor, params: Sequence[SamplingParams], seen: Tensor, columns: Tensor) -> Tensor:
+    """Token ids [B] from `logits` [B, vocab]; row i uses `params[i]`, the repetition mask `seen[i]`
+    (bool [vocab]) and column i of `columns` [5, B] (see `sampling_columns`, on the logits' device).
+
+    Order as in transformers: repetition penalty, temperature, top-k, top-p. `params` only decides
+    which steps the batch needs at all; the numbers come from `columns`, so a caller can upload
+    them without waiting for the GPU. Returns a tensor on the logits' device.
     """
+    uniform, temperature, top_k, top_p, penalty = columns
+    if all(p.temperature == 0 and p.repetition_penalty == 1.0 for p in params):
+        return logits.argmax(-1)
     logits = logits.float()
-    if params.repetition_penalty != 1.0:
-        penalised = torch.where(logits < 0, logits * params.repetition_penalty, logits / params.repetition_penalty)
-        logits = torch.where(seen, penalised, logits)
-    if params.temperature == 0:
-        return logits.argmax()
-    logits = logits / params.temperature
-    if 0 < params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keeps the token that crosses top_p
-        logits = logits.masked_fill(drop_sorted.scatter(0, order, drop_sorted), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[0]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = penalty[:, None]
+        logits = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+    greedy = logits.argmax(-1)
+    if all(p.temperature == 0 for p in params):
+        return greedy
+    logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
+    max_k = max(p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params)
+    if max_k:
+        kth = torch.topk(logits, max_k, dim=-1).values.gather(1, (top_k.clamp(min=1) - 1).long()[:, None])
+        logits = torch.where(top_k[:, None] > 0, logits.masked_fill(logits < kth, float("-inf")), logits)
+    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    # top-p keeps the tokens before the one that crosses it, and that one
+    ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], float("-inf"))
+    cdf = ordered.softmax(-1).cumsum(-1)
+    pick = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:]).clamp(max=cdf.shape[-1] - 1)
+    return torch.where(temperature == 0, greedy, order.gather(1, pick)[:, 0])

@@ -4,8 +4,8 @@ Vicuna v0, as MiniGPT-4's conversation.py renders it (the image lives in the fir
     Give the following image: <Img>ImageContent</Img>. You will be able to see the image once I
     provide it to you. Please answer my questions.###Human: <Img><ImageHere></Img> q1###Assistant: a1###Human: q2###Assistant:
 The text around `<ImageHere>` is tokenized segment by segment (BOS only before the first), as
-MiniGPT-4 does, and `<ImageHere>` becomes `num_query` placeholder ids (`IMAGE_TOKEN`) that the
-pipeline replaces with the image's query embeddings. User text is always plain text: typing
+MiniGPT-4 does, and `<ImageHere>` becomes a slot of `num_query` positions in the `Prompt` that the
+pipeline fills with the image's query embeddings. User text is always plain text: typing
 `<ImageHere>` or `<s>` in a question does not make an image slot or a special token.
 """
 
@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from pipeline.llm.engine import Prompt
 from pipeline.llm.tokenizer import Tokenizer
 
-IMAGE_TOKEN = -1
+IMAGE = object()  # where `segments` puts the image
+PLACEHOLDER_ID = 0  # the id a prompt carries inside the image slot (never read: embeddings replace it)
 MINIGPT4_SYSTEM = ("Give the following image: <Img>ImageContent</Img>. You will be able to see the image once I "
                    "provide it to you. Please answer my questions.")
 
@@ -40,7 +42,7 @@ TEMPLATES = {
 
 
 class MiniGPT4Format:
-    """A prompt format for `fit_prompt`: `render` gives ids with `num_query` × IMAGE_TOKEN."""
+    """A `PromptFormat`: `render` gives ids with one slot of `num_query` positions for the image."""
 
     def __init__(self, tokenizer: Tokenizer, template: str, num_query: int):
         if template not in TEMPLATES:
@@ -52,12 +54,12 @@ class MiniGPT4Format:
         self.stop_ids = tokenizer.eos_ids
         self.stop_strings = self.template.stop_strings
 
-    def segments(self, messages: Sequence[dict]) -> list[str | int]:
-        """Text pieces (tokenized one by one) and ids (BOS, IMAGE_TOKEN) in prompt order."""
+    def segments(self, messages: Sequence[dict]) -> list[str | int | object]:
+        """Text pieces (tokenized one by one), ids (BOS) and IMAGE, in prompt order."""
         t = self.template
         system = messages[0]["content"] if messages and messages[0]["role"] == "system" else MINIGPT4_SYSTEM
         turns = [m for m in messages if m["role"] != "system"]
-        out: list[str | int] = [self.bos] if self.bos is not None else []
+        out: list[str | int | object] = [self.bos] if self.bos is not None else []
         text = system + t.sep
         image_placed = False
         for m in turns:
@@ -67,20 +69,22 @@ class MiniGPT4Format:
                     text = ""
                 text += t.user
                 if not image_placed:  # the image rides with the earliest user turn still in the prompt
-                    out += [text + "<Img>", IMAGE_TOKEN]
+                    out += [text + "<Img>", IMAGE]
                     text, image_placed = "</Img> ", True
             else:
                 text += t.assistant
             text += m["content"] + t.sep
         return out + [text + t.reply]
 
-    def render(self, messages: Sequence[dict]) -> list[int]:
+    def render(self, messages: Sequence[dict]) -> Prompt:
         ids: list[int] = []
+        slots: list[tuple[int, int]] = []
         for piece in self.segments(messages):
-            if piece == IMAGE_TOKEN:
-                ids += [IMAGE_TOKEN] * self.num_query
+            if piece is IMAGE:
+                slots.append((len(ids), self.num_query))
+                ids += [PLACEHOLDER_ID] * self.num_query
             elif isinstance(piece, int):
                 ids.append(piece)
             elif piece:
                 ids += self.tokenizer.encode(piece)
-        return ids
+        return Prompt(tuple(ids), tuple(slots))

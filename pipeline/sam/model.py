@@ -10,13 +10,13 @@ import dataclasses
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.errors import UserError
 from pipeline.sam.image_encoder import ImageEncoderViT
 from pipeline.sam.mask_decoder import MaskDecoder, TwoWayTransformer
 from pipeline.sam.prompt_encoder import PromptEncoder
+from pipeline.weights_io import read_weight_file
 
 PIXEL_MEAN = (123.675, 116.28, 103.53)
 PIXEL_STD = (58.395, 57.12, 57.375)
@@ -71,24 +71,11 @@ class Sam(nn.Module):
     def device(self) -> torch.device:
         return self.pixel_mean.device
 
-    def preprocess(self, image: Tensor) -> Tensor:
-        """[3, h, w] RGB 0..255 (longest side already `img_size`) → normalised, padded [1, 3, S, S]."""
-        x = (image.float() - self.pixel_mean) / self.pixel_std
-        h, w = x.shape[-2:]
-        return F.pad(x, (0, self.config.img_size - w, 0, self.config.img_size - h))[None]
-
     def decode(self, embedding: Tensor, points: tuple[Tensor, Tensor] | None, box: Tensor | None,
                mask_input: Tensor | None, multimask_output: bool) -> tuple[Tensor, Tensor]:
         """Low-res mask logits [1, M, 4h, 4w] and IoU predictions [1, M] for prompts in model-input pixels."""
         sparse, dense = self.prompt_encoder(points, box, mask_input)
         return self.mask_decoder(embedding, self.prompt_encoder.get_dense_pe(), sparse, dense, multimask_output)
-
-    def upscale_masks(self, low_res: Tensor, input_size: tuple[int, int], original_size: tuple[int, int]) -> Tensor:
-        """Low-res logits → logits at the original image size (undo padding, then resizing)."""
-        s = self.config.img_size
-        masks = F.interpolate(low_res, (s, s), mode="bilinear", align_corners=False)
-        masks = masks[..., :input_size[0], :input_size[1]]
-        return F.interpolate(masks, original_size, mode="bilinear", align_corners=False)
 
 
 def variant_of(state: dict[str, Tensor]) -> SamConfig:
@@ -106,12 +93,7 @@ def variant_of(state: dict[str, Tensor]) -> SamConfig:
 
 def load_sam(path: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Sam:
     """Load an official-layout SAM `.pth` (tensors only: `weights_only=True`)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise UserError(f"SAM checkpoint {path} does not exist") from None
-    except Exception as e:  # a truncated download or a non-checkpoint file
-        raise UserError(f"cannot read SAM checkpoint {path}: {type(e).__name__}: {e}") from None
+    state = read_weight_file(path, "SAM checkpoint")
     with torch.device("meta"):
         model = Sam(variant_of(state))
     model.load_state_dict(state, strict=True, assign=True)

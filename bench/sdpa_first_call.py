@@ -1,0 +1,41 @@
+"""First-call cost of masked attention (a prefill after a cached prefix) for shapes never seen before.
+
+Each turn of a conversation prefills a new number of tokens against a new number of cached keys,
+so any per-shape planning cost lands on the user's time to first token. Compares SDPA's default
+backend choice with cuDNN attention switched off, at Qwen2.5-7B's attention shape (28/4 heads).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def first_and_second_ms(q_len: int, kv_len: int) -> tuple[float, float]:
+    q = torch.randn(1, 28, q_len, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, kv_len, 128, device="cuda", dtype=torch.bfloat16)
+    mask = (torch.arange(kv_len, device="cuda")[None] <= torch.arange(kv_len - q_len, kv_len, device="cuda")[:, None])
+    times = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, k, attn_mask=mask[None, None], enable_gqa=True)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times[0], times[1]
+
+
+def main() -> None:
+    rows = []
+    for cudnn in (True, False):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        for q_len, kv_len in ((201 + cudnn, 1700 + cudnn), (203 + cudnn, 2450 + cudnn), (150 + cudnn, 3200 + cudnn)):
+            first, second = first_and_second_ms(q_len, kv_len)
+            rows.append((f"cudnn_sdp={cudnn} q={q_len} kv={kv_len}", f"first {first:.1f} ms, again {second:.2f} ms"))
+    print("\n".join(f"{a:40s} {b}" for a, b in rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,443 @@
+"""The LLM engine seam, and the torch engine that serves many chats at once.
+
+Pipelines hand an engine a `Prompt` (token ids, plus embeddings for marked slots: image chat's
+query embeddings), `SamplingParams`, stop ids and optionally a session name; they get back a
+`TokenStream` of token ids that they iterate, and can cancel, from any thread. Everything above
+this seam (prompt formats, context fitting, UTF-8-safe text) is the same for every backend.
+
+`TorchLLMEngine` works like a serving engine (vLLM, TensorRT-LLM's executor): one engine thread
+owns the decoder, the KV cache (one row per sequence), the rotary tables and the CUDA graphs, and
+runs continuous batching. New requests are prefilled and join the running batch; every decode step
+advances all running requests together, each at its own position with its own sampling parameters
+and random stream; finished or cancelled requests leave at once. Running requests always occupy
+cache rows 0..B-1 (rows are swapped when one joins or leaves), so a step reads the cache as a plain
+view. A session's row keeps its tokens after a reply, so the next turn prefills only what is new;
+idle rows are reclaimed least recently used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pipeline.cuda_graphs import CapturedCall
+from pipeline.errors import UserError
+from pipeline.llm.model import Decode, Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.sampling import COLUMNS, Draws, SamplingParams, sample, sampling_columns
+
+GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
+# Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
+# turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """Token ids, where `slots` ((start, length) runs) take their inputs from `embeds` instead.
+
+    Ids inside a slot are placeholders. `keys` name each slot's content (an image hash) so an
+    engine can recognise a cached prefix that includes it.
+    """
+
+    ids: tuple[int, ...]
+    slots: tuple[tuple[int, int], ...] = ()
+    embeds: tuple[Tensor, ...] = ()
+    keys: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def fill(self, embeds: Tensor, key: str) -> "Prompt":
+        """Every slot filled with `embeds` [length, hidden] (MiniGPT-4 shows one image per prompt)."""
+        for _, length in self.slots:
+            if length != embeds.shape[0]:
+                raise ValueError(f"a slot of {length} positions cannot hold {embeds.shape[0]} embeddings")
+        return dataclasses.replace(self, embeds=(embeds,) * len(self.slots), keys=(key,) * len(self.slots))
+
+    def signature(self) -> list:
+        """What identifies each position's input: its id, or (content key, offset) inside a slot."""
+        sig: list = list(self.ids)
+        for (start, length), key in zip(self.slots, self.keys):
+            sig[start:start + length] = [(key, i) for i in range(length)]
+        return sig
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose cache entries were reused from the session's last turn
+    new_tokens: int = 0
+    time_to_first_token_s: float = 0.0  # from submission, queueing included
+    decode_s: float = 0.0
+    finish_reason: str = ""  # "stop" | "length" | "context" | "cancelled"
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+
+_END = object()
+
+
+class TokenStream:
+    """One request's token ids as the engine produces them. Iterate to receive them (the iteration
+    ends when the request finishes; `stats` then holds its finish reason); `cancel` ends the request
+    at the engine's next step. Several threads may cancel; one consumes."""
+
+    def __init__(self, cancel: threading.Event | None, keep_logits: bool):
+        self.stats = GenerationStats()
+        self.logits: list[Tensor] | None = [] if keep_logits else None  # per token, fp32 on the CPU
+        self._cancel = cancel if cancel is not None else threading.Event()
+        self.reason = "cancelled"  # what a cancelled request's finish reason will be
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._ended = False
+
+    def __iter__(self) -> Iterator[int]:
+        while not self._ended:
+            item = self._items.get()
+            if item is _END:
+                self._ended = True
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def deliver(self, item: int | BaseException) -> None:
+        """Engine side: hand over the next token id, or the error that ends the request."""
+        self._items.put(item)
+
+    def end(self, reason: str) -> None:
+        """Engine side: the request is over (a reason set by `cancel` or an earlier error wins)."""
+        self.stats.finish_reason = self.stats.finish_reason or reason
+        self._items.put(_END)
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """End the request; `reason` becomes its finish reason ("stop" when a stop string was seen)."""
+        self.reason = reason
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def wait(self) -> GenerationStats:
+        """Drain the stream; the final statistics."""
+        for _ in self:
+            pass
+        return self.stats
+
+
+class LLMEngine(Protocol):
+    """What every LLM backend offers the pipelines."""
+
+    context: int  # positions a sequence may use: prompt and reply together
+    hidden_size: int  # the width of the embeddings a prompt's slots take
+    description: str
+
+    def submit(self, prompt: Prompt, params: SamplingParams, stop_ids: set[int], session: str | None = None,
+               cancel: threading.Event | None = None, keep_logits: bool = False) -> TokenStream: ...
+
+    def status(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class _Request:
+    prompt: Prompt
+    params: SamplingParams
+    stop_ids: set[int]
+    session: str | None
+    stream: TokenStream
+    draws: Draws
+    submitted: float
+    row: int = -1
+    position: int = 0  # where the next fed token goes in the cache
+    table: int = 0  # rotary table (Qwen v1 dynamic NTK)
+    last_token: int = 0
+    first_token_at: float = 0.0
+
+
+@dataclasses.dataclass
+class _Row:
+    """What a cache row holds: whose session, and the signature of the tokens in it."""
+
+    session: str | None = None
+    held: list = dataclasses.field(default_factory=list)
+    table: int = 0
+    last_used: float = 0.0
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class TorchLLMEngine:
+    """Continuous batching over a static KV cache; see the module docstring.
+
+    `max_batch` (a power of two) requests decode together; `rows` cache rows (≥ max_batch) keep
+    idle sessions' turns for reuse. Decode steps replay a CUDA graph per (batch bucket, context
+    bucket) on a GPU and run eagerly on the CPU.
+    """
+
+    def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
+                 use_cuda_graphs: bool | None = None):
+        if max_batch < 1 or max_batch & (max_batch - 1):
+            raise ValueError(f"max_batch must be a power of two, got {max_batch}")
+        c = model.config
+        if context > c.max_position_embeddings:
+            raise UserError(f"context {context} exceeds the model's {c.max_position_embeddings} positions")
+        weight = model.embed.weight
+        self.model, self.context, self.vocab_size, self.max_batch = model, context, vocab_size, max_batch
+        self.device, self.hidden_size = weight.device, c.hidden_size
+        rows = max(rows or 2 * max_batch, max_batch)
+        self.scratch = context  # padding rows of a bucketed step write here, a position no sequence uses
+        self.cache = KVCache(c, rows, context + 1, weight.dtype, self.device)
+        self.rope = RotaryTables(c, context + 1, self.device)
+        self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=self.device)  # repetition penalty
+        self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self._graphs: dict[tuple[int, int], CapturedCall] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
+        # Per-step inputs go up in one pinned, non-blocking copy each, so the host never waits for
+        # the GPU before the one synchronisation per step (reading the drawn tokens).
+        pinned = self.device.type == "cuda"
+        self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pinned)
+        self._draw_host = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
+        self._draw_dev = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=self.device)
+        self._rows = [_Row() for _ in range(rows)]
+        self._active: list[_Request] = []  # _active[i] runs in cache row i
+        self._waiting: list[_Request] = []
+        self._wake = threading.Condition()
+        self._closed = False
+        self.steps = 0  # decode steps run (for tests and benchmarks)
+        self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
+                            f"{rows} cache rows of {context} tokens")
+        self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the seam ----------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: SamplingParams, stop_ids: set[int], session: str | None = None,
+               cancel: threading.Event | None = None, keep_logits: bool = False) -> TokenStream:
+        """Queue a request; its tokens arrive on the returned stream. Raises `UserError` at once for
+        a prompt that cannot fit."""
+        params = params.validated()
+        if not 0 < len(prompt) < self.context:
+            raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
+        stream = TokenStream(cancel, keep_logits)
+        stream.stats.prompt_tokens = len(prompt)
+        request = _Request(prompt, params, set(stop_ids), session, stream, Draws(params.seed), time.perf_counter())
+        with self._wake:
+            if self._closed:
+                raise UserError("the language model was unloaded; reload the page")
+            self._waiting.append(request)
+            self._wake.notify()
+        return stream
+
+    def status(self) -> dict[str, int]:
+        """What the engine is doing now (for the UI and tests): requests running and queued, and so on."""
+        return {"running": len(self._active), "queued": len(self._waiting), "max_batch": self.max_batch,
+                "cache_rows": len(self._rows), "decode_steps": self.steps}
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not self._closed and not self._waiting and not self._active:
+                        self._wake.wait()
+                    if self._closed:
+                        break
+                    room = self.max_batch - len(self._active)
+                    joining, self._waiting = self._waiting[:room], self._waiting[room:]
+                for request in joining:
+                    self._guarded([request], self._admit, request)
+                self._leave_cancelled()
+                if self._active:
+                    self._guarded(list(self._active), self._decode_step)
+            for request in self._active + self._waiting:
+                self._finish(request, "cancelled")
+
+    def _guarded(self, requests: list[_Request], fn, *args) -> None:
+        """Run `fn`; if it fails, the requests involved end with the error and the engine carries on."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001 - handed to the callers, who raise it
+            if isinstance(e, torch.OutOfMemoryError):
+                e = UserError("the GPU ran out of memory for this reply: shorten the conversation "
+                              "or lower max new tokens")
+            for request in requests:
+                request.stream.deliver(e)
+                self._finish(request, "error")
+
+    def _admit(self, request: _Request) -> None:
+        """Prefill a new request in its row (reusing its session's cached prefix) and emit its first token."""
+        if request.stream.cancelled:
+            self._finish(request, request.stream.reason)
+            return
+        row_index = self._claim_row(request.session)
+        row = self._rows[row_index]
+        request.row = row_index
+        self._active.append(request)
+        prompt, sig = request.prompt, request.prompt.signature()
+        request.table = self.rope.table_for(len(prompt))
+        reused = 0
+        if request.session is not None and row.session == request.session and row.table == request.table:
+            reused = min(common_prefix(row.held, sig), len(sig) - 1)  # the last token must run for its logits
+        row.session, row.held, row.table = request.session, sig[:reused], request.table
+        logits = self._prefill(prompt, row_index, reused, request.table)
+        row.held = sig
+        request.position = len(sig)
+        request.stream.stats.cached_tokens = reused
+        self.seen[row_index] = False
+        if not prompt.slots:  # as transformers does: the prompt's own ids count for the penalty
+            self.seen[row_index, torch.tensor(prompt.ids, device=self.device)] = True
+        self._emit([request], logits[None], row_index)
+
+    def _prefill(self, prompt: Prompt, row: int, start: int, table: int) -> Tensor:
+        ids = torch.tensor([prompt.ids[start:]], dtype=torch.long, device=self.device)
+        embeds = None
+        if prompt.slots:
+            embeds = self.model.embed(ids)
+            for (slot, length), values in zip(prompt.slots, prompt.embeds):
+                lo, hi = max(slot, start), slot + length
+                if lo < hi:
+                    embeds[0, lo - start:hi - start] = values[lo - slot:].to(embeds.device, embeds.dtype)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            out = self.model(self.cache, self.rope, Prefill(row, start, table), tokens=ids, embeds=embeds)
+        return out[0, -1, :self.vocab_size]
+
+    def _decode_step(self) -> None:
+        active = list(self._active)
+        n = len(active)
+        bucket = _pow2_at_least(n)
+        pad = bucket - n
+        host = self._step_host.numpy()
+        host[0, :bucket] = [r.last_token for r in active] + [0] * pad
+        host[1, :bucket] = [r.position for r in active] + [self.scratch] * pad
+        host[2, :bucket] = [r.table for r in active] + [0] * pad
+        kv_len = min(-(-(max(r.position for r in active) + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + 1)
+        logits = self._decode(bucket, kv_len, self._step_host[:, :bucket])[:n, :self.vocab_size]
+        self.steps += 1
+        for r in active:
+            self._rows[r.row].held.append(r.last_token)
+            r.position += 1
+        self._emit(active, logits, 0)
+
+    def _decode(self, bucket: int, kv_len: int, packed_host: Tensor) -> Tensor:
+        """Logits [bucket, vocab] for one decode step; `packed_host` [3, bucket] holds the tokens,
+        positions and rotary tables (pinned on a GPU: it goes up without waiting)."""
+        def step(packed: Tensor) -> Tensor:
+            return self.model(self.cache, self.rope, Decode(packed[1], packed[2], kv_len), tokens=packed[0, :, None])[:, -1]
+
+        key = (bucket, kv_len)
+        if not self.use_cuda_graphs:
+            return step(packed_host.to(self.device))
+        if key not in self._graphs:
+            self._graphs[key] = CapturedCall(step, packed_host.to(self.device), pool=self._pool)
+        graph = self._graphs[key]
+        graph.inputs[0].copy_(packed_host, non_blocking=True)
+        return graph.replay()
+
+    def _emit(self, requests: list[_Request], logits: Tensor, first_row: int) -> None:
+        """Draw each request's next token from its logits row, hand it over, and retire finished ones.
+        The requests run in the consecutive cache rows from `first_row`."""
+        n = len(requests)
+        params = [r.params for r in requests]
+        uniforms = [r.draws.next() for r in requests]  # drawn every step, so a request's stream never shifts
+        columns = self._draw_dev[:, :n]
+        if any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
+            self._draw_host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
+            columns.copy_(self._draw_host[:, :n], non_blocking=True)
+        seen = self.seen[first_row:first_row + n]
+        drawn = sample(logits, params, seen, columns)
+        seen.scatter_(1, drawn[:, None], True)
+        now = time.perf_counter()
+        for r, token, row_logits in zip(requests, drawn.tolist(), logits):
+            stats = r.stream.stats
+            if r.stream.logits is not None:
+                r.stream.logits.append(row_logits.float().cpu())
+            if stats.new_tokens == 0 and not r.first_token_at:
+                r.first_token_at = now
+                stats.time_to_first_token_s = now - r.submitted
+            stats.decode_s = now - r.first_token_at
+            if token in r.stop_ids:
+                self._finish(r, "stop")
+                continue
+            stats.new_tokens += 1
+            r.last_token = token
+            r.stream.deliver(token)
+            if stats.new_tokens >= r.params.max_new_tokens:
+                self._finish(r, "length")
+            elif r.position + 1 >= self.context:
+                self._finish(r, "context")
+
+    def _leave_cancelled(self) -> None:
+        for r in [r for r in self._active if r.stream.cancelled]:
+            self._finish(r, r.stream.reason)
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        """End a request: its stream closes, its row stays with its session and leaves the running block."""
+        request.stream.end(reason)
+        if request.row < 0 or request not in self._active:
+            return
+        last = len(self._active) - 1
+        i = request.row
+        if reason == "error":  # what the row holds is unknown
+            self._rows[i] = _Row()
+        self._rows[i].last_used = time.perf_counter()
+        if request.session is None:
+            self._rows[i] = _Row()
+        self._swap(i, last)
+        moved = self._active[last]
+        self._active[i], moved.row = moved, i
+        self._active.pop()
+        request.row = -1
+
+    def _claim_row(self, session: str | None) -> int:
+        """The row a joining request runs in, moved to just after the running ones: its session's
+        own row if idle, else an empty row, else the least recently used idle row (evicted)."""
+        first_idle = len(self._active)
+        idle = range(first_idle, len(self._rows))
+        own = [i for i in idle if session is not None and self._rows[i].session == session]
+        empty = [i for i in idle if self._rows[i].session is None]
+        chosen = (own or empty or [min(idle, key=lambda i: self._rows[i].last_used)])[0]
+        if not own:
+            self._rows[chosen] = _Row()
+        self._swap(chosen, first_idle)
+        return first_idle
+
+    def _swap(self, a: int, b: int) -> None:
+        if a == b:
+            return
+        self.cache.swap_rows(a, b, max(len(self._rows[a].held), len(self._rows[b].held)))
+        self.seen[[a, b]] = self.seen[[b, a]]
+        self._rows[a], self._rows[b] = self._rows[b], self._rows[a]
