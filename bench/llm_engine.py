@@ -114,7 +114,7 @@ def main() -> None:
         conversation(engine, "warm-up", turns=2)
         chats = [conversation(engine, f"chat{i}") for i in range(2)]
         res["conversation"] = chats
-        ttft = [statistics.median(c[t]["ttft_ms"] for c in chats) for t in range(5)]
+        ttft = [max(c[t]["ttft_ms"] for c in chats) for t in range(5)]  # the worse of the two chats
         res["ttft_ms_by_turn"] = ttft
         fifth = chats[0][4]
         # The same turn-5 prompt without reuse (a new session): what every turn cost before.
@@ -143,7 +143,7 @@ def main() -> None:
     rows.append(("8 chats UI sampling: aggregate tok/s (x one chat)",
                  f"{c['aggregate_tok_s']} ({c['aggregate_tok_s'] / res['batch1_ui_sampling_tok_s']:.2f}x)"))
     rows.append(("batched vs alone greedy prefix match /256", res["batched_vs_alone_greedy_prefix_match_of_256"]))
-    rows.append(("TTFT ms by turn 1..5", " · ".join(f"{t:.1f}" for t in ttft)))
+    rows.append(("TTFT ms by turn 1..5 (worse of 2 chats)", " · ".join(f"{t:.1f}" for t in ttft)))
     rows.append(("turn-5 prompt tokens / prefilled", f"{fifth['prompt_tokens']} / {fifth['prefilled']}"))
     rows.append(("TTFT turn 5 / turn 1", round(ttft[4] / ttft[0], 2)))
     rows.append(("TTFT turn 5 full re-prefill ms", res["ttft_ms_turn5_full_prefill"]))

@@ -178,6 +178,18 @@ class _Row:
     held: list = dataclasses.field(default_factory=list)
     table: int = 0
     last_used: float = 0.0
+    written: int = 0  # positions written so far, a step in flight included (what a move must copy)
+
+
+@dataclasses.dataclass
+class _Step:
+    """A launched decode step: who ran in it, the drawn tokens (on the device and, once `copied`
+    is done, on the host), and the logits where a request keeps them."""
+
+    requests: list[_Request]
+    drawn: Tensor
+    logits: Tensor | None
+    copied: tuple[Tensor, "torch.cuda.Event | None"]
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -222,9 +234,14 @@ class TorchLLMEngine:
         # Per-step inputs go up in one pinned, non-blocking copy each, so the host never waits for
         # the GPU before the one synchronisation per step (reading the drawn tokens).
         pinned = self.device.type == "cuda"
+        # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
         self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pinned)
-        self._draw_host = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
+        self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
+        self._draw_host = torch.zeros(2, len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
         self._draw_dev = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=self.device)
+        self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pinned)
+        self._flip = self._flip_columns = 0
+        self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
         self._rows = [_Row() for _ in range(rows)]
         self._active: list[_Request] = []  # _active[i] runs in cache row i
         self._waiting: list[_Request] = []
@@ -278,11 +295,16 @@ class TorchLLMEngine:
                         break
                     room = self.max_batch - len(self._active)
                     joining, self._waiting = self._waiting[:room], self._waiting[room:]
-                for request in joining:
-                    self._guarded([request], self._admit, request)
-                self._leave_cancelled()
+                if joining or any(r.stream.cancelled for r in self._active):
+                    self._guarded(list(self._active), self._drain)  # the batch changes: settle the step in flight
+                    for request in joining:
+                        self._guarded([request], self._admit, request)
+                    self._leave_cancelled()
                 if self._active:
                     self._guarded(list(self._active), self._decode_step)
+                else:
+                    self._guarded([], self._drain)
+            self._pending = None
             for request in self._active + self._waiting:
                 self._finish(request, "cancelled")
 
@@ -294,6 +316,7 @@ class TorchLLMEngine:
             if isinstance(e, torch.OutOfMemoryError):
                 e = UserError("the GPU ran out of memory for this reply: shorten the conversation "
                               "or lower max new tokens")
+            self._pending = None
             for request in requests:
                 request.stream.deliver(e)
                 self._finish(request, "error")
@@ -315,12 +338,13 @@ class TorchLLMEngine:
         row.session, row.held, row.table = request.session, sig[:reused], request.table
         logits = self._prefill(prompt, row_index, reused, request.table)
         row.held = sig
-        request.position = len(sig)
+        request.position = row.written = len(sig)
         request.stream.stats.cached_tokens = reused
         self.seen[row_index] = False
         if not prompt.slots:  # as transformers does: the prompt's own ids count for the penalty
             self.seen[row_index, torch.tensor(prompt.ids, device=self.device)] = True
-        self._emit([request], logits[None], row_index)
+        drawn = self._draw([request], logits[None], row_index)
+        self._deliver(request, drawn.tolist()[0], logits)
 
     def _prefill(self, prompt: Prompt, row: int, start: int, table: int) -> Tensor:
         ids = torch.tensor([prompt.ids[start:]], dtype=torch.long, device=self.device)
@@ -336,69 +360,121 @@ class TorchLLMEngine:
         return out[0, -1, :self.vocab_size]
 
     def _decode_step(self) -> None:
+        """Launch a decode step for every running request, then read the previous step's tokens
+        while the GPU works on this one. While the batch stays the same, a step's inputs (the tokens
+        just drawn, positions one further) are made on the GPU, so the host never stalls it."""
         active = list(self._active)
         n = len(active)
         bucket = _pow2_at_least(n)
-        pad = bucket - n
-        host = self._step_host.numpy()
-        host[0, :bucket] = [r.last_token for r in active] + [0] * pad
-        host[1, :bucket] = [r.position for r in active] + [self.scratch] * pad
-        host[2, :bucket] = [r.table for r in active] + [0] * pad
+        chained = self._pending is not None and self._pending.requests == active
+        if chained:
+            self._packed[0, :n].copy_(self._pending.drawn)
+            self._packed[1, :n] += 1
+        else:
+            pad = bucket - n
+            host = self._step_host.numpy()
+            host[0, :bucket] = [r.last_token for r in active] + [0] * pad
+            host[1, :bucket] = [r.position for r in active] + [self.scratch] * pad
+            host[2, :bucket] = [r.table for r in active] + [0] * pad
+            self._packed[:, :bucket].copy_(self._step_host[:, :bucket], non_blocking=True)
         kv_len = min(-(-(max(r.position for r in active) + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + 1)
-        logits = self._decode(bucket, kv_len, self._step_host[:, :bucket])[:n, :self.vocab_size]
+        logits = self._decode(bucket, kv_len, self._packed[:, :bucket])[:n, :self.vocab_size]
         self.steps += 1
         for r in active:
-            self._rows[r.row].held.append(r.last_token)
             r.position += 1
-        self._emit(active, logits, 0)
+            self._rows[r.row].written = r.position
+        drawn = self._draw(active, logits, 0)
+        kept = logits.clone() if any(r.stream.logits is not None for r in active) else None  # graphs reuse theirs
+        launched = _Step(active, drawn, kept, self._tokens_to_host(drawn))
+        previous, self._pending = self._pending, launched
+        if previous is not None:
+            self._read(previous)
+        if self._active != active:  # some finished: settle this step before the batch changes
+            self._drain()
 
-    def _decode(self, bucket: int, kv_len: int, packed_host: Tensor) -> Tensor:
-        """Logits [bucket, vocab] for one decode step; `packed_host` [3, bucket] holds the tokens,
-        positions and rotary tables (pinned on a GPU: it goes up without waiting)."""
-        def step(packed: Tensor) -> Tensor:
-            return self.model(self.cache, self.rope, Decode(packed[1], packed[2], kv_len), tokens=packed[0, :, None])[:, -1]
+    def _tokens_to_host(self, drawn: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Start copying the drawn tokens to the host; the event marks when they are there."""
+        self._flip ^= 1
+        host = self._drawn_host[self._flip, :len(drawn)]
+        host.copy_(drawn, non_blocking=True)
+        if self.device.type != "cuda":
+            return host, None
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
 
-        key = (bucket, kv_len)
+    def _drain(self) -> None:
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self._read(step)
+
+    def _read(self, step: "_Step") -> None:
+        """Hand out a finished step's tokens to the requests still running."""
+        host, done = step.copied
+        if done is not None:
+            done.synchronize()
+        rows = step.logits if step.logits is not None else [None] * len(step.requests)
+        for r, token, row_logits in zip(step.requests, host.tolist(), rows):
+            if r.row < 0:  # finished while this step ran
+                continue
+            if r.stream.cancelled:
+                self._finish(r, r.stream.reason)
+                continue
+            self._rows[r.row].held.append(r.last_token)
+            self._deliver(r, token, row_logits)
+
+    def _decode(self, bucket: int, kv_len: int, packed: Tensor) -> Tensor:
+        """Logits [bucket, vocab] for one decode step; `packed` [3, bucket] holds the tokens,
+        positions and rotary tables of rows 0..bucket-1."""
+        def step(inputs: Tensor) -> Tensor:
+            return self.model(self.cache, self.rope, Decode(inputs[1], inputs[2], kv_len), tokens=inputs[0, :, None])[:, -1]
+
         if not self.use_cuda_graphs:
-            return step(packed_host.to(self.device))
+            return step(packed)
+        key = (bucket, kv_len)
         if key not in self._graphs:
-            self._graphs[key] = CapturedCall(step, packed_host.to(self.device), pool=self._pool)
+            self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
         graph = self._graphs[key]
-        graph.inputs[0].copy_(packed_host, non_blocking=True)
+        graph.inputs[0].copy_(packed)
         return graph.replay()
 
-    def _emit(self, requests: list[_Request], logits: Tensor, first_row: int) -> None:
-        """Draw each request's next token from its logits row, hand it over, and retire finished ones.
-        The requests run in the consecutive cache rows from `first_row`."""
+    def _draw(self, requests: list[_Request], logits: Tensor, first_row: int) -> Tensor:
+        """Each request's next token (on the device) from its logits row; the requests run in the
+        consecutive cache rows from `first_row`."""
         n = len(requests)
         params = [r.params for r in requests]
         uniforms = [r.draws.next() for r in requests]  # drawn every step, so a request's stream never shifts
         columns = self._draw_dev[:, :n]
         if any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
-            self._draw_host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
-            columns.copy_(self._draw_host[:, :n], non_blocking=True)
+            self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
+            host = self._draw_host[self._flip_columns]
+            host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
+            columns.copy_(host[:, :n], non_blocking=True)
         seen = self.seen[first_row:first_row + n]
         drawn = sample(logits, params, seen, columns)
         seen.scatter_(1, drawn[:, None], True)
+        return drawn
+
+    def _deliver(self, r: _Request, token: int, logits: Tensor | None) -> None:
+        """Hand `token` to its request, or end the request (a stop id, its length, the context end)."""
+        stats = r.stream.stats
         now = time.perf_counter()
-        for r, token, row_logits in zip(requests, drawn.tolist(), logits):
-            stats = r.stream.stats
-            if r.stream.logits is not None:
-                r.stream.logits.append(row_logits.float().cpu())
-            if stats.new_tokens == 0 and not r.first_token_at:
-                r.first_token_at = now
-                stats.time_to_first_token_s = now - r.submitted
-            stats.decode_s = now - r.first_token_at
-            if token in r.stop_ids:
-                self._finish(r, "stop")
-                continue
-            stats.new_tokens += 1
-            r.last_token = token
-            r.stream.deliver(token)
-            if stats.new_tokens >= r.params.max_new_tokens:
-                self._finish(r, "length")
-            elif r.position + 1 >= self.context:
-                self._finish(r, "context")
+        if r.stream.logits is not None:
+            r.stream.logits.append(logits.float().cpu())
+        if not r.first_token_at:
+            r.first_token_at = now
+            stats.time_to_first_token_s = now - r.submitted
+        stats.decode_s = now - r.first_token_at
+        if token in r.stop_ids:
+            self._finish(r, "stop")
+            return
+        stats.new_tokens += 1
+        r.last_token = token
+        r.stream.deliver(token)
+        if stats.new_tokens >= r.params.max_new_tokens:
+            self._finish(r, "length")
+        elif len(self._rows[r.row].held) + 1 >= self.context:
+            self._finish(r, "context")
 
     def _leave_cancelled(self) -> None:
         for r in [r for r in self._active if r.stream.cancelled]:
@@ -438,6 +514,6 @@ class TorchLLMEngine:
     def _swap(self, a: int, b: int) -> None:
         if a == b:
             return
-        self.cache.swap_rows(a, b, max(len(self._rows[a].held), len(self._rows[b].held)))
+        self.cache.swap_rows(a, b, max(self._rows[a].written, self._rows[b].written))
         self.seen[[a, b]] = self.seen[[b, a]]
         self._rows[a], self._rows[b] = self._rows[b], self._rows[a]
