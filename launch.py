@@ -16,6 +16,8 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 
+GIL_SWITCH_S = 0.0005
+
 
 @dataclasses.dataclass
 class Plan:
@@ -153,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
 
         for note in plan.notes:
             print(f"[studio] {note}", flush=True)
+        # The engine threads and the request threads hand the GIL around constantly; Python's default
+        # 5 ms switch interval would let a busy engine thread hold up a click by several of them.
+        sys.setswitchinterval(GIL_SWITCH_S)
         model = resolve(plan.model_id, args.weights)
         start = time.perf_counter()
         chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backend, plan.device,

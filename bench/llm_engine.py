@@ -37,6 +37,18 @@ GREEDY = SamplingParams(max_new_tokens=256, temperature=0, repetition_penalty=1.
 UI_DEFAULT = SamplingParams(max_new_tokens=256, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, seed=0)
 
 
+def random_qwen25_7b(layers: int = 28) -> Decoder:
+    """Qwen2.5-7B's shapes with random bf16 weights on the GPU."""
+    with torch.device("meta"):
+        model = Decoder(config_from_hf({**QWEN25_7B, "num_hidden_layers": layers}))
+    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.02)
+    return model
+
+
 def random_prompt(seed: int, n: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, 150000, (n,), generator=torch.Generator().manual_seed(seed)).tolist())
 
@@ -78,14 +90,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
-    config = config_from_hf({**QWEN25_7B, "num_hidden_layers": args.layers})
-    with torch.device("meta"):
-        model = Decoder(config)
-    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.02)
+    model = random_qwen25_7b(args.layers)
+    config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - model.embed.weight.nbytes
     res["copy_TBps"] = round(copy_bandwidth_tbps(), 3)
     res["roofline_tok_s"] = round(res["copy_TBps"] * 1e12 / weight_bytes, 1)

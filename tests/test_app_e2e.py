@@ -144,6 +144,40 @@ def test_a_segment_click_is_answered_while_chats_generate(app):
     assert all("ended: cancelled" in job.result(timeout=30)[2] for job in jobs)
 
 
+def steps_until_idle(client) -> int:
+    """Decode steps the engine runs from now until no request is left (a 4000-token reply left
+    running would take thousands)."""
+    start = engine_status(client)["decode_steps"]
+    while (status := engine_status(client))["running"]:
+        time.sleep(0.05)
+    return status["decode_steps"] - start
+
+
+def test_a_dropped_client_ends_its_request(app):
+    """A closed tab or a dropped API client: the engine drops the reply (which would otherwise
+    run 4000 tokens) at once, instead of generating for nobody."""
+    import urllib.request
+
+    client, _, port = app
+    url = f"http://127.0.0.1:{port}/gradio_api/call/chat"
+    start = urllib.request.Request(url, data=json.dumps({"data": [ENDLESS_MESSAGE, [], *ENDLESS.values()]}).encode(),
+                                   headers={"Content-Type": "application/json"})
+    event_id = json.loads(urllib.request.urlopen(start).read())["event_id"]
+    stream = urllib.request.urlopen(f"{url}/{event_id}")
+    stream.read(100)
+    while not engine_status(client)["running"]:
+        time.sleep(0.02)
+    stream.close()  # the connection drops
+    assert steps_until_idle(client) < 500
+
+    other = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)
+    job = other.submit(ENDLESS_MESSAGE, [], *ENDLESS.values(), api_name="/chat")
+    while not engine_status(client)["running"]:
+        time.sleep(0.02)
+    job.cancel()
+    assert steps_until_idle(client) < 500
+
+
 def test_launch_errors_are_one_line(tmp_path):
     env = {**os.environ, "STUDIO_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     for args, expected in [(["--model", "Qwen/Qwen2.5-0.5B-Instruct"], "could not download"),

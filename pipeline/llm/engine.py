@@ -242,6 +242,9 @@ class TorchLLMEngine:
         self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pinned)
         self._flip = self._flip_columns = 0
         self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
+        # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
+        # behind decode steps already launched.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._rows = [_Row() for _ in range(rows)]
         self._active: list[_Request] = []  # _active[i] runs in cache row i
         self._waiting: list[_Request] = []
@@ -286,6 +289,9 @@ class TorchLLMEngine:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_stream(self._stream)  # the current stream is per thread: this one's only
+            self._stream.wait_stream(torch.cuda.default_stream(self.device))  # the cache's zeros are made
         with torch.inference_mode():
             while True:
                 with self._wake:
@@ -350,6 +356,10 @@ class TorchLLMEngine:
         ids = torch.tensor([prompt.ids[start:]], dtype=torch.long, device=self.device)
         embeds = None
         if prompt.slots:
+            if self._stream is not None:  # the embeddings were made on another thread's stream
+                self._stream.wait_stream(torch.cuda.default_stream(self.device))
+                for values in prompt.embeds:
+                    values.record_stream(self._stream)
             embeds = self.model.embed(ids)
             for (slot, length), values in zip(prompt.slots, prompt.embeds):
                 lo, hi = max(slot, start), slot + length
