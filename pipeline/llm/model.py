@@ -175,8 +175,14 @@ class Attention(nn.Module):
             k_cache[rows, :, step.positions] = k[:, 0]
             v_cache[rows, :, step.positions] = v[:, 0]
             keys, values = k_cache[:bsz, :, :step.kv_len], v_cache[:bsz, :, :step.kv_len]
+        grouped = c.num_heads != c.num_kv_heads
+        if grouped and mask is not None and seqlen > 1:
+            # A prefill after a cached prefix: SDPA has no fast masked kernel for grouped heads
+            # (bench/sdpa_first_call.py), so the few cached KV heads are repeated for this one call.
+            group = c.num_heads // c.num_kv_heads
+            keys, values, grouped = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), False
         y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
+                                           enable_gqa=grouped)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, c.q_size))
 
 
