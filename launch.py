@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[studio] loaded and warmed up {chat.description} in {time.perf_counter() - start:.1f} s", flush=True)
         start = time.perf_counter()
         sam = load_sam(resolve_sam(plan.sam, cache_dir()), device=plan.device, dtype=getattr(torch, plan.dtype))
-        segment = SegmentPipeline(engine=sam_engine(sam, plan.backend), is_demo=plan.sam == SAM_DEMO)
+        segment = SegmentPipeline(sam_engine(sam, plan.backend), is_demo=plan.sam == SAM_DEMO)
         segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # warm-up: first kernels now, not on a click
         print(f"[studio] loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s", flush=True)
         start = time.perf_counter()

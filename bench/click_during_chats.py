@@ -11,7 +11,6 @@ step behind the chats, not for their replies. Prints a table; writes click_durin
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -22,8 +21,10 @@ from pathlib import Path
 
 from gradio_client import Client, handle_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import report  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-OUT = Path(os.environ.get("OUT", "/tmp/out"))
 ENDLESS = ("Write a very long story", [], "You are a helpful assistant.", 0.0, 0.8, 20, 1.0, 4000, 1)
 
 
@@ -84,9 +85,7 @@ def main() -> None:
            "decode_step_ms_with_4_chats": round(step_ms, 2), "chats_still_running_after_clicks": still_running,
            "date": time.strftime("%Y-%m-%d"), "args": sys.argv[1:]}
     res["extra_delay_ms"] = round(res["click_during_4_chats_ms"] - res["click_alone_ms"], 1)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "click_during_chats.json").write_text(json.dumps(res, indent=1))
-    print("\n".join(f"{k:36s} {v}" for k, v in res.items()))
+    report("click_during_chats", res)
 
 
 if __name__ == "__main__":

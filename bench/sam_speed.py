@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import cuda_ms  # noqa: E402
-from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
+from pipeline.engines import sam_engine  # noqa: E402
+from pipeline.sam.model import VARIANTS, Sam, load_sam  # noqa: E402
 from pipeline.segment import SegmentPipeline, SegmentStats  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
@@ -57,7 +58,7 @@ def main() -> None:
     state = {k: v.detach().clone() for k, v in official.state_dict().items()}
     with tempfile.TemporaryDirectory() as tmp:
         torch.save(state, Path(tmp) / "sam_vit_h.pth")
-        seg = SegmentPipeline(Path(tmp) / "sam_vit_h.pth", device="cuda", dtype=torch.bfloat16)
+        seg = SegmentPipeline(sam_engine(load_sam(Path(tmp) / "sam_vit_h.pth", device="cuda", dtype=torch.bfloat16)))
     engine = seg.engine  # replays CUDA graphs (encoder and clicks)
     ours32 = Sam(VARIANTS["vit_h"]).cuda().eval()
     ours32.load_state_dict(state)

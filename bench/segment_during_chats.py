@@ -11,8 +11,6 @@ steps the chats get while clicks run back to back). Prints a table; writes segme
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 import threading
@@ -26,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from launch import GIL_SWITCH_S  # noqa: E402
 from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
+from timing import report  # noqa: E402
 from pipeline.engines import sam_engine  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
@@ -33,7 +32,6 @@ from pipeline.llm.sampling import SamplingParams  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
 from pipeline.segment import SegmentPipeline  # noqa: E402
 
-OUT = Path(os.environ.get("OUT", "/tmp/out"))
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -51,7 +49,7 @@ def main() -> None:
     with torch.device("cuda"):
         sam = Sam(VARIANTS["vit_h"]).eval()
     sam.image_encoder.to(torch.bfloat16)
-    seg = SegmentPipeline(engine=sam_engine(sam))
+    seg = SegmentPipeline(sam_engine(sam))
     handle = seg.set_image(load_image(str(ROOT / "assets/examples/street.jpg")))
     clicks_ms(seg, handle, 5)  # captures the click graph
     alone = clicks_ms(seg, handle)
@@ -88,9 +86,7 @@ def main() -> None:
            "decode_step_ms_4_chats": round(step_ms, 2), "chats_running_after_clicks": running,
            "clicks_window_ms": round(window_ms, 1), "decode_steps_during_clicks": steps_during}
     res["extra_delay_ms"] = round(res["click_during_4_chats_ms"] - res["click_alone_ms"], 2)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "segment_during_chats.json").write_text(json.dumps(res, indent=1))
-    print("\n".join(f"{k:32s} {v}" for k, v in res.items()))
+    report("segment_during_chats", res)
 
 
 if __name__ == "__main__":

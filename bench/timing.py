@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import torch
 
 
@@ -26,3 +30,11 @@ def copy_bandwidth_tbps() -> float:
     y = torch.empty_like(x)
     ms = cuda_ms(lambda: y.copy_(x), warm=3, iters=10)
     return 2 * x.numel() / (ms / 1e3) / 1e12
+
+
+def report(name: str, res: dict) -> None:
+    """Write `res` to $OUT/<name>.json (what comes back from the device) and print it as a table."""
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    print("\n".join(f"{k:36s} {v}" for k, v in res.items()))

@@ -16,14 +16,12 @@ import hashlib
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from pipeline.errors import UserError
-from pipeline.sam.engine import SamEngine, torch_sam_engine
-from pipeline.sam.model import load_sam
+from pipeline.sam.engine import SamEngine
 from pipeline.sam.transforms import input_size, preprocess, resize_longest, upscale_masks
 
 
@@ -58,13 +56,9 @@ class SegmentStats:
 
 
 class SegmentPipeline:
-    def __init__(self, checkpoint: Path | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 cache_bytes: int = 512 << 20, is_demo: bool = False, *, engine: SamEngine | None = None):
-        """Either a SAM `checkpoint`, loaded onto `device` in `dtype` and run by the torch engine that
-        suits the device, or a ready `engine` (then `device` and `dtype` are the engine's)."""
-        if (checkpoint is None) == (engine is None):
-            raise TypeError("give SegmentPipeline a SAM checkpoint or an engine (one of them)")
-        self.engine = engine or torch_sam_engine(load_sam(checkpoint, device=device, dtype=dtype))
+    def __init__(self, engine: SamEngine, cache_bytes: int = 512 << 20, is_demo: bool = False):
+        """`engine` runs SAM (see `pipeline.engines.sam_engine`); the pipeline does the rest."""
+        self.engine = engine
         self.is_demo = is_demo
         self.cache_bytes = cache_bytes
         self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()

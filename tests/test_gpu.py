@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU paths are covered by the other tests)", allow_module_level=True)
 
 from pipeline.chat import ChatPipeline  # noqa: E402
-from pipeline.engines import load_language_model, vision_encoder  # noqa: E402
+from pipeline.engines import load_language_model, sam_engine, vision_encoder  # noqa: E402
 from pipeline.image_chat import ImageChatPipeline  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.demo import demo_model_dir  # noqa: E402
@@ -20,6 +20,7 @@ from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder  # noqa: E402
+from pipeline.sam.model import load_sam  # noqa: E402
 from pipeline.sam.weights import resolve_sam  # noqa: E402
 from pipeline.sam.engine import GraphedSamEngine, TorchSamEngine  # noqa: E402
 from pipeline.sam.transforms import preprocess, resize_longest  # noqa: E402
@@ -70,7 +71,8 @@ def test_image_chat_on_gpu(studio_cache):
 
 
 def test_segment_on_gpu_graphs_match_eager(studio_cache):
-    seg = SegmentPipeline(resolve_sam("demo/sam-tiny", studio_cache), device="cuda", dtype=torch.bfloat16)
+    sam = load_sam(resolve_sam("demo/sam-tiny", studio_cache), device="cuda", dtype=torch.bfloat16)
+    seg = SegmentPipeline(sam_engine(sam))
     assert isinstance(seg.engine, GraphedSamEngine) and "CUDA graphs" in seg.description
     eager = TorchSamEngine(seg.engine.model)
     photo = load_image("assets/examples/shapes.jpg")

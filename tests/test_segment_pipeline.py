@@ -25,7 +25,7 @@ def checkpoint(studio_cache):
 
 @pytest.fixture(scope="module")
 def seg(checkpoint):
-    return SegmentPipeline(checkpoint, is_demo=True)
+    return SegmentPipeline(TorchSamEngine(load_sam(checkpoint)), is_demo=True)
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_preprocessing_matches_official(checkpoint):
 
 
 def test_encoder_runs_once_per_image(checkpoint, photo):
-    seg = SegmentPipeline(checkpoint)
+    seg = SegmentPipeline(TorchSamEngine(load_sam(checkpoint)))
     stats = SegmentStats()
     handle = seg.set_image(photo, stats)
     for points, labels in ([[100, 200]], [1]), ([[100, 200], [500, 300]], [1, 0]):
@@ -67,13 +67,14 @@ def test_encoder_runs_once_per_image(checkpoint, photo):
     assert stats.last_encoder_ms > 0 and stats.last_decoder_ms > 0
 
 
-def test_a_ready_engine_can_be_given(checkpoint, photo):
-    engine = TorchSamEngine(load_sam(checkpoint))
-    seg = SegmentPipeline(engine=engine, is_demo=True)
-    assert seg.engine is engine and "torch (CPU)" in seg.description
+def test_the_factory_picks_the_cpu_engine(checkpoint, photo):
+    from pipeline.engines import sam_engine
+
+    seg = SegmentPipeline(sam_engine(load_sam(checkpoint)), is_demo=True)
+    assert isinstance(seg.engine, TorchSamEngine) and "torch (CPU)" in seg.description
     assert seg.predict(seg.set_image(photo), [[100, 200]], [1]).masks.shape == (3, 600, 800)
-    with pytest.raises(TypeError, match="one of them"):
-        SegmentPipeline(checkpoint, engine=engine)
+    with pytest.raises(UserError, match="not available"):
+        sam_engine(seg.engine.model, backend="tensorrt")
 
 
 def test_box_single_mask_and_refinement(seg, photo):
@@ -87,7 +88,7 @@ def test_box_single_mask_and_refinement(seg, photo):
 
 
 def test_cache_is_bounded_and_evicted_images_still_work(checkpoint):
-    seg = SegmentPipeline(checkpoint, cache_bytes=1)  # room for one embedding only
+    seg = SegmentPipeline(TorchSamEngine(load_sam(checkpoint)), cache_bytes=1)  # room for one embedding only
     stats = SegmentStats()
     images = [np.full((64, 96, 3), v, dtype=np.uint8) for v in (10, 120, 240)]
     handles = [seg.set_image(img, stats) for img in images]

@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
+from pipeline.engines import sam_engine
 from pipeline.errors import UserError
 from pipeline.images import load_image
+from pipeline.sam.model import load_sam
 from pipeline.sam.weights import resolve_sam
 from pipeline.segment import SegmentPipeline
 from pipeline.segment_session import Prompts, SegmentSession
@@ -22,7 +24,7 @@ class RecordingPipeline(SegmentPipeline):
 
 @pytest.fixture(scope="module")
 def seg(studio_cache):
-    return RecordingPipeline(resolve_sam("demo/sam-tiny", studio_cache), is_demo=True)
+    return RecordingPipeline(sam_engine(load_sam(resolve_sam("demo/sam-tiny", studio_cache))), is_demo=True)
 
 
 @pytest.fixture
