@@ -19,9 +19,12 @@ from pipeline.errors import UserError
 GIL_SWITCH_S = 0.0005
 
 
+TOOLS = ("chat", "image chat", "segment")
+
+
 @dataclasses.dataclass
 class Plan:
-    backend: str
+    backends: dict  # "chat", "image chat LLM" → LLM BackendChoice; "image chat vision", "segment" → vision
     device: str
     dtype: str
     model_id: str
@@ -43,7 +46,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                          "or a transformers BLIP-2 folder")
     p.add_argument("--minigpt4-llm", type=Path, help="the Vicuna / LLaMA-2-chat transformers folder MiniGPT-4 uses")
     p.add_argument("--minigpt4-template", choices=["vicuna_v0", "llama2"], default="vicuna_v0")
-    p.add_argument("--backend", choices=["auto", "torch", "tensorrt"], default="auto")
+    backends = ["auto", "torch", "onnxruntime", "tensorrt"]
+    p.add_argument("--backend", choices=backends, default="auto",
+                   help="engines for the vision networks (SAM, MiniGPT-4's encoder); LLMs run on TensorRT-LLM "
+                        "under tensorrt/auto where it imports, else on torch")
+    for tool in TOOLS:
+        p.add_argument(f"--{tool.replace(' ', '-')}-backend", choices=backends, help=f"override --backend for {tool}")
+    p.add_argument("--engine-dir", type=Path, help="where built engines are cached (default: <cache>/engines)")
+    p.add_argument("--rebuild", action="store_true", help="build every engine again instead of loading the cache")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--context", type=int, default=8192, help="context window in tokens per conversation")
@@ -58,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> Plan:
     import torch
 
+    from pipeline.engines import choose_llm_backend, choose_vision_backend
     from pipeline.models import CHAT_MODELS, auto_model, cache_dir, locate
     from pipeline.sam.weights import DEMO as SAM_DEMO
     from pipeline.sam.weights import locate_sam
@@ -73,10 +84,14 @@ def make_plan(args: argparse.Namespace) -> Plan:
     notes.append(f"device {device}: " + (f"{torch.cuda.get_device_name(device)}" if device.startswith("cuda")
                                          else "no CUDA GPU found" if args.device == "auto" else "asked for"))
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    if args.backend == "tensorrt":
-        raise UserError("the TensorRT backend is not available yet in this build; use --backend torch")
-    notes.append("backend torch: the TensorRT engine path is not built yet" if args.backend == "auto"
-                 else "backend torch: asked for")
+    backends = {}
+    for tool in TOOLS:
+        requested = getattr(args, f"{tool.replace(' ', '_')}_backend") or args.backend
+        if tool != "segment":
+            backends[f"{tool} LLM" if tool == "image chat" else tool] = choose_llm_backend(requested, device)
+        if tool != "chat":
+            backends[f"{tool} vision" if tool == "image chat" else tool] = choose_vision_backend(requested, device)
+    notes += [f"{part}: {choice.backend} ({choice.why})" for part, choice in backends.items()]
     if args.model == "auto" and args.weights is None:
         model_id, why = auto_model(device.startswith("cuda"))
         notes.append(f"model {model_id}: {why}")
@@ -101,31 +116,72 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise UserError(f"{part} does not exist")
     notes.append("image chat: MiniGPT-4 from the given files" if all(parts) else
                  "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one")
-    return Plan("torch", device, dtype, model_id, sam, notes)
+    return Plan(backends, device, dtype, model_id, sam, notes)
 
 
-def load_image_chat(args: argparse.Namespace, plan: Plan):
-    """MiniGPT-4 from the three given parts, or the demo built into the cache."""
+def image_chat_parts(args: argparse.Namespace) -> tuple[Path, Path, Path, str, bool]:
+    """(MiniGPT-4 checkpoint, vision folder, LLM folder, LLM name, is_demo): the given files, or the
+    demo built into the cache."""
+    from pipeline.llm.checkpoint import read_config
+    from pipeline.llm.demo import demo_model_dir
+    from pipeline.minigpt4.weights import demo_vision_dir
+    from pipeline.models import cache_dir
+
+    if args.minigpt4_ckpt:
+        return args.minigpt4_ckpt, args.minigpt4_vision, args.minigpt4_llm, args.minigpt4_llm.name, False
+    llm_dir = demo_model_dir("demo/llama-tiny", cache_dir())
+    vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm_dir).hidden_size)
+    return vision_dir / "prerained_minigpt4_7b.pth", vision_dir, llm_dir, "demo/llama-tiny", True
+
+
+def engine_options(args: argparse.Namespace, echo: bool = True):
+    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.cache import EngineCache
+    from pipeline.models import cache_dir
+
+    return EngineOptions(EngineCache(args.engine_dir or cache_dir() / "engines", args.rebuild), StartupReport(echo))
+
+
+def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
+    """For `--check`: per tool on an engine backend, whether its engines are cached or will be built."""
+    from engine_builder.build import engine_status
+    from engine_builder.onnx_export import minigpt4_graph, sam_graphs
+    from pipeline.minigpt4.weights import load_vision_folder
+    from pipeline.models import cache_dir
+    from pipeline.sam.model import variant_of
+    from pipeline.sam.weights import locate_sam
+    from pipeline.weights_io import read_weight_file
+
+    cache, lines = engine_options(args, echo=False).cache, []
+    if (backend := plan.backends["segment"].backend) != "torch":
+        path = locate_sam(plan.sam, cache_dir())[0]
+        if not path.exists():
+            lines.append("segment engines: will be built once the weights are there (downloaded, or made for the demo)")
+        else:
+            graphs = sam_graphs(variant_of(read_weight_file(path, "SAM checkpoint")))
+            lines += [f"segment engines: {line}" for line in engine_status(graphs, [path], backend, plan.dtype, cache)]
+    if (backend := plan.backends["image chat vision"].backend) != "torch":
+        ckpt, vision_dir, *_ = image_chat_parts(args)
+        graphs = (minigpt4_graph(load_vision_folder(ckpt, vision_dir).config),)
+        lines += [f"image chat engine: {line}" for line in engine_status(graphs, [ckpt, vision_dir], backend,
+                                                                          plan.dtype, cache)]
+    return lines
+
+
+def load_image_chat(args: argparse.Namespace, plan: Plan, engines):
+    """MiniGPT-4 (vision engine + LLM) from the three given parts, or the demo."""
     import torch
 
     from pipeline.engines import load_language_model, vision_encoder
     from pipeline.image_chat import ImageChatPipeline
-    from pipeline.llm.checkpoint import read_config
-    from pipeline.llm.demo import demo_model_dir
-    from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder
-    from pipeline.models import cache_dir
+    from pipeline.minigpt4.weights import load_vision_folder
 
     dtype = getattr(torch, plan.dtype)
-    if args.minigpt4_ckpt:
-        ckpt, vision_dir, llm_dir, llm_id, is_demo = (args.minigpt4_ckpt, args.minigpt4_vision, args.minigpt4_llm,
-                                                      args.minigpt4_llm.name, False)
-    else:
-        llm_dir, llm_id, is_demo = demo_model_dir("demo/llama-tiny", cache_dir()), "demo/llama-tiny", True
-        vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm_dir).hidden_size)
-        ckpt = vision_dir / "prerained_minigpt4_7b.pth"
-    encoder = vision_encoder(load_vision_folder(ckpt, vision_dir, plan.device, dtype), plan.backend)
-    llm = load_language_model(llm_dir, llm_id, plan.backend, plan.device, dtype, max_context=2048,
-                              max_batch=args.max_batch)
+    ckpt, vision_dir, llm_dir, llm_id, is_demo = image_chat_parts(args)
+    encoder = vision_encoder(load_vision_folder(ckpt, vision_dir, plan.device, dtype),
+                             plan.backends["image chat vision"].backend, [ckpt, vision_dir], engines)
+    llm = load_language_model(llm_dir, llm_id, plan.backends["image chat LLM"].backend, plan.device, dtype,
+                              max_context=2048, max_batch=args.max_batch, engines=engines)
     return ImageChatPipeline(encoder, llm, args.minigpt4_template, is_demo=is_demo)
 
 
@@ -134,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = make_plan(args)
         if args.check:
-            print("\n".join([f"AI Studio would run {plan.model_id} on {plan.backend}/{plan.device}/{plan.dtype}"]
-                            + [f"  - {n}" for n in plan.notes]))
+            print("\n".join([f"AI Studio would run {plan.model_id} on {plan.device}/{plan.dtype}"]
+                            + [f"  - {n}" for n in plan.notes + check_engines(args, plan)]))
             return 0
         auth = tuple(args.auth.split(":", 1)) if args.auth else None
         if args.auth and len(auth) != 2:
@@ -153,33 +209,36 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.sam.weights import resolve_sam
         from pipeline.segment import SegmentPipeline
 
+        engines = engine_options(args)
         for note in plan.notes:
-            print(f"[studio] {note}", flush=True)
+            engines.report.say(note)
         # The engine threads and the request threads hand the GIL around constantly; Python's default
         # 5 ms switch interval would let a busy engine thread hold up a click by several of them.
         sys.setswitchinterval(GIL_SWITCH_S)
         model = resolve(plan.model_id, args.weights)
         start = time.perf_counter()
-        chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backend, plan.device,
-                                                getattr(torch, plan.dtype), args.context, args.max_batch),
-                            is_demo=model.is_demo)
+        chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends["chat"].backend, plan.device,
+                                                getattr(torch, plan.dtype), args.context, args.max_batch,
+                                                engines=engines), is_demo=model.is_demo)
         warm_up = [{"role": "user", "content": "Hi"}]
         for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now
             reply = "".join(e.text for e in chat.stream(warm_up, SamplingParams(max_new_tokens=2, temperature=0),
                                                         session="warm-up"))
             warm_up += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
-        print(f"[studio] loaded and warmed up {chat.description} in {time.perf_counter() - start:.1f} s", flush=True)
+        engines.report.say(f"loaded and warmed up {chat.description} in {time.perf_counter() - start:.1f} s")
         start = time.perf_counter()
-        sam = load_sam(resolve_sam(plan.sam, cache_dir()), device=plan.device, dtype=getattr(torch, plan.dtype))
-        segment = SegmentPipeline(sam_engine(sam, plan.backend), is_demo=plan.sam == SAM_DEMO)
+        sam_path = resolve_sam(plan.sam, cache_dir())
+        sam = load_sam(sam_path, device=plan.device, dtype=getattr(torch, plan.dtype))
+        segment = SegmentPipeline(sam_engine(sam, plan.backends["segment"].backend, sam_path, engines),
+                                  is_demo=plan.sam == SAM_DEMO)
+        del sam  # the engine holds what it needs (a built engine needs no torch module)
         segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # warm-up: first kernels now, not on a click
-        print(f"[studio] loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s", flush=True)
+        engines.report.say(f"loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s")
         start = time.perf_counter()
-        image_chat = load_image_chat(args, plan)
+        image_chat = load_image_chat(args, plan, engines)
         image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)
-        print(f"[studio] loaded and warmed up {image_chat.description} in {time.perf_counter() - start:.1f} s",
-              flush=True)
-        app = build_app(chat, image_chat, segment, [n for n in plan.notes if n.startswith("backend")])
+        engines.report.say(f"loaded and warmed up {image_chat.description} in {time.perf_counter() - start:.1f} s")
+        app = build_app(chat, image_chat, segment, engines.report.lines)
         app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                       share=args.share, auth=auth, show_error=True)
         return 0

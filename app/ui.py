@@ -45,12 +45,15 @@ def browser_storage_secret() -> str:
 
 
 def build_app(chat: ChatPipeline, image_chat: ImageChatPipeline, segment: SegmentPipeline,
-              runtime_notes: list[str]) -> gr.Blocks:
+              startup: list[str]) -> gr.Blocks:
+    """`startup`: what start-up chose and did (backends and why, engines built or loaded, with times)."""
     with gr.Blocks(title="AI Studio") as demo:
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
         if chat.is_demo:
             gr.Markdown(DEMO_WARNING)
-        gr.Markdown(" · ".join([chat.description, image_chat.description, segment.description] + runtime_notes))
+        gr.Markdown(" · ".join([chat.description, image_chat.description, segment.description]))
+        with gr.Accordion("Start-up: what runs where, and why", open=False):
+            gr.Markdown("\n".join(f"- {line}" for line in startup), elem_id="startup-report")
         with gr.Tab("Chat"):
             build_chat_tab(chat, demo, browser_storage_secret())
         with gr.Tab("Image chat"):
@@ -64,8 +67,10 @@ def build_app(chat: ChatPipeline, image_chat: ImageChatPipeline, segment: Segmen
 
         def engine_status() -> str:
             """API: what the LLM engines are doing now, as JSON {"chat": {...}, "image_chat": {...}}
-            (requests running and queued, batch size, cache rows, decode steps so far)."""
-            return json.dumps({"chat": chat.llm.engine.status(), "image_chat": image_chat.llm.engine.status()})
+            (requests running and queued, batch size, cache rows, decode steps so far), and "startup":
+            the start-up report's lines."""
+            return json.dumps({"chat": chat.llm.engine.status(), "image_chat": image_chat.llm.engine.status(),
+                               "startup": startup})
 
         gr.api(engine_status, api_name="engine_status")
     return demo

@@ -6,10 +6,16 @@ engines); a backend adds implementations here and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
+from engine_builder import onnxruntime_backend, tensorrt_backend, trtllm
+from engine_builder.build import RUNTIMES, EngineOptions, build_engines
+from engine_builder.cache import EngineBuildError
+from engine_builder.onnx_export import minigpt4_graph, sam_graphs
+from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import load_decoder
 from pipeline.llm.engine import TorchLLMEngine
@@ -21,13 +27,44 @@ from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
 
-BACKENDS = ("torch",)
+VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")
 KV_SHARE_OF_FREE_MEMORY = 0.4  # of what the GPU has free once the weights are in
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise UserError(f"backend {backend!r} is not available in this build; available: {', '.join(BACKENDS)}")
+@dataclasses.dataclass(frozen=True)
+class BackendChoice:
+    backend: str  # "torch", "onnxruntime", "tensorrt" (TensorRT for vision, TensorRT-LLM for LLMs)
+    why: str
+
+
+def choose_vision_backend(requested: str, device: str) -> BackendChoice:
+    """What runs a vision network for `--backend` `requested` on `device`, and why: `auto` takes
+    TensorRT where it imports and a GPU is present, else torch's CUDA graphs on a GPU, else ONNX
+    Runtime's optimised CPU engine. A backend asked for but unable to run here falls back the same way."""
+    on_gpu = device.startswith("cuda")
+    trt_missing = tensorrt_backend.unavailable() if on_gpu else "no CUDA GPU"
+    if requested == "torch":
+        return BackendChoice("torch", "asked for")
+    if requested in ("auto", "tensorrt") and trt_missing is None:
+        return BackendChoice("tensorrt", "TensorRT imports and a CUDA GPU is present")
+    ort_missing = onnxruntime_backend.unavailable()
+    if requested == "onnxruntime" and ort_missing is None:
+        return BackendChoice("onnxruntime", "asked for")
+    fallback = "instead of TensorRT: " + trt_missing if requested in ("auto", "tensorrt") \
+        else "instead of ONNX Runtime: " + str(ort_missing)
+    if on_gpu or ort_missing is not None:
+        return BackendChoice("torch", f"{'CUDA graphs on the GPU' if on_gpu else 'eager on the CPU'}, {fallback}")
+    return BackendChoice("onnxruntime", f"ONNX Runtime's optimised CPU engine, {fallback}")
+
+
+def choose_llm_backend(requested: str, device: str) -> BackendChoice:
+    """TensorRT-LLM under `tensorrt`/`auto` where it imports and a GPU is present, else torch."""
+    if requested in ("torch", "onnxruntime"):
+        return BackendChoice("torch", "asked for" if requested == "torch" else "ONNX Runtime runs no LLMs here")
+    missing = trtllm.unavailable() if device.startswith("cuda") else "no CUDA GPU"
+    if missing is None:
+        return BackendChoice("tensorrt", "TensorRT-LLM imports and a CUDA GPU is present")
+    return BackendChoice("torch", f"instead of TensorRT-LLM: {missing}")
 
 
 def cache_rows(config, context: int, dtype: torch.dtype, device: torch.device, max_batch: int,
@@ -48,10 +85,19 @@ def cache_rows(config, context: int, dtype: torch.dtype, device: torch.device, m
 
 def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", device: str = "cpu",
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
-                        kv_cache_bytes: int | None = None) -> LanguageModel:
-    """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together."""
-    _check_backend(backend)
+                        kv_cache_bytes: int | None = None, engines: EngineOptions | None = None) -> LanguageModel:
+    """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together. Under
+    `tensorrt` the engine is TensorRT-LLM's, built once into the engine cache; a failed build falls back to torch."""
     tokenizer = load_tokenizer(model_dir)
+    if backend == "tensorrt":
+        from engine_builder.trtllm.engine import load_trtllm_engine
+
+        try:
+            engine = load_trtllm_engine(model_dir, str(dtype).removeprefix("torch."), max_context, max_batch,
+                                        tokenizer.vocab_size, engines)
+            return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}")
+        except EngineBuildError as e:
+            engines.report.say(f"{model_id}: the TensorRT-LLM engine failed ({e}); running on torch instead")
     model = load_decoder(model_dir, dtype=dtype, device=device)
     context = min(max_context, model.config.max_position_embeddings)
     rows, batch = cache_rows(model.config, context, dtype, model.embed.weight.device, max_batch, kv_cache_bytes)
@@ -62,13 +108,34 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     return LanguageModel(tokenizer, engine, model_id, description)
 
 
-def sam_engine(model: Sam, backend: str = "torch") -> SamEngine:
-    """SAM's encode/decode engine: captured CUDA graphs on a GPU, eager on the CPU."""
-    _check_backend(backend)
+def sam_engine(model: Sam, backend: str = "torch", weights: Path | None = None,
+               engines: EngineOptions | None = None) -> SamEngine:
+    """SAM's encode/decode engine: built engines (ONNX Runtime, TensorRT) for the weights read from
+    `weights`, else captured CUDA graphs on a GPU and eager on the CPU; a failed build falls back to torch."""
+    if backend != "torch":
+        try:
+            encoder, decoder = build_engines("segment", sam_graphs(model.config), model, [weights], backend,
+                                             _dtype_name(model.image_encoder), engines)
+            return SessionSamEngine(model.config, encoder, decoder, f"{backend} engine",
+                                    RUNTIMES[backend].precision(_dtype_name(model.image_encoder)))
+        except EngineBuildError as e:
+            engines.report.say(f"segment: the {backend} engine failed ({e}); running on torch instead")
     return torch_sam_engine(model)
 
 
-def vision_encoder(model: MiniGPT4Vision, backend: str = "torch") -> VisionEncoder:
-    """MiniGPT-4's image → query-embeddings engine."""
-    _check_backend(backend)
+def vision_encoder(model: MiniGPT4Vision, backend: str = "torch", weights: list[Path] | None = None,
+                   engines: EngineOptions | None = None) -> VisionEncoder:
+    """MiniGPT-4's image → query-embeddings engine, chosen like `sam_engine`."""
+    if backend != "torch":
+        weight = next(model.parameters())
+        try:
+            (session,) = build_engines("image chat", (minigpt4_graph(model.config),), model, weights, backend,
+                                       _dtype_name(model), engines)
+            return SessionVisionEncoder(model.config, session, f"{backend} engine", weight.device, weight.dtype)
+        except EngineBuildError as e:
+            engines.report.say(f"image chat: the {backend} vision engine failed ({e}); running on torch instead")
     return TorchVisionEncoder(model)
+
+
+def _dtype_name(module: torch.nn.Module) -> str:
+    return str(next(module.parameters()).dtype).removeprefix("torch.")

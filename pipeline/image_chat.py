@@ -41,7 +41,7 @@ class ImageChatPipeline:
         self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.encoder_runs = 0
-        self.description = f"MiniGPT-4 ({template}) over {llm.description}"
+        self.description = f"MiniGPT-4 ({template}; vision: {encoder.name}) over {llm.description}"
 
     def preprocess(self, image: np.ndarray) -> torch.Tensor:
         """BLIP-2's evaluation transform: bicubic resize to the square input, CLIP mean/std."""

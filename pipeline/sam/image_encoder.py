@@ -23,10 +23,9 @@ class LayerNorm2d(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        u = x.mean(1, keepdim=True)
-        s = (x - u).pow(2).mean(1, keepdim=True)
-        x = (x - u) / torch.sqrt(s + self.eps)
-        return self.weight[:, None, None] * x + self.bias[:, None, None]
+        # One layer_norm over channels-last: exported as a single LayerNormalization, which TensorRT keeps
+        # accurate under fp16, where a hand-written mean/variance would square in half precision.
+        return F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
 
 
 class MLPBlock(nn.Module):
@@ -78,18 +77,12 @@ class Attention(nn.Module):
         r_q = q.reshape(b, self.num_heads, h, w, head_dim)
         rel_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, rh).reshape(b, self.num_heads, h * w, h)
         rel_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, rw).reshape(b, self.num_heads, h * w, w)
-        width = head_dim + h + w
-        width += -width % 8  # fused kernels want head sizes in multiples of 8; the padding stays zero
-        shape = (b, self.num_heads, h * w, width)
-        q_aug, k_aug, v_aug = (q.new_zeros(shape) for _ in range(3))
-        q_aug[..., :head_dim] = q * head_dim ** -0.5
-        q_aug[..., head_dim:head_dim + h] = rel_h
-        q_aug[..., head_dim + h:head_dim + h + w] = rel_w
-        k_aug[..., :head_dim] = k
-        k_aug[..., head_dim:head_dim + h] = torch.eye(h, dtype=q.dtype, device=q.device).repeat_interleave(w, 0)
-        k_aug[..., head_dim + h:head_dim + h + w] = torch.eye(w, dtype=q.dtype, device=q.device).repeat(h, 1)
-        v_aug[..., :head_dim] = v
-        q, k, v = q_aug, k_aug, v_aug
+        pad = -(head_dim + h + w) % 8  # fused kernels want head sizes in multiples of 8; the padding is zero
+        rows = torch.eye(h, dtype=q.dtype, device=q.device).repeat_interleave(w, 0).expand(b, self.num_heads, -1, -1)
+        cols = torch.eye(w, dtype=q.dtype, device=q.device).repeat(h, 1).expand(b, self.num_heads, -1, -1)
+        q = F.pad(torch.cat([q * head_dim ** -0.5, rel_h, rel_w], -1), (0, pad))
+        k = F.pad(torch.cat([k, rows, cols], -1), (0, pad))
+        v = F.pad(v, (0, h + w + pad))
         y = F.scaled_dot_product_attention(q, k, v, scale=1.0)[..., :head_dim]
         return self.proj(y.transpose(1, 2).reshape(b, h, w, -1))
 

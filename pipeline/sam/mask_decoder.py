@@ -106,9 +106,9 @@ class MaskDecoder(nn.Module):
             MLP(transformer_dim, transformer_dim, transformer_dim // 8, 3) for _ in range(self.num_mask_tokens))
         self.iou_prediction_head = MLP(transformer_dim, iou_head_hidden_dim, self.num_mask_tokens, iou_head_depth)
 
-    def forward(self, image_embeddings: Tensor, image_pe: Tensor, sparse: Tensor, dense: Tensor,
-                multimask_output: bool) -> tuple[Tensor, Tensor]:
-        """Low-res mask logits [B, M, 4h, 4w] and predicted IoUs [B, M]; M is 3 (multimask) or 1."""
+    def forward(self, image_embeddings: Tensor, image_pe: Tensor, sparse: Tensor, dense: Tensor) -> tuple[Tensor, Tensor]:
+        """Low-res mask logits [B, 4, 4h, 4w] and predicted IoUs [B, 4]: the single-mask answer first,
+        then the three multimask candidates (`select_masks` picks)."""
         output_tokens = torch.cat([self.iou_token.weight, self.mask_tokens.weight], dim=0)
         tokens = torch.cat([output_tokens[None].expand(sparse.shape[0], -1, -1), sparse], dim=1)
         src = image_embeddings.expand(tokens.shape[0], -1, -1, -1) + dense
@@ -121,6 +121,10 @@ class MaskDecoder(nn.Module):
                                dim=1)
         b, c, h, w = upscaled.shape
         masks = (hyper_in @ upscaled.reshape(b, c, h * w)).reshape(b, -1, h, w)
-        iou_pred = self.iou_prediction_head(iou_token_out)
-        keep = slice(1, None) if multimask_output else slice(0, 1)
-        return masks[:, keep], iou_pred[:, keep]
+        return masks, self.iou_prediction_head(iou_token_out)
+
+
+def select_masks(masks: Tensor, iou: Tensor, multimask: bool) -> tuple[Tensor, Tensor]:
+    """The three candidates (multimask) or the single answer, from the decoder's four outputs."""
+    keep = slice(1, None) if multimask else slice(0, 1)
+    return masks[:, keep], iou[:, keep]

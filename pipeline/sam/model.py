@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from pipeline.errors import UserError
 from pipeline.sam.image_encoder import ImageEncoderViT
-from pipeline.sam.mask_decoder import MaskDecoder, TwoWayTransformer
+from pipeline.sam.mask_decoder import MaskDecoder, TwoWayTransformer, select_masks
 from pipeline.sam.prompt_encoder import PromptEncoder
 from pipeline.weights_io import read_weight_file
 
@@ -75,7 +75,8 @@ class Sam(nn.Module):
                mask_input: Tensor | None, multimask_output: bool) -> tuple[Tensor, Tensor]:
         """Low-res mask logits [1, M, 4h, 4w] and IoU predictions [1, M] for prompts in model-input pixels."""
         sparse, dense = self.prompt_encoder(points, box, mask_input)
-        return self.mask_decoder(embedding, self.prompt_encoder.get_dense_pe(), sparse, dense, multimask_output)
+        masks, iou = self.mask_decoder(embedding, self.prompt_encoder.get_dense_pe(), sparse, dense)
+        return select_masks(masks, iou, multimask_output)
 
 
 def variant_of(state: dict[str, Tensor]) -> SamConfig:

@@ -61,32 +61,41 @@ class PromptEncoder(nn.Module):
         """Positional encoding of the image embedding's grid: [1, C, h, w]."""
         return self.pe_layer.grid(self.image_embedding_size)[None]
 
-    def _embed_points(self, points: Tensor, labels: Tensor, pad: bool) -> Tensor:
-        points = points + 0.5  # pixel centres
-        if pad:  # without a box, a padding "not a point" token stands in for it
-            points = torch.cat([points, torch.zeros_like(points[:, :1])], dim=1)
-            labels = torch.cat([labels, -torch.ones_like(labels[:, :1])], dim=1)
-        emb = self.pe_layer.points(points, self.input_image_size)
+    def embed_labelled_points(self, coords: Tensor, labels: Tensor) -> Tensor:
+        """Sparse embeddings [B, N, C] of labelled coordinates in model-input pixels: labels 1/0 are
+        object/background points, 2/3 a box's corners, -1 "not a point" (its coordinates are ignored)."""
+        emb = self.pe_layer.points(coords + 0.5, self.input_image_size)  # + 0.5: pixel centres
         emb = torch.where((labels == -1)[..., None], self.not_a_point_embed.weight.expand_as(emb), emb)
-        emb = emb + (labels == 0)[..., None] * self.point_embeddings[0].weight
-        return emb + (labels == 1)[..., None] * self.point_embeddings[1].weight
-
-    def _embed_boxes(self, boxes: Tensor) -> Tensor:
-        corners = self.pe_layer.points((boxes + 0.5).reshape(-1, 2, 2), self.input_image_size)
-        return corners + torch.cat([self.point_embeddings[2].weight, self.point_embeddings[3].weight])[None]
+        for label, embedding in enumerate(self.point_embeddings):
+            emb = emb + (labels == label)[..., None] * embedding.weight
+        return emb
 
     def forward(self, points: tuple[Tensor, Tensor] | None, boxes: Tensor | None,
                 masks: Tensor | None) -> tuple[Tensor, Tensor]:
         """Sparse [B, N, C] and dense [B, C, h, w] prompt embeddings."""
         bs = next((t.shape[0] for t in (points[0] if points else None, boxes, masks) if t is not None), 1)
-        device = self.no_mask_embed.weight.device
-        sparse = [torch.empty((bs, 0, self.embed_dim), device=device)]
-        if points is not None:
-            sparse.append(self._embed_points(points[0], points[1], pad=boxes is None))
-        if boxes is not None:
-            sparse.append(self._embed_boxes(boxes))
+        prompt = labelled_points(points, boxes)
+        sparse = (self.embed_labelled_points(*prompt) if prompt is not None
+                  else torch.empty((bs, 0, self.embed_dim), device=self.no_mask_embed.weight.device))
         if masks is not None:
             dense = self.mask_downscaling(masks)
         else:
             dense = self.no_mask_embed.weight.reshape(1, -1, 1, 1).expand(bs, -1, *self.image_embedding_size)
-        return torch.cat(sparse, dim=1), dense
+        return sparse, dense
+
+
+def labelled_points(points: tuple[Tensor, Tensor] | None, boxes: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """Points and box as one list of labelled coordinates, in the order and with the labels of SAM's
+    official ONNX decoder: the points (labels 1/0), then the box corners (labels 2, 3) or, without a
+    box, one padding "not a point" (label -1) standing in for it. Labels come back as float32."""
+    coords, labels = [], []
+    if points is not None:
+        coords.append(points[0].float())
+        labels.append(points[1].float())
+        if boxes is None:
+            coords.append(torch.zeros_like(coords[0][:, :1]))
+            labels.append(-torch.ones_like(labels[0][:, :1]))
+    if boxes is not None:
+        coords.append(boxes.float().reshape(-1, 2, 2))
+        labels.append(torch.tensor([[2.0, 3.0]], device=boxes.device).expand(boxes.shape[0], 2))
+    return (torch.cat(coords, 1), torch.cat(labels, 1)) if coords else None

@@ -1,0 +1,152 @@
+"""The engine cache: build an engine once, find it on every later launch, never trust a bad one.
+
+An engine lives in one folder per *slot* (component + backend + weights location), so a new build
+for the same slot replaces the old one in place and the reason is known ("the weights changed").
+Beside the engine files, `meta.json` holds the full key the engine was built for (weights
+fingerprint, precision, shape profile, builder and version, device and compute capability) and a
+checksum of every file. A lookup takes the slot's file lock first, so a second launch waits for a
+build in progress and then loads its result instead of building again; a build goes into a
+temporary folder that replaces the slot only once complete, so a killed build leaves nothing a
+later launch loads (its leftovers are removed under the lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from filelock import FileLock
+
+from pipeline.files import atomic_folder, atomic_write
+
+FORMAT = 1  # bump when the exported graphs change, so engines built from older graphs are rebuilt
+META = "meta.json"
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKey:
+    """Everything an engine depends on: a cached engine is used only when all of it matches."""
+
+    component: str  # "sam_image_encoder", "sam_mask_decoder", "minigpt4_vision"
+    source: str  # where the weights were read from (names the slot; not a match criterion)
+    weights: str  # fingerprint of those weights' bytes
+    precision: str  # "float32", "float16", "bfloat16"
+    profile: dict  # input name → [min, opt, max] shapes
+    builder: str  # "onnxruntime", "tensorrt"
+    builder_version: str
+    device: str  # GPU name and compute capability, or the CPU model
+    format: int = FORMAT
+
+    def slot(self) -> str:
+        digest = hashlib.sha256(f"{self.component}|{self.builder}|{self.source}".encode()).hexdigest()[:12]
+        return f"{self.component}-{self.builder}-{digest}"
+
+    def differences(self, other: dict) -> list[str]:
+        """The fields of an older key that differ from this one, as a user reads them."""
+        names = {"weights": "the weights changed", "precision": "another precision", "profile": "other shapes",
+                 "builder_version": "another builder version", "device": "another device",
+                 "format": "an older export format"}
+        mine = dataclasses.asdict(self)
+        return [names.get(k, f"{k} differs") for k in mine if k != "source" and other.get(k) != mine[k]]
+
+
+@dataclasses.dataclass
+class CachedEngine:
+    """An engine folder that matches its key, and how this launch came to have it."""
+
+    folder: Path
+    built: bool  # built now (False: loaded from the cache)
+    seconds: float  # the build, or the lookup and checks
+    reason: str  # why it was built ("not built yet", "the weights changed", ...) or "cached"
+
+
+class EngineBuildError(RuntimeError):
+    """A build or the engine it produced failed; the caller falls back to another backend."""
+
+
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _check(folder: Path, key: EngineKey) -> str | None:
+    """None when `folder` holds a complete engine for `key`, else why not."""
+    try:
+        meta = json.loads((folder / META).read_text())
+    except FileNotFoundError:
+        return "not built yet"
+    except (OSError, ValueError):
+        return "its metadata is unreadable"
+    if meta.get("key") != json.loads(json.dumps(dataclasses.asdict(key))):
+        return "built for " + ", ".join(key.differences(meta.get("key", {})) or ["another key"])
+    for name, expected in meta.get("files", {}).items():
+        path = folder / name
+        if not path.is_file() or path.stat().st_size != expected["bytes"] or _file_sha256(path) != expected["sha256"]:
+            return f"{name} is damaged (checksum mismatch)"
+    return None
+
+
+class EngineCache:
+    """Engines under one directory (`--engine-dir`); `rebuild=True` (`--rebuild`) ignores what is there."""
+
+    def __init__(self, root: Path, rebuild: bool = False):
+        self.root = Path(root)
+        self.rebuild = rebuild
+
+    def folder(self, key: EngineKey) -> Path:
+        return self.root / key.slot()
+
+    def status(self, key: EngineKey) -> str | None:
+        """Without building: None if a matching engine is cached, else why it would be built."""
+        return "--rebuild" if self.rebuild else _check(self.folder(key), key)
+
+    def get(self, key: EngineKey, build: Callable[[Path, str], None],
+            load: Callable[[Path], T]) -> tuple[T, CachedEngine]:
+        """Load the cached engine for `key`, building it first when missing, stale or damaged.
+
+        `build(folder, reason)` writes the engine files into an empty folder; `load(folder)` opens them. An
+        engine that fails to load is rebuilt once; if the fresh one fails too, `EngineBuildError`.
+        """
+        folder = self.folder(key)
+        self.root.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        with FileLock(str(folder) + ".lock"):
+            for leftover in self.root.glob(folder.name + ".*"):  # temporary folders of killed builds
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+            reason = "--rebuild" if self.rebuild else _check(folder, key)
+            if reason is None:
+                try:
+                    return load(folder), CachedEngine(folder, False, time.perf_counter() - start, "cached")
+                except Exception as e:  # noqa: BLE001: any load failure means the engine is unusable
+                    reason = f"the cached engine failed to load ({type(e).__name__}: {e})"
+            self._build(folder, key, lambda tmp: build(tmp, reason))
+            try:
+                engine = load(folder)
+            except Exception as e:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise EngineBuildError(f"the freshly built engine failed to load: {type(e).__name__}: {e}") from e
+            return engine, CachedEngine(folder, True, time.perf_counter() - start, reason)
+
+    @staticmethod
+    def _build(folder: Path, key: EngineKey, build: Callable[[Path], None]) -> None:
+        try:
+            with atomic_folder(folder) as tmp:
+                build(tmp)
+                files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_sha256(p)}
+                         for p in sorted(tmp.iterdir()) if p.is_file()}
+                meta: dict[str, Any] = {"key": dataclasses.asdict(key), "files": files,
+                                        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                atomic_write(tmp / META, json.dumps(meta, indent=1))
+        except EngineBuildError:
+            raise
+        except Exception as e:
+            raise EngineBuildError(f"{type(e).__name__}: {e}") from e
