@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument(f"--{tool.replace(' ', '-')}-backend", choices=backends, help=f"override --backend for {tool}")
     p.add_argument("--engine-dir", type=Path, help="where built engines are cached (default: <cache>/engines)")
     p.add_argument("--rebuild", action="store_true", help="build every engine again instead of loading the cache")
+    p.add_argument("--build-engines", action="store_true",
+                   help="load every tool (building missing engines), report, and exit without serving")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--context", type=int, default=8192, help="context window in tokens per conversation")
@@ -238,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         image_chat = load_image_chat(args, plan, engines)
         image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)
         engines.report.say(f"loaded and warmed up {image_chat.description} in {time.perf_counter() - start:.1f} s")
+        if args.build_engines:
+            return 0
         app = build_app(chat, image_chat, segment, engines.report.lines)
         app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                       share=args.share, auth=auth, show_error=True)

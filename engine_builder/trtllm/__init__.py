@@ -8,7 +8,7 @@ build and the runner have not run here; `unavailable()` says so and the LLMs run
 
 from __future__ import annotations
 
-TARGET = "0.20.0"
+TARGET = "0.21.0"
 __doc__ = __doc__.format(TARGET=TARGET)
 
 

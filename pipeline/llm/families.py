@@ -39,6 +39,17 @@ QWEN_V1_LAYOUT = Layout(
     gate_up=("mlp.w2.weight", "mlp.w1.weight"),
 )
 
+# TensorRT-LLM's checkpoint names (Llama and Qwen2 alike, v0.21 `models/llama/convert.py`, `models/qwen/utils.py`):
+# q/k/v fused as we fuse them; `mlp.fc` is the gate (the activation applies to it), `mlp.gate` the up projection.
+TRTLLM_LAYOUT = Layout(
+    embed="transformer.vocab_embedding.weight", norm="transformer.ln_f.weight", layer="transformer.layers.{}.",
+    renames={"attn.wqkv.weight": "attention.qkv.weight", "attn.wqkv.bias": "attention.qkv.bias",
+             "attn.wo.weight": "attention.dense.weight", "attn_norm.weight": "input_layernorm.weight",
+             "mlp_norm.weight": "post_layernorm.weight", "mlp.w_down.weight": "mlp.proj.weight",
+             "attn.q_norm.weight": "attention.q_layernorm.weight", "attn.k_norm.weight": "attention.k_layernorm.weight"},
+    gate_up=("mlp.fc.weight", "mlp.gate.weight"),
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Family:

@@ -1,0 +1,92 @@
+"""Our decoders as TensorRT-LLM checkpoints: the `config.json` + `rank0.safetensors` folder that
+TensorRT-LLM's builder reads (docs/source/architecture/checkpoint.md at v0.21.0).
+
+Written from our own loaders, so every format we read (Qwen v1's own, transformers') becomes one.
+Qwen v1 is written in the Qwen2 format (`qwen_type` "qwen2": the same network without logn scaling
+and dynamic NTK, exact within its trained `seq_length`, which therefore caps the engine's context).
+Weight-only int8/int4 are requested in the config (`W8A16`/`W4A16`, per-channel): TensorRT-LLM's
+`from_checkpoint` quantizes the bf16/fp16 weights of qkv, dense, fc, gate and proj itself and leaves
+the embedding and LM head in the model dtype (its default `exclude_modules`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from pipeline.errors import UserError
+from pipeline.llm.checkpoint import from_internal, layout_of, read_config, read_tensors, to_internal
+from pipeline.llm.config import DecoderConfig
+from pipeline.llm.families import TRTLLM_LAYOUT
+
+# Our family → (TensorRT-LLM architecture, qwen_type)
+ARCHITECTURES = {"qwen": ("Qwen2ForCausalLM", "qwen2"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+                 "llama": ("LlamaForCausalLM", None)}
+QUANT_ALGOS = {"none": None, "int8": "W8A16", "int4": "W4A16"}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def engine_context(config: DecoderConfig, max_context: int) -> int:
+    """Positions an engine serves: Qwen v1 stops at its trained length (no dynamic NTK in Qwen2)."""
+    limit = config.seq_length if config.family == "qwen" and config.seq_length else config.max_position_embeddings
+    return min(max_context, limit)
+
+
+def trtllm_config(config: DecoderConfig, dtype: str, quant: str, context: int) -> dict[str, Any]:
+    """TensorRT-LLM's `config.json` for our decoder config."""
+    if config.family not in ARCHITECTURES:
+        raise UserError(f"TensorRT-LLM engines are built for Qwen v1, Qwen2/2.5 and LLaMA/Vicuna, "
+                        f"not {config.family}")
+    if quant not in QUANT_ALGOS:
+        raise UserError(f"unknown weight quantization {quant!r}: use {', '.join(QUANT_ALGOS)}")
+    architecture, qwen_type = ARCHITECTURES[config.family]
+    out: dict[str, Any] = {
+        "architecture": architecture,
+        "dtype": dtype,
+        "logits_dtype": "float32",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_size": config.head_dim,
+        "hidden_act": "silu",
+        "position_embedding_type": "rope_gpt_neox",
+        "max_position_embeddings": context,
+        "rotary_base": config.rope_theta,
+        "rotary_scaling": None,
+        "norm_epsilon": config.rms_norm_eps,
+        "attn_bias": config.qkv_bias,
+        "mlp_bias": False,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "mapping": {"world_size": 1, "tp_size": 1, "pp_size": 1},
+        "quantization": {"quant_algo": QUANT_ALGOS[quant], "kv_cache_quant_algo": None, "group_size": 128,
+                         "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None},
+    }
+    if qwen_type:
+        out.update(qwen_type=qwen_type, use_logn_attn=False, seq_length=context)
+    return out
+
+
+def trtllm_weights(config: DecoderConfig, internal: dict[str, torch.Tensor], dtype: str) -> dict[str, torch.Tensor]:
+    """Our decoder's tensors under TensorRT-LLM's names, in `dtype`; the LM head is always written (a
+    tied one as a copy of the embedding), as TensorRT-LLM's own converters do."""
+    raw = from_internal(config, internal, TRTLLM_LAYOUT)
+    raw["lm_head.weight"] = internal["lm_head.weight"]
+    return {k: v.detach().to(DTYPES[dtype]).contiguous().clone() for k, v in raw.items()}
+
+
+def write_trtllm_checkpoint(model_dir: Path, out: Path, dtype: str, quant: str, max_context: int) -> dict[str, Any]:
+    """Read a checkpoint folder with our loaders and write it as a TensorRT-LLM checkpoint into `out`
+    (an existing, empty folder); returns the config written."""
+    config = read_config(model_dir)
+    internal = to_internal(config, read_tensors(model_dir, DTYPES[dtype]), layout_of(config))
+    cfg = trtllm_config(config, dtype, quant, engine_context(config, max_context))
+    save_file(trtllm_weights(config, internal, dtype), str(Path(out) / "rank0.safetensors"))
+    (Path(out) / "config.json").write_text(json.dumps(cfg, indent=2))
+    return cfg

@@ -1,0 +1,134 @@
+"""TensorRT-LLM preparation that needs no TensorRT-LLM: the checkpoint handed to its builder for
+Qwen v1, Qwen2.5 and Vicuna (names, dtypes, shapes, quantization fields, checked against the names
+and fields of TensorRT-LLM v0.21's checkpoint docs and converters, written out literally here), the
+build settings, and the prompt-table ids of an image prompt. The build and the runner need
+TensorRT-LLM, which cannot be installed here: `test_the_runner_says_why_it_cannot_run` covers what runs."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine_builder import trtllm
+from engine_builder.trtllm.build import build_settings
+from engine_builder.trtllm.checkpoint import write_trtllm_checkpoint
+from engine_builder.trtllm.prompt_table import content_id, prompt_table_input
+from pipeline.llm.checkpoint import load_decoder, read_config, read_tensors, to_internal
+from pipeline.llm.demo import demo_model_dir
+from pipeline.llm.engine import Prompt
+from pipeline.llm.families import TRTLLM_LAYOUT
+
+MANDATORY = {"architecture", "dtype", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "hidden_act"}
+
+
+@pytest.fixture(scope="module", params=["demo/qwen-v1-tiny", "demo/qwen2-tiny", "demo/llama-tiny"])
+def model(request, tmp_path_factory):
+    return request.param, demo_model_dir(request.param, tmp_path_factory.mktemp("models"))
+
+
+def expected_shapes(c) -> dict[str, tuple[int, ...]]:
+    """TensorRT-LLM's tensor names and shapes (docs/source/architecture/checkpoint.md, llama/convert.py)."""
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    shapes = {"transformer.vocab_embedding.weight": (c.vocab_size, c.hidden_size),
+              "transformer.ln_f.weight": (c.hidden_size,), "lm_head.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"transformer.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (c.hidden_size,), p + "attention.qkv.weight": (qkv, c.hidden_size),
+                       p + "attention.dense.weight": (c.hidden_size, c.num_heads * c.head_dim),
+                       p + "post_layernorm.weight": (c.hidden_size,),
+                       p + "mlp.fc.weight": (c.intermediate_size, c.hidden_size),
+                       p + "mlp.gate.weight": (c.intermediate_size, c.hidden_size),
+                       p + "mlp.proj.weight": (c.hidden_size, c.intermediate_size)})
+        if c.qkv_bias:
+            shapes[p + "attention.qkv.bias"] = (qkv,)
+    return shapes
+
+
+@pytest.mark.parametrize("quant,algo", [("none", None), ("int8", "W8A16"), ("int4", "W4A16")])
+def test_checkpoint_config_follows_the_documented_format(model, tmp_path, quant, algo):
+    name, folder = model
+    cfg = write_trtllm_checkpoint(folder, tmp_path, "bfloat16", quant, max_context=4096)
+    assert json.loads((tmp_path / "config.json").read_text()) == cfg
+    assert MANDATORY <= cfg.keys()
+    c = read_config(folder)
+    expected_arch = "LlamaForCausalLM" if name == "demo/llama-tiny" else "Qwen2ForCausalLM"
+    assert cfg["architecture"] == expected_arch and cfg["dtype"] == "bfloat16" and cfg["hidden_act"] == "silu"
+    assert cfg["position_embedding_type"] == "rope_gpt_neox" and cfg["rotary_base"] == c.rope_theta
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_size"],
+            cfg["intermediate_size"], cfg["vocab_size"]) == (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                                                             c.intermediate_size, c.vocab_size)
+    assert cfg["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
+    # exclude_modules stays null: TensorRT-LLM's default keeps the LM head and the embedding unquantized
+    assert cfg["quantization"] == {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 128,
+                                   "has_zero_point": False, "pre_quant_scale": False, "exclude_modules": None}
+    if name == "demo/llama-tiny":
+        assert "qwen_type" not in cfg and cfg["attn_bias"] is False
+    else:
+        assert cfg["qwen_type"] == "qwen2" and cfg["attn_bias"] is True and cfg["use_logn_attn"] is False
+    if name == "demo/qwen-v1-tiny":  # no dynamic NTK in the Qwen2 format: the engine stops at the trained length
+        assert cfg["max_position_embeddings"] == min(4096, c.seq_length)
+
+
+def test_checkpoint_tensors_have_the_documented_names_dtypes_and_shapes(model, tmp_path):
+    name, folder = model
+    write_trtllm_checkpoint(folder, tmp_path, "bfloat16", "int8", max_context=4096)
+    weights = load_file(str(tmp_path / "rank0.safetensors"))
+    c = read_config(folder)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected_shapes(c)
+    assert all(v.dtype == torch.bfloat16 for v in weights.values())  # TensorRT-LLM quantizes them itself
+    raw = read_tensors(folder, torch.bfloat16)
+    if name == "demo/qwen-v1-tiny":  # Qwen v1: w2 is the gate (activated), w1 the up projection
+        fc, gate, qkv = "transformer.h.0.mlp.w2.weight", "transformer.h.0.mlp.w1.weight", None
+    else:
+        fc, gate = "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"
+        qkv = torch.cat([raw[f"model.layers.0.self_attn.{x}_proj.weight"] for x in "qkv"])
+    assert torch.equal(weights["transformer.layers.0.mlp.fc.weight"], raw[fc])
+    assert torch.equal(weights["transformer.layers.0.mlp.gate.weight"], raw[gate])
+    if qkv is not None:
+        assert torch.equal(weights["transformer.layers.0.attention.qkv.weight"], qkv)
+
+
+def test_checkpoint_holds_the_same_network(model, tmp_path):
+    """Read back through the same layout table, the checkpoint is the original decoder, tensor for tensor."""
+    _, folder = model
+    write_trtllm_checkpoint(folder, tmp_path, "float32", "none", max_context=4096)
+    c = read_config(folder)
+    back = to_internal(c, load_file(str(tmp_path / "rank0.safetensors")), TRTLLM_LAYOUT)
+    original = load_decoder(folder).state_dict()
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+
+
+def test_image_prompt_table_ids_and_layout():
+    """MiniGPT-4 shows 32 query embeddings per image: ids vocab_size + row, rows once per image."""
+    vocab, hidden = 1000, 8
+    cat, dog = torch.randn(32, hidden), torch.randn(32, hidden)
+    ids = tuple(range(1, 101))
+    prompt = Prompt(ids, slots=((3, 32), (60, 32)), embeds=(cat, cat), keys=("cat", "cat"))
+    table = prompt_table_input(prompt, vocab, torch.float16)
+    assert table.ids[:3] == [1, 2, 3] and table.ids[3:35] == list(range(1000, 1032)) and table.ids[35:60] == list(ids[35:60])
+    assert table.ids[60:92] == list(range(1000, 1032)) and table.ids[92:] == list(ids[92:])
+    assert table.table.shape == (32, hidden) and table.table.dtype == torch.float16
+    assert torch.equal(table.table, cat.half())
+    assert table.extra_ids[3:35] == [content_id("cat")] * 32 and set(table.extra_ids[:3] + table.extra_ids[35:60]) == {0}
+    two = prompt_table_input(Prompt(ids, ((3, 32), (60, 32)), (cat, dog), ("cat", "dog")), vocab, torch.float32)
+    assert two.ids[60:92] == list(range(1032, 1064)) and torch.equal(two.table, torch.cat([cat, dog]))
+    assert content_id("cat") != content_id("dog") and content_id("cat") > 0
+    plain = prompt_table_input(Prompt(ids), vocab, torch.float16)
+    assert plain.ids == list(ids) and plain.table is None and plain.extra_ids is None
+
+
+def test_build_settings_size_the_prompt_table_for_image_chat():
+    settings = build_settings(max_batch=8, context=2048, image_queries=32)
+    assert settings["max_prompt_embedding_table_size"] == 8 * 32
+    assert (settings["max_batch_size"], settings["max_input_len"], settings["max_seq_len"]) == (8, 2047, 2048)
+    assert settings["plugin_config"]["paged_kv_cache"] and settings["plugin_config"]["remove_input_padding"]
+    assert build_settings(4, 8192)["max_prompt_embedding_table_size"] == 0
+
+
+def test_the_runner_says_why_it_cannot_run():
+    """Here TensorRT-LLM is absent: `unavailable` names the reason the app prints and falls back on."""
+    reason = trtllm.unavailable()
+    assert reason is not None and "TensorRT-LLM" in reason
