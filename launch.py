@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "under tensorrt/auto where it imports, else on torch")
     for tool in TOOLS:
         p.add_argument(f"--{tool.replace(' ', '-')}-backend", choices=backends, help=f"override --backend for {tool}")
+    p.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
+                   help="weight-only quantization of TensorRT-LLM engines (the torch backend runs --dtype weights)")
     p.add_argument("--engine-dir", type=Path, help="where built engines are cached (default: <cache>/engines)")
     p.add_argument("--rebuild", action="store_true", help="build every engine again instead of loading the cache")
     p.add_argument("--build-engines", action="store_true",
@@ -94,6 +96,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if tool != "chat":
             backends[f"{tool} vision" if tool == "image chat" else tool] = choose_vision_backend(requested, device)
     notes += [f"{part}: {choice.backend} ({choice.why})" for part, choice in backends.items()]
+    if args.quant != "none" and any(backends[p].backend == "torch" for p in ("chat", "image chat LLM")):
+        notes.append(f"--quant {args.quant} applies to TensorRT-LLM engines only: the torch backend runs {dtype} weights")
     if args.model == "auto" and args.weights is None:
         model_id, why = auto_model(device.startswith("cuda"))
         notes.append(f"model {model_id}: {why}")
@@ -183,7 +187,8 @@ def load_image_chat(args: argparse.Namespace, plan: Plan, engines):
     encoder = vision_encoder(load_vision_folder(ckpt, vision_dir, plan.device, dtype),
                              plan.backends["image chat vision"].backend, [ckpt, vision_dir], engines)
     llm = load_language_model(llm_dir, llm_id, plan.backends["image chat LLM"].backend, plan.device, dtype,
-                              max_context=2048, max_batch=args.max_batch, engines=engines)
+                              max_context=2048, max_batch=args.max_batch, engines=engines, quant=args.quant,
+                              image_queries=encoder.config.num_query_tokens)
     return ImageChatPipeline(encoder, llm, args.minigpt4_template, is_demo=is_demo)
 
 
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends["chat"].backend, plan.device,
                                                 getattr(torch, plan.dtype), args.context, args.max_batch,
-                                                engines=engines), is_demo=model.is_demo)
+                                                engines=engines, quant=args.quant), is_demo=model.is_demo)
         warm_up = [{"role": "user", "content": "Hi"}]
         for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now
             reply = "".join(e.text for e in chat.stream(warm_up, SamplingParams(max_new_tokens=2, temperature=0),

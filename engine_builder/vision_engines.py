@@ -57,8 +57,9 @@ class SessionSamEngine:
 class SessionVisionEncoder:
     """MiniGPT-4's vision side (EVA ViT-g + Q-Former + projection) on one built engine."""
 
-    def __init__(self, config: VisionConfig, session: Session, name: str, device: torch.device, dtype: torch.dtype):
-        self.config, self.session, self.name = config, session, name
+    def __init__(self, config: VisionConfig, session: Session, name: str, precision: str, device: torch.device,
+                 dtype: torch.dtype):
+        self.config, self.session, self.name, self.precision = config, session, name, precision
         self.device, self.dtype = device, dtype  # where the LLM wants the embeddings
 
     @torch.inference_mode()

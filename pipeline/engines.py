@@ -85,16 +85,19 @@ def cache_rows(config, context: int, dtype: torch.dtype, device: torch.device, m
 
 def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", device: str = "cpu",
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
-                        kv_cache_bytes: int | None = None, engines: EngineOptions | None = None) -> LanguageModel:
+                        kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
+                        quant: str = "none", image_queries: int = 0) -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together. Under
-    `tensorrt` the engine is TensorRT-LLM's, built once into the engine cache; a failed build falls back to torch."""
+    `tensorrt` the engine is TensorRT-LLM's (weights `quant`: none, int8, int4; a prompt table for
+    `image_queries` image embeddings per sequence), built once into the engine cache; a failed build
+    falls back to torch, which runs `dtype` weights whatever `quant` says."""
     tokenizer = load_tokenizer(model_dir)
     if backend == "tensorrt":
         from engine_builder.trtllm.engine import load_trtllm_engine
 
         try:
-            engine = load_trtllm_engine(model_dir, str(dtype).removeprefix("torch."), max_context, max_batch,
-                                        tokenizer.vocab_size, engines)
+            engine = load_trtllm_engine(model_dir, model_id, str(dtype).removeprefix("torch."), quant, max_context,
+                                        max_batch, tokenizer.vocab_size, image_queries, engines)
             return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}")
         except EngineBuildError as e:
             engines.report.say(f"{model_id}: the TensorRT-LLM engine failed ({e}); running on torch instead")
@@ -131,7 +134,8 @@ def vision_encoder(model: MiniGPT4Vision, backend: str = "torch", weights: list[
         try:
             (session,) = build_engines("image chat", (minigpt4_graph(model.config),), model, weights, backend,
                                        _dtype_name(model), engines)
-            return SessionVisionEncoder(model.config, session, f"{backend} engine", weight.device, weight.dtype)
+            return SessionVisionEncoder(model.config, session, f"{backend} engine",
+                                        RUNTIMES[backend].precision(_dtype_name(model)), weight.device, weight.dtype)
         except EngineBuildError as e:
             engines.report.say(f"image chat: the {backend} vision engine failed ({e}); running on torch instead")
     return TorchVisionEncoder(model)

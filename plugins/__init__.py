@@ -1,4 +1,2 @@
-"""Fused GPU kernels (Triton), one source each, exposed as torch ops and TensorRT plugins.
-
-Empty for now: the torch backend runs on stock PyTorch kernels.
-"""
+"""Fused GPU kernels (Triton), one source each: `fused` (the torch path's kernels) and
+`tensorrt_rms_norm` (the same RMSNorm kernel registered as a TensorRT plugin)."""

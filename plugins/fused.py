@@ -91,11 +91,13 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_fused(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm_fused(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
+    """RMSNorm over the last dimension, into `out` when given (TensorRT's plugin hands its output buffer)."""
     if not _use_triton(x) or not x.is_contiguous():
-        return rms_norm_reference(x, weight, eps)
+        y = rms_norm_reference(x, weight, eps)
+        return y if out is None else out.copy_(y)
     n = x.shape[-1]
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     _rms_norm_kernel[(x.numel() // n,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
     return out
 

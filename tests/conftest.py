@@ -1,3 +1,4 @@
+import contextlib
 import os
 import socket
 import subprocess
@@ -34,14 +35,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def running_app(tmp_path_factory):
-    """`launch.py` in a subprocess on a free port (demo model, fresh cache): yields (url, log, port)."""
+@contextlib.contextmanager
+def launched(log: Path, cache: Path, *args: str):
+    """`launch.py ARGS` in a subprocess on a free port with `cache` as its cache: yields (url, log, port)
+    once it serves; stopped on exit."""
     port = free_port()
-    log = tmp_path_factory.mktemp("app") / "launch.log"
-    env = {**os.environ, "STUDIO_CACHE": str(tmp_path_factory.mktemp("cache")), "GRADIO_ANALYTICS_ENABLED": "False"}
+    env = {**os.environ, "STUDIO_CACHE": str(cache), "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "4096"],
+        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), *args],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 180
     while f"127.0.0.1:{port}" not in log.read_text():
@@ -49,6 +50,16 @@ def running_app(tmp_path_factory):
             proc.kill()
             pytest.fail(f"launch.py did not come up:\n{log.read_text()}")
         time.sleep(0.5)
-    yield f"http://127.0.0.1:{port}/", log, port
-    proc.terminate()
-    proc.wait(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{port}/", log, port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def running_app(tmp_path_factory):
+    """The app as users start it (demo models, `--backend auto`, fresh cache): yields (url, log, port)."""
+    with launched(tmp_path_factory.mktemp("app") / "launch.log", tmp_path_factory.mktemp("cache"),
+                  "--context", "4096") as app:
+        yield app

@@ -132,3 +132,18 @@ def test_the_runner_says_why_it_cannot_run():
     """Here TensorRT-LLM is absent: `unavailable` names the reason the app prints and falls back on."""
     reason = trtllm.unavailable()
     assert reason is not None and "TensorRT-LLM" in reason
+
+
+def test_responses_reach_the_stream_as_the_torch_engine_delivers_them():
+    """The runner's bookkeeping (no executor involved): tokens stream, a stop id ends the reply unsent,
+    the executor's final response ends it with its reason."""
+    from engine_builder.trtllm.engine import _Request
+    from pipeline.llm.engine import TokenStream
+
+    request = _Request(TokenStream(None, False), stop_ids={7}, submitted=0.0)
+    assert not request.take([3, 4], None) and request.take([5, 7, 9], None)
+    assert list(request.stream) == [3, 4, 5] and request.stream.stats.finish_reason == "stop"
+    assert request.stream.stats.new_tokens == 3
+    ended = _Request(TokenStream(None, False), stop_ids=set(), submitted=0.0)
+    assert ended.take([1], "length") and list(ended.stream) == [1]
+    assert ended.stream.stats.finish_reason == "length"

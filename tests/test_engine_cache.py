@@ -1,0 +1,104 @@
+"""The engine cache with real ONNX Runtime builds (MiniGPT-4's tiny vision side builds in ~2 s):
+changed weights, a damaged engine file, an engine that no longer loads and `--rebuild` each lead to
+a rebuild, with the reason reported; a failed build falls back to torch and leaves nothing behind."""
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+import torch
+
+from engine_builder import build as engine_build
+from engine_builder.build import EngineOptions, StartupReport
+from engine_builder.cache import EngineCache
+from engine_builder.vision_engines import SessionVisionEncoder
+from pipeline.engines import vision_encoder
+from pipeline.minigpt4.engine import TorchVisionEncoder
+from pipeline.minigpt4.weights import build_demo, load_vision_folder
+
+
+@pytest.fixture
+def weights(tmp_path):
+    folder = tmp_path / "vision"
+    folder.mkdir()
+    build_demo(folder, llm_width=64)
+    return folder / "prerained_minigpt4_7b.pth", folder
+
+
+def launch(weights, engine_dir, rebuild=False) -> tuple[object, list[str]]:
+    """What a launch does for image chat's vision engine: the engine and the start-up report."""
+    ckpt, folder = weights
+    options = EngineOptions(EngineCache(engine_dir, rebuild), StartupReport(echo=False))
+    encoder = vision_encoder(load_vision_folder(ckpt, folder), "onnxruntime", [ckpt, folder], options)
+    return encoder, options.report.lines
+
+
+def check_matches_torch(encoder, weights) -> None:
+    assert isinstance(encoder, SessionVisionEncoder)
+    pixels = torch.randn(1, 3, 224, 224)
+    reference = TorchVisionEncoder(load_vision_folder(*weights)).encode(pixels)
+    assert torch.allclose(encoder.encode(pixels), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_built_once_then_loaded(weights, tmp_path):
+    encoder, report = launch(weights, tmp_path / "engines")
+    assert "building (not built yet)" in report[0] and " built in " in report[1]
+    check_matches_torch(encoder, weights)
+    encoder, report = launch(weights, tmp_path / "engines")
+    assert len(report) == 1 and "loaded from cache in" in report[0]
+    check_matches_torch(encoder, weights)
+
+
+def test_changed_weights_rebuild(weights, tmp_path):
+    launch(weights, tmp_path / "engines")
+    ckpt, folder = weights
+    state = torch.load(ckpt, weights_only=True)
+    state["model"]["llama_proj.bias"] += 1.0
+    torch.save(state, ckpt)
+    encoder, report = launch(weights, tmp_path / "engines")
+    assert "building (built for the weights changed)" in report[0], report
+    check_matches_torch(encoder, weights)  # the new weights, not the old engine
+
+
+def test_a_damaged_engine_file_is_rebuilt(weights, tmp_path):
+    launch(weights, tmp_path / "engines")
+    (data,) = (tmp_path / "engines").glob("minigpt4_vision-*/engine.onnx.data")
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte: still loads, computes garbage; the checksum catches it
+    data.write_bytes(bytes(raw))
+    encoder, report = launch(weights, tmp_path / "engines")
+    assert "building (engine.onnx.data is damaged (checksum mismatch))" in report[0], report
+    check_matches_torch(encoder, weights)
+
+
+def test_an_engine_that_no_longer_loads_is_rebuilt(weights, tmp_path):
+    """A file whose checksum matches but which the runtime rejects (as after a runtime upgrade in place)."""
+    launch(weights, tmp_path / "engines")
+    (folder,) = [p for p in (tmp_path / "engines").glob("minigpt4_vision-*") if p.is_dir()]
+    (folder / "engine.onnx").write_bytes(b"not a model")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["engine.onnx"] = {"bytes": 11, "sha256": hashlib.sha256(b"not a model").hexdigest()}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    encoder, report = launch(weights, tmp_path / "engines")
+    assert "building (the cached engine failed to load" in report[0], report
+    check_matches_torch(encoder, weights)
+
+
+def test_rebuild_flag_builds_again(weights, tmp_path):
+    launch(weights, tmp_path / "engines")
+    _, report = launch(weights, tmp_path / "engines", rebuild=True)
+    assert "building (--rebuild)" in report[0]
+
+
+def test_a_failed_build_falls_back_to_torch_and_leaves_nothing(weights, tmp_path, monkeypatch):
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    failing = dataclasses.replace(engine_build.RUNTIMES["onnxruntime"], build=disk_full)
+    monkeypatch.setitem(engine_build.RUNTIMES, "onnxruntime", failing)
+    encoder, report = launch(weights, tmp_path / "engines")
+    assert isinstance(encoder, TorchVisionEncoder)
+    assert "the onnxruntime vision engine failed (OSError: [Errno 28] No space left on device); " \
+           "running on torch instead" in report[-1], report
+    assert not [p for p in (tmp_path / "engines").iterdir() if p.is_dir()]  # no partial engine, no temporary folder
