@@ -152,7 +152,7 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
     """For `--check`: per tool on an engine backend, whether its engines are cached or will be built."""
     from engine_builder.build import engine_status
     from engine_builder.onnx_export import minigpt4_graph, sam_graphs
-    from pipeline.minigpt4.weights import load_vision_folder
+    from pipeline.minigpt4.weights import demo_vision_folder, load_vision_folder
     from pipeline.models import cache_dir
     from pipeline.sam.model import variant_of
     from pipeline.sam.weights import locate_sam
@@ -167,10 +167,14 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
             graphs = sam_graphs(variant_of(read_weight_file(path, "SAM checkpoint")))
             lines += [f"segment engines: {line}" for line in engine_status(graphs, [path], backend, plan.dtype, cache)]
     if (backend := plan.backends["image chat vision"].backend) != "torch":
-        ckpt, vision_dir, *_ = image_chat_parts(args)
-        graphs = (minigpt4_graph(load_vision_folder(ckpt, vision_dir).config),)
-        lines += [f"image chat engine: {line}" for line in engine_status(graphs, [ckpt, vision_dir], backend,
-                                                                          plan.dtype, cache)]
+        vision_dir = args.minigpt4_vision or demo_vision_folder(cache_dir())
+        ckpt = args.minigpt4_ckpt or vision_dir / "prerained_minigpt4_7b.pth"
+        if not ckpt.exists():
+            lines.append("image chat engine: will be built once the weights are there (made, for the demo)")
+        else:
+            graphs = (minigpt4_graph(load_vision_folder(ckpt, vision_dir).config),)
+            lines += [f"image chat engine: {line}" for line in engine_status(graphs, [ckpt, vision_dir], backend,
+                                                                              plan.dtype, cache)]
     return lines
 
 

@@ -38,23 +38,22 @@ class BackendChoice:
 
 
 def choose_vision_backend(requested: str, device: str) -> BackendChoice:
-    """What runs a vision network for `--backend` `requested` on `device`, and why: `auto` takes
-    TensorRT where it imports and a GPU is present, else torch's CUDA graphs on a GPU, else ONNX
-    Runtime's optimised CPU engine. A backend asked for but unable to run here falls back the same way."""
-    on_gpu = device.startswith("cuda")
-    trt_missing = tensorrt_backend.unavailable() if on_gpu else "no CUDA GPU"
+    """What runs a vision network for `--backend` `requested` on `device`, and why. `auto` takes
+    TensorRT where it imports and a GPU is present, else torch: CUDA graphs on a GPU, and eager on the
+    CPU, where it measured faster than ONNX Runtime's engines (bench/RESULTS.md, engine_build). A
+    backend asked for but unable to run here falls back to torch, saying why."""
     if requested == "torch":
         return BackendChoice("torch", "asked for")
-    if requested in ("auto", "tensorrt") and trt_missing is None:
+    if requested == "onnxruntime":
+        missing = onnxruntime_backend.unavailable()
+        return BackendChoice("onnxruntime", "asked for") if missing is None else \
+            BackendChoice("torch", f"instead of ONNX Runtime: {missing}")
+    on_gpu = device.startswith("cuda")
+    missing = tensorrt_backend.unavailable() if on_gpu else "no CUDA GPU"
+    if missing is None:
         return BackendChoice("tensorrt", "TensorRT imports and a CUDA GPU is present")
-    ort_missing = onnxruntime_backend.unavailable()
-    if requested == "onnxruntime" and ort_missing is None:
-        return BackendChoice("onnxruntime", "asked for")
-    fallback = "instead of TensorRT: " + trt_missing if requested in ("auto", "tensorrt") \
-        else "instead of ONNX Runtime: " + str(ort_missing)
-    if on_gpu or ort_missing is not None:
-        return BackendChoice("torch", f"{'CUDA graphs on the GPU' if on_gpu else 'eager on the CPU'}, {fallback}")
-    return BackendChoice("onnxruntime", f"ONNX Runtime's optimised CPU engine, {fallback}")
+    how = "CUDA graphs on the GPU" if on_gpu else "eager on the CPU, faster there than ONNX Runtime's engines"
+    return BackendChoice("torch", f"{how}, instead of TensorRT: {missing}")
 
 
 def choose_llm_backend(requested: str, device: str) -> BackendChoice:

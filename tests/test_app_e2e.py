@@ -196,5 +196,6 @@ def test_check_says_what_would_run(tmp_path):
     proc = subprocess.run([sys.executable, "launch.py", "--check"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0
-    assert "would run" in proc.stdout and "backend torch" in proc.stdout and "weights:" in proc.stdout
+    assert "would run" in proc.stdout and "chat: torch (" in proc.stdout and "weights:" in proc.stdout
+    assert "segment engines: will be built once the weights are there" in proc.stdout
     assert not (tmp_path / "demo").exists()  # --check builds and downloads nothing

@@ -113,10 +113,13 @@ def test_check_reports_backends_and_engine_cache(tmp_path):
 
     out = check("--backend", "auto")
     # no GPU and no TensorRT here: auto says what it chose instead, and why
-    assert "segment: onnxruntime (ONNX Runtime's optimised CPU engine, instead of TensorRT: no CUDA GPU)" in out
+    assert ("segment: torch (eager on the CPU, faster there than ONNX Runtime's engines, instead of TensorRT: "
+            "no CUDA GPU)") in out
     assert "chat: torch (instead of TensorRT-LLM: no CUDA GPU)" in out
-    assert "image chat engine: minigpt4_vision: will be built (not built yet)" in out
-    assert "segment: torch (asked for)" in check("--segment-backend", "torch")
+    assert "engine" not in out.replace("ONNX Runtime's engines", "")  # torch everywhere: no engines to build
+    out = check(*ORT)
+    assert "image chat engine: will be built once the weights are there" in out  # --check makes nothing
+    assert "segment: torch (asked for)" in check(*ORT, "--segment-backend", "torch")
     assert build_engines(tmp_path, "build", tmp_path / "cache", engines).wait(timeout=300) == 0
     out = check(*ORT)
     assert "image chat engine: minigpt4_vision: cached in" in out and "sam_mask_decoder: cached in" in out

@@ -51,7 +51,7 @@ def test_sam_encoder_matches_torch(sam, sam_engines):
     assert rel_err(sam_engines.encode(pixels), reference) <= RTOL
 
 
-@pytest.mark.parametrize("points,box,mask", itertools.product([1, 2, 5], [False, True], [False, True]))
+@pytest.mark.parametrize("points,box,mask", list(itertools.product([1, 2, 5], [False, True], [False, True])))
 def test_sam_decoder_matches_torch(sam, sam_engines, points, box, mask):
     gen = torch.Generator().manual_seed(points * 4 + box * 2 + mask)
     embedding = torch.randn(1, 32, 64, 64, generator=gen)

@@ -67,14 +67,18 @@ def test_encoder_runs_once_per_image(checkpoint, photo):
     assert stats.last_encoder_ms > 0 and stats.last_decoder_ms > 0
 
 
-def test_the_factory_picks_the_cpu_engine(checkpoint, photo):
+def test_the_factory_picks_the_cpu_engine(checkpoint, photo, tmp_path):
+    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.cache import EngineCache
     from pipeline.engines import sam_engine
 
     seg = SegmentPipeline(sam_engine(load_sam(checkpoint)), is_demo=True)
     assert isinstance(seg.engine, TorchSamEngine) and "torch (CPU)" in seg.description
     assert seg.predict(seg.set_image(photo), [[100, 200]], [1]).masks.shape == (3, 600, 800)
-    with pytest.raises(UserError, match="not available"):
-        sam_engine(seg.engine.model, backend="tensorrt")
+    options = EngineOptions(EngineCache(tmp_path), StartupReport(echo=False))
+    fallback = sam_engine(seg.engine.model, "tensorrt", checkpoint, options)  # no TensorRT, no GPU here
+    assert isinstance(fallback, TorchSamEngine)
+    assert options.report.lines == ["segment: the tensorrt engine failed (no CUDA GPU); running on torch instead"]
 
 
 def test_box_single_mask_and_refinement(seg, photo):

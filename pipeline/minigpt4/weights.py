@@ -154,9 +154,14 @@ def load_vision_folder(minigpt4_ckpt: Path, vision_dir: Path, device: str | torc
                     f"transformers BLIP-2 checkpoint (*.safetensors)")
 
 
+def demo_vision_folder(cache_dir: Path) -> Path:
+    """Where the demo's vision files live (built or not)."""
+    return Path(cache_dir) / "demo" / "minigpt4-tiny"
+
+
 def demo_vision_dir(cache_dir: Path, llm_width: int) -> Path:
     """The demo's three vision files, built once into the cache (atomically, one builder at a time)."""
-    folder = Path(cache_dir) / "demo" / "minigpt4-tiny"
+    folder = demo_vision_folder(cache_dir)
     done = folder / "prerained_minigpt4_7b.pth"
     if not done.is_file():
         folder.mkdir(parents=True, exist_ok=True)

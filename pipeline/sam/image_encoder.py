@@ -80,9 +80,10 @@ class Attention(nn.Module):
         pad = -(head_dim + h + w) % 8  # fused kernels want head sizes in multiples of 8; the padding is zero
         rows = torch.eye(h, dtype=q.dtype, device=q.device).repeat_interleave(w, 0).expand(b, self.num_heads, -1, -1)
         cols = torch.eye(w, dtype=q.dtype, device=q.device).repeat(h, 1).expand(b, self.num_heads, -1, -1)
-        q = F.pad(torch.cat([q * head_dim ** -0.5, rel_h, rel_w], -1), (0, pad))
-        k = F.pad(torch.cat([k, rows, cols], -1), (0, pad))
-        v = F.pad(v, (0, h + w + pad))
+        zeros = q.new_zeros(b, self.num_heads, h * w, pad + h + w)
+        q = torch.cat([q * head_dim ** -0.5, rel_h, rel_w, zeros[..., :pad]], -1)  # one copy per tensor
+        k = torch.cat([k, rows, cols, zeros[..., :pad]], -1)
+        v = torch.cat([v, zeros], -1)
         y = F.scaled_dot_product_attention(q, k, v, scale=1.0)[..., :head_dim]
         return self.proj(y.transpose(1, 2).reshape(b, h, w, -1))
 

@@ -97,5 +97,6 @@ def labelled_points(points: tuple[Tensor, Tensor] | None, boxes: Tensor | None) 
             labels.append(-torch.ones_like(labels[0][:, :1]))
     if boxes is not None:
         coords.append(boxes.float().reshape(-1, 2, 2))
-        labels.append(torch.tensor([[2.0, 3.0]], device=boxes.device).expand(boxes.shape[0], 2))
+        corners = torch.arange(2.0, 4.0, device=boxes.device)  # no host tensor: this runs inside CUDA graph capture
+        labels.append(corners.expand(boxes.shape[0], 2))
     return (torch.cat(coords, 1), torch.cat(labels, 1)) if coords else None
