@@ -77,8 +77,17 @@ def _file_sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _stamp(path: Path) -> list[int]:
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+
+
 def _check(folder: Path, key: EngineKey) -> str | None:
-    """None when `folder` holds a complete engine for `key`, else why not."""
+    """None when `folder` holds a complete engine for `key`, else why not.
+
+    A file is hashed again only when its size, modification time or inode differ from when it was
+    last verified (hashing a multi-gigabyte engine costs seconds per launch); a file that verifies
+    under a new stamp (a copied cache) has its stamp updated."""
     try:
         meta = json.loads((folder / META).read_text())
     except FileNotFoundError:
@@ -87,10 +96,17 @@ def _check(folder: Path, key: EngineKey) -> str | None:
         return "its metadata is unreadable"
     if meta.get("key") != json.loads(json.dumps(dataclasses.asdict(key))):
         return "built for " + ", ".join(key.differences(meta.get("key", {})) or ["another key"])
+    restamped = False
     for name, expected in meta.get("files", {}).items():
         path = folder / name
-        if not path.is_file() or path.stat().st_size != expected["bytes"] or _file_sha256(path) != expected["sha256"]:
-            return f"{name} is damaged (checksum mismatch)"
+        if not path.is_file() or path.stat().st_size != expected["bytes"]:
+            return f"{name} is missing or truncated"
+        if _stamp(path) != expected.get("stamp"):
+            if _file_sha256(path) != expected["sha256"]:
+                return f"{name} is damaged (checksum mismatch)"
+            expected["stamp"], restamped = _stamp(path), True
+    if restamped:
+        atomic_write(folder / META, json.dumps(meta, indent=1))
     return None
 
 
@@ -141,7 +157,8 @@ class EngineCache:
         try:
             with atomic_folder(folder) as tmp:
                 build(tmp)
-                files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_sha256(p)}
+                # a rename keeps size, modification time and inode: the stamps hold for the final folder
+                files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_sha256(p), "stamp": _stamp(p)}
                          for p in sorted(tmp.iterdir()) if p.is_file()}
                 meta: dict[str, Any] = {"key": dataclasses.asdict(key), "files": files,
                                         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
