@@ -45,8 +45,10 @@ def rel_err(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return float((ours - reference).abs().max() / reference.abs().max().clamp(min=1e-12))
 
 
-def _row(name: str, runtime: str, seconds: float, measure: str, ok: bool) -> tuple[str, bool]:
-    return f"{name:<20} {runtime:<22} {seconds:7.1f} s   {'OK' if ok else 'FAIL':<5} {measure}", ok
+def _row(name: str, runtime: str, seconds: float | None, measure: str, ok: bool) -> tuple[str, bool]:
+    """One line; `seconds` None for an engine built together with the one above it."""
+    took = f"{seconds:7.1f} s" if seconds is not None else "      –  "
+    return f"{name:<20} {runtime:<22} {took}   {'OK' if ok else 'FAIL':<5} {measure}", ok
 
 
 def vision_rows(backend: str, device: str, dtype: torch.dtype, options: EngineOptions) -> list[tuple[str, bool]]:
@@ -71,7 +73,7 @@ def vision_rows(backend: str, device: str, dtype: torch.dtype, options: EngineOp
     theirs = reference.decode(embedding.to(reference.device), (points[0].to(reference.device),
                               points[1].to(reference.device)), box.to(reference.device), None, True)
     err = max(rel_err(ours[0], theirs[0]), rel_err(ours[1], theirs[1]))
-    rows.append(_row("sam_mask_decoder", f"{backend} {engine.precision}", 0.0, f"rel err {err:.1e}", err <= limit))
+    rows.append(_row("sam_mask_decoder", f"{backend} {engine.precision}", None, f"rel err {err:.1e}", err <= limit))
 
     llm_dir = demo_model_dir("demo/llama-tiny", cache_dir())
     vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm_dir).hidden_size)
