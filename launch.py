@@ -4,6 +4,8 @@
     python launch.py --check               # say what would run where, and why, then exit
     python launch.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16
     python launch.py --weights /models/Qwen-7B-Chat --port 8080
+    python launch.py --backend onnxruntime    # vision engines built on the first launch, cached after
+    python launch.py --build-engines          # build (or check) every engine, then exit
 """
 
 from __future__ import annotations

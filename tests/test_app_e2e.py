@@ -197,5 +197,5 @@ def test_check_says_what_would_run(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0
     assert "would run" in proc.stdout and "chat: torch (" in proc.stdout and "weights:" in proc.stdout
-    assert "segment engines: will be built once the weights are there" in proc.stdout
+    assert "segment: torch (eager on the CPU" in proc.stdout  # auto without TensorRT, and why
     assert not (tmp_path / "demo").exists()  # --check builds and downloads nothing
