@@ -10,9 +10,10 @@ import io
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
 
-from pipeline.images import fit_for_display
+from pipeline.images import fit_for_display, to_device
 from pipeline.segment import AutoMask
 from pipeline.segment_session import SegmentSession
 
@@ -21,13 +22,19 @@ EVERYTHING_COLOURS = np.random.default_rng(7).integers(40, 255, (256, 3)).astype
 THUMBNAIL = 256  # the candidates' longest side, in pixels
 
 
+def tint(image: np.ndarray, mask: np.ndarray, device: str | torch.device = "cpu") -> np.ndarray:
+    """The image with the mask tinted, blended by torch on `device` (the GPU where there is one:
+    numpy's masked blend of a 1600×1200 copy takes ~0.1 s on one CPU core)."""
+    x, m = to_device(image, device), to_device(mask, device)[..., None]
+    blended = x.float() * 0.45 + torch.as_tensor(MASK_COLOUR, device=device) * 0.55
+    return torch.where(m, blended.to(torch.uint8), x).cpu().numpy()
+
+
 def render_overlay(image: np.ndarray, mask: np.ndarray | None, points: Sequence[Sequence[float]] = (),
-                   labels: Sequence[int] = (), box: Sequence[float] | None = None) -> np.ndarray:
+                   labels: Sequence[int] = (), box: Sequence[float] | None = None,
+                   device: str | torch.device = "cpu") -> np.ndarray:
     """The image with the mask tinted, positive points green, negative red, and the box outlined."""
-    out = image.astype(np.float32)
-    if mask is not None:
-        out[mask] = out[mask] * 0.45 + MASK_COLOUR * 0.55
-    canvas = Image.fromarray(out.astype(np.uint8))
+    canvas = Image.fromarray(tint(image, mask, device) if mask is not None else image)
     draw = ImageDraw.Draw(canvas)
     r = max(4, round(max(image.shape[:2]) / 120))
     if box is not None:
@@ -49,9 +56,10 @@ def render_everything(image: np.ndarray, masks: Sequence[AutoMask]) -> np.ndarra
 
 
 def mask_png(mask: np.ndarray) -> bytes:
-    """A mask as a black-and-white PNG (255 = object), the format image editors expect."""
+    """A mask as a black-and-white PNG (255 = object), the format image editors expect; fast
+    compression (a mask is mostly runs, so it stays small) keeps a 12 MP mask quick to write."""
     buf = io.BytesIO()
-    Image.fromarray(mask.astype(np.uint8) * 255).save(buf, format="PNG")
+    Image.fromarray(mask.astype(np.uint8) * 255).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
 
 
@@ -62,22 +70,23 @@ def shrink(mask: np.ndarray | None, like: np.ndarray) -> np.ndarray | None:
     return np.asarray(Image.fromarray(mask).resize((like.shape[1], like.shape[0]), Image.NEAREST))
 
 
-def render_session(s: SegmentSession, display: np.ndarray, scale: float) -> np.ndarray:
+def render_session(s: SegmentSession, display: np.ndarray, scale: float,
+                   device: str | torch.device = "cpu") -> np.ndarray:
     """The display copy (`scale` displayed pixels per original pixel) with the chosen mask, the points,
     a half-drawn box's first corner and the box."""
     corner = [s.corner] if s.corner is not None else []
     points = [[v * scale for v in point] for point in [*s.prompts.points, *corner]]
     labels = [*s.prompts.labels, *[1] * len(corner)]
     box = [v * scale for v in s.prompts.box] if s.prompts.box is not None else None
-    return render_overlay(display, shrink(s.mask, display), points, labels, box)
+    return render_overlay(display, shrink(s.mask, display), points, labels, box, device)
 
 
 def render_candidates(s: SegmentSession, display: np.ndarray) -> list[tuple[np.ndarray, str]]:
-    """(thumbnail, caption) for each candidate mask, the chosen one ticked."""
+    """(thumbnail, caption) for each candidate mask, the chosen one ticked: drawn at thumbnail size."""
     if s.prediction is None:
         return []
-    return [(fit_for_display(render_overlay(display, shrink(m, display)), THUMBNAIL)[0],
-             f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
+    small = fit_for_display(display, THUMBNAIL)[0]
+    return [(render_overlay(small, shrink(m, small)), f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
             for i, (m, score) in enumerate(zip(s.prediction.masks, s.prediction.scores))]
 
 

@@ -48,10 +48,11 @@ def _empty():
 
 def _render(t: TabState):
     """(display image, state, gallery, download, status) for the session's current state."""
-    s, mask = t.session, t.session.mask
+    s, mask = t.session, t.session.full_mask()
     download = gr.DownloadButton(value=_write_png(mask_png(mask)) if mask is not None else None,
                                  interactive=mask is not None)
-    return render_session(s, t.display, t.scale), t, render_candidates(s, t.display), download, status_line(s)
+    return (render_session(s, t.display, t.scale, s.pipeline.engine.device), t, render_candidates(s, t.display),
+            download, status_line(s))
 
 
 @shown_to_user
@@ -69,7 +70,8 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
         if not path:
             return _empty()
         image = load_image(path)
-        return _render(TabState(SegmentSession(seg, image), *fit_for_display(image)))
+        display, scale = fit_for_display(image, device=seg.engine.device)
+        return _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale))
 
     def on_click(t: TabState | None, label: str, mode: str, multimask: bool, evt: gr.SelectData):
         def click(s: SegmentSession) -> None:

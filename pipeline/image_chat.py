@@ -8,7 +8,6 @@ over the same kind of LLM engine.
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -17,6 +16,7 @@ import torch
 from PIL import Image
 
 from pipeline.errors import UserError
+from pipeline.images import content_key
 from pipeline.llm.engine import Prompt
 from pipeline.llm.language_model import ChatEvent, LanguageModel
 from pipeline.llm.sampling import SamplingParams
@@ -51,7 +51,7 @@ class ImageChatPipeline:
         return x.permute(2, 0, 1)[None]
 
     def image_key(self, image: np.ndarray) -> str:
-        return hashlib.sha1(np.ascontiguousarray(image).data).hexdigest() + f"-{image.shape}"
+        return content_key(image)
 
     def encode_image(self, image: np.ndarray) -> torch.Tensor:
         """The image's [num_query, llm_width] prompt embeddings, computed once per distinct image."""

@@ -7,17 +7,25 @@ Shared by the image tools: the size is checked from the file header before decod
 
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import io
+import os
 import warnings
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from pipeline.errors import UserError
 
 MAX_PIXELS = 64_000_000  # about 8000×8000; larger photos are almost always mistakes or bombs
 MIN_SIDE = 16
+HASH_CHUNK = 4 << 20  # a 12 MP photo is 36 MB of pixels: nine chunks hashed at once
+_HASHERS = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                 thread_name_prefix="image-hash")
 
 
 def _to_rgb(img: Image.Image) -> np.ndarray:
@@ -70,11 +78,40 @@ def load_image(source: str | Path | bytes | np.ndarray | Image.Image) -> np.ndar
         raise UserError(f"the image file is damaged and cannot be decoded ({e})") from None
 
 
-def fit_for_display(image: np.ndarray, max_side: int = 1600) -> tuple[np.ndarray, float]:
-    """A copy no larger than `max_side` for the browser, and its scale (displayed / original pixels)."""
+def content_key(image: np.ndarray) -> str:
+    """What identifies an image's pixels (the tools' embedding caches are keyed by it): SHA-1 over
+    chunks hashed in parallel (hashlib releases the GIL), then over their digests, plus the shape."""
+    data = memoryview(np.ascontiguousarray(image)).cast("B")
+    chunks = [data[i:i + HASH_CHUNK] for i in range(0, len(data), HASH_CHUNK)]
+    digests = _HASHERS.map(lambda chunk: hashlib.sha1(chunk).digest(), chunks)
+    return hashlib.sha1(b"".join(digests)).hexdigest() + "-" + "x".join(map(str, image.shape))
+
+
+def to_device(image: np.ndarray, device: str | torch.device) -> torch.Tensor:
+    """The array as a uint8 tensor on `device`, without a host copy (decoded images are read-only
+    arrays, which torch only warns about: nothing here writes to them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(image).to(device)
+
+
+def resize_image(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """RGB uint8 [H, W, 3] (on any device) → float [3, h, w] at `size`: bilinear with antialiasing,
+    rounded to whole levels, within one level of PIL's 8-bit bilinear resize."""
+    x = image.permute(2, 0, 1)[None].float()
+    return F.interpolate(x, size, mode="bilinear", antialias=True, align_corners=False)[0].round_().clamp_(0, 255)
+
+
+def fit_for_display(image: np.ndarray, max_side: int = 1600,
+                    device: str | torch.device = "cpu") -> tuple[np.ndarray, float]:
+    """A copy no larger than `max_side` for the browser, and its scale (displayed / original pixels);
+    resized on `device` (a GPU resizes a 12 MP photo in well under a millisecond, PIL takes ~0.1 s)."""
     h, w = image.shape[:2]
     scale = min(1.0, max_side / max(h, w))
     if scale == 1.0:
         return image, 1.0
-    size = (max(1, round(w * scale)), max(1, round(h * scale)))
-    return np.asarray(Image.fromarray(image).resize(size, Image.BILINEAR)), scale
+    size = (max(1, round(h * scale)), max(1, round(w * scale)))
+    if torch.device(device).type == "cpu":
+        return np.asarray(Image.fromarray(image).resize(size[::-1], Image.BILINEAR)), scale
+    small = resize_image(to_device(image, device), size)
+    return small.to(torch.uint8).permute(1, 2, 0).cpu().numpy(), scale

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import threading
 import time
 from collections.abc import Sequence
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import UserError
+from pipeline.images import content_key, to_device
 from pipeline.sam.engine import SamEngine
 from pipeline.sam.transforms import input_size, preprocess, resize_longest, upscale_masks
 
@@ -40,7 +40,7 @@ class ImageHandle:
 
 @dataclasses.dataclass
 class Prediction:
-    masks: np.ndarray  # bool [M, H, W] at the original size
+    masks: np.ndarray  # bool [M, h, w] at the size asked for (the original size unless told otherwise)
     scores: np.ndarray  # predicted IoU [M]
     low_res_logits: np.ndarray  # [M, 256, 256]: feed one back as `mask_input` to refine
 
@@ -70,8 +70,7 @@ class SegmentPipeline:
 
     def set_image(self, image: np.ndarray, stats: SegmentStats | None = None) -> ImageHandle:
         """Encode `image` (RGB uint8 [H, W, 3]) unless its embedding is cached; returns its handle."""
-        key = hashlib.sha1(np.ascontiguousarray(image).data).hexdigest() + f"-{image.shape[0]}x{image.shape[1]}"
-        handle = ImageHandle(key, image)
+        handle = ImageHandle(content_key(image), image)
         self._embedding(handle, stats or SegmentStats())
         return handle
 
@@ -83,9 +82,9 @@ class SegmentPipeline:
                 return self._cache[handle.key]
             start = time.perf_counter()
             device = self.engine.device
-            pixels = torch.from_numpy(resize_longest(handle.image, self.engine.config.img_size)).to(device)
+            pixels = resize_longest(to_device(handle.image, device), self.engine.config.img_size)
             try:
-                embedding = self.engine.encode(preprocess(pixels.permute(2, 0, 1), self.engine.config.img_size))
+                embedding = self.engine.encode(preprocess(pixels, self.engine.config.img_size))
             except torch.OutOfMemoryError:
                 raise UserError("the GPU ran out of memory encoding this image; close other tools or "
                                 "use a smaller SAM variant") from None
@@ -101,9 +100,11 @@ class SegmentPipeline:
     @torch.inference_mode()
     def predict(self, handle: ImageHandle, points: Sequence[Sequence[float]] = (), labels: Sequence[int] = (),
                 box: Sequence[float] | None = None, mask_input: np.ndarray | None = None,
-                multimask: bool = True, stats: SegmentStats | None = None) -> Prediction:
+                multimask: bool = True, stats: SegmentStats | None = None,
+                size: tuple[int, int] | None = None) -> Prediction:
         """Masks for points (x, y) with labels 1 = object / 0 = background, and/or a box (x0, y0, x1, y1),
-        all in original-image pixels; `mask_input` is a previous `low_res_logits[i]` to refine."""
+        all in original-image pixels; `mask_input` is a previous `low_res_logits[i]` to refine. Masks
+        come at `size` (height, width: what the UI shows), else at the original size."""
         stats = stats or SegmentStats()
         h, w = handle.size
         check_prompts(points, labels, box, (h, w))
@@ -122,15 +123,23 @@ class SegmentPipeline:
         if mask_input is not None:
             mask_arg = torch.as_tensor(mask_input, dtype=torch.float32, device=device).reshape(1, 1, 256, 256)
         low_res, scores = self.engine.decode(embedding, point_args, box_arg, mask_arg, multimask)
-        masks = upscale_masks(low_res, img_size, (ih, iw), (h, w)) > 0.0
+        masks = upscale_masks(low_res, img_size, (ih, iw), size or (h, w)) > 0.0
         result = Prediction(masks[0].cpu().numpy(), scores[0].float().cpu().numpy(), low_res[0].float().cpu().numpy())
         stats.last_decoder_ms = (time.perf_counter() - start) * 1e3
         return result
 
     @torch.inference_mode()
+    def full_size_mask(self, handle: ImageHandle, low_res_logits: np.ndarray) -> np.ndarray:
+        """One mask at the original size (for a download) from its `Prediction.low_res_logits` row."""
+        h, w = handle.size
+        img_size = self.engine.config.img_size
+        logits = torch.as_tensor(low_res_logits, dtype=torch.float32, device=self.engine.device)[None, None]
+        return (upscale_masks(logits, img_size, input_size((h, w), img_size), (h, w)) > 0)[0, 0].cpu().numpy()
+
+    @torch.inference_mode()
     def segment_everything(self, handle: ImageHandle, points_per_side: int | None = None, min_score: float = 0.88,
                            min_stability: float = 0.92, nms_iou: float = 0.7, batch: int = 64,
-                           stats: SegmentStats | None = None) -> list[AutoMask]:
+                           stats: SegmentStats | None = None, size: tuple[int, int] | None = None) -> list[AutoMask]:
         """Masks for a grid of single-point prompts, kept when SAM is confident and the mask is
         stable (barely changes when the logit threshold moves by ±1), duplicates removed by NMS.
         The grid is 32×32 on a GPU, 12×12 on the CPU (each point costs a decoder pass)."""
@@ -154,7 +163,7 @@ class SegmentPipeline:
         if not len(logits):
             return []
         kept = box_nms(mask_boxes(logits > 0), scores, nms_iou)
-        masks = torch.cat([upscale_masks(logits[idx][:, None], img_size, (ih, iw), (h, w)) > 0
+        masks = torch.cat([upscale_masks(logits[idx][:, None], img_size, (ih, iw), size or (h, w)) > 0
                            for idx in kept.split(16)])
         return [AutoMask(m[0].cpu().numpy(), scores[i].item(), stability[i].item()) for m, i in zip(masks, kept)
                 if m.any()]  # a mask only in the padding is empty once cropped

@@ -30,9 +30,12 @@ class Prompts:
 
 
 class SegmentSession:
-    def __init__(self, pipeline: SegmentPipeline, image: np.ndarray):
-        """Start prompting on `image` (RGB uint8 [H, W, 3]), encoding it unless cached."""
+    def __init__(self, pipeline: SegmentPipeline, image: np.ndarray, shown: tuple[int, int] | None = None):
+        """Start prompting on `image` (RGB uint8 [H, W, 3]), encoding it unless cached. Masks come at
+        the `shown` size (height, width: the copy the UI draws on), else at the image's; a download
+        asks for the full-size one (`full_mask`), so a click on a big photo moves no full-size masks."""
         self.pipeline = pipeline
+        self.shown = shown
         self.stats = SegmentStats()
         self.handle: ImageHandle = pipeline.set_image(image, self.stats)
         self.prompts = Prompts()
@@ -43,8 +46,14 @@ class SegmentSession:
 
     @property
     def mask(self) -> np.ndarray | None:
-        """The chosen candidate, bool [H, W] at the image's size; None before the first prompt."""
+        """The chosen candidate, bool at the shown size; None before the first prompt."""
         return self.prediction.masks[self.chosen] if self.prediction is not None else None
+
+    def full_mask(self) -> np.ndarray | None:
+        """The chosen candidate at the image's full size (for a download); None before the first prompt."""
+        if self.prediction is None:
+            return None
+        return self.pipeline.full_size_mask(self.handle, self.prediction.low_res_logits[self.chosen])
 
     def click(self, x: float, y: float, positive: bool = True, multimask: bool = True) -> None:
         """Add a point on the object (`positive`) or on the background."""
@@ -90,7 +99,7 @@ class SegmentSession:
 
     def everything(self) -> list[AutoMask]:
         """Every confident, stable mask in the image (see `SegmentPipeline.segment_everything`)."""
-        return self.pipeline.segment_everything(self.handle, stats=self.stats)
+        return self.pipeline.segment_everything(self.handle, stats=self.stats, size=self.shown)
 
     def _step(self, prompts: Prompts, multimask: bool) -> None:
         refine = self.prediction.low_res_logits[self.chosen] if self.prediction is not None else None
@@ -102,7 +111,7 @@ class SegmentSession:
         if prompts.empty:
             return None
         return self.pipeline.predict(self.handle, prompts.points, prompts.labels, prompts.box, refine, multimask,
-                                     self.stats)
+                                     self.stats, self.shown)
 
     def _show(self, prompts: Prompts, prediction: Prediction | None) -> None:
         self.prompts, self.prediction = prompts, prediction

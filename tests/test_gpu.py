@@ -78,7 +78,7 @@ def test_segment_on_gpu_graphs_match_eager(studio_cache):
     photo = load_image("assets/examples/shapes.jpg")
     stats = SegmentStats()
     handle = seg.set_image(photo, stats)
-    pixels = torch.from_numpy(resize_longest(photo, 1024)).cuda().permute(2, 0, 1)
+    pixels = resize_longest(torch.from_numpy(photo).cuda(), 1024)
     embedding = eager.encode(preprocess(pixels, 1024))
     assert torch.equal(seg._embedding(handle, SegmentStats()), embedding)  # the replayed encoder graph
     for points, labels, box in [([[100, 200]], [1], None), ([[100, 200], [500, 300]], [1, 0], None),

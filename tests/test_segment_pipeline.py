@@ -215,3 +215,21 @@ def test_segment_everything_mechanics(seg, photo):
     assert render_everything(photo, strict).shape == photo.shape
     small, _ = fit_for_display(photo, 400)
     assert render_everything(small, strict).shape == small.shape  # full-size masks drawn on the display copy
+
+
+def test_content_key_and_resize_for_big_photos():
+    """The cache key sees every pixel (hashed in parallel chunks); the resize SAM and the display use
+    stays within one level of PIL's bilinear resize."""
+    from pipeline.images import HASH_CHUNK, content_key, fit_for_display, resize_image
+
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 256, (1500, 2000, 3), dtype=np.uint8)
+    assert big.nbytes > 2 * HASH_CHUNK
+    changed = big.copy()
+    changed[-1, -1, -1] ^= 1  # one bit in the last chunk
+    assert content_key(big) == content_key(big.copy()) != content_key(changed)
+    assert content_key(big) != content_key(big.reshape(2000, 1500, 3))  # same bytes, other shape
+    smooth = np.asarray(Image.fromarray(big).resize((200, 150)).resize((2000, 1500), Image.BICUBIC))
+    ours = resize_image(torch.from_numpy(smooth.copy()), (375, 500)).permute(1, 2, 0).numpy()
+    pil, _ = fit_for_display(smooth, max_side=500)
+    assert pil.shape == ours.shape and np.abs(pil.astype(np.float32) - ours).max() <= 1

@@ -17,9 +17,9 @@ class RecordingPipeline(SegmentPipeline):
 
     calls: list[dict]
 
-    def predict(self, handle, points=(), labels=(), box=None, mask_input=None, multimask=True, stats=None):
+    def predict(self, handle, points=(), labels=(), box=None, mask_input=None, multimask=True, stats=None, size=None):
         self.calls.append(dict(points=points, labels=labels, box=box, mask_input=mask_input))
-        return super().predict(handle, points, labels, box, mask_input, multimask, stats)
+        return super().predict(handle, points, labels, box, mask_input, multimask, stats, size)
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +142,19 @@ def test_two_sessions_count_their_own_work(seg):
     assert (first.stats.encoder_runs, first.stats.cache_hits) == (1, 3) and first.stats.last_decoder_ms > 0
     assert (second.stats.encoder_runs, second.stats.cache_hits) == (0, 1)
     assert second.stats.last_encoder_ms == 0 and second.stats.last_decoder_ms == 0
+
+
+def test_masks_come_at_the_shown_size_and_full_size_for_download(seg):
+    """A big photo's clicks move masks at the size the UI shows; the download is full size and equals
+    what `predict` gives at the original size."""
+    photo = load_image("assets/examples/shapes.jpg")  # 800×600
+    shown = (300, 400)
+    session = SegmentSession(seg, photo, shown)
+    session.click(200, 150)
+    assert session.mask.shape == shown
+    full = session.full_mask()
+    reference = seg.predict(session.handle, [(200, 150)], [1])
+    assert full.shape == photo.shape[:2] and np.array_equal(full, reference.masks[session.chosen])
+    halved = full.reshape(300, 2, 400, 2)[:, 0, :, 0]
+    assert (halved == session.mask).mean() > 0.98  # the same mask, sampled at the shown size
+    assert [m.mask.shape for m in session.everything()][:1] in ([], [shown])

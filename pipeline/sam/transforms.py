@@ -7,12 +7,11 @@ normalising, padding and upscaling live here once and behave the same whichever 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from torch import Tensor
 
+from pipeline.images import resize_image
 from pipeline.sam.model import PIXEL_MEAN, PIXEL_STD
 
 
@@ -23,10 +22,10 @@ def input_size(size: tuple[int, int], target: int) -> tuple[int, int]:
     return int(h * scale + 0.5), int(w * scale + 0.5)
 
 
-def resize_longest(image: np.ndarray, target: int) -> np.ndarray:
-    """RGB uint8 [H, W, 3] resized (bilinear) so its longest side is `target`."""
-    h, w = input_size(image.shape[:2], target)
-    return np.array(Image.fromarray(image).resize((w, h), Image.BILINEAR))
+def resize_longest(image: Tensor, target: int) -> Tensor:
+    """RGB uint8 [H, W, 3] (on the engine's device: a big photo is resized there, not on the CPU)
+    → float [3, h, w] with its longest side `target`."""
+    return resize_image(image, input_size(image.shape[:2], target))
 
 
 def preprocess(image: Tensor, img_size: int) -> Tensor:
