@@ -81,11 +81,15 @@ def render_session(s: SegmentSession, display: np.ndarray, scale: float,
     return render_overlay(display, shrink(s.mask, display), points, labels, box, device)
 
 
-def render_candidates(s: SegmentSession, display: np.ndarray) -> list[tuple[np.ndarray, str]]:
-    """(thumbnail, caption) for each candidate mask, the chosen one ticked: drawn at thumbnail size."""
+def thumbnail(display: np.ndarray) -> np.ndarray:
+    """The copy the candidates are drawn on (made once per image, not per click)."""
+    return fit_for_display(display, THUMBNAIL)[0]
+
+
+def render_candidates(s: SegmentSession, small: np.ndarray) -> list[tuple[np.ndarray, str]]:
+    """(thumbnail, caption) for each candidate mask on the `thumbnail` copy, the chosen one ticked."""
     if s.prediction is None:
         return []
-    small = fit_for_display(display, THUMBNAIL)[0]
     return [(render_overlay(small, shrink(m, small)), f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
             for i, (m, score) in enumerate(zip(s.prediction.masks, s.prediction.scores))]
 

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
-from app.segment_render import MASK_COLOUR, mask_png, render_candidates, render_overlay, shrink  # noqa: E402
+from app.segment_render import MASK_COLOUR, mask_png, render_candidates, render_overlay, shrink, thumbnail  # noqa: E402
 from pipeline.engines import sam_engine  # noqa: E402
 from pipeline.images import fit_for_display  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam, load_sam  # noqa: E402
@@ -123,7 +123,8 @@ def main() -> None:
         lambda: previous_render(display, shown_mask)), 2)
     session = SegmentSession(seg, image, shown)
     session.click(*POINT[0])
-    res["click: candidate thumbnails ms"] = round(median_ms(lambda: render_candidates(session, display)), 2)
+    small = thumbnail(display)
+    res["click: candidate thumbnails ms"] = round(median_ms(lambda: render_candidates(session, small)), 2)
     res["download mask (full size + PNG) ms"] = round(median_ms(
         lambda: mask_png(seg.full_size_mask(handle, full.low_res_logits[0])), 5), 1)
     best = int(np.argmax(full.scores))

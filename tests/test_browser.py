@@ -2,7 +2,9 @@
 
 import os
 
+import numpy as np
 import pytest
+from PIL import Image
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in requirements-dev.txt")
 CHROMIUM = "/usr/bin/chromium"
@@ -85,7 +87,10 @@ def test_segment_tab_clicks_undo_and_box(page):
     image.click(position={"x": box["width"] * 0.1, "y": box["height"] * 0.1})
     image.click(position={"x": box["width"] * 0.5, "y": box["height"] * 0.6})
     status.get_by_text("1 point + box").wait_for()
-    assert page.get_by_role("button", name="Download chosen mask (PNG)").is_enabled()
+    with page.expect_download() as download:  # the full-size mask, made when asked for
+        page.get_by_role("button", name="Download chosen mask (PNG)").click()
+    mask = Image.open(download.value.path())
+    assert mask.format == "PNG" and mask.size == (800, 600) and set(np.unique(np.asarray(mask))) <= {0, 255}
     page.get_by_role("button", name="Segment everything").click()
     status.get_by_text("Segment everything:").wait_for()
 
