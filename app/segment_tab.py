@@ -144,8 +144,8 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
             raise UserError("click on an object first: there is no mask to download yet")
         return _write_png(mask_png(t.session.full_mask()))
 
-    # A visible button makes the file, then a hidden download button (in the page, not shown) fetches it.
-    download.click(on_download, state, download_file, api_visibility="private").then(
+    # A visible button makes the file; once made, a hidden download button (in the page, not shown) fetches it.
+    download.click(on_download, state, download_file, api_visibility="private").success(
         None, js="() => { const e = document.querySelector('#segment-mask-file'); "
                  "(e.matches('a,button') ? e : e.querySelector('a,button')).click(); }")
 
