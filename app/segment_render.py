@@ -27,7 +27,7 @@ def tint(image: np.ndarray, mask: np.ndarray, device: str | torch.device = "cpu"
     numpy's masked blend of a 1600×1200 copy takes ~0.1 s on one CPU core)."""
     x, m = to_device(image, device), to_device(mask, device)[..., None]
     blended = x.float() * 0.45 + torch.as_tensor(MASK_COLOUR, device=device) * 0.55
-    return torch.where(m, blended.to(torch.uint8), x).cpu().numpy()
+    return torch.where(m, blended.to(torch.uint8), x).contiguous().cpu().numpy()
 
 
 def render_overlay(image: np.ndarray, mask: np.ndarray | None, points: Sequence[Sequence[float]] = (),

@@ -114,4 +114,4 @@ def fit_for_display(image: np.ndarray, max_side: int = 1600,
     if torch.device(device).type == "cpu":
         return np.asarray(Image.fromarray(image).resize(size[::-1], Image.BILINEAR)), scale
     small = resize_image(to_device(image, device), size)
-    return small.to(torch.uint8).permute(1, 2, 0).cpu().numpy(), scale
+    return small.to(torch.uint8).permute(1, 2, 0).contiguous().cpu().numpy(), scale  # contiguous: PIL copies strided arrays slowly
