@@ -1,8 +1,8 @@
 """The MiniGPT-4 vision engine seam: image pixels → the LLM prompt's query embeddings.
 
 `ImageChatPipeline` preprocesses and caches; an engine only runs the network (EVA ViT-g,
-Q-Former, projection), so an ONNX Runtime or TensorRT backend adds an implementation here and
-the pipeline does not change. On a GPU the encoder is ~600 small kernels whose launches cost more
+Q-Former, projection), so the built engines (`engine_builder.vision_engines`) plug in and the
+pipeline does not change. On a GPU the encoder is ~600 small kernels whose launches cost more
 than their math, so the torch engine replays it as one captured CUDA graph; the CPU runs eagerly.
 """
 

@@ -2,7 +2,8 @@
 
 `SegmentPipeline` does all image and prompt handling (`pipeline.sam.transforms`, caching, sessions)
 and asks an engine only to encode a preprocessed image and to decode prompts against an embedding,
-so an ONNX Runtime or TensorRT backend adds an implementation here and nothing else changes.
+so the built engines (ONNX Runtime, TensorRT: `engine_builder.vision_engines`) plug in and nothing
+else changes.
 
 On a GPU one click is ~100 small kernels and an encode hundreds more: launched one by one they cost
 more than they compute, so `GraphedSamEngine` replays captured CUDA graphs (one for the encoder,

@@ -1,6 +1,6 @@
 """SAM's image pre- and post-processing: pure functions of the configuration, outside the model.
 
-Every engine (torch eager, CUDA graphs, and later ONNX Runtime or TensorRT) runs only the two network
+Every engine (torch eager, CUDA graphs, ONNX Runtime, TensorRT) runs only the two network
 calls — encode a padded, normalised image; decode prompts into low-res masks — so resizing,
 normalising, padding and upscaling live here once and behave the same whichever engine runs.
 """
