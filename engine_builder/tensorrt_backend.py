@@ -7,7 +7,8 @@ tested without it is everything around it (the exported graphs, their shape prof
 
 Precision: the engine runs in the app's dtype (fp16 or bf16) except the normalisation layers, which
 are pinned to float32 so LayerNorm's variance cannot overflow or lose its small terms in half
-precision; a timing cache per device makes the second build of a shape fast.
+precision. Softmax is left to TensorRT: its fused attention keeps the softmax in float32 itself, and
+pinning those layers would break the fusion. A timing cache per device makes later builds fast.
 """
 
 from __future__ import annotations
