@@ -130,16 +130,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
 def image_chat_parts(args: argparse.Namespace) -> tuple[Path, Path, Path, str, bool]:
     """(MiniGPT-4 checkpoint, vision folder, LLM folder, LLM name, is_demo): the given files, or the
     demo built into the cache."""
-    from pipeline.llm.checkpoint import read_config
-    from pipeline.llm.demo import demo_model_dir
-    from pipeline.minigpt4.weights import demo_vision_dir
+    from pipeline.minigpt4.weights import DEMO_LLM, demo_parts
     from pipeline.models import cache_dir
 
     if args.minigpt4_ckpt:
         return args.minigpt4_ckpt, args.minigpt4_vision, args.minigpt4_llm, args.minigpt4_llm.name, False
-    llm_dir = demo_model_dir("demo/llama-tiny", cache_dir())
-    vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm_dir).hidden_size)
-    return vision_dir / "prerained_minigpt4_7b.pth", vision_dir, llm_dir, "demo/llama-tiny", True
+    return *demo_parts(cache_dir()), DEMO_LLM, True
 
 
 def engine_options(args: argparse.Namespace, echo: bool = True):
@@ -154,7 +150,7 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
     """For `--check`: per tool on an engine backend, whether its engines are cached or will be built."""
     from engine_builder.build import engine_status
     from engine_builder.onnx_export import minigpt4_graph, sam_graphs
-    from pipeline.minigpt4.weights import demo_vision_folder, load_vision_folder
+    from pipeline.minigpt4.weights import CHECKPOINT, demo_vision_folder, load_vision_folder
     from pipeline.models import cache_dir
     from pipeline.sam.model import variant_of
     from pipeline.sam.weights import locate_sam
@@ -170,7 +166,7 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
             lines += [f"segment engines: {line}" for line in engine_status(graphs, [path], backend, plan.dtype, cache)]
     if (backend := plan.backends["image chat vision"].backend) != "torch":
         vision_dir = args.minigpt4_vision or demo_vision_folder(cache_dir())
-        ckpt = args.minigpt4_ckpt or vision_dir / "prerained_minigpt4_7b.pth"
+        ckpt = args.minigpt4_ckpt or vision_dir / CHECKPOINT
         if not ckpt.exists():
             lines.append("image chat engine: will be built once the weights are there (made, for the demo)")
         else:

@@ -23,12 +23,11 @@ from engine_builder.build import RUNTIMES, EngineOptions, StartupReport
 from engine_builder.cache import EngineCache
 from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
 from pipeline.engines import load_language_model, sam_engine, vision_encoder
-from pipeline.llm.checkpoint import read_config
 from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
 from pipeline.llm.engine import Prompt
 from pipeline.llm.sampling import SamplingParams
 from pipeline.minigpt4.engine import TorchVisionEncoder
-from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder
+from pipeline.minigpt4.weights import demo_parts, load_vision_folder
 from pipeline.models import cache_dir
 from pipeline.sam.engine import torch_sam_engine
 from pipeline.sam.model import load_sam
@@ -75,9 +74,7 @@ def vision_rows(backend: str, device: str, dtype: torch.dtype, options: EngineOp
     err = max(rel_err(ours[0], theirs[0]), rel_err(ours[1], theirs[1]))
     rows.append(_row("sam_mask_decoder", f"{backend} {engine.precision}", None, f"rel err {err:.1e}", err <= limit))
 
-    llm_dir = demo_model_dir("demo/llama-tiny", cache_dir())
-    vision_dir = demo_vision_dir(cache_dir(), llm_width=read_config(llm_dir).hidden_size)
-    ckpt = vision_dir / "prerained_minigpt4_7b.pth"
+    ckpt, vision_dir, _ = demo_parts(cache_dir())
     vision = load_vision_folder(ckpt, vision_dir, device, dtype)
     start = time.perf_counter()
     encoder = vision_encoder(vision, backend, [ckpt, vision_dir], options)

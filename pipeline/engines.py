@@ -115,11 +115,12 @@ def sam_engine(model: Sam, backend: str = "torch", weights: Path | None = None,
     """SAM's encode/decode engine: built engines (ONNX Runtime, TensorRT) for the weights read from
     `weights`, else captured CUDA graphs on a GPU and eager on the CPU; a failed build falls back to torch."""
     if backend != "torch":
+        dtype = _dtype_name(model.image_encoder)
         try:
-            encoder, decoder = build_engines("segment", sam_graphs(model.config), model, [weights], backend,
-                                             _dtype_name(model.image_encoder), engines)
+            encoder, decoder = build_engines("segment", sam_graphs(model.config), model, [weights], backend, dtype,
+                                             engines)
             return SessionSamEngine(model.config, encoder, decoder, f"{backend} engine",
-                                    RUNTIMES[backend].precision(_dtype_name(model.image_encoder)))
+                                    RUNTIMES[backend].precision(dtype))
         except EngineBuildError as e:
             engines.report.say(f"segment: the {backend} engine failed ({e}); running on torch instead")
     return torch_sam_engine(model)
@@ -130,11 +131,12 @@ def vision_encoder(model: MiniGPT4Vision, backend: str = "torch", weights: list[
     """MiniGPT-4's image → query-embeddings engine, chosen like `sam_engine`."""
     if backend != "torch":
         weight = next(model.parameters())
+        dtype = str(weight.dtype).removeprefix("torch.")
         try:
-            (session,) = build_engines("image chat", (minigpt4_graph(model.config),), model, weights, backend,
-                                       _dtype_name(model), engines)
-            return SessionVisionEncoder(model.config, session, f"{backend} engine",
-                                        RUNTIMES[backend].precision(_dtype_name(model)), weight.device, weight.dtype)
+            (session,) = build_engines("image chat", (minigpt4_graph(model.config),), model, weights, backend, dtype,
+                                       engines)
+            return SessionVisionEncoder(model.config, session, f"{backend} engine", RUNTIMES[backend].precision(dtype),
+                                        weight.device, weight.dtype)
         except EngineBuildError as e:
             engines.report.say(f"image chat: the {backend} vision engine failed ({e}); running on torch instead")
     return TorchVisionEncoder(model)

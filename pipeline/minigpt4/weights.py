@@ -137,7 +137,7 @@ def build_demo(folder: Path, llm_width: int) -> None:
     blip2 = {k: v for k, v in state.items() if k.startswith(("Qformer.", "query_tokens", "ln_vision."))}
     minigpt4 = {k: v for k, v in state.items() if k.startswith("llama_proj.")}
     for name, part in (("eva_vit_g.pth", eva), ("blip2_pretrained_flant5xxl.pth", {"model": blip2}),
-                       ("prerained_minigpt4_7b.pth", {"model": minigpt4})):
+                       (CHECKPOINT, {"model": minigpt4})):
         write_weight_file(folder / name, part)
 
 
@@ -154,6 +154,20 @@ def load_vision_folder(minigpt4_ckpt: Path, vision_dir: Path, device: str | torc
                     f"transformers BLIP-2 checkpoint (*.safetensors)")
 
 
+CHECKPOINT = "prerained_minigpt4_7b.pth"  # the MiniGPT-4 release's name for the file holding llama_proj
+DEMO_LLM = "demo/llama-tiny"
+
+
+def demo_parts(cache_dir: Path) -> tuple[Path, Path, Path]:
+    """The demo MiniGPT-4 as (checkpoint, vision folder, LLM folder), built into the cache once."""
+    from pipeline.llm.checkpoint import read_config
+    from pipeline.llm.demo import demo_model_dir
+
+    llm_dir = demo_model_dir(DEMO_LLM, cache_dir)
+    vision_dir = demo_vision_dir(cache_dir, llm_width=read_config(llm_dir).hidden_size)
+    return vision_dir / CHECKPOINT, vision_dir, llm_dir
+
+
 def demo_vision_folder(cache_dir: Path) -> Path:
     """Where the demo's vision files live (built or not)."""
     return Path(cache_dir) / "demo" / "minigpt4-tiny"
@@ -162,10 +176,10 @@ def demo_vision_folder(cache_dir: Path) -> Path:
 def demo_vision_dir(cache_dir: Path, llm_width: int) -> Path:
     """The demo's three vision files, built once into the cache (atomically, one builder at a time)."""
     folder = demo_vision_folder(cache_dir)
-    done = folder / "prerained_minigpt4_7b.pth"
+    done = folder / CHECKPOINT
     if not done.is_file():
         folder.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder) + ".lock"):
             if not done.is_file():
-                build_demo(folder, llm_width)  # writes prerained_minigpt4_7b.pth last
+                build_demo(folder, llm_width)  # writes CHECKPOINT last
     return folder
