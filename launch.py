@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "under tensorrt/auto where it imports, else on torch")
     for tool in TOOLS:
         p.add_argument(f"--{tool.replace(' ', '-')}-backend", choices=backends, help=f"override --backend for {tool}")
-    p.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
-                   help="weight-only quantization of TensorRT-LLM engines (the torch backend runs --dtype weights)")
+    p.add_argument("--quant", choices=["auto", "none", "int8", "int4"], default="auto",
+                   help="LLM weights: int8, int4 (groups of 128) or none (--dtype); auto picks the first that fits "
+                        "the GPU memory (float weights on the CPU). Quantized weights are cached after the first launch")
     p.add_argument("--engine-dir", type=Path, help="where built engines are cached (default: <cache>/engines)")
     p.add_argument("--rebuild", action="store_true", help="build every engine again instead of loading the cache")
     p.add_argument("--build-engines", action="store_true",
@@ -98,8 +99,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if tool != "chat":
             backends[f"{tool} vision" if tool == "image chat" else tool] = choose_vision_backend(requested, device)
     notes += [f"{part}: {choice.backend} ({choice.why})" for part, choice in backends.items()]
-    if args.quant != "none" and any(backends[p].backend == "torch" for p in ("chat", "image chat LLM")):
-        notes.append(f"--quant {args.quant} applies to TensorRT-LLM engines only: the torch backend runs {dtype} weights")
     if args.model == "auto" and args.weights is None:
         model_id, why = auto_model(device.startswith("cuda"))
         notes.append(f"model {model_id}: {why}")

@@ -17,10 +17,12 @@ from engine_builder.cache import EngineBuildError
 from engine_builder.onnx_export import minigpt4_graph, sam_graphs
 from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import load_decoder
+from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
-from pipeline.llm.model import KVCache
+from pipeline.llm.model import Decoder, KVCache
+from pipeline.llm.quant import GROUP, MODES, kernel_unavailable, quantized_layers, use_kernels
+from pipeline.llm.quantized_weights import quantized_decoder
 from pipeline.llm.tokenizer import load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
@@ -28,7 +30,7 @@ from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")
-KV_SHARE_OF_FREE_MEMORY = 0.4  # of what the GPU has free once the weights are in
+KV_SHARE_OF_FREE_MEMORY = 0.4  # of what is free (on the GPU, or under the budget) once the weights are in
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,14 +68,12 @@ def choose_llm_backend(requested: str, device: str) -> BackendChoice:
     return BackendChoice("torch", f"instead of TensorRT-LLM: {missing}")
 
 
-def cache_rows(config, context: int, dtype: torch.dtype, device: torch.device, max_batch: int,
-               kv_cache_bytes: int | None) -> tuple[int, int]:
-    """(cache rows, batch) that fit the KV budget: twice the batch where memory allows, so idle
-    sessions keep their turns; the batch shrinks (to a power of two) where it does not."""
+def cache_rows(config, context: int, dtype: torch.dtype, max_batch: int, kv_cache_bytes: int | None) -> tuple[int, int]:
+    """(cache rows, batch) that fit the KV budget (None: no limit, on the CPU): twice the batch where
+    memory allows, so idle sessions keep their turns; the batch shrinks (to a power of two) where it does not."""
     row = KVCache.row_bytes(config, context + 1, dtype)
     if kv_cache_bytes is None:
-        kv_cache_bytes = (int(torch.cuda.mem_get_info(device)[0] * KV_SHARE_OF_FREE_MEMORY)
-                          if device.type == "cuda" else 2 * max_batch * row)
+        kv_cache_bytes = 2 * max_batch * row
     rows = min(2 * max_batch, kv_cache_bytes // row)
     if rows < 1:
         raise UserError(f"not enough memory for the KV cache of one {context}-token conversation "
@@ -82,15 +82,65 @@ def cache_rows(config, context: int, dtype: torch.dtype, device: torch.device, m
     return rows, batch
 
 
+def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
+    """What a decoder's weights take in memory with `mode` weights (the embedding and LM head stay in `dtype`)."""
+    with torch.device("meta"):
+        model = Decoder(config)
+    projections = sum(getattr(parent, name).weight.numel() for parent, name in quantized_layers(model))
+    rest = sum(p.numel() for p in model.parameters()) - projections
+    per_weight = {"none": dtype.itemsize, "int8": 1 + 4 / config.hidden_size, "int4": 0.5 + 2 * dtype.itemsize / GROUP}
+    return int(rest * dtype.itemsize + projections * per_weight[mode])
+
+
+def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.device, free_bytes: int | None,
+                 context: int) -> tuple[str, str]:
+    """The weight mode for `--quant requested`, and why. `auto` keeps float weights on the CPU (the
+    quantized reference path dequantizes per call there) and, on a GPU, takes the first of none, int8,
+    int4 whose weights plus one conversation's KV cache fit `free_bytes`."""
+    if requested != "auto":
+        return requested, "asked for"
+    if device.type != "cuda" or free_bytes is None:
+        return "none", "the CPU runs float weights (quantized layers dequantize per call there)"
+    kv = KVCache.row_bytes(config, context + 1, dtype)
+    for mode in MODES:
+        need = weight_bytes(config, mode, dtype) + kv
+        if need <= free_bytes:
+            return mode, f"{need / 2**30:.1f} GiB of weights and one conversation's cache fit {free_bytes / 2**30:.1f} GiB"
+    return "int4", f"even int4 weights need more than the {free_bytes / 2**30:.1f} GiB there is: trying anyway"
+
+
+def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype, device: torch.device,
+                  engines: EngineOptions | None) -> tuple[Decoder, str]:
+    """The decoder with `mode` weights on `device`, and how its layers run."""
+    if mode == "none":
+        return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
+    say = engines.report.say if engines is not None else (lambda line: None)
+    model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
+    why = kernel_unavailable(device)
+    if why is None:
+        use_kernels(model)
+        return model, f"{mode} weights (gemlite kernels)"
+    say(f"{model_id}: {why}")
+    return model, f"{mode} weights (reference: dequantized per call)"
+
+
 def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", device: str = "cpu",
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
                         kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
-                        quant: str = "none", image_queries: int = 0) -> LanguageModel:
-    """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together. Under
-    `tensorrt` the engine is TensorRT-LLM's (weights `quant`: none, int8, int4; a prompt table for
-    `image_queries` image embeddings per sequence), built once into the engine cache; a failed build
-    falls back to torch, which runs `dtype` weights whatever `quant` says."""
+                        quant: str = "none", image_queries: int = 0, free_bytes: int | None = None) -> LanguageModel:
+    """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
+    `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`). Under `tensorrt`
+    the engine is TensorRT-LLM's (with a prompt table for `image_queries` image embeddings per sequence),
+    built once into the engine cache; a failed build falls back to torch."""
     tokenizer = load_tokenizer(model_dir)
+    config = read_config(model_dir)
+    context = min(max_context, config.max_position_embeddings)
+    target = torch.device(device)
+    if free_bytes is None and target.type == "cuda":
+        free_bytes = torch.cuda.mem_get_info(target)[0]
+    quant, quant_why = choose_quant(quant, config, dtype, target, free_bytes, context)
+    if engines is not None and quant_why != "asked for":
+        engines.report.say(f"{model_id}: weights {quant} ({quant_why})")
     if backend == "tensorrt":
         from engine_builder.trtllm.engine import load_trtllm_engine
 
@@ -100,13 +150,14 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
             return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}")
         except EngineBuildError as e:
             engines.report.say(f"{model_id}: the TensorRT-LLM engine failed ({e}); running on torch instead")
-    model = load_decoder(model_dir, dtype=dtype, device=device)
-    context = min(max_context, model.config.max_position_embeddings)
-    rows, batch = cache_rows(model.config, context, dtype, model.embed.weight.device, max_batch, kv_cache_bytes)
+    model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines)
+    if kv_cache_bytes is None and free_bytes is not None:
+        kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
+    rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)
     engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows)
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    description = (f"{model_id} ({model.config.family}, {params:.1f} M params) · {engine.description} · "
-                   f"{device} · {str(dtype).removeprefix('torch.')}")
+    params = weight_bytes(config, "none", torch.float32) / 4e6
+    description = (f"{model_id} ({config.family}, {params:.1f} M params) · {engine.description} · "
+                   f"{device} · {weights}")
     return LanguageModel(tokenizer, engine, model_id, description)
 
 

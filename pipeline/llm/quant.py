@@ -1,0 +1,194 @@
+"""Weight-only int8 and int4 linear layers for the LLMs (`--quant`).
+
+Why: a decode step reads every weight once per token, so its time is the bytes it reads. int8
+halves them and int4 quarters them; a 7B model drops from 15 GB to about 4 GB plus its embeddings.
+Activations stay in the model's float dtype (weight-only), which keeps quality close to bf16.
+
+Formats (what the quantized-weight cache stores and the kernels read):
+  int8  q int8 [out, in]; scale float32 [out, 1]:     w ≈ q · scale
+        symmetric per output channel (the largest |w| of a row maps to 127).
+  int4  q uint8 [out, in/2], two values per byte, low nibble first; scale and zero in the model's
+        dtype [out, in/group]:                          w ≈ (q − zero) · scale
+        asymmetric per group of `group_size(in)` inputs (the group's min maps to 0, its max to 15). The
+        zero is kept fractional, as HQQ and gemlite keep it, so both ends of the range are exact.
+
+Which layers: the four projections of every block (q/k/v, output, gate/up, down), which are 97 % of
+a 7B model's bytes per token. The embedding stays in float (a token reads one row of it) and so does
+the LM head: its logits are what sampling reads directly, and at 1 GB it is a twentieth of the step.
+
+Kernels: on CUDA, gemlite's Triton GEMV/GEMM kernels (A16W8, A16W4) when gemlite imports. Elsewhere
+(the CPU, or a GPU without gemlite) the reference path dequantizes the weight at each call and runs
+a plain matmul: the same numbers, the float layer's speed at best.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MODES = ("none", "int8", "int4")
+GROUP = 128  # int4 group size: gemlite's and TensorRT-LLM's usual choice, 1/32 extra bytes of metadata
+QUANTIZED = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # per block, the names in model.py
+BITS = {"int8": 8, "int4": 4}
+
+
+def group_size(in_features: int) -> int:
+    """GROUP, or the whole row for layers narrower than that (the tiny demo models')."""
+    size = min(GROUP, in_features)
+    if in_features % size or size % 16:
+        raise ValueError(f"int4 needs input widths divisible by {GROUP} (or a multiple of 16 below it), "
+                         f"got {in_features}")
+    return size
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """uint8 values 0..15 [out, in] → [out, in/2], element 2i in the low nibble of byte i."""
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """The inverse of `pack_int4`."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def quantize(weight: Tensor, mode: str, dtype: torch.dtype) -> dict[str, Tensor]:
+    """`weight` [out, in] in `mode`'s format (see the module docstring), computed where the weight is."""
+    w = weight.float()
+    if mode == "int8":
+        scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-10)
+        return {"q": (w / scale).round().clamp(-127, 127).to(torch.int8), "scale": scale}
+    if mode != "int4":
+        raise ValueError(f"unknown quantization {mode!r}: use one of {MODES}")
+    out, n = w.shape
+    groups = w.view(out, n // group_size(n), group_size(n))
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    # the stored (rounded) scale and zero are the ones the values are computed against
+    scale = ((hi - lo) / 15).clamp(min=1e-10).to(dtype)
+    zero = (-lo / scale.float()).to(dtype)
+    q = (groups / scale.float()[..., None] + zero.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return {"q": pack_int4(q.view(out, n)), "scale": scale, "zero": zero}
+
+
+def dequantize(parts: dict[str, Tensor], mode: str) -> Tensor:
+    """The float32 weight [out, in] that `parts` stand for (the reference every kernel must match)."""
+    if mode == "int8":
+        return parts["q"].float() * parts["scale"].float()
+    q = unpack_int4(parts["q"]).float()
+    out, n = q.shape
+    groups = (q.view(out, n // group_size(n), group_size(n)) - parts["zero"].float()[..., None]) * parts["scale"].float()[..., None]
+    return groups.view(out, n)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is held quantized; `bias` (Qwen's q/k/v) stays in float.
+
+    Buffers are named `q`, `scale`, `zero` (int4 only) and `bias`, so a state dict of a quantized
+    decoder is the cache's file format. `use_kernel` swaps the reference for gemlite's kernel.
+    """
+
+    def __init__(self, in_features: int, out_features: int, mode: str, dtype: torch.dtype, bias: bool):
+        super().__init__()
+        if mode not in BITS:
+            raise ValueError(f"unknown quantization {mode!r}")
+        self.in_features, self.out_features, self.mode, self.dtype = in_features, out_features, mode, dtype
+        if mode == "int8":
+            self.register_buffer("q", torch.empty(out_features, in_features, dtype=torch.int8))
+            self.register_buffer("scale", torch.empty(out_features, 1, dtype=torch.float32))
+        else:
+            self.register_buffer("q", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+            groups = in_features // group_size(in_features)
+            self.register_buffer("scale", torch.empty(out_features, groups, dtype=dtype))
+            self.register_buffer("zero", torch.empty(out_features, groups, dtype=dtype))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
+        self.kernel: nn.Module | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mode: str, device: torch.device | str | None = None) -> "QuantLinear":
+        """Quantize `linear` on `device` (the GPU is fast at it; the layer's own device otherwise)."""
+        weight = linear.weight.detach()
+        dtype = weight.dtype
+        with torch.device("meta"):  # every buffer is replaced below
+            layer = cls(linear.in_features, linear.out_features, mode, dtype, linear.bias is not None)
+        parts = quantize(weight.to(device or weight.device), mode, dtype)
+        if linear.bias is not None:
+            parts["bias"] = linear.bias.detach().to(parts["q"].device)
+        for name, value in parts.items():
+            setattr(layer, name, value)
+        return layer
+
+    def parts(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name) for name in ("q", "scale", "zero") if hasattr(self, name)}
+
+    def weight_float(self) -> Tensor:
+        return dequantize(self.parts(), self.mode)
+
+    def use_kernel(self) -> None:
+        """Hand the weights to gemlite's kernel (CUDA); the reference buffers are then freed."""
+        import gemlite.helper as gh
+
+        device = self.q.device
+        if self.mode == "int8":
+            self.kernel = gh.A16W8(device=device, dtype=self.dtype).from_weights(
+                self.q, bias=self.bias, scales=self.scale)
+        else:
+            self.kernel = gh.A16Wn(device=device, dtype=self.dtype).from_weights(
+                unpack_int4(self.q), self.scale, self.zero, W_nbits=4, group_size=group_size(self.in_features),
+                bias=self.bias)
+        for name in ("q", "scale", "zero"):
+            if hasattr(self, name):
+                setattr(self, name, torch.empty(0, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
+        return F.linear(x, self.weight_float().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} → {self.out_features}, {self.mode}" + (", gemlite" if self.kernel else "")
+
+
+def quantized_layers(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """(parent module, attribute) of each projection `--quant` replaces, block by block."""
+    for block in model.layers:
+        for path in QUANTIZED:
+            parent, name = path.split(".")
+            yield getattr(block, parent), name
+
+
+def quantize_decoder(model: nn.Module, mode: str, device: torch.device | str) -> nn.Module:
+    """Replace every block's projections by `QuantLinear`s made on `device`, one layer at a time, so the
+    float weights (on the CPU) never all sit on the GPU at once."""
+    for parent, name in quantized_layers(model):
+        setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), mode, device))
+    return model
+
+
+def empty_quantized(model: nn.Module, mode: str) -> nn.Module:
+    """Swap a (meta-device) decoder's projections for empty `QuantLinear`s, to load a quantized state dict into."""
+    for parent, name in quantized_layers(model):
+        linear = getattr(parent, name)
+        setattr(parent, name, QuantLinear(linear.in_features, linear.out_features, mode, linear.weight.dtype,
+                                          linear.bias is not None))
+    return model
+
+
+def kernel_unavailable(device: torch.device) -> str | None:
+    """None when gemlite's kernels can run the quantized layers on `device`, else why not."""
+    if device.type != "cuda":
+        return "on the CPU the quantized layers dequantize at each call (the reference path)"
+    try:
+        import gemlite  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or its import-time CUDA probing failing
+        return f"gemlite does not import ({type(e).__name__}: {e}); the layers dequantize at each call (slow)"
+    return None
+
+
+def use_kernels(model: nn.Module) -> int:
+    """Move every `QuantLinear` of `model` onto gemlite's kernels; the number moved."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.use_kernel()
+    return len(layers)

@@ -1,0 +1,86 @@
+"""Quantized decoders, made once per checkpoint and kept in the engine cache.
+
+Quantizing a 7B model means reading its 15 GB and rounding 7 billion weights; the result (8 GB for
+int8, 5 GB for int4 with the float embedding and LM head) is written to the engine cache under a key
+holding the source weights' SHA-256, the mode, the group size and this format's version, exactly as
+an engine is: the second launch reads it directly, a changed checkpoint is quantized again, and a
+damaged or half-written file is never loaded (`engine_builder.cache`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from engine_builder.cache import EngineCache, EngineKey
+from engine_builder.fingerprint import fingerprint
+from pipeline.llm.checkpoint import load_decoder, read_config
+from pipeline.llm.model import Decoder
+from pipeline.llm.quant import GROUP, QuantLinear, empty_quantized, quantized_layers
+from pipeline.weights_io import read_weight_file
+
+FORMAT = "1"  # bump when the stored layout of quantized weights changes
+FILE = "decoder.safetensors"
+
+
+def quant_key(folder: Path, mode: str, dtype: torch.dtype, cache: EngineCache) -> EngineKey:
+    """What a cached quantized decoder depends on: the weights, mode, group size, dtype and format
+    (not the device: the stored tensors are the same for every GPU)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return EngineKey(component=f"llm-{mode}", source=str(Path(folder).resolve()),
+                     weights=fingerprint([folder], cache.root), precision=f"{mode}/{dtype_name}",
+                     profile={"group": GROUP} if mode == "int4" else {}, builder="studio-quant",
+                     builder_version=FORMAT, device="any")
+
+
+def quantize_checkpoint(folder: Path, mode: str, dtype: torch.dtype, device: torch.device) -> Decoder:
+    """Read the float checkpoint on the CPU and quantize it layer by layer on `device` (a bar per layer)."""
+    model = load_decoder(folder, dtype=dtype, device="cpu")
+    layers = list(quantized_layers(model))
+    for parent, name in tqdm(layers, desc=f"quantizing to {mode}", unit="layer", file=sys.stderr):
+        setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), mode, device))
+    return model.to(device)
+
+
+def save_quantized(model: Decoder, path: Path) -> None:
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del state["lm_head.weight"]  # the same tensor as the embedding: safetensors stores it once
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def load_quantized(folder: Path, path: Path, mode: str, dtype: torch.dtype, device: torch.device) -> Decoder:
+    """A quantized decoder from a file `save_quantized` wrote."""
+    config = read_config(folder)
+    with torch.device("meta"):
+        model = empty_quantized(Decoder(config).to(dtype), mode)
+    state = read_weight_file(path, "quantized weights")
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model.to(device).eval()
+
+
+def quantized_decoder(folder: Path, mode: str, dtype: torch.dtype, device: torch.device,
+                      cache: EngineCache | None, say: Callable[[str], None]) -> Decoder:
+    """The decoder of `folder` with `mode` weights on `device`: from the cache when it holds them,
+    else quantized now (and cached when `cache` is given)."""
+    if cache is None:
+        return quantize_checkpoint(folder, mode, dtype, device).eval()
+
+    def build(tmp: Path, reason: str) -> None:
+        say(f"{Path(folder).name}: quantizing to {mode} ({reason})")
+        save_quantized(quantize_checkpoint(folder, mode, dtype, device), tmp / FILE)
+
+    model, cached = cache.get(quant_key(folder, mode, dtype, cache), build,
+                              lambda tmp: load_quantized(folder, tmp / FILE, mode, dtype, device))
+    say(f"{Path(folder).name}: {mode} weights " + (f"made and cached in {cached.seconds:.1f} s" if cached.built
+                                                  else f"loaded from the cache in {cached.seconds:.2f} s"))
+    return model
