@@ -1,7 +1,8 @@
 """Fused decoder kernels (Triton) behind plain torch functions.
 
 At batch 1 a decoder layer is ~40 kernels of which only four are the weight-bound GEMVs; the rest
-(RMSNorm's seven elementwise passes, RoPE's ten, SiLU·up's two) cost more than their math. Each
+(RMSNorm's seven elementwise passes, RoPE's ten, SiLU·up's two, the residual adds) cost more than
+their math. The residual add is fused into the RMSNorm that follows it. Each
 function here is one Triton kernel on CUDA when Triton is importable, and the reference torch code
 everywhere else (the CPU, or `STUDIO_FUSED=0`), so results on the CPU are unchanged and the GPU
 path is checked against that reference (`tests/test_gpu.py`).
@@ -39,6 +40,12 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * y.to(x.dtype)
 
 
+def add_rms_norm_reference(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual stream after adding `delta` (rounded to x's dtype, as `x + delta` is) and its RMSNorm."""
+    total = x + delta
+    return total, rms_norm_reference(total, weight, eps)
+
+
 def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE on x [batch, tokens, heads, head_dim] with cos/sin [batch, tokens, head_dim] (fp32)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -61,6 +68,21 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         y = x * tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)  # round as the reference does before the weight
+        tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (x + d).to(sum_ptr.dtype.element_ty)  # the residual stream keeps the model's dtype
+        tl.store(sum_ptr + row * n_cols + cols, total, mask=mask)
+        t = total.to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        y = t * tl.rsqrt(tl.sum(t * t, axis=0) / n_cols + eps)
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -102,6 +124,16 @@ def rms_norm_fused(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = N
     return out
 
 
+def add_rms_norm_fused(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """`add_rms_norm_reference` in one kernel: the residual add and the norm after it read the stream once."""
+    if not _use_triton(x) or not x.is_contiguous() or not delta.is_contiguous() or x.shape != delta.shape:
+        return add_rms_norm_reference(x, delta, weight, eps)
+    n = x.shape[-1]
+    total, out = torch.empty_like(x), torch.empty_like(x)
+    _add_rms_norm_kernel[(x.numel() // n,)](x, delta, weight, total, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    return total, out
+
+
 def rotary_fused(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """RoPE on x [batch, tokens, heads, head_dim] with cos/sin [batch, tokens, head_dim]; in place on CUDA."""
     batch, tokens, heads, dim = x.shape
@@ -134,9 +166,10 @@ class Kernels:
     """The elementwise kernels a decoder runs between its GEMMs."""
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (x + delta, its norm)
     rotary: Callable[[Tensor, Tensor, Tensor], Tensor]  # may work in place
     silu_mul: Callable[[Tensor], Tensor]
 
 
-REFERENCE = Kernels(rms_norm_reference, rotary_reference, silu_mul_reference)
-FUSED = Kernels(rms_norm_fused, rotary_fused, silu_mul_fused)  # the reference wherever Triton cannot run
+REFERENCE = Kernels(rms_norm_reference, add_rms_norm_reference, rotary_reference, silu_mul_reference)
+FUSED = Kernels(rms_norm_fused, add_rms_norm_fused, rotary_fused, silu_mul_fused)  # the reference wherever Triton cannot run

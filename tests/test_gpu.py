@@ -107,6 +107,8 @@ def test_minigpt4_encoder_graph_matches_eager(studio_cache):
 
 
 def test_fused_kernels_match_the_torch_reference():
+    from plugins.fused import add_rms_norm_fused as add_rms_norm
+    from plugins.fused import add_rms_norm_reference
     from plugins.fused import rms_norm_fused as rms_norm
     from plugins.fused import rms_norm_reference, rotary_reference, silu_mul_reference
     from plugins.fused import rotary_fused as rotary_
@@ -121,6 +123,9 @@ def test_fused_kernels_match_the_torch_reference():
         x = torch.randn(5, n, device="cuda", dtype=torch.bfloat16, generator=g)
         w = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
         assert close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), 1e-3)
+        d = torch.randn(5, n, device="cuda", dtype=torch.bfloat16, generator=g)
+        (total, normed), (total_ref, normed_ref) = add_rms_norm(x, d, w, 1e-6), add_rms_norm_reference(x, d, w, 1e-6)
+        assert torch.equal(total, total_ref) and close(normed, normed_ref, 1e-3)
     for n in (128, 11008, 18944):
         gu = torch.randn(3, 2 * n, device="cuda", dtype=torch.bfloat16, generator=g)
         assert close(silu_mul(gu), silu_mul_reference(gu), 1e-3)

@@ -181,3 +181,43 @@ def test_batched_draws_follow_each_rows_own_parameters():
     draws = {int(sample(logits[:1], two, seen[:1], torch.tensor(sampling_columns(two, [u / 200], vocab=4))))
              for u in range(200)}
     assert draws == {1, 2}
+
+
+def _reference_draw(logits: torch.Tensor, seen: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """One row through transformers' own logits processors, then inverse-CDF over the kept tokens."""
+    from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    ids = seen.nonzero()[:, 0][None]
+    x = logits[None].clone()
+    if p.repetition_penalty != 1.0 and ids.numel():
+        x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, x)
+    x = TemperatureLogitsWarper(p.temperature)(ids, x)
+    if p.top_k:
+        x = TopKLogitsWarper(p.top_k)(ids, x)
+    x = TopPLogitsWarper(p.top_p)(ids, x)
+    probs = x[0].softmax(-1)
+    order = probs.argsort(descending=True, stable=True)
+    cdf = probs[order].cumsum(0)
+    return int(order[min(int(torch.searchsorted(cdf, u * cdf[-1])), len(order) - 1)])
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_draws_match_transformers_processors_row_by_row(mixed):
+    """The batched draw (top-k rows sorted within k only; rows without top-k over the whole vocabulary)
+    against transformers' repetition penalty, temperature, top-k and top-p, row by row."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, rows = 500, 24
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    seen = torch.rand(rows, vocab, generator=gen) < 0.05
+    params = [SamplingParams(temperature=[0.5, 0.7, 1.3][i % 3], top_k=[20, 1, 50, 7][i % 4],
+                             top_p=[0.8, 0.95, 0.3][i % 3], repetition_penalty=[1.05, 1.0, 1.3][i % 3])
+              for i in range(rows)]
+    if mixed:
+        params[5] = SamplingParams(temperature=0.9, top_k=0, top_p=0.9)
+    for trial in range(5):
+        uniforms = torch.rand(rows, generator=gen).tolist()
+        columns = torch.tensor(sampling_columns(params, uniforms, vocab))
+        drawn = sample(logits, params, seen, columns).tolist()
+        expected = [_reference_draw(logits[i], seen[i], p, u) for i, (p, u) in enumerate(zip(params, uniforms))]
+        assert drawn == expected, trial

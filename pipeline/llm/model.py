@@ -37,6 +37,12 @@ class RMSNorm(nn.Module):
         # Normalised in fp32 as every reference implementation does (bf16 variance loses digits).
         return self.kernels.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(x + delta, its norm) in one pass over the residual stream; delta None adds nothing."""
+        if delta is None:
+            return x, self(x)
+        return self.kernels.add_rms_norm(x, delta, self.weight, self.eps)
+
 
 class KVCache:
     """Keys and values [layers, rows, kv_heads, max_seq, head_dim] at fixed addresses (graphable).
@@ -207,10 +213,13 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.mlp = FeedForward(config, kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: Tensor | None,
-                k_cache: Tensor, v_cache: Tensor, step: Step) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, logn, mask, k_cache, v_cache, step)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, logn: Tensor | None,
+                mask: Tensor | None, k_cache: Tensor, v_cache: Tensor, step: Step) -> tuple[Tensor, Tensor]:
+        """The residual stream is `x + delta`; returns the stream and this block's own delta (its MLP's
+        output), left for the next norm to add: each add is fused into the norm that follows it."""
+        x, h = self.attn_norm.add(x, delta)
+        x, h = self.mlp_norm.add(x, self.attn(h, cos, sin, logn, mask, k_cache, v_cache, step))
+        return x, self.mlp(h)
 
 
 class Decoder(nn.Module):
@@ -246,8 +255,9 @@ class Decoder(nn.Module):
             keys = torch.arange(step.kv_len, device=x.device)
             mask = (keys[None] <= step.positions[:, None])[:, None, None]
         logn = rope.logn[positions] if rope.logn is not None else None
+        delta = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, logn, mask, cache.k[i], cache.v[i], step)
+            x, delta = layer(x, delta, cos, sin, logn, mask, cache.k[i], cache.v[i], step)
         if last_only:
-            x = x[:, -1:]
-        return self.lm_head(self.norm(x))
+            x, delta = x[:, -1:].contiguous(), delta[:, -1:].contiguous()
+        return self.lm_head(self.norm.add(x, delta)[1])

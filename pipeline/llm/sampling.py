@@ -92,11 +92,18 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], seen: Tensor, colum
     if all(p.temperature == 0 for p in params):
         return greedy
     logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-    max_k = max(p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params)
-    if max_k:
-        kth = torch.topk(logits, max_k, dim=-1).values.gather(1, (top_k.clamp(min=1) - 1).long()[:, None])
-        logits = torch.where(top_k[:, None] > 0, logits.masked_fill(logits < kth, float("-inf")), logits)
-    ordered, order = torch.sort(logits, dim=-1, descending=True)
+    ks = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
+    if all(ks):
+        # Every row keeps at most max(k) tokens: sort only those (topk returns them in order), not
+        # the whole vocabulary (152k entries for Qwen) as a row without top-k needs.
+        ordered, order = torch.topk(logits, max(ks), dim=-1)
+        ranks = torch.arange(ordered.shape[-1], device=logits.device)
+        ordered = ordered.masked_fill(ranks[None] >= top_k[:, None], float("-inf"))
+    else:
+        if any(ks):
+            kth = torch.topk(logits, max(ks), dim=-1).values.gather(1, (top_k.clamp(min=1) - 1).long()[:, None])
+            logits = torch.where(top_k[:, None] > 0, logits.masked_fill(logits < kth, float("-inf")), logits)
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
     probs = ordered.softmax(-1)
     # top-p keeps the tokens before the one that crosses it, and that one
     ordered = ordered.masked_fill(probs.cumsum(-1) - probs >= top_p[:, None], float("-inf"))
