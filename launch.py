@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from pathlib import Path
 
 from pipeline.errors import UserError
@@ -66,6 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=8192, help="context window in tokens per conversation")
     p.add_argument("--max-batch", type=int, default=8, choices=[1, 2, 4, 8, 16, 32],
                    help="conversations the chat engine decodes together (more wait their turn)")
+    p.add_argument("--gpu-memory", type=float, metavar="GiB",
+                   help="memory the tools may take together (default: the GPU's minus 2 GiB; no limit on the CPU); "
+                        "the least recently used idle tool is unloaded to make room, and reloads when used")
+    p.add_argument("--preload", action="store_true", help="load every tool at start-up instead of on first use")
     p.add_argument("--share", action="store_true", help="also serve through a public Gradio link")
     p.add_argument("--auth", help="user:password required to open the app")
     p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
@@ -175,22 +178,87 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
     return lines
 
 
-def load_image_chat(args: argparse.Namespace, plan: Plan, engines):
-    """MiniGPT-4 (vision engine + LLM) from the three given parts, or the demo."""
+def weights_size(*paths: Path | None) -> int:
+    """Bytes of the weight files at `paths` (files, or folders of them): a tool's size before its first load."""
+    from engine_builder.fingerprint import weight_files
+
+    existing = [p for p in paths if p is not None and Path(p).exists()]
+    return sum(f.stat().st_size for f in weight_files(existing))
+
+
+def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
+    """How each tool loads (warm-up included: first kernels and graph captures happen in the load,
+    not on a user's first request)."""
+    import numpy as np
     import torch
 
-    from pipeline.engines import load_language_model, vision_encoder
+    from pipeline.chat import ChatPipeline
+    from pipeline.engines import load_language_model, sam_engine, vision_encoder
     from pipeline.image_chat import ImageChatPipeline
+    from pipeline.llm.sampling import SamplingParams
     from pipeline.minigpt4.weights import load_vision_folder
+    from pipeline.models import cache_dir, locate, resolve
+    from pipeline.sam.model import load_sam
+    from pipeline.sam.weights import DEMO as SAM_DEMO
+    from pipeline.sam.weights import locate_sam, resolve_sam
+    from pipeline.segment import SegmentPipeline
+    from pipeline.tools import ToolSpec
 
     dtype = getattr(torch, plan.dtype)
-    ckpt, vision_dir, llm_dir, llm_id, is_demo = image_chat_parts(args)
-    encoder = vision_encoder(load_vision_folder(ckpt, vision_dir, plan.device, dtype),
-                             plan.backends["image chat vision"].backend, [ckpt, vision_dir], engines)
-    llm = load_language_model(llm_dir, llm_id, plan.backends["image chat LLM"].backend, plan.device, dtype,
-                              max_context=2048, max_batch=args.max_batch, engines=engines, quant=args.quant,
-                              image_queries=encoder.config.num_query_tokens)
-    return ImageChatPipeline(encoder, llm, args.minigpt4_template, is_demo=is_demo)
+    chat_model = locate(plan.model_id, args.weights)
+
+    def load_chat(say, free):
+        with engines.report.listening(say):
+            model = resolve(plan.model_id, args.weights)
+            chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends["chat"].backend,
+                                                    plan.device, dtype, args.context, args.max_batch, engines=engines,
+                                                    quant=args.quant, free_bytes=free), is_demo=model.is_demo)
+            warm_up = [{"role": "user", "content": "Hi"}]
+            for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now
+                reply = "".join(e.text for e in chat.stream(warm_up, SamplingParams(max_new_tokens=2, temperature=0),
+                                                            session="warm-up"))
+                warm_up += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
+            engines.report.say(f"chat: {chat.description}")
+            return chat
+
+    def load_segment(say, free):
+        with engines.report.listening(say):
+            sam_path = resolve_sam(plan.sam, cache_dir())
+            sam = load_sam(sam_path, device=plan.device, dtype=dtype)
+            segment = SegmentPipeline(sam_engine(sam, plan.backends["segment"].backend, sam_path, engines),
+                                      is_demo=plan.sam == SAM_DEMO)
+            del sam  # the engine holds what it needs (a built engine needs no torch module)
+            segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # first kernels now, not on a click
+            engines.report.say(f"segment: {segment.description}")
+            return segment
+
+    ckpt, vision_dir, llm_dir, llm_id, image_demo = image_chat_parts(args)
+    shared = chat_model.path is not None and Path(llm_dir).resolve() == chat_model.path.resolve()
+
+    def load_image_chat(say, free):
+        with engines.report.listening(say):
+            encoder = vision_encoder(load_vision_folder(ckpt, vision_dir, plan.device, dtype),
+                                     plan.backends["image chat vision"].backend, [ckpt, vision_dir], engines)
+            if shared:
+                llm = host.loaded("chat").llm
+                engines.report.say("image chat: shares the chat tool's LLM (the same weights)")
+            else:
+                llm = load_language_model(llm_dir, llm_id, plan.backends["image chat LLM"].backend, plan.device, dtype,
+                                          max_context=2048, max_batch=args.max_batch, engines=engines,
+                                          quant=args.quant, image_queries=encoder.config.num_query_tokens,
+                                          free_bytes=free)
+            image_chat = ImageChatPipeline(encoder, llm, args.minigpt4_template, is_demo=image_demo,
+                                           owns_llm=not shared)
+            image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)
+            engines.report.say(f"image chat: {image_chat.description}")
+            return image_chat
+
+    return [ToolSpec("chat", load_chat, weights_size(chat_model.path), is_demo=chat_model.is_demo),
+            ToolSpec("image chat", load_image_chat,
+                     weights_size(ckpt, vision_dir) + (0 if shared else weights_size(llm_dir)),
+                     needs=("chat",) if shared else (), is_demo=image_demo),
+            ToolSpec("segment", load_segment, weights_size(locate_sam(plan.sam, cache_dir())[0]),
+                     is_demo=plan.sam == SAM_DEMO)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,18 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         auth = tuple(args.auth.split(":", 1)) if args.auth else None
         if args.auth and len(auth) != 2:
             raise UserError("--auth must look like user:password")
-        import numpy as np
         import torch
 
         from app.ui import build_app
-        from pipeline.chat import ChatPipeline
-        from pipeline.engines import load_language_model, sam_engine
-        from pipeline.llm.sampling import SamplingParams
-        from pipeline.models import cache_dir, resolve
-        from pipeline.sam.weights import DEMO as SAM_DEMO
-        from pipeline.sam.model import load_sam
-        from pipeline.sam.weights import resolve_sam
-        from pipeline.segment import SegmentPipeline
+        from pipeline.tools import GIB, ToolHost, default_budget
 
         engines = engine_options(args)
         for note in plan.notes:
@@ -223,32 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         # The engine threads and the request threads hand the GIL around constantly; Python's default
         # 5 ms switch interval would let a busy engine thread hold up a click by several of them.
         sys.setswitchinterval(GIL_SWITCH_S)
-        model = resolve(plan.model_id, args.weights)
-        start = time.perf_counter()
-        chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends["chat"].backend, plan.device,
-                                                getattr(torch, plan.dtype), args.context, args.max_batch,
-                                                engines=engines, quant=args.quant), is_demo=model.is_demo)
-        warm_up = [{"role": "user", "content": "Hi"}]
-        for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now
-            reply = "".join(e.text for e in chat.stream(warm_up, SamplingParams(max_new_tokens=2, temperature=0),
-                                                        session="warm-up"))
-            warm_up += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And?"}]
-        engines.report.say(f"loaded and warmed up {chat.description} in {time.perf_counter() - start:.1f} s")
-        start = time.perf_counter()
-        sam_path = resolve_sam(plan.sam, cache_dir())
-        sam = load_sam(sam_path, device=plan.device, dtype=getattr(torch, plan.dtype))
-        segment = SegmentPipeline(sam_engine(sam, plan.backends["segment"].backend, sam_path, engines),
-                                  is_demo=plan.sam == SAM_DEMO)
-        del sam  # the engine holds what it needs (a built engine needs no torch module)
-        segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # warm-up: first kernels now, not on a click
-        engines.report.say(f"loaded and warmed up {segment.description} in {time.perf_counter() - start:.1f} s")
-        start = time.perf_counter()
-        image_chat = load_image_chat(args, plan, engines)
-        image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)
-        engines.report.say(f"loaded and warmed up {image_chat.description} in {time.perf_counter() - start:.1f} s")
+        device = torch.device(plan.device)
+        budget = int(args.gpu_memory * GIB) if args.gpu_memory else default_budget(device)
+        host = ToolHost(device, budget, engines.report.say)
+        engines.report.say("memory budget: " + (f"{budget / GIB:.1f} GiB (--gpu-memory); tools load on first use "
+                                                 "and the least recently used idle one is unloaded to make room"
+                                                 if budget else "none on the CPU; tools load on first use"))
+        for spec in tool_specs(args, plan, engines, host):
+            host.add(spec)
+        for name in (TOOLS if args.preload or args.build_engines else ("chat",)):
+            host.load(name)
         if args.build_engines:
             return 0
-        app = build_app(chat, image_chat, segment, engines.report.lines)
+        app = build_app(host, engines.report.lines)
         app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
                                                       share=args.share, auth=auth, show_error=True)
         return 0

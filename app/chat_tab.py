@@ -5,16 +5,19 @@ from __future__ import annotations
 import gradio as gr
 
 from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
-from pipeline.chat import ChatPipeline
+from app.errors import shown_to_user
+from app.tool_loading import loading_updates
+from pipeline.tools import ToolHost
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
-def build_chat_tab(pipeline: ChatPipeline, app: gr.Blocks, storage_secret: str) -> None:
+def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None:
     """`storage_secret` encrypts the conversation kept in the browser's localStorage, so a reload or
     an app restart does not lose it (the secret must outlive the process for the latter)."""
     flags = CancelFlags()
 
+    @shown_to_user
     def respond(message: str, history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
                 repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
         """Stream a reply to `message`; yields (textbox, chat history, status). Seed -1 = random."""
@@ -22,8 +25,10 @@ def build_chat_tab(pipeline: ChatPipeline, app: gr.Blocks, storage_secret: str) 
                                                         max_new_tokens, seed))
         system = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt.strip() else []
         messages = system + history + [{"role": "user", "content": message}]
-        yield from stream_turn(lambda cancel, session: pipeline.stream(messages, params, cancel, session), history,
-                               message, flags, request, "chat")
+        yield from loading_updates(tools, "chat", 3)
+        with tools.using("chat") as pipeline:
+            yield from stream_turn(lambda cancel, session: pipeline.stream(messages, params, cancel, session),
+                                   history, message, flags, request, "chat")
 
     with gr.Row():
         with gr.Column(scale=4):

@@ -9,12 +9,13 @@ from gradio.data_classes import FileData
 
 from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
 from app.errors import shown_to_user
+from app.tool_loading import loading_updates
 from pipeline.errors import UserError
-from pipeline.image_chat import ImageChatPipeline
 from pipeline.images import load_image
+from pipeline.tools import ToolHost
 
 
-def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> None:
+def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> None:
     flags = CancelFlags()
 
     @shown_to_user
@@ -27,8 +28,10 @@ def build_image_chat_tab(pipeline: ImageChatPipeline, examples: list[str]) -> No
             raise UserError("upload an image first: image chat talks about one picture")
         pixels = load_image(image)
         messages = history + [{"role": "user", "content": message}]
-        yield from stream_turn(lambda cancel, session: pipeline.stream(pixels, messages, params, cancel, session),
-                               history, message, flags, request, "image-chat")
+        yield from loading_updates(tools, "image chat", 3)
+        with tools.using("image chat") as pipeline:
+            yield from stream_turn(lambda cancel, session: pipeline.stream(pixels, messages, params, cancel, session),
+                                   history, message, flags, request, "image-chat")
 
     with gr.Row():
         with gr.Column(scale=2):

@@ -4,10 +4,11 @@ its own `SegmentSession` (and so its own statistics) in `gr.State`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import gradio as gr
@@ -16,12 +17,14 @@ from gradio.data_classes import FileData
 from gradio.utils import get_upload_folder
 
 from app.errors import shown_to_user
+from app.tool_loading import loading_updates
 from app.segment_render import (mask_png, render_candidates, render_everything, render_session, status_line,
                                 thumbnail)
 from pipeline.errors import UserError
 from pipeline.images import fit_for_display, load_image
-from pipeline.segment import SegmentPipeline, SegmentStats
+from pipeline.segment import SegmentStats
 from pipeline.segment_session import SegmentSession
+from pipeline.tools import ToolHost
 
 POSITIVE, NEGATIVE = "Object (+)", "Background (−)"
 POINTS, BOX = "Points", "Box (two clicks: opposite corners)"
@@ -56,23 +59,35 @@ def _render(t: TabState):
             gr.Button(interactive=s.mask is not None), status_line(s))
 
 
-@shown_to_user
-def _step(t: TabState | None, missing: str, action: Callable[[SegmentSession], None]) -> tuple:
-    """Run `action(session)` on the user's session and render it."""
-    if t is None:
-        raise UserError(missing)
-    action(t.session)
-    return _render(t)
+def build_segment_tab(tools: ToolHost, examples: list[str]) -> None:
+    @contextlib.contextmanager
+    def session_of(t: TabState | None, missing: str) -> Iterator[SegmentSession]:
+        """The user's session on the loaded SAM (loaded again, and the image re-encoded, if the memory
+        budget unloaded it since), held busy while the block runs."""
+        if t is None:
+            raise UserError(missing)
+        with tools.using("segment") as seg:
+            if t.session.pipeline is not seg:
+                t.session.rebind(seg)
+            yield t.session
 
+    @shown_to_user
+    def _step(t: TabState | None, missing: str, action: Callable[[SegmentSession], None]) -> tuple:
+        """Run `action(session)` on the user's session and render it."""
+        with session_of(t, missing) as session:
+            action(session)
+            return _render(t)
 
-def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
     @shown_to_user
     def on_image(path: str | None):
         if not path:
-            return _empty()
+            yield _empty()
+            return
         image = load_image(path)
-        display, scale = fit_for_display(image, device=seg.engine.device)
-        return _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale, thumbnail(display)))
+        yield from loading_updates(tools, "segment", 5)
+        with tools.using("segment") as seg:
+            display, scale = fit_for_display(image, device=seg.engine.device)
+            yield _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale, thumbnail(display)))
 
     def on_click(t: TabState | None, label: str, mode: str, multimask: bool, evt: gr.SelectData):
         def click(s: SegmentSession) -> None:
@@ -90,20 +105,18 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
     def on_clear(t: TabState | None):
         if t is None:
             return _empty()
-        t.session.clear()
-        return _render(t)
+        return _step(t, "", lambda s: s.clear())
 
     def on_choose(t: TabState | None, evt: gr.SelectData):
         return _step(t, "no candidates yet: click on the image first", lambda s: s.choose(evt.index))
 
     @shown_to_user
     def on_everything(t: TabState | None):
-        if t is None:
-            raise UserError("upload or choose an image first")
-        masks = t.session.everything()
-        n = seg.everything_grid
+        with session_of(t, "upload or choose an image first") as session:
+            masks = session.everything()
+            n, demo = session.pipeline.everything_grid, session.pipeline.is_demo
         found = (f"{len(masks)} masks found from a {n}×{n} grid of points" if masks else
-                 "no confident, stable masks found" + (" (the demo SAM has random weights)" if seg.is_demo else ""))
+                 "no confident, stable masks found" + (" (the demo SAM has random weights)" if demo else ""))
         return (render_everything(t.display, masks),
                 f"Segment everything: {found}. Click the image to go back to prompting.")
 
@@ -140,9 +153,11 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
 
     @shown_to_user
     def on_download(t: TabState | None) -> str:
-        if t is None or t.session.mask is None:
-            raise UserError("click on an object first: there is no mask to download yet")
-        return _write_png(mask_png(t.session.full_mask()))
+        missing = "click on an object first: there is no mask to download yet"
+        with session_of(t, missing) as session:
+            if session.mask is None:
+                raise UserError(missing)
+            return _write_png(mask_png(session.full_mask()))
 
     # A visible button makes the file; once made, a hidden download button (in the page, not shown) fetches it.
     download.click(on_download, state, download_file, api_visibility="private").success(
@@ -165,8 +180,10 @@ def build_segment_tab(seg: SegmentPipeline, examples: list[str]) -> None:
             raise UserError("points must be JSON like [[x, y, 1], [x, y, 0]]")
         if image is None:
             raise UserError("send an image first, then points or a box on it")
-        handle = seg.set_image(load_image(image["path"] if isinstance(image, dict) else image.path), stats)
-        result = seg.predict(handle, [p[:2] for p in pts], [p[2] for p in pts], box_value, None, multimask, stats)
+        pixels = load_image(image["path"] if isinstance(image, dict) else image.path)
+        with tools.using("segment") as seg:
+            handle = seg.set_image(pixels, stats)
+            result = seg.predict(handle, [p[:2] for p in pts], [p[2] for p in pts], box_value, None, multimask, stats)
         best = int(np.argmax(result.scores))
         info = {"scores": result.scores.tolist(), "best": best, "cached": stats.encoder_runs == 0,
                 "encoder_ms": stats.last_encoder_ms, "decoder_ms": stats.last_decoder_ms}

@@ -11,11 +11,9 @@ import gradio as gr
 from app.chat_tab import build_chat_tab
 from app.image_chat_tab import build_image_chat_tab
 from app.segment_tab import build_segment_tab
-from pipeline.chat import ChatPipeline
 from pipeline.files import atomic_write
-from pipeline.image_chat import ImageChatPipeline
 from pipeline.models import cache_dir
-from pipeline.segment import SegmentPipeline
+from pipeline.tools import ToolHost
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples"
 
@@ -44,33 +42,52 @@ def browser_storage_secret() -> str:
     return path.read_text().strip()
 
 
-def build_app(chat: ChatPipeline, image_chat: ImageChatPipeline, segment: SegmentPipeline,
-              startup: list[str]) -> gr.Blocks:
-    """`startup`: what start-up chose and did (backends and why, engines built or loaded, with times)."""
+def tools_line(tools: ToolHost) -> str:
+    """One line per tool: what it is when loaded, else whether it is waiting for its first use."""
+    lines = []
+    for name, state in tools.status().items():
+        pipeline = tools.loaded(name)
+        lines.append(f"- **{name}**: {state}" + (f" · {pipeline.description}" if pipeline is not None else ""))
+    return "\n".join(lines)
+
+
+def build_app(tools: ToolHost, startup: list[str]) -> gr.Blocks:
+    """`startup`: what start-up chose and did (backends and why, engines built or loaded, with times);
+    it keeps growing as tools load on first use."""
     with gr.Blocks(title="AI Studio") as demo:
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
-        if chat.is_demo:
+        if tools.spec("chat").is_demo:
             gr.Markdown(DEMO_WARNING)
-        gr.Markdown(" · ".join([chat.description, image_chat.description, segment.description]))
+        banner = gr.Markdown(tools_line(tools), elem_id="tools-status")
         with gr.Accordion("Start-up: what runs where, and why", open=False):
-            gr.Markdown("\n".join(f"- {line}" for line in startup), elem_id="startup-report")
+            report = gr.Markdown("\n".join(f"- {line}" for line in startup), elem_id="startup-report")
         with gr.Tab("Chat"):
-            build_chat_tab(chat, demo, browser_storage_secret())
+            build_chat_tab(tools, demo, browser_storage_secret())
         with gr.Tab("Image chat"):
-            if image_chat.is_demo:
+            if tools.spec("image chat").is_demo:
                 gr.Markdown(MINIGPT4_DEMO_WARNING)
-            build_image_chat_tab(image_chat, example_images())
+            build_image_chat_tab(tools, example_images())
         with gr.Tab("Segment"):
-            if segment.is_demo:
+            if tools.spec("segment").is_demo:
                 gr.Markdown(SAM_DEMO_WARNING)
-            build_segment_tab(segment, example_images())
+            build_segment_tab(tools, example_images())
+
+        def refresh() -> tuple[str, str]:
+            return tools_line(tools), "\n".join(f"- {line}" for line in startup)
+
+        gr.Timer(3).tick(refresh, None, [banner, report], api_visibility="private", queue=False)
+        demo.load(refresh, None, [banner, report], api_visibility="private", queue=False)
 
         def engine_status() -> str:
-            """API: what the LLM engines are doing now, as JSON {"chat": {...}, "image_chat": {...}}
-            (requests running and queued, batch size, cache rows, decode steps so far), and "startup":
-            the start-up report's lines."""
-            return json.dumps({"chat": chat.llm.engine.status(), "image_chat": image_chat.llm.engine.status(),
-                               "startup": startup})
+            """API: JSON with what each LLM engine is doing now ("chat", "image_chat": requests running and
+            queued, batch size, cache rows, decode steps so far; {"loaded": false} while the tool is not
+            loaded), "tools": each tool's state and size, and "startup": the start-up report's lines."""
+            def llm_status(name: str) -> dict:
+                pipeline = tools.loaded(name)
+                return pipeline.llm.engine.status() if pipeline is not None else {"loaded": False}
+
+            return json.dumps({"chat": llm_status("chat"), "image_chat": llm_status("image chat"),
+                               "tools": tools.status(), "startup": startup})
 
         gr.api(engine_status, api_name="engine_status")
     return demo

@@ -8,11 +8,12 @@ the terminal while it builds, and reports one line per engine ("built in 4.1 s (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from torch import nn
@@ -52,11 +53,23 @@ class StartupReport:
     def __init__(self, echo: bool = True):
         self.lines: list[str] = []
         self.echo = echo
+        self._listeners: list[Callable[[str], None]] = []
 
     def say(self, line: str) -> None:
         self.lines.append(line)
         if self.echo:
             print(f"[studio] {line}", flush=True)
+        for listener in list(self._listeners):
+            listener(line)
+
+    @contextlib.contextmanager
+    def listening(self, listener: Callable[[str], None]) -> Iterator[None]:
+        """Also hand every line said inside the block to `listener` (a UI request waiting on a tool's load)."""
+        self._listeners.append(listener)
+        try:
+            yield
+        finally:
+            self._listeners.remove(listener)
 
 
 @dataclasses.dataclass

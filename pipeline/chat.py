@@ -17,6 +17,10 @@ class ChatPipeline:
         self.is_demo = is_demo
         self.description = llm.description
 
+    def close(self) -> None:
+        """Free the model (the tool is being unloaded)."""
+        self.llm.close()
+
     def stream(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
                session: str | None = None) -> Iterator[ChatEvent]:
         """Reply to `messages` (the last one the user's), streamed; see `LanguageModel.reply`.

@@ -100,7 +100,7 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
     if requested != "auto":
         return requested, "asked for"
     if device.type != "cuda" or free_bytes is None:
-        return "none", "the CPU runs float weights (quantized layers dequantize per call there)"
+        return "none", "auto on the CPU: quantized layers would dequantize at every call there"
     kv = KVCache.row_bytes(config, context + 1, dtype)
     for mode in MODES:
         need = weight_bytes(config, mode, dtype) + kv
@@ -140,7 +140,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
         free_bytes = torch.cuda.mem_get_info(target)[0]
     quant, quant_why = choose_quant(quant, config, dtype, target, free_bytes, context)
     if engines is not None and quant_why != "asked for":
-        engines.report.say(f"{model_id}: weights {quant} ({quant_why})")
+        engines.report.say(f"{model_id}: --quant {quant} ({quant_why})")
     if backend == "tensorrt":
         from engine_builder.trtllm.engine import load_trtllm_engine
 

@@ -29,19 +29,29 @@ IMAGE_CACHE = 16  # conversations' image embeddings kept (32 × 4096 floats each
 
 class ImageChatPipeline:
     def __init__(self, encoder: VisionEncoder, llm: LanguageModel, template: str = "vicuna_v0",
-                 is_demo: bool = False):
+                 is_demo: bool = False, owns_llm: bool = True):
+        """`owns_llm` False: the LLM is the chat tool's (the same weights), and stays when this closes."""
         width = llm.engine.hidden_size
         if encoder.config.llm_width != width:
             raise UserError(f"the MiniGPT-4 projection outputs {encoder.config.llm_width} features but the LLM "
                             f"is {width} wide: the checkpoint is for another LLM")
         self.encoder = encoder
         self.llm = llm
+        self.owns_llm = owns_llm
         self.format = MiniGPT4Format(llm.tokenizer, template, encoder.config.num_query_tokens)
         self.is_demo = is_demo
         self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.encoder_runs = 0
         self.description = f"MiniGPT-4 ({template}; vision: {encoder.name}) over {llm.description}"
+
+    def close(self) -> None:
+        """Free the vision engine, the cached image embeddings and (when it is ours) the LLM."""
+        with self._lock:
+            self.encoder = None
+            self._cache.clear()
+        if self.owns_llm:
+            self.llm.close()
 
     def preprocess(self, image: np.ndarray) -> torch.Tensor:
         """BLIP-2's evaluation transform: bicubic resize to the square input, CLIP mean/std."""

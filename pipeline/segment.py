@@ -68,6 +68,17 @@ class SegmentPipeline:
         self.description = (f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth} · {self.engine.name} · "
                             f"{self.engine.precision}")
 
+    def close(self) -> None:
+        """Free the SAM engine and the cached embeddings (the tool is being unloaded); a session that
+        still holds this pipeline moves to the reloaded one (`SegmentSession.rebind`)."""
+        with self._lock:
+            self.engine = None
+            self._cache.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self.engine is None
+
     def set_image(self, image: np.ndarray, stats: SegmentStats | None = None) -> ImageHandle:
         """Encode `image` (RGB uint8 [H, W, 3]) unless its embedding is cached; returns its handle."""
         handle = ImageHandle(content_key(image), image)

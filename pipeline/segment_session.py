@@ -44,6 +44,12 @@ class SegmentSession:
         self.chosen = 0  # index of the chosen candidate in `prediction`
         self._history: list[Prompts] = []  # the prompts before each step, for undo
 
+    def rebind(self, pipeline: SegmentPipeline) -> None:
+        """Continue on `pipeline` (the tool was unloaded and loaded again): the image is encoded there;
+        prompts, masks and the chosen candidate stay."""
+        self.handle = pipeline.set_image(self.handle.image, self.stats)
+        self.pipeline = pipeline
+
     @property
     def mask(self) -> np.ndarray | None:
         """The chosen candidate, bool at the shown size; None before the first prompt."""

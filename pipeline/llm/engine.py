@@ -281,10 +281,15 @@ class TorchLLMEngine:
                 "cache_rows": len(self._rows), "decode_steps": self.steps}
 
     def close(self) -> None:
+        """Stop the engine thread (queued and running requests end "cancelled") and let go of the model,
+        its cache and its graphs, so an unloaded tool's memory is freed."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._graphs.clear()
+            self.model = self.cache = self.rope = self.seen = self._pending = None
 
     # ---- the engine thread -------------------------------------------------------------------
 

@@ -32,6 +32,9 @@ class LanguageModel:
         self.tokenizer, self.engine, self.model_id = tokenizer, engine, model_id
         self.description = description
 
+    def close(self) -> None:
+        self.engine.close()
+
     @property
     def context(self) -> int:
         return self.engine.context

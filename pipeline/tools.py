@@ -1,0 +1,234 @@
+"""Tools loaded on first use and kept under a memory budget (`--gpu-memory`).
+
+Why: a 7B chat model, a 7B Vicuna, EVA ViT-g and SAM-H take about 33 GB in bf16, more than the
+8–24 GB cards most people have. So no tool loads before it is asked for (start-up loads only the
+chat), and before a tool loads, the least recently used *idle* tools are unloaded until its size
+fits the budget, each with a notice. A tool is idle when no request is using it (`using`); a tool
+that another needs (image chat over the chat's own LLM, when both name the same weights) is unloaded
+only together with it. A request for an unloaded tool loads it again, reporting progress to whoever
+asked.
+
+Sizes: the device memory a load allocated (on a GPU, the allocator's count; on the CPU, the bytes of
+live tensors), measured at each load; before a tool's first load, the size of its weight files on
+disk, which over-estimates down-cast or quantized weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from pipeline.errors import UserError
+
+Say = Callable[[str], None]
+GIB = 2**30
+BUDGET_MARGIN = 2 * GIB  # left free on a GPU by the default budget: the CUDA context, allocator slack
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (the CPU's stand-in for the GPU allocator's count)."""
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        # exact types: subclasses include the exporter's fake tensors, which have no storage
+        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def size_text(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB // 4 else f"{n / 2**20:.0f} MiB"
+
+
+def device_bytes(device: torch.device) -> Callable[[], int]:
+    """How to read the memory in use on `device`."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.memory_allocated(device)
+    return live_tensor_bytes
+
+
+def default_budget(device: torch.device) -> int | None:
+    """The whole card minus a margin on a GPU; no limit on the CPU."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory - BUDGET_MARGIN
+
+
+@dataclasses.dataclass
+class ToolSpec:
+    """How to load a tool: `load(say, free_bytes)` returns its pipeline (with a `close()`), telling
+    `say` (the requester) how it goes; `free_bytes` is what the budget leaves (None: no budget);
+    `estimate` is its expected size before it has ever loaded; `needs` are tools it uses (loaded first)."""
+
+    name: str
+    load: Callable[[Say, int | None], Any]
+    estimate: int
+    needs: tuple[str, ...] = ()
+    is_demo: bool = False
+
+
+@dataclasses.dataclass
+class _Slot:
+    spec: ToolSpec
+    pipeline: Any = None
+    size: int | None = None  # measured at its last load
+    busy: int = 0
+    last_used: float = 0.0
+    loads: int = 0
+
+
+class ToolHost:
+    def __init__(self, device: torch.device, budget: int | None, say: Say,
+                 measure: Callable[[], int] | None = None):
+        """`say` hears every load and unload (the terminal and the start-up report); `budget` None = no limit."""
+        self.device, self.budget, self.say = device, budget, say
+        self.measure = measure or device_bytes(device)
+        self._slots: dict[str, _Slot] = {}
+        self._lock = threading.RLock()
+
+    def add(self, spec: ToolSpec) -> None:
+        self._slots[spec.name] = _Slot(spec)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._slots)
+
+    def spec(self, name: str) -> ToolSpec:
+        return self._slots[name].spec
+
+    def loaded(self, name: str) -> Any | None:
+        """The tool's pipeline if it is loaded now, else None (never loads)."""
+        return self._slots[name].pipeline
+
+    def loads(self, name: str) -> int:
+        """How many times the tool has been loaded (reloads after an unload included)."""
+        return self._slots[name].loads
+
+    @contextlib.contextmanager
+    def using(self, name: str, say: Say | None = None) -> Iterator[Any]:
+        """The tool's pipeline, loaded if needed (progress to `say` too); the tool, and the tools it
+        needs, count as busy until the block ends, so they are not unloaded under a request."""
+        with self._lock:
+            pipeline = self._ensure(name, say)
+            names = self._with_needs(name)
+            for n in names:
+                self._slots[n].busy += 1
+                self._slots[n].last_used = time.monotonic()
+        try:
+            yield pipeline
+        finally:
+            with self._lock:
+                for n in names:
+                    self._slots[n].busy -= 1
+                    self._slots[n].last_used = time.monotonic()
+
+    def load(self, name: str, say: Say | None = None) -> Any:
+        """Load `name` now (start-up, `--preload`), without holding it busy."""
+        with self._lock:
+            return self._ensure(name, say)
+
+    def unload(self, name: str, why: str) -> None:
+        """Unload `name` and the loaded tools that need it (all must be idle)."""
+        with self._lock:
+            for n in self._dependents(name) + [name]:
+                slot = self._slots[n]
+                if slot.pipeline is None:
+                    continue
+                if slot.busy:
+                    raise UserError(f"{n} is in use")
+                slot.pipeline.close()
+                slot.pipeline = None
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                self.say(f"unloaded {n} ({size_text(slot.size)}) {why}")
+
+    def status(self) -> dict[str, str]:
+        """Per tool: "ready (X GiB)", "in use", or "not loaded" (for the UI and /engine_status)."""
+        out = {}
+        for name, slot in self._slots.items():
+            if slot.pipeline is None:
+                out[name] = "not loaded" + (" (unloaded; loads again when used)" if slot.loads else "")
+            else:
+                out[name] = ("in use" if slot.busy else "ready") + f" ({size_text(slot.size)})"
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self._slots.values():
+                if slot.pipeline is not None:
+                    slot.pipeline.close()
+                    slot.pipeline = None
+
+    # ---- inside the lock ----------------------------------------------------------------------
+
+    def _with_needs(self, name: str) -> list[str]:
+        names = [name]
+        for need in self._slots[name].spec.needs:
+            names += self._with_needs(need)
+        return names
+
+    def _dependents(self, name: str) -> list[str]:
+        return [n for n, s in self._slots.items() if name in self._with_needs(n)[1:] and s.pipeline is not None]
+
+    def _in_use(self) -> int:
+        return sum(s.size or 0 for s in self._slots.values() if s.pipeline is not None)
+
+    def _ensure(self, name: str, say: Say | None) -> Any:
+        slot = self._slots[name]
+        if slot.pipeline is not None:
+            return slot.pipeline
+        for need in slot.spec.needs:
+            self._ensure(need, say)
+
+        def tell(line: str) -> None:
+            self.say(line)
+            if say is not None:
+                say(line)
+
+        expected = slot.size if slot.size is not None else slot.spec.estimate
+        self._make_room(name, expected, tell)
+        tell(f"loading {name}" + (" again" if slot.loads else "") + "…")
+        free = None if self.budget is None else self.budget - self._in_use()
+        before, start = self.measure(), time.perf_counter()
+        try:
+            slot.pipeline = slot.spec.load(say or (lambda line: None), free)
+        except torch.OutOfMemoryError:
+            gc.collect()
+            raise UserError(f"the GPU ran out of memory loading {name}: lower --gpu-memory's other tools' share "
+                            f"(--quant int4), or use the tools one at a time") from None
+        slot.size = max(self.measure() - before, 0)
+        slot.loads += 1
+        slot.last_used = time.monotonic()
+        tell(f"{name} ready in {time.perf_counter() - start:.1f} s ({size_text(slot.size)})")
+        if self.budget is not None and self._in_use() > self.budget:
+            self._make_room(name, 0, tell)
+        return slot.pipeline
+
+    def _make_room(self, name: str, needed: int, tell: Say) -> None:
+        """Unload least recently used idle tools until `needed` more bytes fit the budget."""
+        if self.budget is None:
+            return
+        keep = set(self._with_needs(name))
+        while self._in_use() + needed > self.budget:
+            idle = [(s.last_used, n) for n, s in self._slots.items()
+                    if s.pipeline is not None and n not in keep and not s.busy
+                    and not any(self._slots[d].busy for d in self._dependents(n))]
+            if not idle:
+                held = ", ".join(f"{n} {size_text(s.size)}" + (" in use" if s.busy else "")
+                                 for n, s in self._slots.items() if s.pipeline is not None)
+                if self._slots[name].pipeline is not None:  # loaded, and over: say so, keep serving
+                    tell(f"over the {size_text(self.budget)} budget ({held}): nothing idle to unload")
+                    return
+                raise UserError(f"{name} needs about {size_text(needed)} but the {size_text(self.budget)} "
+                                f"GPU budget is held by tools in use ({held}); try again when they finish, "
+                                f"or raise --gpu-memory")
+            _, victim = min(idle)
+            self.unload(victim, f"to make room for {name} under the {size_text(self.budget)} budget")

@@ -1,0 +1,143 @@
+"""Tools on demand under a memory budget: the least recently used idle tool is unloaded to make room,
+a busy one never is, and a request for an unloaded tool loads it again. Sizes are measured for real
+(on the CPU: the bytes of live tensors)."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import launch
+from engine_builder.build import StartupReport
+from pipeline.errors import UserError
+from pipeline.llm.sampling import SamplingParams
+from pipeline.tools import ToolHost, ToolSpec
+
+MIB = 2**20
+
+
+class Holder:
+    """A tool that holds `mib` MiB of tensors until closed."""
+
+    def __init__(self, mib: int):
+        self.weights = torch.zeros(mib * MIB, dtype=torch.uint8)
+        self.closed = False
+
+    def close(self):
+        self.weights, self.closed = None, True
+
+
+def host_with(sizes: dict[str, int], budget_mib: int, needs: dict[str, tuple] | None = None):
+    lines: list[str] = []
+    host = ToolHost(torch.device("cpu"), budget_mib * MIB, lines.append)
+    for name, mib in sizes.items():
+        host.add(ToolSpec(name, lambda say, free, mib=mib: Holder(mib), estimate=mib * MIB,
+                          needs=(needs or {}).get(name, ())))
+    return host, lines
+
+
+def test_the_least_recently_used_idle_tool_is_unloaded_and_reloads_on_demand():
+    host, lines = host_with({"chat": 64, "image chat": 48, "segment": 32}, budget_mib=130)
+    with host.using("chat"):
+        pass
+    with host.using("segment"):
+        pass
+    chat = host.loaded("chat")
+    with host.using("chat"):  # chat is now the more recently used of the two
+        pass
+    with host.using("image chat") as image_chat:  # 64 + 32 + 48 > 130: segment (idle, least recent) goes
+        assert isinstance(image_chat, Holder)
+    assert host.loaded("segment") is None and host.loaded("chat") is chat
+    assert any(line.startswith("unloaded segment (32 MiB) to make room for image chat under the") for line in lines)
+    assert 63 * MIB < host._slots["chat"].size < 66 * MIB  # measured, not the estimate
+    assert host.status()["segment"] == "not loaded (unloaded; loads again when used)"
+
+    with host.using("segment") as segment:  # reloaded on demand; now chat is the least recent
+        assert isinstance(segment, Holder) and host.loads("segment") == 2
+    assert host.loaded("chat") is None and chat.closed
+    assert host.loaded("image chat") is not None
+
+
+def test_a_busy_tool_is_never_unloaded_and_a_full_budget_says_why():
+    host, lines = host_with({"chat": 64, "image chat": 48, "segment": 32}, budget_mib=120)
+    in_use = threading.Event()
+    with host.using("chat"):
+        with host.using("segment"):
+            pass
+        with host.using("image chat"):  # segment is idle: it goes; chat is busy: it stays
+            in_use.set()
+            assert host.loaded("chat") is not None and host.loaded("segment") is None
+            with pytest.raises(UserError, match=r"segment needs about 32 MiB but the 120 MiB GPU budget is held "
+                                                r"by tools in use \(chat 64 MiB in use, image chat 48 MiB in use\)"):
+                with host.using("segment"):
+                    pass
+    assert in_use.is_set()
+
+
+def test_a_tool_that_needs_another_goes_with_it():
+    host, lines = host_with({"chat": 64, "image chat": 16, "segment": 40}, budget_mib=100,
+                            needs={"image chat": ("chat",)})
+    with host.using("image chat"):
+        assert host.loaded("chat") is not None  # loaded first
+    with host.using("segment"):  # 64 + 16 + 40 > 100: chat is least recent, and image chat needs it
+        pass
+    assert host.loaded("chat") is None and host.loaded("image chat") is None
+    assert [line.split(" (")[0] for line in lines if line.startswith("unloaded")] == ["unloaded image chat",
+                                                                                      "unloaded chat"]
+
+
+def test_the_real_tools_load_on_first_use_and_make_room_for_each_other(studio_cache, monkeypatch):
+    """The app's own loaders (demo models): start-up loads chat only; with a budget that holds two of the
+    three tools, using the third unloads the least recently used, which reloads and answers again."""
+    monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
+    args = launch.parse_args(["--device", "cpu"])
+    plan = launch.make_plan(args)
+    engines = launch.engine_options(args, echo=False)
+    host = ToolHost(torch.device("cpu"), None, engines.report.say)
+    for spec in launch.tool_specs(args, plan, engines, host):
+        host.add(spec)
+    host.load("chat")
+    assert host.status()["image chat"] == "not loaded" and host.status()["segment"] == "not loaded"
+    progress: list[str] = []
+    with host.using("segment", progress.append) as segment:
+        segment.set_image(np.zeros((32, 48, 3), dtype=np.uint8))
+    assert any(line.startswith("segment: SAM") for line in progress)  # the requester heard the load
+    with host.using("image chat"):
+        pass
+    sizes = {name: host._slots[name].size for name in host.names}
+    assert all(sizes.values()), sizes
+    host.budget = sizes["chat"] + sizes["image chat"] + sizes["segment"] // 2  # room for two of the three
+    try:
+        with host.using("chat") as chat:  # the most recent: segment is the least recently used
+            reply = "".join(e.text for e in chat.stream([{"role": "user", "content": "hi"}],
+                                                        SamplingParams(max_new_tokens=3, temperature=0)))
+        with host.using("image chat"):
+            pass
+        with host.using("segment") as segment:  # already loaded: nothing moves
+            pass
+        with host.using("chat"):
+            pass
+        # loading nothing new unloads nothing, even over budget; a reload of an unloaded tool makes room
+        host.unload("segment", "for the test")
+        with host.using("segment") as segment:
+            assert not segment.closed and host.loads("segment") == 2
+        assert host.loaded("image chat") is None, host.status()  # the least recently used went
+        assert any(line.startswith("unloaded image chat") for line in engines.report.lines)
+        with host.using("chat") as chat:
+            again = "".join(e.text for e in chat.stream([{"role": "user", "content": "hi"}],
+                                                        SamplingParams(max_new_tokens=3, temperature=0)))
+        assert again == reply
+        with host.using("image chat") as image_chat:  # reloaded on demand
+            assert host.loads("image chat") == 2 and image_chat.encoder is not None
+    finally:
+        host.close()
+
+
+def test_startup_report_listeners_hear_lines_only_inside_their_block():
+    report, heard = StartupReport(echo=False), []
+    report.say("before")
+    with report.listening(heard.append):
+        report.say("during")
+    report.say("after")
+    assert heard == ["during"] and report.lines == ["before", "during", "after"]
