@@ -102,6 +102,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         if tool != "chat":
             backends[f"{tool} vision" if tool == "image chat" else tool] = choose_vision_backend(requested, device)
     notes += [f"{part}: {choice.backend} ({choice.why})" for part, choice in backends.items()]
+    notes.append(f"LLM weights: --quant {args.quant}" + (
+        " (at load: float where the weights fit the free memory, else int8, else int4)" if args.quant == "auto" else ""))
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise UserError(f"--gpu-memory {args.gpu_memory}: give the GiB the tools may use, e.g. --gpu-memory 20")
     if args.model == "auto" and args.weights is None:
         model_id, why = auto_model(device.startswith("cuda"))
         notes.append(f"model {model_id}: {why}")

@@ -117,8 +117,17 @@ def test_bad_prompts_are_explained(seg, photo, kwargs, message):
 
 def test_overlay_and_png(seg, photo):
     result = seg.predict(seg.set_image(photo), [[100, 200]], [1])
-    overlay = render_overlay(photo, result.masks[0], [[100, 200]], [1], box=[10, 10, 50, 50])
+    overlay = render_overlay(photo, result.masks[0], [[100, 200], [700, 500]], [1, 0], box=[10, 10, 50, 50])
     assert overlay.shape == photo.shape and overlay.dtype == np.uint8
+    assert overlay[200, 100].tolist() == [0, 200, 70] and overlay[500, 700].tolist() == [230, 40, 40]  # the points
+    assert overlay[10, 30].tolist() == [255, 200, 0] and overlay[30, 10].tolist() == [255, 200, 0]  # the box
+    inside, outside = result.masks[0].copy(), ~result.masks[0]
+    for y, x in ((200, 100), (500, 700)):
+        inside[y - 12:y + 13, x - 12:x + 13] = outside[y - 12:y + 13, x - 12:x + 13] = False
+    inside[:60, :60] = outside[:60, :60] = False
+    assert np.array_equal(overlay[outside], photo[outside])  # untouched away from mask and marks
+    tinted = (photo[inside] * 0.45 + np.array([30, 144, 255]) * 0.55).astype(np.uint8)
+    assert np.abs(overlay[inside].astype(int) - tinted).max() <= 1
     png = Image.open(io.BytesIO(mask_png(result.masks[0])))
     assert png.size == (800, 600) and set(np.unique(np.asarray(png))) <= {0, 255}
 
