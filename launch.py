@@ -1,5 +1,7 @@
 """Start AI Studio: pick backend, device and model, load, warm up, serve on 127.0.0.1.
 
+    python launch.py chat                  # the terminal chat (same model flags), no browser
+
     python launch.py                       # auto: real weights on a GPU if cached, else the demo model
     python launch.py --check               # say what would run where, and why, then exit
     python launch.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 from pipeline.errors import UserError
@@ -70,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the least recently used idle tool is unloaded to make room, and reloads when used")
     p.add_argument("--preload", action="store_true", help="load every tool at start-up instead of on first use")
     p.add_argument("--share", action="store_true", help="also serve through a public Gradio link")
+    p.add_argument("--api-key", help="key the OpenAI-compatible API (/v1) asks for (default: none on 127.0.0.1, a "
+                                     "random one, printed, when served elsewhere)")
+    p.add_argument("--allow-file-urls", action="store_true",
+                   help="let API requests name images as file:// URLs on this machine")
+    p.add_argument("--max-upload", default="50mb", help="largest file a browser may upload (default 50mb)")
+    p.add_argument("--no-browser", action="store_true", help="do not open the browser on the app")
     p.add_argument("--auth", help="user:password required to open the app")
     p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
     return p.parse_args(argv)
@@ -265,23 +274,65 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
                      is_demo=plan.sam == SAM_DEMO)]
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -> int:
+    """The UI and the OpenAI-compatible API on one port; one ready line; the browser opened when run
+    from a terminal; Ctrl+C shuts down cleanly (engines stopped, caches untouched)."""
+    import secrets
+    import webbrowser
+
+    from app.openai_api import mount
+    from app.ui import build_app
+
+    auth = None
+    if args.auth is not None:
+        user, _, password = args.auth.partition(":")
+        if not user or not password:
+            raise UserError("--auth must look like user:password, both non-empty")
+        auth = (user, password)
+    api_key = args.api_key
+    if api_key is None and args.host not in LOOPBACK:
+        api_key = secrets.token_urlsafe(24)
+        print(f"[studio] the API is reachable from other machines: its key is {api_key} "
+              f"(Authorization: Bearer …; set your own with --api-key)", flush=True)
+    app = build_app(host, startup).queue(default_concurrency_limit=1)
+    server, local_url, share_url = app.launch(server_name=args.host, server_port=args.port, share=args.share,
+                                              auth=auth, show_error=True, prevent_thread_lock=True, quiet=True,
+                                              max_file_size=args.max_upload)
+    mount(server, host, chat_model, api_key, args.allow_file_urls)
+    url = share_url or local_url
+    print(f"[studio] ready: {url} (OpenAI-compatible API at {local_url.rstrip('/')}/v1) · Ctrl+C to stop", flush=True)
+    if not args.no_browser and sys.stdout.isatty():
+        webbrowser.open(url)
+    try:
+        while app.is_running:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        print("\n[studio] shutting down…", flush=True)
+    finally:
+        app.close()
+        host.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    terminal = bool(argv) and argv[0] == "chat"
+    args = parse_args(argv[1:] if terminal else argv)
     try:
         plan = make_plan(args)
         if args.check:
             print("\n".join([f"AI Studio would run {plan.model_id} on {plan.device}/{plan.dtype}"]
                             + [f"  - {n}" for n in plan.notes + check_engines(args, plan)]))
             return 0
-        auth = tuple(args.auth.split(":", 1)) if args.auth else None
-        if args.auth and len(auth) != 2:
-            raise UserError("--auth must look like user:password")
         import torch
 
-        from app.ui import build_app
         from pipeline.tools import GIB, ToolHost, default_budget
 
-        engines = engine_options(args)
+        engines = engine_options(args, echo=not terminal)
+        say = engines.report.say if not terminal else (lambda line: print(f"[studio] {line}", file=sys.stderr))
         for note in plan.notes:
             engines.report.say(note)
         # The engine threads and the request threads hand the GIL around constantly; Python's default
@@ -290,23 +341,30 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device(plan.device)
         budget = int(args.gpu_memory * GIB) if args.gpu_memory else default_budget(device)
         host = ToolHost(device, budget, engines.report.say)
-        engines.report.say("memory budget: " + (f"{budget / GIB:.1f} GiB (--gpu-memory); tools load on first use "
-                                                 "and the least recently used idle one is unloaded to make room"
+        engines.report.say("memory budget: " + (f"{budget / GIB:.1f} GiB; tools load on first use and the least "
+                                                 "recently used idle one is unloaded to make room"
                                                  if budget else "none on the CPU; tools load on first use"))
         for spec in tool_specs(args, plan, engines, host):
             host.add(spec)
+        if terminal:
+            from app.cli import TerminalChat, run
+
+            host.load("chat", say)
+            try:
+                return run(TerminalChat(host))
+            finally:
+                host.close()
         for name in (TOOLS if args.preload or args.build_engines else ("chat",)):
             host.load(name)
         if args.build_engines:
+            host.close()
             return 0
-        app = build_app(host, engines.report.lines)
-        app.queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port,
-                                                      share=args.share, auth=auth, show_error=True)
-        return 0
+        return serve(args, host, engines.report.lines, plan.model_id)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("\n[studio] stopped", file=sys.stderr)
         return 130
 
 

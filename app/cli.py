@@ -1,0 +1,136 @@
+"""The terminal chat: `python launch.py chat [model flags]` or `python -m app.cli [model flags]`.
+
+The same models, flags, loaders and engines as the app, without a browser: replies stream to
+stdout; `/image PATH` talks about a picture (image chat) until `/reset`; start-up and load progress
+go to stderr, so stdout holds only the conversation.
+
+Commands: /reset (a new conversation) · /system TEXT (the system prompt; a new conversation) ·
+/image PATH · /exit (or end of input). Ctrl+C stops a reply (keeping what was said); at the prompt it exits.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+
+from pipeline.errors import UserError
+from pipeline.llm.language_model import ChatEvent
+from pipeline.llm.sampling import SamplingParams
+
+HELP = "commands: /reset · /system TEXT · /image PATH · /exit"
+
+
+class TerminalChat:
+    """One conversation's state and the command handling; `tools` is the app's `ToolHost`."""
+
+    def __init__(self, tools, system: str = "You are a helpful assistant.", params: SamplingParams | None = None):
+        self.tools, self.system, self.params = tools, system, params or SamplingParams()
+        self.history: list[dict] = []
+        self.image = None  # the decoded picture of an image conversation
+        self.session = "cli"
+        self.cancel = threading.Event()
+
+    def reset(self) -> None:
+        self.history, self.image = [], None
+        self.session = f"cli-{id(self.history)}"
+
+    def command(self, line: str) -> str | None:
+        """Handle a /command; the line to show, or None for /exit."""
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        if name == "/exit":
+            return None
+        if name == "/reset":
+            self.reset()
+            return "(new conversation)"
+        if name == "/system":
+            if not arg:
+                return f"(system prompt: {self.system!r}; /system TEXT changes it)"
+            self.system = arg
+            self.reset()
+            return "(system prompt set; new conversation)"
+        if name == "/image":
+            from pipeline.images import load_image
+
+            if not arg:
+                raise UserError("/image needs a path: /image photo.jpg")
+            image = load_image(arg)
+            self.reset()
+            self.image = image
+            return f"(talking about {arg}, {image.shape[1]}×{image.shape[0]}; /reset to go back to plain chat)"
+        return f"(unknown command {name}; {HELP})"
+
+    def reply(self, message: str) -> Iterator[ChatEvent]:
+        """Stream the answer to `message`; the turn joins the history once it ends (stopped ones too)."""
+        self.cancel = threading.Event()
+        turn = self.history + [{"role": "user", "content": message}]
+        answer = ""
+        if self.image is not None:
+            with self.tools.using("image chat", _status) as pipeline:
+                events = pipeline.stream(self.image, turn, self.params, self.cancel, self.session)
+                for event in events:
+                    answer += event.text
+                    yield event
+        else:
+            system = [{"role": "system", "content": self.system}] if self.system else []
+            with self.tools.using("chat", _status) as pipeline:
+                for event in pipeline.stream(system + turn, self.params, self.cancel, self.session):
+                    answer += event.text
+                    yield event
+        self.history = turn + [{"role": "assistant", "content": answer}]
+
+
+def _status(line: str) -> None:
+    print(f"[studio] {line}", file=sys.stderr, flush=True)
+
+
+def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
+    """The read–reply loop over `stdin`; returns the exit code."""
+    interactive = stdin.isatty()
+    print(f"AI Studio terminal chat · {HELP}", file=sys.stderr, flush=True)
+    while True:
+        if interactive:
+            print("\n> ", end="", file=stdout, flush=True)
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            return 0
+        if not line:  # end of input
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            if line.startswith("/"):
+                said = chat.command(line)
+                if said is None:
+                    return 0
+                print(said, file=stdout, flush=True)
+                continue
+            try:
+                for event in chat.reply(line):
+                    if event.notice:
+                        print(f"\n[{event.notice}]", file=sys.stderr, flush=True)
+                    print(event.text, end="", file=stdout, flush=True)
+                    if event.stats is not None:
+                        s = event.stats
+                        print(f"\n({s.new_tokens} tokens · {s.tokens_per_s:.1f} tok/s · first token "
+                              f"{s.time_to_first_token_s * 1000:.0f} ms · prompt {s.prompt_tokens} tokens · "
+                              f"ended: {s.finish_reason})", file=sys.stderr, flush=True)
+            except KeyboardInterrupt:  # Ctrl+C stops the reply, not the program
+                chat.cancel.set()
+                print("\n(stopped)", file=sys.stderr, flush=True)
+            print(file=stdout, flush=True)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import launch
+
+    return launch.main(["chat", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""The OpenAI-compatible HTTP API (`/v1`), served beside the UI by the same process and port.
+
+Scripts and other apps speak this protocol (Ollama, LM Studio, vLLM and TensorRT-LLM's server all
+offer it). Requests go through the same tools and engines as the browser, so API and UI users share
+the GPU's batch fairly. A request whose last user message carries an `image_url` part goes to image
+chat; everything else to chat. Errors come in OpenAI's shape with the right status and the parameter
+named; a client that disconnects mid-stream cancels its generation at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import json
+import queue
+import secrets
+import threading
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pipeline.errors import UserError
+from pipeline.images import load_image
+from pipeline.llm.language_model import ChatEvent
+from pipeline.llm.sampling import SamplingParams
+from pipeline.tools import ToolHost
+
+IMAGE_MODEL = "minigpt4"
+MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not
+DEFAULTS = SamplingParams()  # the UI's defaults, where a request leaves a parameter out
+
+
+class ApiError(Exception):
+    """An error in OpenAI's shape: HTTP `status`, a message, its type, and the parameter it is about."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
+                                       "code": self.code}}, status_code=self.status)
+
+
+@dataclasses.dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]  # {"role", "content": text}
+    image: bytes | None  # the image of an image-chat request (encoded file bytes)
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be a number from {lo} to {hi}, got {value!r}", name)
+    return float(value)
+
+
+def _whole(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ApiError(400, f"{name} must be a whole number from {lo} to {hi}, got {value!r}", name)
+    return value
+
+
+def _image_bytes(url: object, allow_files: bool) -> bytes:
+    """The bytes behind an `image_url`: a base64 data URL, or a local file URL where allowed."""
+    if not isinstance(url, str):
+        raise ApiError(400, "image_url.url must be a string (a data: URL)", "messages")
+    if url.startswith("data:"):
+        header, _, data = url.partition(",")
+        if ";base64" not in header or not data:
+            raise ApiError(400, "image_url must be a base64 data URL (data:image/png;base64,...)", "messages")
+        try:
+            return base64.b64decode(data, validate=True)
+        except ValueError:
+            raise ApiError(400, "image_url's data URL is not valid base64", "messages") from None
+    if url.startswith("file://"):
+        if not allow_files:
+            raise ApiError(400, "file:// image URLs are off: start the app with --allow-file-urls, or send a "
+                                "data: URL", "messages")
+        path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+        if not path.is_file():
+            raise ApiError(400, f"image file {path} does not exist", "messages")
+        return path.read_bytes()
+    raise ApiError(400, "image_url must be a data: URL (this server fetches nothing from the network)", "messages")
+
+
+def _messages(raw: object, allow_files: bool) -> tuple[list[dict], bytes | None]:
+    if not isinstance(raw, list) or not raw:
+        raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+    messages, image = [], None
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
+            raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", "messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            text = content
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text" and isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                elif kind == "image_url" and m["role"] == "user":
+                    image = _image_bytes((part.get("image_url") or {}).get("url"), allow_files)
+                else:
+                    raise ApiError(400, f"messages[{i}] has a content part this server does not take: "
+                                        f"{str(part)[:80]}", "messages")
+            text = "".join(parts)
+        else:
+            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", "messages")
+        messages.append({"role": m["role"], "content": text})
+    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        raise ApiError(400, "the last message must be the user's, with text", "messages")
+    return messages, image
+
+
+def parse_request(body: object, models: list[str], allow_files: bool) -> ChatRequest:
+    """A validated chat request, or `ApiError` naming what is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or model not in models:
+        raise ApiError(404, f"model {model!r} does not exist here: use one of {', '.join(models)}", "model",
+                       "model_not_found")
+    if _whole(body, "n", 1, 1, 1) != 1:
+        raise ApiError(400, "n must be 1", "n")
+    messages, image = _messages(body.get("messages"), allow_files)
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
+    seed = _whole(body, "seed", None, 0, 2**63 - 1)
+    params = SamplingParams(max_new_tokens=_whole(body, max_name, DEFAULTS.max_new_tokens, 1, 32768),
+                            temperature=_number(body, "temperature", DEFAULTS.temperature, 0, 2),
+                            top_p=_number(body, "top_p", DEFAULTS.top_p, 1e-6, 1),
+                            top_k=_whole(body, "top_k", DEFAULTS.top_k, 0, 100000),
+                            repetition_penalty=_number(body, "repetition_penalty", DEFAULTS.repetition_penalty, 0.5, 3),
+                            seed=seed)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if image is not None and model != IMAGE_MODEL:
+        model = IMAGE_MODEL  # an image routes the request to image chat
+    return ChatRequest(model, messages, image, params, stop, stream,
+                       bool(isinstance(options, dict) and options.get("include_usage")))
+
+
+def _events(tools: ToolHost, req: ChatRequest, cancel: threading.Event, session: str) -> Iterator[ChatEvent]:
+    """The reply's events from the right tool, held busy while it runs."""
+    if req.image is not None:
+        pixels = load_image(req.image)
+        with tools.using("image chat") as pipeline:
+            messages = [m for m in req.messages if m["role"] != "system"]
+            yield from pipeline.stream(pixels, messages, req.params, cancel, session)
+    else:
+        with tools.using("chat") as pipeline:
+            yield from pipeline.stream(req.messages, req.params, cancel, session)
+
+
+class Reply:
+    """One request's reply produced on a worker thread; the HTTP side reads `pieces` and can cancel."""
+
+    def __init__(self, tools: ToolHost, req: ChatRequest):
+        self.req, self.cancel = req, threading.Event()
+        self.pieces: queue.SimpleQueue = queue.SimpleQueue()  # str, then ("end", stats or exception)
+        self.text = ""
+        self.stats = None
+        threading.Thread(target=self._run, args=(tools,), daemon=True, name="openai-reply").start()
+
+    def _run(self, tools: ToolHost) -> None:
+        try:
+            for event in _events(tools, self.req, self.cancel, f"api:{secrets.token_hex(8)}"):
+                piece = event.text
+                if piece:
+                    piece = self._cut_at_stop(piece)
+                    if piece:
+                        self.pieces.put(piece)
+                if event.stats is not None:
+                    self.stats = event.stats
+                if self.cancel.is_set() and self.stats is None:
+                    continue
+            self.pieces.put(("end", None))
+        except BaseException as e:  # noqa: BLE001 - handed to the HTTP side
+            self.pieces.put(("end", e))
+
+    def _cut_at_stop(self, piece: str) -> str:
+        """The part of `piece` before a client stop string (the reply is then cancelled)."""
+        if self.cancel.is_set():
+            return ""
+        before = len(self.text)
+        self.text += piece
+        hits = [i for i in (self.text.find(s, max(0, before - len(s) + 1)) for s in self.req.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+            self.cancel.set()
+            return self.text[before:]
+        return piece
+
+    stopped = False
+
+    def finish_reason(self) -> str:
+        if self.stopped or self.stats is None:
+            return "stop"
+        return "length" if self.stats.finish_reason in ("length", "context") else "stop"
+
+    def usage(self) -> dict:
+        prompt = self.stats.prompt_tokens if self.stats else 0
+        completion = self.stats.new_tokens if self.stats else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _user_error(e: BaseException) -> ApiError:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, UserError):
+        return ApiError(400, str(e))
+    return ApiError(500, f"the server failed: {type(e).__name__}")
+
+
+async def _next(reply: Reply, request: Request):
+    """The reply's next piece, cancelling it if the client has gone."""
+    while True:
+        try:
+            return reply.pieces.get_nowait()
+        except queue.Empty:
+            if await request.is_disconnected():
+                reply.cancel.set()
+                return ("end", None)
+            await asyncio.sleep(0.005)
+
+
+def build_router(tools: ToolHost, chat_model: str, api_key: str | None, allow_files: bool) -> APIRouter:
+    """`/v1/models` and `/v1/chat/completions`; `api_key` None: no key asked for (loopback only)."""
+    router = APIRouter(prefix="/v1")
+    models = [chat_model, IMAGE_MODEL]
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(given.encode(), api_key.encode()):
+            raise ApiError(401, "a valid API key is required: send Authorization: Bearer KEY", code="invalid_api_key")
+
+    @router.get("/models")
+    async def list_models(request: Request):
+        try:
+            check_key(request)
+        except ApiError as e:
+            return e.response()
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "ai-studio"}
+                                           for m in models]}
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        try:
+            check_key(request)
+            raw = await request.body()
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request is {len(raw) >> 20} MiB; the limit is {MAX_BODY_BYTES >> 20} MiB")
+            try:
+                body = json.loads(raw)
+            except ValueError as e:
+                raise ApiError(400, f"the body is not valid JSON: {e}") from None
+            req = parse_request(body, models, allow_files)
+            if req.image is not None:
+                try:
+                    load_image(req.image)  # a broken image is a 400 now, not a failed stream later
+                except UserError as e:
+                    raise ApiError(400, f"the image_url image: {e}", "messages") from None
+        except (ApiError, UserError) as e:
+            return _user_error(e).response()
+        reply = Reply(tools, req)
+        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        if req.stream:
+            return StreamingResponse(_sse(reply, request, ident, created), media_type="text/event-stream")
+        parts = []
+        while True:
+            item = await _next(reply, request)
+            if isinstance(item, tuple):
+                if item[1] is not None:
+                    return _user_error(item[1]).response()
+                break
+            parts.append(item)
+        return {"id": ident, "object": "chat.completion", "created": created, "model": req.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
+                             "finish_reason": reply.finish_reason()}], "usage": reply.usage()}
+
+    return router
+
+
+async def _sse(reply: Reply, request: Request, ident: str, created: int) -> AsyncIterator[str]:
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": reply.req.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            item = await _next(reply, request)
+            if isinstance(item, tuple):
+                if item[1] is not None:
+                    error = _user_error(item[1])
+                    yield f"data: {json.dumps({'error': {'message': error.message, 'type': 'server_error'}})}\n\n"
+                    return
+                break
+            yield chunk({"content": item})
+        yield chunk({}, reply.finish_reason())
+        if reply.req.include_usage:
+            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": reply.req.model,
+                    "choices": [], "usage": reply.usage()}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or the stream ended): the engine drops the request
+        reply.cancel.set()
+
+
+def mount(app: FastAPI, tools: ToolHost, chat_model: str, api_key: str | None, allow_files: bool) -> None:
+    app.include_router(build_router(tools, chat_model, api_key, allow_files))

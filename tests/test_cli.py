@@ -1,0 +1,40 @@
+"""The terminal chat, driven over stdin as a user (or a script) types into it."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_terminal_chat_two_turns_system_image_reset_and_exit(studio_cache):
+    typed = "\n".join(["Hello there", "How are you?", "/system Answer in one word.", "And now?",
+                       "/image assets/examples/shapes.jpg", "What is in the picture?", "/reset", "Hi again",
+                       "/exit", "never read"]) + "\n"
+    env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--context", "2048"], input=typed, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    prompts = [int(n) for n in re.findall(r"prompt (\d+) tokens · ended", done.stderr)]
+    assert len(prompts) == 5, done.stderr[-3000:]  # five replies: two turns, one after /system, image, after /reset
+    first, second, after_system, image, after_reset = prompts
+    assert second > first + 3  # the second turn carries the first (history)
+    assert after_system < second  # /system starts a new conversation
+    assert image > 32  # MiniGPT-4's 32 image positions are in the prompt
+    assert after_reset < image
+    assert "(new conversation)" in done.stdout and "(talking about assets/examples/shapes.jpg" in done.stdout
+    assert "never read" not in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_terminal_chat_explains_a_bad_image_and_carries_on(studio_cache):
+    typed = "/image /no/such/file.png\n/image\n/frobnicate\nHello\n"
+    env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
+    done = subprocess.run([sys.executable, "-m", "app.cli", "--context", "2048"], input=typed, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "error: " in done.stderr and "/image needs a path" in done.stderr
+    assert "unknown command /frobnicate" in done.stdout
+    assert "ended:" in done.stderr  # the chat still answered

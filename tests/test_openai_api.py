@@ -1,0 +1,163 @@
+"""The OpenAI-compatible API, driven by the official `openai` client against the running app (demo models)."""
+
+import base64
+import os
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from gradio_client import Client
+
+from app.openai_api import build_router
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = "demo/qwen-v1-tiny"
+
+
+@pytest.fixture(scope="module")
+def api(running_app):
+    url, _, _ = running_app
+    return openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0, timeout=120), url
+
+
+def engine_status(url: str) -> dict:
+    return json.loads(Client(url, verbose=False).predict(api_name="/engine_status"))
+
+
+def image_url(name: str = "shapes.jpg") -> str:
+    return "data:image/jpeg;base64," + base64.b64encode((ROOT / "assets/examples" / name).read_bytes()).decode()
+
+
+def test_models_are_listed(api):
+    client, _ = api
+    assert [m.id for m in client.models.list()] == [CHAT, "minigpt4"]
+
+
+def test_a_chat_completion_streams_with_usage(api):
+    client, _ = api
+    stream = client.chat.completions.create(model=CHAT, messages=[{"role": "system", "content": "Be brief."},
+                                                                  {"role": "user", "content": "Hello there"}],
+                                            stream=True, max_tokens=12, temperature=0,
+                                            stream_options={"include_usage": True})
+    pieces, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    assert len([p for p in pieces if p]) > 1 and finish in ("length", "stop")
+    assert usage.prompt_tokens > 5 and 0 < usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if finish == "length":
+        assert usage.completion_tokens == 12
+
+
+def test_seeded_completions_repeat_and_max_completion_tokens_is_honoured(api):
+    client, _ = api
+    ask = dict(model=CHAT, messages=[{"role": "user", "content": "Tell me a story"}], temperature=0.9, seed=7)
+    a = client.chat.completions.create(**ask, max_completion_tokens=9)
+    b = client.chat.completions.create(**ask, max_completion_tokens=9)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens <= 9 and a.object == "chat.completion"
+
+
+def test_an_image_question_goes_to_image_chat(api):
+    client, url = api
+    before = engine_status(url)["image_chat"].get("decode_steps", 0)
+    stream = client.chat.completions.create(
+        model="minigpt4", stream=True, max_tokens=6,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
+                                               {"type": "image_url", "image_url": {"url": image_url()}}]}])
+    chunks = list(stream)
+    assert chunks[0].model == "minigpt4" and "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert engine_status(url)["image_chat"]["decode_steps"] > before
+
+
+@pytest.mark.parametrize("request_kwargs, status, param, words", [
+    (dict(messages=[]), 400, "messages", "non-empty"),
+    (dict(model="gpt-4o"), 404, "model", "does not exist"),
+    (dict(max_tokens=10**9), 400, "max_tokens", "from 1 to 32768"),
+    (dict(temperature="hot"), 400, "temperature", "number"),
+    (dict(n=3), 400, "n", "1"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "messages", "image"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {
+        "type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]), 400, "messages", "--allow-file-urls"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(api, request_kwargs, status, param, words):
+    client, _ = api
+    ask = {"model": CHAT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **request_kwargs}
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(**ask)
+    error = caught.value.body
+    assert caught.value.status_code == status and error["param"] == param and words in error["message"], error
+    ok = client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+def test_a_dropped_streaming_client_stops_its_generation(api):
+    client, url = api
+    # Seeded, so the reply is the same every time; this one runs 850 tokens before the demo model's
+    # random weights happen to pick the end-of-turn token.
+    body = {"model": CHAT, "messages": [{"role": "user", "content": "Write a long essay"}], "max_tokens": 4000,
+            "temperature": 1.0, "seed": 20}
+    whole = client.chat.completions.create(**body).usage.completion_tokens
+    assert whole > 400
+    start = engine_status(url)["chat"]["decode_steps"]
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", url + "v1/chat/completions", json={**body, "stream": True}) as response:
+            received = [line for _, line in zip(range(6), response.iter_lines()) if line.startswith("data:")]
+            assert len(received) >= 3
+        # leaving the block closes the connection mid-stream
+    deadline = time.time() + 60
+    while (status := engine_status(url)["chat"])["running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert status["running"] == 0 and status["decode_steps"] - start < whole // 2, (status, start, whole)
+    steps = status["decode_steps"]
+    time.sleep(1.0)
+    assert engine_status(url)["chat"]["decode_steps"] == steps
+
+
+def test_an_api_key_is_required_when_set():
+    app = FastAPI()
+    app.include_router(build_router(tools=None, chat_model=CHAT, api_key="s3cret", allow_files=False))
+    client = TestClient(app)
+    refused = client.get("/v1/models")
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).json()["data"][0]["id"] == CHAT
+    bad = client.post("/v1/chat/completions", headers={"Authorization": "Bearer s3cret"}, content=b"{not json")
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+
+
+def test_ctrl_c_shuts_the_app_down_cleanly(tmp_path, studio_cache):
+    """One ready line with the URL; Ctrl+C (SIGINT) ends it with exit code 0 and no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    port, log = free_port(), tmp_path / "launch.log"
+    env = {**os.environ, "STUDIO_CACHE": str(studio_cache), "GRADIO_ANALYTICS_ENABLED": "False"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "2048"], cwd=ROOT,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while "ready: " not in log.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        ready = [line for line in log.read_text().splitlines() if "ready: " in line]
+        assert ready == [f"[studio] ready: http://127.0.0.1:{port}/ (OpenAI-compatible API at "
+                         f"http://127.0.0.1:{port}/v1) · Ctrl+C to stop"], log.read_text()[-2000:]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert "shutting down" in text and "Traceback" not in text, text[-2000:]
