@@ -43,6 +43,9 @@ def trtllm_config(config: DecoderConfig, dtype: str, quant: str, context: int) -
                         f"not {config.family}")
     if quant not in QUANT_ALGOS:
         raise UserError(f"unknown weight quantization {quant!r}: use {', '.join(QUANT_ALGOS)}")
+    if config.rope_scaling:
+        raise UserError("TensorRT-LLM checkpoints are not written with rope_scaling yet; the torch engine runs "
+                        "this model")
     architecture, qwen_type = ARCHITECTURES[config.family]
     out: dict[str, Any] = {
         "architecture": architecture,

@@ -78,6 +78,8 @@ def _layer_names(config: DecoderConfig, layout: Layout) -> dict[str, str]:
         skip |= {"attn.q_norm.weight", "attn.k_norm.weight"}
     if not config.qkv_bias:
         skip.add("attn.wqkv.bias")
+    if not config.o_bias:
+        skip.add("attn.wo.bias")
     return {ours: theirs for ours, theirs in layout.renames.items() if ours not in skip}
 
 

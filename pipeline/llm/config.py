@@ -8,6 +8,7 @@ has which switches is `families.FAMILIES`' business; this module reads and write
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from pipeline.errors import UserError
@@ -28,12 +29,15 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     qkv_bias: bool = False
+    o_bias: bool = False  # a bias on the attention output (LLaMA's and Qwen3's `attention_bias` set both)
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     # Qwen v1 long-context tricks: both switch on past `seq_length` (the trained context).
     logn_attn: bool = False
     dynamic_ntk: bool = False
     seq_length: int = 0
+    # RoPE scaling as (key, value) pairs, `rope_type` first ("linear", "llama3", "yarn"); () = none.
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -58,12 +62,51 @@ def _require(cfg: dict, *keys: str) -> None:
         raise UserError(f"config.json lacks {', '.join(missing)}: is this a complete checkpoint folder?")
 
 
-def _rope_theta(cfg: dict) -> float:
-    """RoPE base from hub configs (`rope_theta` + `rope_scaling`) or transformers 5 (`rope_parameters`)."""
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type")) not in (None, "default"):
-        raise UserError(f"RoPE scaling {rope} is not supported yet; use a checkpoint without it")
-    return float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+# The RoPE scalings we implement (`model.inverse_frequencies`), with their required and optional keys.
+ROPE_SCALINGS = {
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"), ()),
+    "yarn": (("factor", "original_max_position_embeddings"),
+             ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")),
+}
+
+
+def _rope(cfg: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """RoPE base and scaling from hub configs (`rope_theta` + `rope_scaling`) or transformers 5's
+    `rope_parameters`; a scaling we do not implement is refused by name, never run unscaled."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UserError(f"rope partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
+    if kind == "default":
+        return theta, ()
+    if kind not in ROPE_SCALINGS:
+        raise UserError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)}); "
+                        f"this checkpoint would give wrong answers without it")
+    required, optional = ROPE_SCALINGS[kind]
+    if kind == "yarn":
+        rope.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    missing = [k for k in required if rope.get(k) is None]
+    if missing:
+        raise UserError(f"rope_scaling {kind!r} lacks {', '.join(missing)} in config.json")
+    return theta, (("rope_type", kind),) + tuple((k, rope[k]) for k in required + optional if rope.get(k) is not None)
+
+
+# Config fields that change the math, with the value we implement; anything else is refused by name.
+MATH_FIELDS = {"hidden_act": "silu", "partial_rotary_factor": 1.0, "mlp_bias": False, "use_sliding_window": False,
+               "quantization_config": None}
+
+
+def _refuse_unsupported(cfg: dict) -> None:
+    for field, supported in MATH_FIELDS.items():
+        if field in cfg and cfg[field] not in (supported, None):
+            raise UserError(f"config.json sets {field}: {json.dumps(cfg[field])[:80]}, which this app does not "
+                            f"implement (it supports {json.dumps(supported)}); it would give wrong answers")
+    layers = cfg.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layers):
+        raise UserError(f"config.json's layer_types include {sorted(set(layers) - {'full_attention'})}: only "
+                        f"full attention is implemented")
 
 
 def config_from_hf(cfg: dict) -> DecoderConfig:
@@ -72,7 +115,10 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
     _require(cfg, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     if not family.is_transformers:
         return _config_from_qwen_v1(cfg)
+    _refuse_unsupported(cfg)
     heads = cfg["num_attention_heads"]
+    theta, scaling = _rope(cfg)
+    attention_bias = bool(cfg.get("attention_bias", False))
     return DecoderConfig(
         family=family.model_type,
         vocab_size=cfg["vocab_size"],
@@ -84,8 +130,10 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=_rope_theta(cfg),
-        qkv_bias=family.qkv_bias if family.qkv_bias is not None else bool(cfg.get("attention_bias", False)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=family.qkv_bias if family.qkv_bias is not None else attention_bias,
+        o_bias=family.qkv_bias is None and attention_bias,
         qk_norm=family.qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
@@ -139,14 +187,20 @@ def hf_config_dict(config: DecoderConfig) -> dict[str, Any]:
         "hidden_act": "silu",
     }
     if family.qkv_bias is None:
+        if config.qkv_bias != config.o_bias:
+            raise UserError(f"{family.name} configs have one attention_bias for q/k/v and the output together")
         out["attention_bias"] = config.qkv_bias
+    elif config.o_bias:
+        raise UserError(f"{family.name} has no bias on the attention output")
+    if config.rope_scaling:
+        out["rope_scaling"] = dict(config.rope_scaling)
     return out
 
 
 def qwen_v1_config_dict(config: DecoderConfig) -> dict[str, Any]:
     """Qwen v1's own `config.json` layout, as Qwen-7B-Chat ships it."""
     if (config.num_kv_heads != config.num_heads or config.qkv_bias != QWEN_V1.qkv_bias
-            or config.qk_norm != QWEN_V1.qk_norm):
+            or config.qk_norm != QWEN_V1.qk_norm or config.o_bias or config.rope_scaling):
         raise UserError("only MHA decoders with qkv bias and no qk-norm can be written in Qwen v1 format")
     return {
         "architectures": [QWEN_V1.architecture],

@@ -24,7 +24,8 @@ class Layout:
 
 HF_LAYOUT = Layout(
     embed="model.embed_tokens.weight", norm="model.norm.weight", layer="model.layers.{}.",
-    renames={"attn.wo.weight": "self_attn.o_proj.weight", "attn_norm.weight": "input_layernorm.weight",
+    renames={"attn.wo.weight": "self_attn.o_proj.weight", "attn.wo.bias": "self_attn.o_proj.bias",
+             "attn_norm.weight": "input_layernorm.weight",
              "mlp_norm.weight": "post_attention_layernorm.weight", "mlp.w_down.weight": "mlp.down_proj.weight",
              "attn.q_norm.weight": "self_attn.q_norm.weight", "attn.k_norm.weight": "self_attn.k_norm.weight"},
     gate_up=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
@@ -44,8 +45,8 @@ QWEN_V1_LAYOUT = Layout(
 TRTLLM_LAYOUT = Layout(
     embed="transformer.vocab_embedding.weight", norm="transformer.ln_f.weight", layer="transformer.layers.{}.",
     renames={"attn.wqkv.weight": "attention.qkv.weight", "attn.wqkv.bias": "attention.qkv.bias",
-             "attn.wo.weight": "attention.dense.weight", "attn_norm.weight": "input_layernorm.weight",
-             "mlp_norm.weight": "post_layernorm.weight", "mlp.w_down.weight": "mlp.proj.weight",
+             "attn.wo.weight": "attention.dense.weight", "attn.wo.bias": "attention.dense.bias",
+             "attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_layernorm.weight", "mlp.w_down.weight": "mlp.proj.weight",
              "attn.q_norm.weight": "attention.q_layernorm.weight", "attn.k_norm.weight": "attention.k_layernorm.weight"},
     gate_up=("mlp.fc.weight", "mlp.gate.weight"),
 )

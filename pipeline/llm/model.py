@@ -72,12 +72,51 @@ class KVCache:
             t[:, b, :, :length] = held
 
 
-def rope_tables(head_dim: int, max_seq: int, theta: float, device=None) -> tuple[Tensor, Tensor]:
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[Tensor, float]:
+    """RoPE's per-pair frequencies, and the factor cos/sin are multiplied by, for `scaling`
+    (`DecoderConfig.rope_scaling` as a dict; empty: plain RoPE). The formulas are those of the papers
+    and of Meta's and transformers' implementations, which the tests compare against."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind, factor = scaling.get("rope_type"), scaling.get("factor", 1.0)
+    if kind is None:
+        return inv, 1.0
+    if kind == "linear":  # positions divided by the factor
+        return inv / factor, 1.0
+    original = scaling["original_max_position_embeddings"]
+    if kind == "llama3":  # long wavelengths slowed by the factor, short ones kept, a smooth blend between
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((original / wavelen - low) / (high - low)).clamp(0, 1)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        return torch.where(wavelen > original / low, inv / factor, torch.where(wavelen < original / high, inv, blended)), 1.0
+    # yarn: interpolate the low frequencies, extrapolate the high ones, a linear ramp between (by pair index)
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def pair_for(rotations: float) -> float:  # the pair index that turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = pair_for(scaling.get("beta_fast") or 32), pair_for(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp), float(attention)
+
+
+def rope_tables(head_dim: int, max_seq: int, theta: float, device=None,
+                scaling: tuple[tuple[str, object], ...] = ()) -> tuple[Tensor, Tensor]:
     """cos/sin [max_seq, head_dim] in the half-split layout shared by all four families."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq)
+    inv_freq, attention = inverse_frequencies(head_dim, theta, dict(scaling))
+    freqs = torch.outer(torch.arange(max_seq, dtype=torch.float32, device=device), inv_freq.to(device))
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos() * attention, emb.sin() * attention
 
 
 def qwen_ntk_alpha(context_len: int, seq_length: int) -> float:
@@ -108,8 +147,8 @@ class RotaryTables:
         if c.dynamic_ntk:
             while self.alphas[-1] < qwen_ntk_alpha(max_seq, c.seq_length):
                 self.alphas.append(self.alphas[-1] * 2 + 1)
-        tables = [rope_tables(c.head_dim, max_seq, c.rope_theta * a ** (c.head_dim / (c.head_dim - 2)), device)
-                  for a in self.alphas]
+        tables = [rope_tables(c.head_dim, max_seq, c.rope_theta * a ** (c.head_dim / (c.head_dim - 2)), device,
+                              c.rope_scaling) for a in self.alphas]
         self.cos = torch.stack([cos for cos, _ in tables])
         self.sin = torch.stack([sin for _, sin in tables])
         self.logn = qwen_logn_scale(max_seq, c.seq_length).to(device) if c.logn_attn else None
@@ -149,7 +188,7 @@ class Attention(nn.Module):
         self.config = config
         self.kernels = kernels
         self.wqkv = nn.Linear(config.hidden_size, config.q_size + 2 * config.kv_size, bias=config.qkv_bias)
-        self.wo = nn.Linear(config.q_size, config.hidden_size, bias=False)
+        self.wo = nn.Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)

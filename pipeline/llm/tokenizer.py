@@ -178,10 +178,66 @@ class HFTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False)
 
 
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece `tokenizer.model` (LLaMA / Vicuna folders that ship no `tokenizer.json`), run by
+    the `sentencepiece` library itself, as Meta's LLaMA code runs it: no conversion to another format,
+    so the ids are the model's own. Pieces map to bytes as SentencePiece defines them: `▁` is a space,
+    `<0xNN>` a raw byte (byte fallback)."""
+
+    def __init__(self, path: Path):
+        try:
+            import sentencepiece
+        except ImportError:
+            raise UserError(f"{path} is a SentencePiece model: pip install sentencepiece") from None
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        except (OSError, RuntimeError) as e:
+            raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}; re-download it") from None
+        sp = self._sp
+        self._specials = {i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
+        pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+        self._bytes = [p.encode() if i in self._specials else bytes([int(p[3:5], 16)]) if sp.is_byte(i)
+                       else p.replace("\u2581", " ").encode() for i, p in enumerate(pieces)]
+        self.bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
+        self._eos = {sp.eos_id()} if sp.eos_id() >= 0 else set()
+        gen_cfg = Path(path).parent / "generation_config.json"
+        if gen_cfg.is_file():
+            extra = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            self._eos |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)  # plain text: "<s>" typed by a user stays characters
+
+    def decode(self, ids: list[int]) -> str:
+        # SentencePiece drops the space its dummy prefix added in front of the first word
+        return self._sp.decode([i for i in ids if i not in self._specials])
+
+    def special_id(self, token: str) -> int | None:
+        i = self._sp.piece_to_id(token)
+        return i if i in self._specials and self._sp.id_to_piece(i) == token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._bytes)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    @property
+    def special_ids(self) -> set[int]:
+        return set(self._specials)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self._eos
+
+
 def load_tokenizer(folder: Path) -> Tokenizer:
     folder = Path(folder)
     if (folder / "qwen.tiktoken").is_file():
         return QwenTiktokenTokenizer(folder / "qwen.tiktoken")
-    if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file():
+    if (folder / "tokenizer.json").is_file():
         return HFTokenizer(folder)
-    raise UserError(f"no tokenizer in {folder} (expected qwen.tiktoken or tokenizer.json)")
+    if (folder / "tokenizer.model").is_file():
+        return SentencePieceTokenizer(folder / "tokenizer.model")
+    raise UserError(f"no tokenizer in {folder} (expected qwen.tiktoken, tokenizer.json or tokenizer.model)")
