@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), demo/qwen-v1-tiny, "
                                                    "demo/qwen2-tiny, a folder, or auto")
     p.add_argument("--weights", type=Path, help="local folder with the model's config, tokenizer and weights")
+    p.add_argument("--llm-endpoint", metavar="URL", help="chat through this OpenAI-compatible server's /v1 (vLLM, "
+                   "trtllm-serve, another AI Studio) instead of a local model; image chat and segment stay local")
+    p.add_argument("--llm-model", help="the model to ask for at --llm-endpoint (default: the first it lists)")
+    p.add_argument("--llm-api-key", help="the key --llm-endpoint asks for, if any")
     p.add_argument("--sam", default="auto", help="sam_vit_h, sam_vit_l, sam_vit_b, demo/sam-tiny, a .pth file, "
                                                  "or auto (vit_h on a GPU when cached, else the demo)")
     p.add_argument("--minigpt4-ckpt", type=Path, help="MiniGPT-4 checkpoint (prerained_minigpt4_7b.pth, holds llama_proj)")
@@ -87,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_plan(args: argparse.Namespace) -> Plan:
     import torch
 
-    from pipeline.engines import choose_llm_backend, choose_vision_backend
+    from pipeline.engines import BackendChoice, choose_llm_backend, choose_vision_backend
     from pipeline.models import CHAT_MODELS, auto_model, cache_dir, locate
     from pipeline.sam.weights import DEMO as SAM_DEMO
     from pipeline.sam.weights import locate_sam
@@ -115,15 +119,22 @@ def make_plan(args: argparse.Namespace) -> Plan:
         " (at load: float where the weights fit the free memory, else int8, else int4)" if args.quant == "auto" else ""))
     if args.gpu_memory is not None and args.gpu_memory <= 0:
         raise UserError(f"--gpu-memory {args.gpu_memory}: give the GiB the tools may use, e.g. --gpu-memory 20")
-    if args.model == "auto" and args.weights is None:
+    if args.llm_endpoint:
+        if not args.llm_endpoint.startswith(("http://", "https://")):
+            raise UserError(f"--llm-endpoint {args.llm_endpoint}: give the server's /v1 URL, e.g. http://gpu-box:8000/v1")
+        model_id = args.llm_model or "(the server's first model)"
+        backends["chat"] = BackendChoice("remote", f"--llm-endpoint {args.llm_endpoint}")
+        notes.append(f"chat: the OpenAI-compatible server at {args.llm_endpoint}; image chat and segment stay local")
+    elif args.model == "auto" and args.weights is None:
         model_id, why = auto_model(device.startswith("cuda"))
         notes.append(f"model {model_id}: {why}")
     else:
         model_id = args.model if args.model != "auto" else str(args.weights)
         if model_id not in CHAT_MODELS and not Path(model_id).is_dir() and args.weights is None:
             notes.append(f"model {model_id}: not in the registry, trying it as a hub id")
-    found = locate(model_id, args.weights)
-    notes.append(f"weights: {found.source}" + (f" ({found.path})" if found.path else ""))
+    if not args.llm_endpoint:
+        found = locate(model_id, args.weights)
+        notes.append(f"weights: {found.source}" + (f" ({found.path})" if found.path else ""))
     sam = args.sam
     if sam == "auto":
         cached = locate_sam("sam_vit_h", cache_dir())[1] == "cache"
@@ -218,10 +229,17 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
     from pipeline.tools import ToolSpec
 
     dtype = getattr(torch, plan.dtype)
-    chat_model = locate(plan.model_id, args.weights)
+    remote = plan.backends["chat"].backend == "remote"
+    chat_model = None if remote else locate(plan.model_id, args.weights)
 
     def load_chat(say, free):
         with engines.report.listening(say):
+            if remote:
+                from pipeline.llm.remote import RemoteLanguageModel
+
+                chat = ChatPipeline(RemoteLanguageModel(args.llm_endpoint, args.llm_model, args.llm_api_key))
+                engines.report.say(f"chat: {chat.description}")
+                return chat
             model = resolve(plan.model_id, args.weights)
             chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends["chat"].backend,
                                                     plan.device, dtype, args.context, args.max_batch, engines=engines,
@@ -246,7 +264,8 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
             return segment
 
     ckpt, vision_dir, llm_dir, llm_id, image_demo = image_chat_parts(args)
-    shared = chat_model.path is not None and Path(llm_dir).resolve() == chat_model.path.resolve()
+    shared = chat_model is not None and chat_model.path is not None and \
+        Path(llm_dir).resolve() == chat_model.path.resolve()
 
     def load_image_chat(say, free):
         with engines.report.listening(say):
@@ -266,7 +285,8 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
             engines.report.say(f"image chat: {image_chat.description}")
             return image_chat
 
-    return [ToolSpec("chat", load_chat, weights_size(chat_model.path), is_demo=chat_model.is_demo),
+    return [ToolSpec("chat", load_chat, 0 if remote else weights_size(chat_model.path),
+                     is_demo=not remote and chat_model.is_demo),
             ToolSpec("image chat", load_image_chat,
                      weights_size(ckpt, vision_dir) + (0 if shared else weights_size(llm_dir)),
                      needs=("chat",) if shared else (), is_demo=image_demo),
@@ -359,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.build_engines:
             host.close()
             return 0
-        return serve(args, host, engines.report.lines, plan.model_id)
+        return serve(args, host, engines.report.lines, host.load("chat").llm.model_id)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

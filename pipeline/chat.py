@@ -7,13 +7,15 @@ from collections.abc import Iterator, Sequence
 
 from pipeline.llm.language_model import ChatEvent, LanguageModel
 from pipeline.llm.prompt import chat_format
+from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.sampling import SamplingParams
 
 
 class ChatPipeline:
-    def __init__(self, llm: LanguageModel, is_demo: bool = False):
+    def __init__(self, llm: LanguageModel | RemoteLanguageModel, is_demo: bool = False):
         self.llm = llm
-        self.format = chat_format(llm.tokenizer)
+        # a remote model (`RemoteLanguageModel`) has no tokenizer here: its server formats the prompt
+        self.format = chat_format(llm.tokenizer) if llm.tokenizer is not None else None
         self.is_demo = is_demo
         self.description = llm.description
 

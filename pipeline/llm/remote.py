@@ -1,0 +1,169 @@
+"""Chat through a remote OpenAI-compatible server (`--llm-endpoint`): vLLM, TensorRT-LLM's
+`trtllm-serve`, another AI Studio, on a bigger machine or a cluster, while Segment and image chat
+stay local.
+
+The remote server applies the chat template and tokenizes, so this works at the level of messages:
+`RemoteLanguageModel.reply` has `LanguageModel.reply`'s signature and yields the same `ChatEvent`s,
+so the chat pipeline, the UI and the API treat it like a local model. Stop (the cancel flag) closes
+the HTTP stream, which a serving engine takes as a cancelled request; remote errors become one-line
+`UserError`s naming the server.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import httpx
+
+from pipeline.errors import UserError
+from pipeline.llm.engine import GenerationStats
+from pipeline.llm.language_model import ChatEvent
+from pipeline.llm.sampling import SamplingParams
+
+CONNECT_TIMEOUT_S = 10
+
+
+class RemoteEngine:
+    """What `/engine_status` shows for a remote model: requests in flight here, replies done."""
+
+    def __init__(self, url: str):
+        self.url, self.description = url, f"remote OpenAI-compatible server at {url}"
+        self.running = self.finished = 0
+        self._lock = threading.Lock()
+
+    def status(self) -> dict[str, int | str]:
+        with self._lock:
+            return {"remote": self.url, "running": self.running, "finished": self.finished}
+
+    def count(self, delta: int) -> None:
+        with self._lock:
+            self.running += delta
+            self.finished += delta < 0
+
+    def close(self) -> None:
+        """Nothing to free: the model lives on the server."""
+
+
+class RemoteLanguageModel:
+    tokenizer = None  # the server tokenizes
+
+    def __init__(self, url: str, model: str | None = None, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model_id = model or self._first_model()
+        self.engine = RemoteEngine(self.url)
+        self.description = f"{self.model_id} on {self.url} (remote)"
+
+    def _first_model(self) -> str:
+        try:
+            answer = httpx.get(f"{self.url}/models", headers=self.headers, timeout=CONNECT_TIMEOUT_S)
+        except httpx.HTTPError as e:
+            raise UserError(f"cannot reach the chat server at {self.url} ({type(e).__name__}): is it running, "
+                            f"and is the URL its /v1?") from None
+        models = _checked(answer, self.url).json().get("data") or []
+        if not models:
+            raise UserError(f"the chat server at {self.url} lists no models; pass --llm-model NAME")
+        return models[0]["id"]
+
+    @property
+    def context(self) -> int:
+        return 0  # unknown here: the server fits the prompt
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def reply(self, fmt, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
+              session: str | None = None, fill: Callable | None = None) -> Iterator[ChatEvent]:
+        """`LanguageModel.reply` over HTTP (`fmt`, `session` and `fill` are the server's business)."""
+        params = params.validated()
+        body = {"model": self.model_id, "messages": list(messages), "stream": True,
+                "stream_options": {"include_usage": True}, "max_tokens": params.max_new_tokens,
+                "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                "repetition_penalty": params.repetition_penalty}
+        if params.seed is not None:
+            body["seed"] = params.seed
+        cancel = cancel or threading.Event()
+        pieces: queue.SimpleQueue = queue.SimpleQueue()
+        stats, start = GenerationStats(), time.perf_counter()
+        client = httpx.Client(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
+        reader = threading.Thread(target=self._read, args=(client, body, pieces), daemon=True, name="remote-llm")
+        self.engine.count(+1)
+        reader.start()
+        try:
+            while True:
+                try:
+                    item = pieces.get(timeout=0.05)
+                except queue.Empty:
+                    if cancel.is_set():
+                        stats.finish_reason = "cancelled"
+                        break
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    break
+                kind, value = item
+                if kind == "text":
+                    if not stats.time_to_first_token_s:
+                        stats.time_to_first_token_s = time.perf_counter() - start
+                    stats.new_tokens += 1
+                    yield ChatEvent(text=value)
+                elif kind == "finish":
+                    stats.finish_reason = value
+                elif kind == "usage":
+                    stats.prompt_tokens, stats.new_tokens = value["prompt_tokens"], value["completion_tokens"]
+                if cancel.is_set():
+                    stats.finish_reason = "cancelled"
+                    break
+        finally:  # Stop, an error or a caller that stopped listening: closing the stream cancels it remotely
+            client.close()
+            self.engine.count(-1)
+        stats.decode_s = max(time.perf_counter() - start - stats.time_to_first_token_s, 0.0)
+        stats.finish_reason = stats.finish_reason or "stop"
+        yield ChatEvent(stats=stats)
+
+    def _read(self, client: httpx.Client, body: dict, pieces: queue.SimpleQueue) -> None:
+        try:
+            with client.stream("POST", f"{self.url}/chat/completions", json=body, headers=self.headers) as answer:
+                if answer.status_code != 200:
+                    answer.read()
+                    _checked(answer, self.url)
+                for line in answer.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise UserError(f"the chat server at {self.url} failed: {chunk['error'].get('message')}")
+                    for choice in chunk.get("choices") or []:
+                        if (choice.get("delta") or {}).get("content"):
+                            pieces.put(("text", choice["delta"]["content"]))
+                        if choice.get("finish_reason"):
+                            pieces.put(("finish", choice["finish_reason"]))
+                    if chunk.get("usage"):
+                        pieces.put(("usage", chunk["usage"]))
+            pieces.put(None)
+        except httpx.HTTPError as e:
+            if client.is_closed:  # closed on purpose (Stop): not an error
+                pieces.put(None)
+            else:
+                pieces.put(UserError(f"lost the chat server at {self.url} ({type(e).__name__})"))
+        except (UserError, ValueError) as e:
+            pieces.put(e if isinstance(e, UserError) else UserError(f"the chat server at {self.url} sent "
+                                                                    f"something that is not OpenAI's format ({e})"))
+
+
+def _checked(answer: httpx.Response, url: str) -> httpx.Response:
+    if answer.status_code == 200:
+        return answer
+    try:
+        message = answer.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = answer.text[:200]
+    raise UserError(f"the chat server at {url} answered {answer.status_code}: {message}")
