@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import gradio as gr
 
 from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
 from app.errors import shown_to_user
-from app.tool_loading import loading_updates
+from pipeline.errors import UserError
 from pipeline.tools import ToolHost
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
@@ -23,12 +25,13 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
         """Stream a reply to `message`; yields (textbox, chat history, status). Seed -1 = random."""
         params, history = start_turn(message, history, (temperature, top_p, top_k, repetition_penalty,
                                                         max_new_tokens, seed))
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise UserError(f"system_prompt must be text, got {system_prompt!r:.60}")
         system = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt.strip() else []
         messages = system + history + [{"role": "user", "content": message}]
-        yield from loading_updates(tools, "chat", 3)
-        with tools.using("chat") as pipeline:
-            yield from stream_turn(lambda cancel, session: pipeline.stream(messages, params, cancel, session),
-                                   history, message, flags, request, "chat")
+        yield from stream_turn(tools, "chat", lambda chat, cancel, session: chat.stream(messages, params, cancel,
+                                                                                        session),
+                               history, message, flags, request)
 
     with gr.Row():
         with gr.Column(scale=4):
@@ -50,7 +53,7 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
     outputs = [message, chatbot, status]
     keep = dict(fn=lambda history: history, inputs=chatbot, outputs=saved, api_visibility="private")
     # No concurrency limit: the engine batches every session's reply (and queues past its batch).
-    on_enter = message.submit(respond, inputs, outputs, api_name="chat", concurrency_limit=None)
+    on_enter = message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
     on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
     on_enter.then(**keep)
     on_send.then(**keep)
@@ -58,3 +61,15 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
     wire_stop(stop, flags, status, "stop")
     clear.click(lambda: ([], "", ""), None, [chatbot, message, status], api_visibility="private").then(**keep)
     app.load(lambda history: history, saved, chatbot, api_visibility="private")
+
+    def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULT_SYSTEM,
+             temperature: float = 0.7, top_p: float = 0.8, top_k: int = 20, repetition_penalty: float = 1.05,
+             max_new_tokens: int = 512, seed: int = -1, request: gr.Request = None
+             ) -> Iterator[tuple[str, list[dict], str]]:
+        """API: stream a reply to `message` after `history` (a list of {role, content} with text content, or
+        the Chatbot's own messages); yields (cleared textbox, history with the growing answer, status).
+        Seed -1 = random. /stop stops this session's replies."""
+        yield from respond(message, history, system_prompt, temperature, top_p, top_k, repetition_penalty,
+                           max_new_tokens, seed, request)
+
+    gr.api(chat, api_name="chat", concurrency_limit=None)

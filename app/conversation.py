@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import gradio as gr
 
 from app.errors import shown_to_user
+from app.tool_loading import loading_updates
 from pipeline.errors import UserError
 from pipeline.llm.language_model import ChatEvent
 from pipeline.llm.sampling import SamplingParams
+from pipeline.tools import ToolHost
 
 STOPPED = "Stopped: the reply so far is kept."
 
@@ -23,23 +28,39 @@ def text_of(content) -> str:
     return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in parts)
 
 
+MAX_IN_FLIGHT = 2  # replies one browser session (or API client session) may have running or queued
+
+
 class CancelFlags:
-    """One cancel flag per browser session, so Stop ends only that session's reply."""
+    """Each session's replies in flight, with their Stop flags: Stop ends every reply of that session
+    only, including one still waiting for its tool to load or for a place in the batch, and a session
+    cannot queue more than MAX_IN_FLIGHT replies (one client queueing 200 chats would starve the rest)."""
 
     def __init__(self):
-        self._flags: dict[str, threading.Event] = {}
+        self._flags: dict[str, list[threading.Event]] = {}
         self._lock = threading.Lock()
 
-    def fresh(self, session: str) -> threading.Event:
+    @contextlib.contextmanager
+    def running(self, session: str) -> Iterator[threading.Event]:
+        flag = threading.Event()
         with self._lock:
-            self._flags[session] = threading.Event()
-            return self._flags[session]
+            flags = self._flags.setdefault(session, [])
+            if len(flags) >= MAX_IN_FLIGHT:
+                raise UserError(f"this session already has {len(flags)} replies in progress: wait for them, "
+                                f"or press Stop")
+            flags.append(flag)
+        try:
+            yield flag
+        finally:
+            with self._lock:
+                flags.remove(flag)
+                if not flags:
+                    del self._flags[session]
 
     def cancel(self, session: str) -> None:
         with self._lock:
-            flag = self._flags.get(session)
-        if flag is not None:
-            flag.set()
+            for flag in self._flags.get(session, []):
+                flag.set()
 
 
 def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
@@ -56,19 +77,43 @@ def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
         ]
 
 
+def _number(name: str, value, whole: bool = False) -> float | int:
+    """`value` as a number, or a `UserError` naming the parameter (API clients send anything)."""
+    kind = "a whole number" if whole else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or whole and value != int(value):
+        raise UserError(f"{name} must be {kind}, got {value!r}")
+    return int(value) if whole else float(value)
+
+
+def plain_history(history) -> list[dict]:
+    """The history as {role, content: text} messages, whether content is text (API clients) or a list of
+    parts (Gradio's Chatbot); anything else is a `UserError` saying what was expected."""
+    if history is None:
+        return []
+    if not isinstance(history, list):
+        raise UserError(f"history must be a list of {{role, content}} messages, got {type(history).__name__}")
+    out = []
+    for i, m in enumerate(history):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+            raise UserError(f"history[{i}] must be {{'role': 'user' or 'assistant', 'content': text}}, got {m!r:.80}")
+        out.append({"role": m["role"], "content": text_of(m.get("content", ""))})
+    return out
+
+
 @shown_to_user
 def start_turn(message, history, sampling) -> tuple[SamplingParams, list[dict]]:
     """Validated parameters and the history as plain {role, content} dicts."""
-    temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed = sampling
-    try:
-        params = SamplingParams(max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                                top_p=float(top_p), top_k=int(top_k), repetition_penalty=float(repetition_penalty),
-                                seed=None if seed is None or int(seed) < 0 else int(seed)).validated()
-    except (TypeError, ValueError) as e:
-        raise UserError(f"unusable sampling settings: {e}") from None
+    names = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")
+    temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed = (
+        _number(name, value, whole=name in ("top_k", "max_new_tokens", "seed")) if value is not None or
+        name != "seed" else None for name, value in zip(names, sampling))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                            repetition_penalty=repetition_penalty,
+                            seed=None if seed is None or seed < 0 else seed).validated()
     if not isinstance(message, str) or not message.strip():
         raise UserError("the message is empty: type something to send")
-    return params, [{"role": m["role"], "content": text_of(m["content"])} for m in history or []]
+    return params, plain_history(history)
 
 
 def stats_line(stats) -> str:
@@ -80,21 +125,26 @@ def stats_line(stats) -> str:
 
 
 @shown_to_user
-def stream_turn(reply: Callable[[threading.Event, str], Iterator[ChatEvent]], history: list[dict], message: str,
-                flags: CancelFlags, request: gr.Request, tool: str) -> Iterator[tuple[str, list[dict], str]]:
-    """Run one reply, yielding (cleared textbox, history with the growing answer, status line).
-    `reply(cancel, session)` gets the session's Stop flag and the session name the engine keys
-    its cached turns by (one per browser session and tool)."""
-    history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-    notices: list[str] = []
+def stream_turn(tools: ToolHost, name: str, reply: Callable[[Any, threading.Event, str], Iterator[ChatEvent]],
+                history: list[dict], message: str, flags: CancelFlags, request: gr.Request
+                ) -> Iterator[tuple[str, list[dict], str]]:
+    """Run one reply of tool `name`, yielding (cleared textbox, history with the growing answer, status
+    line); first, while the tool loads, its progress. `reply(pipeline, cancel, session)` gets the
+    loaded pipeline, the session's Stop flag (set from the start, so a Stop during the load or the
+    queueing counts) and the session name the engine keys its cached turns by."""
     session = request.session_hash or ""
-    for event in reply(flags.fresh(session), f"{tool}:{session}"):
-        if event.notice:
-            notices.append(event.notice)
-            gr.Warning(event.notice)
-        history[-1]["content"] += event.text
-        status = stats_line(event.stats) if event.stats else "generating…"
-        yield "", history, " · ".join(notices + [status])
+    with flags.running(session) as cancel:
+        yield from loading_updates(tools, name, 3)
+        history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
+        notices: list[str] = []
+        with tools.using(name) as pipeline:
+            for event in reply(pipeline, cancel, f"{name.replace(' ', '-')}:{session}"):
+                if event.notice:
+                    notices.append(event.notice)
+                    gr.Warning(event.notice)
+                history[-1]["content"] += event.text
+                status = stats_line(event.stats) if event.stats else "generating…"
+                yield "", history, " · ".join(notices + [status])
 
 
 def wire_stop(stop: gr.Button, flags: CancelFlags, status: gr.Markdown, api_name: str):

@@ -1,7 +1,7 @@
 """The one place where a `UserError` becomes what Gradio shows a person (an error toast).
 
 Handlers are wrapped with `shown_to_user`; pipelines raise `UserError` and never import Gradio.
-Anything else is a bug and keeps its traceback in the terminal.
+Anything else is a bug and keeps its traceback in the terminal; a user error prints none there.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def shown_to_user(fn: Callable) -> Callable:
             try:
                 yield from fn(*args, **kwargs)
             except UserError as e:
-                raise gr.Error(str(e)) from None
+                raise gr.Error(str(e), print_exception=False) from None
         return generator
 
     @functools.wraps(fn)
@@ -31,5 +31,5 @@ def shown_to_user(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except UserError as e:
-            raise gr.Error(str(e)) from None
+            raise gr.Error(str(e), print_exception=False) from None
     return function

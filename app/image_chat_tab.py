@@ -9,7 +9,6 @@ from gradio.data_classes import FileData
 
 from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
 from app.errors import shown_to_user
-from app.tool_loading import loading_updates
 from pipeline.errors import UserError
 from pipeline.images import load_image
 from pipeline.tools import ToolHost
@@ -28,10 +27,9 @@ def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> None:
             raise UserError("upload an image first: image chat talks about one picture")
         pixels = load_image(image)
         messages = history + [{"role": "user", "content": message}]
-        yield from loading_updates(tools, "image chat", 3)
-        with tools.using("image chat") as pipeline:
-            yield from stream_turn(lambda cancel, session: pipeline.stream(pixels, messages, params, cancel, session),
-                                   history, message, flags, request, "image-chat")
+        yield from stream_turn(tools, "image chat",
+                               lambda chat, cancel, session: chat.stream(pixels, messages, params, cancel, session),
+                               history, message, flags, request)
 
     with gr.Row():
         with gr.Column(scale=2):

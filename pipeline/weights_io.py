@@ -69,7 +69,7 @@ def _read(path: Path, keep: Callable[[str], bool]) -> dict[str, Tensor]:
         raise
     except Exception as e:  # the loaders are called right, so what they trip over is the file's content
         unpickling = isinstance(e, pickle.UnpicklingError)
-        if unpickling and (code := re.search(r"Unsupported global: GLOBAL (\S+)", str(e))):
+        if unpickling and (code := re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", str(e))):
             raise UserError(f"it holds Python objects besides tensors ({code[1]}), which are not loaded "
                             f"because that could run code; use a checkpoint of plain tensors") from None
         # torch wraps the unpickler's own error (the useful part) in a long weights_only notice

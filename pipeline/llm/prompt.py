@@ -74,6 +74,9 @@ def chat_format(tokenizer: Tokenizer) -> PromptFormat:
     return ChatTemplateFormat(tokenizer) if tokenizer.chat_template is not None else ChatMLFormat(tokenizer)
 
 
+MAX_MESSAGES = 2000  # per request: a client sending 10,000 turns is refused, not given minutes of CPU
+
+
 def check_messages(messages: Sequence[dict]) -> None:
     """Reject what no model can answer, with a reason a person understands."""
     if not messages:
@@ -88,18 +91,29 @@ def check_messages(messages: Sequence[dict]) -> None:
 
 
 def fit_prompt(fmt: PromptFormat, messages: Sequence[dict], budget: int) -> tuple[Prompt, list[str]]:
-    """A prompt of at most `budget` tokens, and notices saying what had to go."""
+    """A prompt of at most `budget` tokens, and notices saying what had to go: the oldest turns (whole,
+    from a user message on), then the middle of an over-long last message.
+
+    Which turns to keep is a binary search over where the kept part starts (a prompt only shrinks
+    as turns go), so a long history costs a few renders, not one per dropped turn."""
     check_messages(messages)
+    if len(messages) > MAX_MESSAGES:
+        raise UserError(f"the conversation has {len(messages)} messages; the limit is {MAX_MESSAGES}: start a new "
+                        f"chat (the oldest turns could not reach the model anyway)")
     system = [m for m in messages[:1] if m["role"] == "system"]
     turns = list(messages[len(system):])
     notices = []
-    dropped = 0
+    starts = [0] + [i for i in range(1, len(turns)) if turns[i]["role"] == "user"]  # the last is the question
+    lo, hi = 0, len(starts) - 1
+    while lo < hi:  # the first start whose prompt fits (or the last, which keeps only the question)
+        mid = (lo + hi) // 2
+        if len(fmt.render(system + turns[starts[mid]:])) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    dropped = starts[lo]
+    turns = turns[dropped:]
     prompt = fmt.render(system + turns)
-    while len(prompt) > budget and len(turns) > 1:
-        cut = next((i for i in range(1, len(turns)) if turns[i]["role"] == "user"), len(turns) - 1)
-        dropped += cut
-        turns = turns[cut:]
-        prompt = fmt.render(system + turns)
     if dropped:
         notices.append(f"The conversation outgrew the model's context: the {dropped} oldest "
                        f"message{'s' if dropped > 1 else ''} no longer reach the model.")

@@ -174,7 +174,11 @@ class HFTokenizer(Tokenizer):
     def render_chat_template(self, messages: list[dict]) -> list[int]:
         """The checkpoint's own chat template, rendered by transformers and tokenized with special
         tokens parsed (as transformers does, so a user typing `<|im_end|>` here types a special)."""
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:  # transformers renders it in a sandboxed Jinja environment: a template cannot run code
+            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a broken or hostile template in the model folder
+            raise UserError(f"the model's chat template (tokenizer_config.json) failed: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else 'no details'}"[:300]) from None
         return self._tok.encode(text, add_special_tokens=False)
 
 

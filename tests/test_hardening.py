@@ -1,0 +1,130 @@
+"""Hardening, tried as a new user and an attacker would: each test failed before its fix."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from gradio_client import Client
+from gradio_client.exceptions import AppError
+
+from conftest import ROOT
+from pipeline.llm.prompt import fit_prompt
+from pipeline.llm.prompt import chat_format
+from pipeline.llm.tokenizer import load_tokenizer
+
+PARAMS = ("You are a helpful assistant.", 0.0, 0.8, 20, 1.0)
+
+
+@pytest.fixture(scope="module")
+def client(running_app):
+    return Client(running_app[0], verbose=False)
+
+
+def test_chat_api_takes_plain_text_history(client):
+    history = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi there"}]
+    _, out, status = client.predict("And now?", history, *PARAMS, 4, -1, api_name="/chat")
+    assert [m["role"] for m in out] == ["user", "assistant", "user", "assistant"] and "ended" in status
+
+
+@pytest.mark.parametrize("position, value, name", [
+    (5, "many", "top_k"), (3, "hot", "temperature"), (7, 2.5, "max_new_tokens"), (1, "notalist", "history"),
+    (1, ["x"], "history[0]"), (2, 42, "system_prompt"),
+])
+def test_wrong_type_values_name_the_parameter(client, position, value, name):
+    args = ["hi", [], *PARAMS, 4, -1]
+    args[position] = value
+    with pytest.raises(AppError) as caught:
+        client.predict(*args, api_name="/chat")
+    assert name in str(caught.value), str(caught.value)
+
+
+def test_a_huge_history_is_refused_at_once(client):
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message {i}"} for i in range(10000)]
+    with pytest.raises(AppError, match="the limit is 2000"):
+        client.predict("hi", history, *PARAMS, 4, -1, api_name="/chat")
+
+
+def test_prompt_fitting_renders_a_long_history_a_few_times_not_once_per_turn(qwen2_demo):
+    fmt = chat_format(load_tokenizer(qwen2_demo))
+    renders = []
+    render = fmt.render
+    fmt.render = lambda messages: renders.append(len(messages)) or render(messages)
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 3} for i in range(1999)]
+    prompt, notices = fit_prompt(fmt, history, budget=300)
+    assert len(prompt) <= 300 and "oldest" in notices[0]
+    assert len(renders) <= 15, len(renders)
+    # and it keeps as much as fits: one more user turn would not
+    kept = renders[-1]
+    assert len(render(history[-(kept + 2):])) > 300
+
+
+def test_a_session_cannot_queue_more_than_two_replies(running_app):
+    client = Client(running_app[0], verbose=False)
+    jobs = [client.submit("Write a long essay", [], "", 1.5, 1.0, 0, 1.0, 1500, 20 + i, api_name="/chat")
+            for i in range(3)]
+    errors = []
+    for job in jobs:
+        try:
+            job.result(timeout=120)
+        except AppError as e:
+            errors.append(str(e))
+    assert len(errors) == 1 and "already has 2 replies in progress" in errors[0], errors
+
+
+def test_stop_while_the_tool_is_still_loading_stops_the_reply(running_app):
+    client = Client(running_app[0], verbose=False)
+    if json.loads(client.predict(api_name="/engine_status"))["image_chat"].get("loaded", True):
+        pytest.skip("image chat was already loaded by an earlier test in this module")
+    from gradio_client import handle_file
+
+    job = client.submit(handle_file(str(ROOT / "assets/examples/shapes.jpg")), "Describe it", [], 1.5, 1.0, 0, 1.0,
+                        300, 20, api_name="/image_chat")
+    deadline = time.time() + 60
+    while not any("Loading image chat" in str(update) for update in job.outputs()) and time.time() < deadline:
+        time.sleep(0.01)
+    client.predict(api_name="/image_chat_stop")
+    history, status = job.result(timeout=120)
+    assert "ended: cancelled" in status, status
+
+
+def test_auth_without_a_password_is_refused(tmp_path):
+    done = subprocess.run([sys.executable, "launch.py", "--auth", "user:"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "STUDIO_CACHE": str(tmp_path)})
+    assert done.returncode == 2 and "--auth must look like user:password, both non-empty" in done.stderr
+
+
+class _Hostile:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /tmp/studio-pwned",))
+
+
+@pytest.mark.parametrize("damage", ["pickle", "template"])
+def test_a_hostile_model_folder_ends_start_up_in_one_line(tmp_path, qwen2_demo, studio_cache, damage):
+    folder = tmp_path / "model"
+    shutil.copytree(qwen2_demo, folder)
+    if damage == "pickle":
+        (folder / "model.safetensors").unlink()
+        torch.save({"model.embed_tokens.weight": _Hostile()}, folder / "pytorch_model.bin")
+        expected = "holds Python objects"
+    else:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["chat_template"] = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for %}"
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        expected = "chat template"
+    done = subprocess.run([sys.executable, "launch.py", "--weights", str(folder), "--port", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "STUDIO_CACHE": str(studio_cache)})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert expected in done.stderr and not os.path.exists("/tmp/studio-pwned")
+
+
+def test_user_errors_leave_no_traceback_in_the_server_log(running_app, client):
+    with pytest.raises(AppError):
+        client.predict("", [], *PARAMS, 4, -1, api_name="/chat")
+    time.sleep(0.5)
+    assert "Traceback" not in running_app[1].read_text()
