@@ -3,15 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import gradio as gr
 
-from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
+from app.conversation import CancelFlags, plain_history, sampling_controls, start_turn, stream_turn, wire_stop
+from app.conversation_files import read_conversation, to_json, to_markdown
+from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from pipeline.errors import UserError
 from pipeline.tools import ToolHost
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
+PRESETS = {  # system prompts people reach for, one click away
+    "Helpful assistant": DEFAULT_SYSTEM,
+    "Concise": "You are a helpful assistant. Answer in as few words as the question allows.",
+    "Coding helper": "You are an expert programmer. Answer with working code in fenced code blocks, then a short "
+                     "explanation.",
+    "Translator": "Translate everything the user writes into English, keeping its tone. Output only the translation.",
+    "Teacher": "You are a patient teacher. Explain step by step and check understanding with a question.",
+}
+
+
+def last_turn(history: list) -> tuple[list[dict], str]:
+    """(the history before the last user message, that message), for regenerate and edit."""
+    history = plain_history(history)
+    while history and history[-1]["role"] == "assistant":
+        history.pop()
+    if not history or history[-1]["role"] != "user":
+        raise UserError("there is no message of yours to regenerate or edit yet")
+    return history[:-1], history[-1]["content"]
 
 
 def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None:
@@ -33,19 +54,57 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
                                                                                         session),
                                history, message, flags, request)
 
+    @shown_to_user
+    def regenerate(history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
+                   repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
+        """The last reply again (a new draw, unless the seed is fixed): the same message, resent."""
+        before, message = last_turn(history)
+        yield from respond(message, before, system_prompt, temperature, top_p, top_k, repetition_penalty,
+                           max_new_tokens, seed, request)
+
+    @shown_to_user
+    def edit_last(history: list) -> tuple[str, list[dict], str]:
+        """The last message back in the textbox to edit and resend; it and its reply leave the chat."""
+        before, message = last_turn(history)
+        return message, before, "Editing your last message: change it and press Enter."
+
+    @shown_to_user
+    def export(history: list, system_prompt: str, kind: str) -> str:
+        history = plain_history(history)
+        if not history:
+            raise UserError("nothing to export yet: the conversation is empty")
+        text = to_json(history, system_prompt) if kind == "json" else to_markdown(history, system_prompt)
+        return write_download(text.encode(), "conversation-", f".{kind if kind == 'json' else 'md'}")
+
+    @shown_to_user
+    def import_file(path: str | None, system_prompt: str) -> tuple[list[dict], str, str]:
+        if not path:
+            raise UserError("choose a conversation file (.json or .md) to import")
+        messages, system = read_conversation(Path(path).read_bytes(), Path(path).name)
+        return messages, system if system is not None else system_prompt, f"Imported {len(messages)} messages."
+
     with gr.Row():
         with gr.Column(scale=4):
-            chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"])
+            chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history")
             with gr.Row():
                 message = gr.Textbox(placeholder="Type a message, Enter to send", show_label=False, scale=6,
                                      autofocus=True)
                 send = gr.Button("Send", variant="primary", scale=1)
             with gr.Row():
                 stop = gr.Button("Stop")
+                regen = gr.Button("Regenerate")
+                edit = gr.Button("Edit last")
                 clear = gr.Button("New chat")
+            with gr.Row():
+                export_json = gr.Button("Export JSON", size="sm")
+                export_md = gr.Button("Export Markdown", size="sm")
+                importer = gr.UploadButton("Import conversation", file_types=[".json", ".md"], size="sm",
+                                           elem_id="chat-import")
             status = gr.Markdown("", elem_id="chat-status")
         with gr.Column(scale=2):
-            system_prompt = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=3)
+            preset = gr.Dropdown(list(PRESETS), value="Helpful assistant", label="System prompt preset",
+                                 elem_id="chat-preset")
+            system_prompt = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=3, elem_id="chat-system")
             sampling = sampling_controls("chat")
 
     saved = gr.BrowserState([], storage_key="ai-studio-chat", secret=storage_secret)
@@ -53,10 +112,17 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
     outputs = [message, chatbot, status]
     keep = dict(fn=lambda history: history, inputs=chatbot, outputs=saved, api_visibility="private")
     # No concurrency limit: the engine batches every session's reply (and queues past its batch).
-    on_enter = message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
-    on_send = send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
-    on_enter.then(**keep)
-    on_send.then(**keep)
+    for event in (message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
+                  send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
+                  regen.click(regenerate, [chatbot, system_prompt, *sampling], outputs, api_visibility="private",
+                              concurrency_limit=None),
+                  edit.click(edit_last, chatbot, [message, chatbot, status], api_visibility="private"),
+                  importer.upload(import_file, [importer, system_prompt], [chatbot, system_prompt, status],
+                                  api_visibility="private")):
+        event.then(**keep)
+    preset.change(lambda name: PRESETS[name], preset, system_prompt, api_visibility="private")
+    download_on_click(export_json, lambda h, s: export(h, s, "json"), [chatbot, system_prompt], "chat-export-json")
+    download_on_click(export_md, lambda h, s: export(h, s, "md"), [chatbot, system_prompt], "chat-export-md")
 
     wire_stop(stop, flags, status, "stop")
     clear.click(lambda: ([], "", ""), None, [chatbot, message, status], api_visibility="private").then(**keep)

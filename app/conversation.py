@@ -116,11 +116,13 @@ def start_turn(message, history, sampling) -> tuple[SamplingParams, list[dict]]:
     return params, plain_history(history)
 
 
-def stats_line(stats) -> str:
+def stats_line(stats, context: int = 0) -> str:
+    """A reply's speed and size, and how full the context is (`context` 0: unknown, a remote model)."""
     reused = f" ({stats.cached_tokens} reused from the last turn)" if stats.cached_tokens else ""
+    meter = f" · context: {stats.prompt_tokens + stats.new_tokens} of {context} tokens" if context else ""
     line = (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · first token "
             f"{stats.time_to_first_token_s * 1000:.0f} ms · prompt {stats.prompt_tokens} tokens{reused} · "
-            f"ended: {stats.finish_reason}")
+            f"ended: {stats.finish_reason}{meter}")
     return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
 
 
@@ -143,7 +145,7 @@ def stream_turn(tools: ToolHost, name: str, reply: Callable[[Any, threading.Even
                     notices.append(event.notice)
                     gr.Warning(event.notice)
                 history[-1]["content"] += event.text
-                status = stats_line(event.stats) if event.stats else "generating…"
+                status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
                 yield "", history, " · ".join(notices + [status])
 
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import tempfile
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import gradio as gr
 import numpy as np
 from gradio.data_classes import FileData
-from gradio.utils import get_upload_folder
 
+from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from app.tool_loading import loading_updates
 from app.segment_render import (mask_png, render_candidates, render_everything, render_session, status_line,
@@ -39,12 +37,7 @@ class TabState:
 
 
 def _write_png(data: bytes) -> str:
-    """Into Gradio's own upload folder: the one place it serves files from without extra settings."""
-    folder = Path(get_upload_folder()) / "masks"
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(prefix="mask-", suffix=".png", delete=False, dir=folder) as f:
-        f.write(data)
-    return f.name
+    return write_download(data, "mask-", ".png")
 
 
 def _empty():
@@ -139,7 +132,6 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> None:
             gallery = gr.Gallery(label="Candidates", columns=3, height=220, allow_preview=False,
                                  elem_id="segment-candidates")
             download = gr.Button("Download chosen mask (PNG)", interactive=False)
-            download_file = gr.DownloadButton(visible="hidden", elem_id="segment-mask-file")
             status = gr.Markdown("", elem_id="segment-status")
     outputs = [canvas, state, gallery, download, status]
     gr.Examples(examples, inputs=canvas, outputs=outputs, fn=on_image, run_on_click=True, cache_examples=False)
@@ -159,10 +151,7 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> None:
                 raise UserError(missing)
             return _write_png(mask_png(session.full_mask()))
 
-    # A visible button makes the file; once made, a hidden download button (in the page, not shown) fetches it.
-    download.click(on_download, state, download_file, api_visibility="private").success(
-        None, js="() => { const e = document.querySelector('#segment-mask-file'); "
-                 "(e.matches('a,button') ? e : e.querySelector('a,button')).click(); }")
+    download_on_click(download, on_download, state, "segment-mask-file")
 
     @shown_to_user
     def segment(image: FileData, points: str = "[]", box: str = "", multimask: bool = True) -> tuple[FileData, str]:

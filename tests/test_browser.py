@@ -112,3 +112,94 @@ def test_image_chat_tab_two_turns_and_restart(page):
     assert page.locator("#image-chat-image img").count() >= 1  # the image stays beside the conversation
     page.get_by_role("button", name="Restart conversation").click()
     page.get_by_text("What is unusual here?").first.wait_for(state="detached")
+
+
+def _chat_texts(page) -> list[str]:
+    return [t.strip() for t in page.locator("#chat-history [data-testid=user], #chat-history [data-testid=bot]")
+            .all_inner_texts()]
+
+
+def _new_chat(page) -> None:
+    page.get_by_role("tab", name="Chat", exact=True).click()
+    page.get_by_role("button", name="New chat").click()
+    page.locator("#chat-history .message-row").first.wait_for(state="detached")
+    for control, value in (("#chat-max-new-tokens", "12"), ("#chat-temperature", "1")):
+        page.locator(f"{control} input[type=number]").fill(value)
+        page.locator(f"{control} input[type=number]").press("Enter")
+
+
+def test_regenerate_replaces_the_last_reply_and_the_meter_shows_the_context(page):
+    _new_chat(page)
+    send(page, "Tell me something")
+    status = page.locator("#chat-status")
+    status.get_by_text("ended:").wait_for()
+    assert "context: " in status.inner_text() and " of 4096 tokens" in status.inner_text()
+    first = _chat_texts(page)
+    assert len(first) == 2
+    page.get_by_role("button", name="Regenerate").click()
+    page.wait_for_function("old => { const b = document.querySelector('#chat-history [data-testid=bot]'); "
+                           "return b && b.innerText.trim() !== old; }", arg=first[1])
+    status.get_by_text("ended:").wait_for()
+    again = _chat_texts(page)
+    assert len(again) == 2 and again[0] == first[0] and again[1] != first[1]  # a new draw for the same message
+
+
+def test_edit_and_resend_the_last_message(page):
+    _new_chat(page)
+    send(page, "Wrong question")
+    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    page.get_by_role("button", name="Edit last").click()
+    box = page.get_by_placeholder("Type a message, Enter to send")
+    page.wait_for_function("() => document.querySelector('#chat-history .message-row') === null")
+    assert box.input_value() == "Wrong question"
+    box.fill("Right question")
+    box.press("Enter")
+    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    texts = _chat_texts(page)
+    assert texts[0] == "Right question" and len(texts) == 2 and "Wrong question" not in " ".join(texts)
+
+
+def _import(page, path) -> None:
+    with page.expect_file_chooser() as chooser:
+        page.get_by_role("button", name="Import conversation").click()
+    chooser.value.set_files(str(path))
+
+
+def test_export_and_import_round_trip_with_highlighted_code(page, tmp_path):
+    _new_chat(page)
+    page.locator("#chat-preset input").click()
+    page.get_by_role("option", name="Coding helper").click()
+    page.wait_for_function("() => document.querySelector('#chat-system textarea').value.includes('expert programmer')")
+    send(page, "Show code")
+    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    before = _chat_texts(page)
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Export JSON").click()
+    exported = tmp_path / "conversation.json"
+    download.value.save_as(exported)
+    data = __import__("json").loads(exported.read_text())
+    assert data["system_prompt"].startswith("You are an expert programmer")
+    assert [m["content"] for m in data["messages"]][0] == "Show code"
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Export Markdown").click()
+    markdown = tmp_path / "conversation.md"
+    download.value.save_as(markdown)
+    assert "### User\n\nShow code" in markdown.read_text()
+
+    # a conversation with a code block, imported: it renders highlighted
+    data["messages"].append({"role": "user", "content": "And in Python?"})
+    data["messages"].append({"role": "assistant", "content": "```python\ndef square(x):\n    return x * x\n```"})
+    with_code = tmp_path / "with_code.json"
+    with_code.write_text(__import__("json").dumps(data))
+    page.get_by_role("button", name="New chat").click()
+    page.locator("#chat-history .message-row").first.wait_for(state="detached")
+    _import(page, with_code)
+    page.locator("#chat-status").get_by_text("Imported 4 messages.").wait_for()
+    texts = _chat_texts(page)
+    assert texts[:2] == before and "def square(x):" in texts[3]
+    code = page.locator("#chat-history pre code").first
+    assert code.locator("span").count() > 0  # tokens wrapped by the highlighter
+
+    _import(page, markdown)  # Markdown reads back too
+    page.locator("#chat-status").get_by_text("Imported 2 messages.").wait_for()
+    assert _chat_texts(page) == before

@@ -1,0 +1,34 @@
+"""Files the user downloads (mask PNGs, exported conversations): written on demand into Gradio's
+upload folder, then fetched by a download button that is in the page but hidden.
+
+Why the hidden button: a `DownloadButton` downloads whatever file it already holds, so making the file
+on every change (every streamed token, every click on a 12 MP photo) would cost more than the download.
+A visible `Button` makes the file only when pressed and hands it to the hidden one, which the browser
+then clicks."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import gradio as gr
+from gradio.utils import get_upload_folder
+
+
+def write_download(data: bytes, prefix: str, suffix: str) -> str:
+    """`data` as a new file in Gradio's own upload folder (the one place it serves files from without
+    extra settings, and which `delete_cache` clears)."""
+    folder = Path(get_upload_folder()) / "downloads"
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(prefix=prefix, suffix=suffix, delete=False, dir=folder) as f:
+        f.write(data)
+    return f.name
+
+
+def download_on_click(button: gr.Button, make: Callable[..., str], inputs, elem_id: str) -> None:
+    """When `button` is pressed, `make(*inputs)` returns a file's path and the browser downloads it."""
+    hidden = gr.DownloadButton(visible="hidden", elem_id=elem_id)
+    button.click(make, inputs, hidden, api_visibility="private").success(
+        None, js=f"() => {{ const e = document.querySelector('#{elem_id}'); "
+                 "(e.matches('a,button') ? e : e.querySelector('a,button')).click(); }")
