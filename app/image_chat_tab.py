@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections.abc import Callable, Iterator
 
 import gradio as gr
 from gradio.data_classes import FileData
@@ -14,7 +15,18 @@ from pipeline.images import load_image
 from pipeline.tools import ToolHost
 
 
-def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> None:
+@dataclasses.dataclass
+class ImageChatTab:
+    """What other tabs drive: put an image and a question here, then run `respond` (Segment's "Ask about this")."""
+
+    image: gr.Image
+    message: gr.Textbox
+    respond: Callable
+    inputs: list
+    outputs: list
+
+
+def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> ImageChatTab:
     flags = CancelFlags()
 
     @shown_to_user
@@ -68,3 +80,4 @@ def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> None:
             yield new_history, line
 
     gr.api(image_chat, api_name="image_chat", concurrency_limit=None)
+    return ImageChatTab(image, message, respond, inputs, outputs)

@@ -21,11 +21,12 @@ import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pipeline.errors import UserError
-from pipeline.images import load_image
+from pipeline.images import load_image, masked_crop
 from pipeline.llm.language_model import ChatEvent
 from pipeline.llm.sampling import SamplingParams
 from pipeline.tools import ToolHost
@@ -54,6 +55,7 @@ class ChatRequest:
     model: str
     messages: list[dict]  # {"role", "content": text}
     image: bytes | None  # the image of an image-chat request (encoded file bytes)
+    mask: bytes | None  # extension: a mask of the image (PNG, white = the object) to ask about that object only
     params: SamplingParams
     stop: list[str]
     stream: bool
@@ -160,14 +162,27 @@ def parse_request(body: object, models: list[str], allow_files: bool) -> ChatReq
     options = body.get("stream_options") or {}
     if image is not None and model != IMAGE_MODEL:
         model = IMAGE_MODEL  # an image routes the request to image chat
-    return ChatRequest(model, messages, image, params, stop, stream,
+    mask = body.get("mask")
+    if mask is not None:
+        if image is None:
+            raise ApiError(400, "mask needs an image_url part in the last user message", "mask")
+        mask = _image_bytes(mask, allow_files)
+    return ChatRequest(model, messages, image, mask, params, stop, stream,
                        bool(isinstance(options, dict) and options.get("include_usage")))
+
+
+def request_image(req: ChatRequest) -> np.ndarray:
+    """The picture image chat is asked about: the image, or with a mask, the masked object's crop."""
+    pixels = load_image(req.image)
+    if req.mask is None:
+        return pixels
+    return masked_crop(pixels, load_image(req.mask).max(axis=2) > 127)
 
 
 def _events(tools: ToolHost, req: ChatRequest, cancel: threading.Event, session: str) -> Iterator[ChatEvent]:
     """The reply's events from the right tool, held busy while it runs."""
     if req.image is not None:
-        pixels = load_image(req.image)
+        pixels = request_image(req)
         with tools.using("image chat") as pipeline:
             messages = [m for m in req.messages if m["role"] != "system"]
             yield from pipeline.stream(pixels, messages, req.params, cancel, session)
@@ -284,10 +299,10 @@ def build_router(tools: ToolHost, chat_model: str, api_key: str | None, allow_fi
                 raise ApiError(400, f"the body is not valid JSON: {e}") from None
             req = parse_request(body, models, allow_files)
             if req.image is not None:
-                try:
-                    load_image(req.image)  # a broken image is a 400 now, not a failed stream later
+                try:  # a broken image or mask is a 400 now, not a failed stream later
+                    request_image(req)
                 except UserError as e:
-                    raise ApiError(400, f"the image_url image: {e}", "messages") from None
+                    raise ApiError(400, f"the image_url image: {e}", "mask" if req.mask else "messages") from None
         except (ApiError, UserError) as e:
             return _user_error(e).response()
         reply = Reply(tools, req)

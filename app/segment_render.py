@@ -84,12 +84,17 @@ def render_everything(image: np.ndarray, masks: Sequence[AutoMask]) -> np.ndarra
     return out.astype(np.uint8)
 
 
-def mask_png(mask: np.ndarray) -> bytes:
-    """A mask as a black-and-white PNG (255 = object), the format image editors expect; fast
-    compression (a mask is mostly runs, so it stays small) keeps a 12 MP mask quick to write."""
+def png_bytes(image: np.ndarray) -> bytes:
+    """An array as PNG; fast compression keeps a 12 MP image quick to write."""
     buf = io.BytesIO()
-    Image.fromarray(mask.astype(np.uint8) * 255).save(buf, format="PNG", compress_level=1)
+    Image.fromarray(image).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
+
+
+def mask_png(mask: np.ndarray) -> bytes:
+    """A mask as a black-and-white PNG (255 = object), the format image editors expect (a mask is mostly
+    runs, so it stays small)."""
+    return png_bytes(mask.astype(np.uint8) * 255)
 
 
 def shrink(mask: np.ndarray | None, like: np.ndarray) -> np.ndarray | None:

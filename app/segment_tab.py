@@ -16,10 +16,10 @@ from gradio.data_classes import FileData
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from app.tool_loading import loading_updates
-from app.segment_render import (mask_png, render_candidates, render_everything, render_session, status_line,
+from app.segment_render import (mask_png, png_bytes, render_candidates, render_everything, render_session, status_line,
                                 thumbnail)
 from pipeline.errors import UserError
-from pipeline.images import fit_for_display, load_image
+from pipeline.images import fit_for_display, load_image, masked_crop
 from pipeline.segment import SegmentStats
 from pipeline.segment_session import SegmentSession
 from pipeline.tools import ToolHost
@@ -52,7 +52,18 @@ def _render(t: TabState):
             gr.Button(interactive=s.mask is not None), status_line(s))
 
 
-def build_segment_tab(tools: ToolHost, examples: list[str]) -> None:
+@dataclasses.dataclass
+class SelectionQuestion:
+    """"Ask about this": the question box and button; `selection(state, question)` gives the selected
+    object's image file (a masked crop, background dimmed) and the question, for image chat."""
+
+    button: gr.Button
+    question: gr.Textbox
+    state: gr.State
+    selection: Callable
+
+
+def build_segment_tab(tools: ToolHost, examples: list[str]) -> SelectionQuestion:
     @contextlib.contextmanager
     def session_of(t: TabState | None, missing: str) -> Iterator[SegmentSession]:
         """The user's session on the loaded SAM (loaded again, and the image re-encoded, if the memory
@@ -132,6 +143,10 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> None:
             gallery = gr.Gallery(label="Candidates", columns=3, height=220, allow_preview=False,
                                  elem_id="segment-candidates")
             download = gr.Button("Download chosen mask (PNG)", interactive=False)
+            with gr.Row():
+                question = gr.Textbox(placeholder="What is this? (about the selected object)", show_label=False,
+                                      scale=4, elem_id="segment-question")
+                ask = gr.Button("Ask about this", scale=1)
             status = gr.Markdown("", elem_id="segment-status")
     outputs = [canvas, state, gallery, download, status]
     gr.Examples(examples, inputs=canvas, outputs=outputs, fn=on_image, run_on_click=True, cache_examples=False)
@@ -152,6 +167,15 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> None:
             return _write_png(mask_png(session.full_mask()))
 
     download_on_click(download, on_download, state, "segment-mask-file")
+
+    @shown_to_user
+    def selection(t: TabState | None, text: str) -> tuple[str, str]:
+        missing = "click on an object first: there is nothing selected to ask about"
+        with session_of(t, missing) as session:
+            if session.mask is None:
+                raise UserError(missing)
+            crop = masked_crop(session.handle.image, session.full_mask())
+        return write_download(png_bytes(crop), "selection-", ".png"), (text or "").strip() or "What is this?"
 
     @shown_to_user
     def segment(image: FileData, points: str = "[]", box: str = "", multimask: bool = True) -> tuple[FileData, str]:
@@ -179,3 +203,4 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> None:
         return FileData(path=_write_png(mask_png(result.masks[best]))), json.dumps(info)
 
     gr.api(segment, api_name="segment")
+    return SelectionQuestion(ask, question, state, selection)

@@ -61,16 +61,21 @@ def build_app(tools: ToolHost, startup: list[str]) -> gr.Blocks:
         banner = gr.Markdown(tools_line(tools), elem_id="tools-status")
         with gr.Accordion("Start-up: what runs where, and why", open=False):
             report = gr.Markdown("\n".join(f"- {line}" for line in startup), elem_id="startup-report")
-        with gr.Tab("Chat"):
-            build_chat_tab(tools, demo, browser_storage_secret())
-        with gr.Tab("Image chat"):
-            if tools.spec("image chat").is_demo:
-                gr.Markdown(MINIGPT4_DEMO_WARNING)
-            build_image_chat_tab(tools, example_images())
-        with gr.Tab("Segment"):
-            if tools.spec("segment").is_demo:
-                gr.Markdown(SAM_DEMO_WARNING)
-            build_segment_tab(tools, example_images())
+        with gr.Tabs() as tabs:
+            with gr.Tab("Chat", id="chat"):
+                build_chat_tab(tools, demo, browser_storage_secret())
+            with gr.Tab("Image chat", id="image-chat"):
+                if tools.spec("image chat").is_demo:
+                    gr.Markdown(MINIGPT4_DEMO_WARNING)
+                image_chat = build_image_chat_tab(tools, example_images())
+            with gr.Tab("Segment", id="segment"):
+                if tools.spec("segment").is_demo:
+                    gr.Markdown(SAM_DEMO_WARNING)
+                ask = build_segment_tab(tools, example_images())
+        # "Ask about this": the selected object (a masked crop) and the question go to image chat, which answers
+        ask.button.click(lambda t, q: (*ask.selection(t, q), gr.Tabs(selected="image-chat")), [ask.state, ask.question],
+                         [image_chat.image, image_chat.message, tabs], api_visibility="private").success(
+            image_chat.respond, image_chat.inputs, image_chat.outputs, api_visibility="private", concurrency_limit=None)
 
         def refresh() -> tuple[str, str]:
             return tools_line(tools), "\n".join(f"- {line}" for line in startup)

@@ -115,3 +115,22 @@ def fit_for_display(image: np.ndarray, max_side: int = 1600,
         return np.asarray(Image.fromarray(image).resize(size[::-1], Image.BILINEAR)), scale
     small = resize_image(to_device(image, device), size)
     return small.to(torch.uint8).permute(1, 2, 0).contiguous().cpu().numpy(), scale  # contiguous: PIL copies strided arrays slowly
+
+
+def masked_crop(image: np.ndarray, mask: np.ndarray, margin: float = 0.15, dim: float = 0.3) -> np.ndarray:
+    """The part of `image` (RGB uint8 [H, W, 3]) around `mask` (bool [H, W]), with `margin` of the
+    object's size around it and everything outside the mask dimmed to `dim` of its brightness: what
+    image chat is asked about when a user asks about a selected object (the surroundings stay
+    visible, faintly, so the object keeps its context)."""
+    if mask.shape != image.shape[:2]:
+        raise UserError(f"the mask is {mask.shape[1]}×{mask.shape[0]} but the image is "
+                        f"{image.shape[1]}×{image.shape[0]}: they must be the same size")
+    ys, xs = np.nonzero(mask)
+    if not len(ys):
+        raise UserError("the mask is empty: select an object first")
+    h, w = mask.shape
+    pad_y, pad_x = int((ys.max() - ys.min() + 1) * margin), int((xs.max() - xs.min() + 1) * margin)
+    y0, y1 = max(0, ys.min() - pad_y), min(h, ys.max() + 1 + pad_y)
+    x0, x1 = max(0, xs.min() - pad_x), min(w, xs.max() + 1 + pad_x)
+    crop, keep = image[y0:y1, x0:x1], mask[y0:y1, x0:x1, None]
+    return np.where(keep, crop, (crop * dim).astype(np.uint8))

@@ -203,3 +203,22 @@ def test_export_and_import_round_trip_with_highlighted_code(page, tmp_path):
     _import(page, markdown)  # Markdown reads back too
     page.locator("#chat-status").get_by_text("Imported 2 messages.").wait_for()
     assert _chat_texts(page) == before
+
+
+def test_ask_about_the_selected_object(page):
+    page.get_by_role("tab", name="Segment").click()
+    page.locator("#segment-canvas input[type=file]").set_input_files("assets/examples/shapes.jpg")
+    status = page.locator("#segment-status")
+    status.get_by_text("encoder runs").wait_for()
+    image = page.locator("#segment-canvas img").first
+    box = image.bounding_box()
+    image.click(position={"x": box["width"] * 0.3, "y": box["height"] * 0.4})
+    status.get_by_text("1 point").wait_for()
+    page.locator("#segment-question textarea").fill("What colour is this shape?")
+    page.get_by_role("button", name="Ask about this").click()
+    page.locator("#image-chat-status").get_by_text("tok/s").wait_for()  # image chat answered, in its own tab
+    assert page.get_by_role("tab", name="Image chat").get_attribute("aria-selected") == "true"
+    assert page.get_by_text("What colour is this shape?").count() >= 1
+    shown = page.locator("#image-chat-image img").first
+    shown.wait_for()
+    assert "selection-" in shown.get_attribute("src")  # the masked crop, not the whole photo

@@ -161,3 +161,28 @@ def test_ctrl_c_shuts_the_app_down_cleanly(tmp_path, studio_cache):
         proc.kill()
     text = log.read_text()
     assert "shutting down" in text and "Traceback" not in text, text[-2000:]
+
+
+def test_an_image_question_with_a_mask_asks_about_the_object(api):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    client, _ = api
+    size = Image.open(ROOT / "assets/examples/shapes.jpg").size
+    mask = np.zeros(size[::-1], dtype=np.uint8)
+    mask[100:200, 150:300] = 255
+    buf = io.BytesIO()
+    Image.fromarray(mask).save(buf, format="PNG")
+    mask_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    ask = dict(model="minigpt4", max_tokens=4, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is this object?"}, {"type": "image_url", "image_url": {"url": image_url()}}]}])
+    answer = client.chat.completions.create(**ask, extra_body={"mask": mask_url})
+    assert answer.usage.completion_tokens >= 1
+    buf = io.BytesIO()
+    Image.fromarray(mask[:50]).save(buf, format="PNG")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**ask, extra_body={"mask": "data:image/png;base64," +
+                                                          base64.b64encode(buf.getvalue()).decode()})
+    assert caught.value.body["param"] == "mask" and "same size" in caught.value.body["message"]

@@ -242,3 +242,19 @@ def test_content_key_and_resize_for_big_photos():
     ours = resize_image(torch.from_numpy(smooth.copy()), (375, 500)).permute(1, 2, 0).numpy()
     pil, _ = fit_for_display(smooth, max_side=500)
     assert pil.shape == ours.shape and np.abs(pil.astype(np.float32) - ours).max() <= 1
+
+
+def test_masked_crop_keeps_the_object_and_dims_its_surroundings():
+    from pipeline.images import masked_crop
+
+    image = np.full((100, 200, 3), 200, dtype=np.uint8)
+    mask = np.zeros((100, 200), dtype=bool)
+    mask[40:60, 100:140] = True  # a 20 × 40 object
+    crop = masked_crop(image, mask, margin=0.25, dim=0.5)
+    assert crop.shape == (30, 60, 3)  # the object plus a quarter of its size on each side
+    assert (crop[5:25, 10:50] == 200).all()  # the object untouched
+    assert (crop[0, 0] == 100).all()  # the surroundings at half brightness
+    with pytest.raises(UserError, match="empty"):
+        masked_crop(image, np.zeros_like(mask))
+    with pytest.raises(UserError, match="same size"):
+        masked_crop(image, mask[:50])
