@@ -82,6 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-file-urls", action="store_true",
                    help="let API requests name images as file:// URLs on this machine")
     p.add_argument("--max-upload", default="50mb", help="largest file a browser may upload (default 50mb)")
+    p.add_argument("--keep-files", type=int, default=3600, metavar="SECONDS",
+                   help="delete uploads, masks and exports this long after they were made (default 3600)")
     p.add_argument("--no-browser", action="store_true", help="do not open the browser on the app")
     p.add_argument("--auth", help="user:password required to open the app")
     p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
@@ -317,7 +319,7 @@ def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -
         api_key = secrets.token_urlsafe(24)
         print(f"[studio] the API is reachable from other machines: its key is {api_key} "
               f"(Authorization: Bearer …; set your own with --api-key)", flush=True)
-    app = build_app(host, startup).queue(default_concurrency_limit=1)
+    app = build_app(host, startup, args.keep_files).queue(default_concurrency_limit=1)
     server, local_url, share_url = app.launch(server_name=args.host, server_port=args.port, share=args.share,
                                               auth=auth, show_error=True, prevent_thread_lock=True, quiet=True,
                                               max_file_size=args.max_upload)

@@ -8,7 +8,9 @@ then clicks."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,11 +18,20 @@ import gradio as gr
 from gradio.utils import get_upload_folder
 
 
+KEEP_FILES_S = 3600  # how long uploads and made files stay on disk (`--keep-files`)
+
+
 def write_download(data: bytes, prefix: str, suffix: str) -> str:
     """`data` as a new file in Gradio's own upload folder (the one place it serves files from without
-    extra settings, and which `delete_cache` clears)."""
+    extra settings); files made there more than KEEP_FILES_S ago are removed first, so masks and
+    exports do not pile up on a long-running server."""
     folder = Path(get_upload_folder()) / "downloads"
     folder.mkdir(parents=True, exist_ok=True)
+    expired = time.time() - KEEP_FILES_S
+    for old in folder.iterdir():
+        with contextlib.suppress(OSError):  # another request may remove it first
+            if old.stat().st_mtime < expired:
+                old.unlink()
     with tempfile.NamedTemporaryFile(prefix=prefix, suffix=suffix, delete=False, dir=folder) as f:
         f.write(data)
     return f.name

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import gradio as gr
 
+from app import downloads
 from app.chat_tab import build_chat_tab
+from app.downloads import KEEP_FILES_S
 from app.image_chat_tab import build_image_chat_tab
 from app.segment_tab import build_segment_tab
 from pipeline.files import atomic_write
@@ -51,10 +53,13 @@ def tools_line(tools: ToolHost) -> str:
     return "\n".join(lines)
 
 
-def build_app(tools: ToolHost, startup: list[str]) -> gr.Blocks:
+def build_app(tools: ToolHost, startup: list[str], keep_files_s: int = KEEP_FILES_S) -> gr.Blocks:
     """`startup`: what start-up chose and did (backends and why, engines built or loaded, with times);
-    it keeps growing as tools load on first use."""
-    with gr.Blocks(title="AI Studio") as demo:
+    it keeps growing as tools load on first use. Uploads and files made for download are deleted
+    `keep_files_s` after they were made."""
+    downloads.KEEP_FILES_S = keep_files_s
+    sweep = max(1, min(600, keep_files_s // 2))
+    with gr.Blocks(title="AI Studio", delete_cache=(sweep, keep_files_s)) as demo:
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
         if tools.spec("chat").is_demo:
             gr.Markdown(DEMO_WARNING)

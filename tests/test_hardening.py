@@ -128,3 +128,37 @@ def test_user_errors_leave_no_traceback_in_the_server_log(running_app, client):
         client.predict("", [], *PARAMS, 4, -1, api_name="/chat")
     time.sleep(0.5)
     assert "Traceback" not in running_app[1].read_text()
+
+
+def test_uploads_over_the_limit_are_refused_and_files_are_deleted_after_keep_files(tmp_path, studio_cache,
+                                                                                   monkeypatch):
+    """`--max-upload 1mb --keep-files 2`: a 3 MB upload is refused; a mask PNG made for a download and the
+    upload it came from are gone a few seconds later."""
+    import numpy as np
+    from PIL import Image
+
+    from conftest import launched
+
+    big = tmp_path / "big.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (1100, 1100, 3), dtype=np.uint8)).save(big)
+    assert big.stat().st_size > 3 << 20
+    gradio_files = tmp_path / "gradio"
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(gradio_files))  # this app's files only
+    with launched(tmp_path / "launch.log", studio_cache, "--context", "2048", "--max-upload", "1mb",
+                  "--keep-files", "2") as (url, _, _):
+        client = Client(url, verbose=False)
+        from gradio_client import handle_file
+
+        with pytest.raises(Exception, match="(?i)too large|exceeds|413"):
+            client.predict(handle_file(str(big)), "[[10, 10, 1]]", "", True, api_name="/segment")
+        photo = tmp_path / "my_photo.png"  # not one of the app's examples, which stay cached
+        Image.fromarray(np.random.default_rng(1).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(photo)
+        client.predict(handle_file(str(photo)), "[[10, 10, 1]]", "", True, api_name="/segment")
+        made = [p for p in gradio_files.rglob("*.png") if p.name.startswith(("mask-", "my_photo"))]
+        assert {p.name.split("-")[0].split(".")[0] for p in made} >= {"mask", "my_photo"}, made
+        deadline = time.time() + 20
+        while any(p.exists() for p in made) and time.time() < deadline:
+            time.sleep(0.5)
+            client.predict(handle_file(str(ROOT / "assets/examples/shapes.jpg")), "[[12, 12, 1]]", "", True,
+                           api_name="/segment")  # each new file sweeps the expired ones
+        assert not any(p.exists() for p in made), [p for p in made if p.exists()]
