@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ def text_of(content) -> str:
     return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in parts)
 
 
+UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page
 MAX_IN_FLIGHT = 2  # replies one browser session (or API client session) may have running or queued
 
 
@@ -139,12 +141,18 @@ def stream_turn(tools: ToolHost, name: str, reply: Callable[[Any, threading.Even
         yield from loading_updates(tools, name, 3)
         history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
         notices: list[str] = []
+        shown = 0.0  # when the page was last updated
         with tools.using(name) as pipeline:
             for event in reply(pipeline, cancel, f"{name.replace(' ', '-')}:{session}"):
                 if event.notice:
                     notices.append(event.notice)
                     gr.Warning(event.notice)
                 history[-1]["content"] += event.text
+                # Each update sends the whole history: at most one per UPDATE_EVERY_S, so a long
+                # conversation streams as fast as a short one (the last update always goes out).
+                if event.stats is None and event.notice is None and time.monotonic() - shown < UPDATE_EVERY_S:
+                    continue
+                shown = time.monotonic()
                 status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
                 yield "", history, " · ".join(notices + [status])
 

@@ -162,3 +162,15 @@ def test_uploads_over_the_limit_are_refused_and_files_are_deleted_after_keep_fil
             client.predict(handle_file(str(ROOT / "assets/examples/shapes.jpg")), "[[12, 12, 1]]", "", True,
                            api_name="/segment")  # each new file sweeps the expired ones
         assert not any(p.exists() for p in made), [p for p in made if p.exists()]
+
+
+def test_a_long_history_streams_in_a_bounded_number_of_updates(client):
+    """Every update resends the whole history, so updates are paced (≤ 20 a second), not one per token."""
+    history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"message number {i}"} for i in range(1000)]
+    job = client.submit("Write a long essay", history, "", 1.5, 1.0, 0, 1.0, 300, 20, api_name="/chat")
+    updates = list(job)
+    status = updates[-1][2].split(" · ", 1)[1] if "outgrew" in updates[-1][2] else updates[-1][2]
+    tokens = int(status.split(" tokens")[0])
+    seconds = tokens / max(float(status.split(" tok/s")[0].split("· ")[-1]), 1e-3)
+    assert tokens > 50, status
+    assert len(updates) <= seconds / 0.05 + 5 < tokens, (len(updates), seconds, tokens)
