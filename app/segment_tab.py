@@ -124,7 +124,7 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> SelectionQuestion
         return (render_everything(t.display, masks),
                 f"Segment everything: {found}. Click the image to go back to prompting.")
 
-    state = gr.State(None)
+    state = gr.State(None, time_to_live=3600)  # a session idle for an hour lets go of its photo and embeddings
     with gr.Row():
         with gr.Column(scale=3):
             # Each click sends the drawn copy to the browser: a 1600×1200 photo encodes in ~10 ms as JPEG

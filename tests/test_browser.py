@@ -210,6 +210,9 @@ def test_ask_about_the_selected_object(page):
     page.locator("#segment-canvas input[type=file]").set_input_files("assets/examples/shapes.jpg")
     status = page.locator("#segment-status")
     status.get_by_text("encoder runs").wait_for()
+    page.get_by_label("Points").check()
+    page.get_by_role("button", name="Clear prompts").click()  # an earlier test may have left prompts
+    status.get_by_text("0 points").wait_for()
     image = page.locator("#segment-canvas img").first
     box = image.bounding_box()
     image.click(position={"x": box["width"] * 0.3, "y": box["height"] * 0.4})
