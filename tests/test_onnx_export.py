@@ -34,7 +34,7 @@ def built(graph, module, tmp_path) -> onnxruntime_backend.OrtSession:
 
 @pytest.fixture(scope="module")
 def sam():
-    return spread_weights(Sam(VARIANTS["demo"]), seed=11).eval()
+    return spread_weights(lambda: Sam(VARIANTS["demo"]), seed=11).eval()
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def test_labelled_points_follow_the_official_onnx_convention():
 
 
 def test_minigpt4_vision_matches_torch(tmp_path):
-    model = spread_weights(MiniGPT4Vision(TINY), seed=5).eval()
+    model = spread_weights(lambda: MiniGPT4Vision(TINY), seed=5).eval()
     session = built(minigpt4_graph(model.config), model, tmp_path)
     pixels = torch.randn(1, 3, 224, 224)
     with torch.inference_mode():

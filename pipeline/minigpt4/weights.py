@@ -133,7 +133,8 @@ def load_vision(minigpt4_ckpt: Path, *, eva: Path | None = None, blip2: Path | N
 def build_demo(folder: Path, llm_width: int, config: VisionConfig = TINY) -> None:
     """Random vision weights (tiny by default; `config` gives other shapes, e.g. the real ones for a
     memory benchmark) written as the original three files, loaded like real ones."""
-    state = spread_weights(MiniGPT4Vision(dataclasses.replace(config, llm_width=llm_width)), seed=2024).state_dict()
+    state = spread_weights(lambda: MiniGPT4Vision(dataclasses.replace(config, llm_width=llm_width)),
+                           seed=2024).state_dict()
     eva = {k.removeprefix("visual_encoder."): v for k, v in state.items() if k.startswith("visual_encoder.")}
     blip2 = {k: v for k, v in state.items() if k.startswith(("Qformer.", "query_tokens", "ln_vision."))}
     minigpt4 = {k: v for k, v in state.items() if k.startswith("llama_proj.")}

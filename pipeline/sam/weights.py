@@ -23,7 +23,7 @@ DEMO_SEED = 4321
 
 def _build_demo(path: Path) -> None:
     """Random weights with some spread (so clicks give varied masks), in the official `.pth` layout."""
-    write_weight_file(path, spread_weights(Sam(VARIANTS["demo"]), DEMO_SEED).state_dict())
+    write_weight_file(path, spread_weights(lambda: Sam(VARIANTS["demo"]), DEMO_SEED).state_dict())
 
 
 def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:
