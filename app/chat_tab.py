@@ -135,7 +135,8 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
         """API: stream a reply to `message` after `history` (a list of {role, content} with text content, or
         the Chatbot's own messages); yields (cleared textbox, history with the growing answer, status).
         Seed -1 = random. /stop stops this session's replies."""
-        yield from respond(message, history, system_prompt, temperature, top_p, top_k, repetition_penalty,
-                           max_new_tokens, seed, request)
+        for _, new_history, line in respond(message, history, system_prompt, temperature, top_p, top_k,
+                                            repetition_penalty, max_new_tokens, seed, request):
+            yield "", (new_history if isinstance(new_history, list) else history or []), line  # loading: no new history
 
     gr.api(chat, api_name="chat", concurrency_limit=None)

@@ -77,7 +77,7 @@ def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> ImageChatTab:
         path = image["path"] if isinstance(image, dict) else image.path if image is not None else None
         for _, new_history, line in respond(path, message, history, temperature, top_p, top_k, repetition_penalty,
                                             max_new_tokens, seed, request):
-            yield new_history, line
+            yield (new_history if isinstance(new_history, list) else history or []), line  # loading: no new history
 
     gr.api(image_chat, api_name="image_chat", concurrency_limit=None)
     return ImageChatTab(image, message, respond, inputs, outputs)
