@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llm_engine import GREEDY, QWEN25_7B, UI_DEFAULT, random_prompt, run  # noqa: E402
+from llm_engine import QWEN25_7B, UI_DEFAULT, random_prompt, run  # noqa: E402
 from timing import copy_bandwidth_tbps, report  # noqa: E402
 from pipeline.llm.checkpoint import load_decoder  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402

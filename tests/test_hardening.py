@@ -13,8 +13,7 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from conftest import ROOT
-from pipeline.llm.prompt import fit_prompt
-from pipeline.llm.prompt import chat_format
+from pipeline.llm.prompt import chat_format, fit_prompt
 from pipeline.llm.tokenizer import load_tokenizer
 
 PARAMS = ("You are a helpful assistant.", 0.0, 0.8, 20, 1.0)
