@@ -116,17 +116,18 @@ def make_plan(args: argparse.Namespace) -> Plan:
             backends[f"{tool} LLM" if tool == "image chat" else tool] = choose_llm_backend(requested, device)
         if tool != "chat":
             backends[f"{tool} vision" if tool == "image chat" else tool] = choose_vision_backend(requested, device)
+    if args.llm_endpoint:
+        if not args.llm_endpoint.startswith(("http://", "https://")):
+            raise UserError(f"--llm-endpoint {args.llm_endpoint}: give the server's /v1 URL, e.g. http://gpu-box:8000/v1")
+        backends["chat"] = BackendChoice("remote", f"the OpenAI-compatible server at {args.llm_endpoint}; "
+                                                   f"image chat and segment stay local")
     notes += [f"{part}: {choice.backend} ({choice.why})" for part, choice in backends.items()]
     notes.append(f"LLM weights: --quant {args.quant}" + (
         " (at load: float where the weights fit the free memory, else int8, else int4)" if args.quant == "auto" else ""))
     if args.gpu_memory is not None and args.gpu_memory <= 0:
         raise UserError(f"--gpu-memory {args.gpu_memory}: give the GiB the tools may use, e.g. --gpu-memory 20")
     if args.llm_endpoint:
-        if not args.llm_endpoint.startswith(("http://", "https://")):
-            raise UserError(f"--llm-endpoint {args.llm_endpoint}: give the server's /v1 URL, e.g. http://gpu-box:8000/v1")
         model_id = args.llm_model or "(the server's first model)"
-        backends["chat"] = BackendChoice("remote", f"--llm-endpoint {args.llm_endpoint}")
-        notes.append(f"chat: the OpenAI-compatible server at {args.llm_endpoint}; image chat and segment stay local")
     elif args.model == "auto" and args.weights is None:
         model_id, why = auto_model(device.startswith("cuda"))
         notes.append(f"model {model_id}: {why}")
