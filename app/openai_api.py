@@ -60,6 +60,7 @@ class ChatRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    pixels: np.ndarray | None = None  # the decoded picture (`request_image`), once checked
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
@@ -181,11 +182,10 @@ def request_image(req: ChatRequest) -> np.ndarray:
 
 def _events(tools: ToolHost, req: ChatRequest, cancel: threading.Event, session: str) -> Iterator[ChatEvent]:
     """The reply's events from the right tool, held busy while it runs."""
-    if req.image is not None:
-        pixels = request_image(req)
+    if req.pixels is not None:
         with tools.using("image chat") as pipeline:
             messages = [m for m in req.messages if m["role"] != "system"]
-            yield from pipeline.stream(pixels, messages, req.params, cancel, session)
+            yield from pipeline.stream(req.pixels, messages, req.params, cancel, session)
     else:
         with tools.using("chat") as pipeline:
             yield from pipeline.stream(req.messages, req.params, cancel, session)
@@ -199,6 +199,7 @@ class Reply:
         self.pieces: queue.SimpleQueue = queue.SimpleQueue()  # str, then ("end", stats or exception)
         self.text = ""
         self.stats = None
+        self.stopped = False  # a client stop string ended the reply
         threading.Thread(target=self._run, args=(tools,), daemon=True, name="openai-reply").start()
 
     def _run(self, tools: ToolHost) -> None:
@@ -211,8 +212,6 @@ class Reply:
                         self.pieces.put(piece)
                 if event.stats is not None:
                     self.stats = event.stats
-                if self.cancel.is_set() and self.stats is None:
-                    continue
             self.pieces.put(("end", None))
         except BaseException as e:  # noqa: BLE001 - handed to the HTTP side
             self.pieces.put(("end", e))
@@ -230,8 +229,6 @@ class Reply:
             self.cancel.set()
             return self.text[before:]
         return piece
-
-    stopped = False
 
     def finish_reason(self) -> str:
         if self.stopped or self.stats is None:
@@ -300,7 +297,7 @@ def build_router(tools: ToolHost, chat_model: str, api_key: str | None, allow_fi
             req = parse_request(body, models, allow_files)
             if req.image is not None:
                 try:  # a broken image or mask is a 400 now, not a failed stream later
-                    request_image(req)
+                    req.pixels = request_image(req)
                 except UserError as e:
                     raise ApiError(400, f"the image_url image: {e}", "mask" if req.mask else "messages") from None
         except (ApiError, UserError) as e:

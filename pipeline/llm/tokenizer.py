@@ -113,6 +113,23 @@ class QwenTiktokenTokenizer(Tokenizer):
         return {self.specials[ENDOFTEXT]}
 
 
+def generation_eos_ids(folder: Path) -> set[int]:
+    """The extra end-of-reply ids a checkpoint's `generation_config.json` names (LLaMA-3, Qwen2 chat)."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return set()
+    extra = json.loads(path.read_text()).get("eos_token_id")
+    return set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+
+
+def piece_bytes(piece: str, special: bool, byte: bool) -> bytes:
+    """A SentencePiece-style piece's bytes: a special token's spelling, a `<0xNN>` byte-fallback piece's
+    byte, else the text with `▁` as a space."""
+    if special:
+        return piece.encode()
+    return bytes([int(piece[3:5], 16)]) if byte else piece.replace("\u2581", " ").encode()
+
+
 class HFTokenizer(Tokenizer):
     """Any transformers fast tokenizer with a byte-level (Qwen2/3) or byte-fallback (LLaMA) vocabulary."""
 
@@ -127,11 +144,7 @@ class HFTokenizer(Tokenizer):
         self.bos_id = self._tok.bos_token_id
         self._bytes = self._byte_table()
         eos = self._tok.eos_token_id
-        self._eos = {eos} if eos is not None else set()
-        gen_cfg = Path(folder) / "generation_config.json"
-        if gen_cfg.is_file():
-            extra = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            self._eos |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+        self._eos = ({eos} if eos is not None else set()) | generation_eos_ids(folder)
 
     def _byte_table(self) -> list[bytes]:
         from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -143,10 +156,9 @@ class HFTokenizer(Tokenizer):
         if "ByteLevel" in kinds:
             unicode_to_byte = {u: b for b, u in bytes_to_unicode().items()}
             return [p.encode() if p in specials else bytes(unicode_to_byte[c] for c in p) for p in pieces]
-        if "ByteFallback" in kinds:  # SentencePiece-style: ▁ is a space, <0xNN> a raw byte
-            return [p.encode() if p in specials else
-                    bytes([int(p[3:5], 16)]) if len(p) == 6 and p.startswith("<0x") and p.endswith(">")
-                    else p.replace("\u2581", " ").encode() for p in pieces]
+        if "ByteFallback" in kinds:
+            return [piece_bytes(p, p in specials, len(p) == 6 and p.startswith("<0x") and p.endswith(">"))
+                    for p in pieces]
         raise UserError(f"unsupported tokenizer decoder {sorted(kinds)}: need byte-level or byte-fallback BPE")
 
     def encode(self, text: str) -> list[int]:
@@ -199,15 +211,10 @@ class SentencePieceTokenizer(Tokenizer):
             raise UserError(f"cannot read {path}: {str(e).splitlines()[0]}; re-download it") from None
         sp = self._sp
         self._specials = {i for i in range(sp.get_piece_size()) if sp.is_control(i) or sp.is_unknown(i)}
-        pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-        self._bytes = [p.encode() if i in self._specials else bytes([int(p[3:5], 16)]) if sp.is_byte(i)
-                       else p.replace("\u2581", " ").encode() for i, p in enumerate(pieces)]
+        self._bytes = [piece_bytes(sp.id_to_piece(i), i in self._specials, sp.is_byte(i))
+                       for i in range(sp.get_piece_size())]
         self.bos_id = sp.bos_id() if sp.bos_id() >= 0 else None
-        self._eos = {sp.eos_id()} if sp.eos_id() >= 0 else set()
-        gen_cfg = Path(path).parent / "generation_config.json"
-        if gen_cfg.is_file():
-            extra = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            self._eos |= set(extra if isinstance(extra, list) else [extra] if extra is not None else [])
+        self._eos = ({sp.eos_id()} if sp.eos_id() >= 0 else set()) | generation_eos_ids(Path(path).parent)
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text)  # plain text: "<s>" typed by a user stays characters
