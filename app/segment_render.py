@@ -54,12 +54,14 @@ def _frame(canvas: torch.Tensor, box: Sequence[float], width: int) -> None:
     canvas[y0:y1, max(x1 - width, x0):x1] = colour
 
 
-def render_overlay(image: np.ndarray, mask: np.ndarray | None, points: Sequence[Sequence[float]] = (),
+def render_overlay(image: np.ndarray | torch.Tensor, mask: np.ndarray | torch.Tensor | None, points: Sequence[Sequence[float]] = (),
                    labels: Sequence[int] = (), box: Sequence[float] | None = None,
                    device: str | torch.device = "cpu") -> np.ndarray:
     """The image with the mask tinted, positive points green, negative red, and the box outlined, all
     drawn by torch on `device` (the GPU where there is one) and copied out once: numpy's masked blend
-    of a 1600×1200 copy takes ~0.1 s on one CPU core, and PIL's drawing costs two more full copies."""
+    of a 1600×1200 copy takes ~0.1 s on one CPU core, and PIL's drawing costs two more full copies.
+    Given tensors already on `device` (the Segment tab keeps its display copy and masks there), a click
+    copies nothing in."""
     canvas = to_device(image, device)
     if mask is not None:
         blended = (canvas.float() * 0.45 + torch.as_tensor(MASK_COLOUR, device=canvas.device) * 0.55).to(torch.uint8)
@@ -104,7 +106,7 @@ def shrink(mask: np.ndarray | None, like: np.ndarray) -> np.ndarray | None:
     return np.asarray(Image.fromarray(mask).resize((like.shape[1], like.shape[0]), Image.NEAREST))
 
 
-def render_session(s: SegmentSession, display: np.ndarray, scale: float,
+def render_session(s: SegmentSession, display: np.ndarray | torch.Tensor, scale: float,
                    device: str | torch.device = "cpu") -> np.ndarray:
     """The display copy (`scale` displayed pixels per original pixel) with the chosen mask, the points,
     a half-drawn box's first corner and the box."""
@@ -112,7 +114,10 @@ def render_session(s: SegmentSession, display: np.ndarray, scale: float,
     points = [[v * scale for v in point] for point in [*s.prompts.points, *corner]]
     labels = [*s.prompts.labels, *[1] * len(corner)]
     box = [v * scale for v in s.prompts.box] if s.prompts.box is not None else None
-    return render_overlay(display, shrink(s.mask, display), points, labels, box, device)
+    mask = s.prediction.mask_tensor[s.chosen] if s.prediction is not None else None
+    if mask is not None and tuple(mask.shape) != tuple(display.shape[:2]):
+        mask = shrink(s.mask, display)
+    return render_overlay(display, mask, points, labels, box, device)
 
 
 def thumbnail(display: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import gradio as gr
 import numpy as np
+import torch
 from gradio.data_classes import FileData
 
 from app.downloads import download_on_click, write_download
@@ -19,7 +20,7 @@ from app.tool_loading import loading_updates
 from app.segment_render import (mask_png, png_bytes, render_candidates, render_everything, render_session, status_line,
                                 thumbnail)
 from pipeline.errors import UserError
-from pipeline.images import fit_for_display, load_image, masked_crop
+from pipeline.images import fit_for_display, load_image, masked_crop, to_device
 from pipeline.segment import SegmentStats
 from pipeline.segment_session import SegmentSession
 from pipeline.tools import ToolHost
@@ -34,6 +35,7 @@ class TabState:
     display: np.ndarray = dataclasses.field(repr=False)  # the image at browser size, drawn on every click
     scale: float  # displayed pixels per original pixel
     small: np.ndarray = dataclasses.field(repr=False)  # the candidates' thumbnail copy
+    on_device: torch.Tensor = dataclasses.field(repr=False)  # `display` where SAM runs: a click copies nothing in
 
 
 def _write_png(data: bytes) -> str:
@@ -48,7 +50,7 @@ def _render(t: TabState):
     """(display image, state, gallery, download button, status) for the session's current state. The
     full-size mask PNG is made only when the user downloads (a 12 MP one costs ~0.15 s, not per click)."""
     s = t.session
-    return (render_session(s, t.display, t.scale, s.pipeline.engine.device), t, render_candidates(s, t.small),
+    return (render_session(s, t.on_device, t.scale, s.pipeline.engine.device), t, render_candidates(s, t.small),
             gr.Button(interactive=s.mask is not None), status_line(s))
 
 
@@ -91,7 +93,8 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> SelectionQuestion
         yield from loading_updates(tools, "segment", 5)
         with tools.using("segment") as seg:
             display, scale = fit_for_display(image, device=seg.engine.device)
-            yield _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale, thumbnail(display)))
+            yield _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale, thumbnail(display),
+                                   to_device(display, seg.engine.device)))
 
     def on_click(t: TabState | None, label: str, mode: str, multimask: bool, evt: gr.SelectData):
         def click(s: SegmentSession) -> None:

@@ -93,6 +93,27 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return round(((a.float() - b.float()).norm() / b.float().norm()).item(), 5)
 
 
+def kernel_errors() -> dict[str, float]:
+    """gemlite's batch-1 GEMV against the dequantizing reference, with its split-K partial sums added
+    in bfloat16 (gemlite's default on Hopper) and in float32 (what `use_kernels` sets)."""
+    import gemlite
+
+    out = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n_in, n_out in ((3584, 4608), (18944, 3584)):
+        linear = torch.nn.Linear(n_in, n_out, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
+        for mode in ("int8", "int4"):
+            for atomics in ("bf16", "fp32"):
+                layer = QuantLinear.from_linear(linear, mode)
+                expected = torch.nn.functional.linear(x, layer.weight_float().to(torch.bfloat16), linear.bias).float()
+                layer.use_kernel()
+                gemlite.set_native_atomic_bfp16(atomics == "bf16")
+                out[f"{mode} {n_in}->{n_out} {atomics} adds"] = rel_err(layer(x), expected)
+    gemlite.set_native_atomic_bfp16(False)
+    return out
+
+
 def real_format_vs_transformers(device: str, smoke: bool) -> dict:
     """A transformers Qwen2 checkpoint (Qwen2.5-0.5B widths, 4 layers, random weights) through our
     loader in each mode: last-token logit error against transformers on the same prompt."""
@@ -103,7 +124,8 @@ def real_format_vs_transformers(device: str, smoke: bool) -> dict:
                                       max_position_embeddings=4096, tie_word_embeddings=True)
     torch.manual_seed(0)
     dtype = torch.float32 if smoke else torch.bfloat16
-    ref = transformers.Qwen2ForCausalLM(config).to(device, dtype).eval()
+    with torch.device(device):  # initialising 0.5 B parameters on the host takes minutes
+        ref = transformers.Qwen2ForCausalLM(config).to(dtype).eval()
     ids = random_prompt(3, 64)
     ids = tuple(i % config.vocab_size for i in ids)
     with torch.inference_mode():
@@ -141,6 +163,7 @@ def main() -> None:
 
         res["gemlite"] = gemlite.__version__
         res["copy_TBps"] = round(copy_bandwidth_tbps(), 3)
+    started = time.perf_counter()
     prompt = random_prompt(1, 128)
     prompt = tuple(i % shapes["vocab_size"] for i in prompt)
     greedy = SamplingParams(max_new_tokens=args.tokens, temperature=0, repetition_penalty=1.0)
@@ -175,9 +198,13 @@ def main() -> None:
                 row["us_per_token_by_kernel_group"] = profile_step(engine, prompt)
         engine.close()
         res[mode] = row
+        print(f"[{time.perf_counter() - started:.0f} s] {mode}: {row}", flush=True)
+        report("llm_quant", res)  # written after each mode: a run cut short keeps what it measured
         del model, engine
         if not args.smoke:
             torch.cuda.empty_cache()
+    if not args.smoke:
+        res["gemv_rel_err_vs_reference"] = kernel_errors()
     res["real_format_last_token_logit_rel_err_vs_transformers"] = real_format_vs_transformers(device, args.smoke)
     report("llm_quant", res)
 

@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
-from app.segment_render import MASK_COLOUR, mask_png, render_candidates, render_overlay, shrink, thumbnail  # noqa: E402
+from app.segment_render import (MASK_COLOUR, mask_png, render_candidates, render_overlay, render_session, shrink,
+                                thumbnail)  # noqa: E402
 from pipeline.engines import sam_engine  # noqa: E402
-from pipeline.images import fit_for_display  # noqa: E402
+from pipeline.images import fit_for_display, to_device  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam, load_sam  # noqa: E402
 from pipeline.sam.transforms import input_size, preprocess, upscale_masks  # noqa: E402
 from pipeline.segment import SegmentPipeline  # noqa: E402
@@ -94,10 +95,14 @@ def main() -> None:
 
     handle = seg.set_image(image)
     draw = [[x * scale for x in POINT[0]]]
+    session = SegmentSession(seg, image, shown)
+    on_device = to_device(display, "cuda")  # the Segment tab keeps its display copy on the device
 
     def ours_click():
-        result = seg.predict(handle, POINT, [1], size=shown)
-        return render_overlay(display, result.masks[int(np.argmax(result.scores))], draw, [1], device="cuda")
+        """What the tab does per click: the session's step, then the chosen mask drawn (one copy out)."""
+        session.clear()
+        session.click(*POINT[0])
+        return render_session(session, on_device, scale, "cuda")
 
     def previous_click():
         result = seg.predict(handle, POINT, [1])
@@ -117,17 +122,15 @@ def main() -> None:
     res["click: previous / ours"] = round(res["click incl. drawn mask ms: previous"] /
                                           res["click incl. drawn mask ms: ours"], 2)
     res["click: predict at shown size ms"] = round(median_ms(lambda: seg.predict(handle, POINT, [1], size=shown)), 2)
-    shown_mask = seg.predict(handle, POINT, [1], size=shown).masks[0]
-    res["click: drawing on the GPU ms"] = round(median_ms(lambda: render_overlay(display, shown_mask, draw, [1],
+    shown_mask = seg.predict(handle, POINT, [1], size=shown).mask_tensor[0]
+    res["click: drawing on the GPU ms"] = round(median_ms(lambda: render_overlay(on_device, shown_mask, draw, [1],
                                                                                device="cuda")), 2)
     res["click: drawing with numpy (previous) ms"] = round(median_ms(
-        lambda: previous_render(display, shown_mask)), 2)
+        lambda: previous_render(display, shown_mask.cpu().numpy())), 2)
     drawn = ours_click()
     for fmt in ("PNG", "JPEG"):  # what the tab sends the browser per click: Gradio writes the drawn copy
         res[f"click: drawn copy encoded as {fmt} ms"] = round(median_ms(
             lambda: Image.fromarray(drawn).save(io.BytesIO(), fmt), 5), 1)
-    session = SegmentSession(seg, image, shown)
-    session.click(*POINT[0])
     small = thumbnail(display)
     res["click: candidate thumbnails ms"] = round(median_ms(lambda: render_candidates(session, small)), 2)
     res["download mask (full size + PNG) ms"] = round(median_ms(

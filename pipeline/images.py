@@ -87,9 +87,11 @@ def content_key(image: np.ndarray) -> str:
     return hashlib.sha1(b"".join(digests)).hexdigest() + "-" + "x".join(map(str, image.shape))
 
 
-def to_device(image: np.ndarray, device: str | torch.device) -> torch.Tensor:
-    """The array as a uint8 tensor on `device`, without a host copy (decoded images are read-only
+def to_device(image: np.ndarray | torch.Tensor, device: str | torch.device) -> torch.Tensor:
+    """The array (or tensor) as a tensor on `device`, without a host copy (decoded images are read-only
     arrays, which torch only warns about: nothing here writes to them)."""
+    if isinstance(image, torch.Tensor):
+        return image.to(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(image).to(device)

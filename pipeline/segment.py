@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -40,9 +41,14 @@ class ImageHandle:
 
 @dataclasses.dataclass
 class Prediction:
-    masks: np.ndarray  # bool [M, h, w] at the size asked for (the original size unless told otherwise)
+    mask_tensor: torch.Tensor  # bool [M, h, w] on the engine's device, at the size asked for (else the original)
     scores: np.ndarray  # predicted IoU [M]
     low_res_logits: np.ndarray  # [M, 256, 256]: feed one back as `mask_input` to refine
+
+    @functools.cached_property
+    def masks(self) -> np.ndarray:
+        """The masks in host memory, copied on first use: a UI that draws on the GPU never copies them."""
+        return self.mask_tensor.cpu().numpy()
 
 
 @dataclasses.dataclass
@@ -135,7 +141,7 @@ class SegmentPipeline:
             mask_arg = torch.as_tensor(mask_input, dtype=torch.float32, device=device).reshape(1, 1, 256, 256)
         low_res, scores = self.engine.decode(embedding, point_args, box_arg, mask_arg, multimask)
         masks = upscale_masks(low_res, img_size, (ih, iw), size or (h, w)) > 0.0
-        result = Prediction(masks[0].cpu().numpy(), scores[0].float().cpu().numpy(), low_res[0].float().cpu().numpy())
+        result = Prediction(masks[0], scores[0].float().cpu().numpy(), low_res[0].float().cpu().numpy())
         stats.last_decoder_ms = (time.perf_counter() - start) * 1e3
         return result
 

@@ -142,3 +142,40 @@ def test_fused_kernels_match_the_torch_reference():
     expected = rotary_reference(q.clone(), cos, sin)
     assert rotary_(q, cos, sin).data_ptr() == q.data_ptr()
     assert ((q.float() - expected.float()).norm() / expected.float().norm()).item() <= 4e-3
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_gemlite_kernels_match_the_dequantizing_reference(mode):
+    """gemlite's GEMV (batch 1) and GEMM (batch 5, 64) on our stored format give the reference's numbers:
+    a wrong nibble order, zero point or scale layout would be far off."""
+    from pipeline.llm.quant import QuantLinear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n_in, n_out in ((3584, 4608), (18944, 3584)):  # Qwen2.5-7B's qkv and down projections
+        linear = torch.nn.Linear(n_in, n_out, bias=True, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            linear.weight.normal_(0, 0.02, generator=g)
+        layer = QuantLinear.from_linear(linear, mode)
+        reference = layer.weight_float().to(torch.bfloat16)
+        layer.use_kernel()
+        assert all(t.numel() == 0 for t in layer.parts().values())  # the reference buffers are freed
+        for batch in (1, 5, 64):
+            x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
+            expected = torch.nn.functional.linear(x, reference, linear.bias).float()
+            err = ((layer(x).float() - expected).norm() / expected.norm()).item()
+            assert err < 2e-2, (mode, n_in, batch, err)
+
+
+def test_quantized_chat_graphs_match_eager(studio_cache):
+    """int4 through gemlite in the graphed engine gives the eager int4 engine's tokens."""
+    llm = load_language_model(demo_model_dir("demo/qwen2-tiny", studio_cache), "demo/qwen2-tiny", device="cuda",
+                              dtype=torch.bfloat16, max_context=1024, quant="int4")
+    engine = llm.engine
+    pipe = ChatPipeline(llm)
+    prompt = pipe.format.render([{"role": "user", "content": "Hello 你好"}])
+    graphed = list(engine.submit(prompt, GREEDY, set()))
+    eager_engine = TorchLLMEngine(engine.model, 1024, llm.tokenizer.vocab_size, use_cuda_graphs=False)
+    eager = list(eager_engine.submit(prompt, GREEDY, set()))
+    eager_engine.close()
+    assert graphed == eager and len(graphed) == 300
+    assert "gemlite" in repr(engine.model)
