@@ -205,12 +205,28 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
     return lines
 
 
-def weights_size(*paths: Path | None) -> int:
-    """Bytes of the weight files at `paths` (files, or folders of them): a tool's size before its first load."""
+def weights_size(*paths: Path | None, dtype=None) -> int:
+    """Bytes of the weight files at `paths` (files, or folders of them): a tool's size before its first
+    load; with `dtype`, their floats counted at that width (how the loaders hold them)."""
     from engine_builder.fingerprint import weight_files
+    from pipeline.weights_io import loaded_bytes
 
     existing = [p for p in paths if p is not None and Path(p).exists()]
-    return sum(f.stat().st_size for f in weight_files(existing))
+    return sum(loaded_bytes(f, dtype) if dtype is not None else f.stat().st_size for f in weight_files(existing))
+
+
+def llm_size(folder: Path | None, quant: str, dtype) -> int:
+    """An LLM's size before its first load: its weight files, or with `--quant int8|int4` the quantized
+    weights' bytes (a 13.5 GB bf16 Vicuna takes 3.9 GB in int4, and the budget must see that)."""
+    if folder is None or quant not in ("int8", "int4") or not (Path(folder) / "config.json").exists():
+        return weights_size(folder, dtype=dtype)
+    from pipeline.engines import weight_bytes
+    from pipeline.llm.checkpoint import read_config
+
+    try:
+        return weight_bytes(read_config(Path(folder)), quant, dtype)
+    except Exception:  # noqa: BLE001 - a config the loader will refuse with its own message
+        return weights_size(folder, dtype=dtype)
 
 
 def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
@@ -288,12 +304,12 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
             engines.report.say(f"image chat: {image_chat.description}")
             return image_chat
 
-    return [ToolSpec("chat", load_chat, 0 if remote else weights_size(chat_model.path),
+    return [ToolSpec("chat", load_chat, 0 if remote else llm_size(chat_model.path, args.quant, dtype),
                      is_demo=not remote and chat_model.is_demo),
             ToolSpec("image chat", load_image_chat,
-                     weights_size(ckpt, vision_dir) + (0 if shared else weights_size(llm_dir)),
+                     weights_size(ckpt, vision_dir, dtype=dtype) + (0 if shared else llm_size(llm_dir, args.quant, dtype)),
                      needs=("chat",) if shared else (), is_demo=image_demo),
-            ToolSpec("segment", load_segment, weights_size(locate_sam(plan.sam, cache_dir())[0]),
+            ToolSpec("segment", load_segment, weights_size(locate_sam(plan.sam, cache_dir())[0], dtype=dtype),
                      is_demo=plan.sam == SAM_DEMO)]
 
 

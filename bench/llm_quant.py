@@ -39,7 +39,7 @@ from pipeline.llm.sampling import SamplingParams  # noqa: E402
 SMOKE = {**QWEN25_7B, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
          "num_key_value_heads": 2}
 KERNEL_GROUPS = (  # profiler kernel name fragments → where the time went
-    ("GEMV/GEMM (weights)", ("gemv", "gemm", "gemlite", "cutlass", "xmma", "cublas", "splitk", "matmul")),
+    ("GEMV/GEMM (weights)", ("gemv", "gemm", "gemlite", "cutlass", "xmma", "cublas", "splitk", "matmul", "nvjet")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "softmax_warp")),
     ("norm (+ residual add)", ("rms_norm",)),
     ("rotary", ("rotary",)),

@@ -145,9 +145,7 @@ class ToolHost:
                     raise UserError(f"{n} is in use")
                 slot.pipeline.close()
                 slot.pipeline = None
-                gc.collect()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                self._free()
                 self.say(f"unloaded {n} ({size_text(slot.size)}) {why}")
 
     def status(self) -> dict[str, str]:
@@ -161,13 +159,20 @@ class ToolHost:
         return out
 
     def close(self) -> None:
+        """Unload every tool, their memory given back now (engines hold reference cycles)."""
         with self._lock:
             for slot in self._slots.values():
                 if slot.pipeline is not None:
                     slot.pipeline.close()
                     slot.pipeline = None
+            self._free()
 
     # ---- inside the lock ----------------------------------------------------------------------
+
+    def _free(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _with_needs(self, name: str) -> list[str]:
         names = [name]
@@ -226,6 +231,11 @@ class ToolHost:
                                  for n, s in self._slots.items() if s.pipeline is not None)
                 if self._slots[name].pipeline is not None:  # loaded, and over: say so, keep serving
                     tell(f"over the {size_text(self.budget)} budget ({held}): nothing idle to unload")
+                    return
+                if not held:  # alone over the budget: an estimate from files (quantized or down-cast weights
+                    # take less), or a size the budget has changed under since. Try; the load measures it.
+                    tell(f"{name} may need {size_text(needed)}, more than the {size_text(self.budget)} budget; "
+                         f"nothing else is loaded, so loading it anyway")
                     return
                 raise UserError(f"{name} needs about {size_text(needed)} but the {size_text(self.budget)} "
                                 f"GPU budget is held by tools in use ({held}); try again when they finish, "

@@ -93,6 +93,31 @@ def read_weight_file(path: Path, what: str = "weights file", keep: Callable[[str
         raise UserError(f"cannot read {what} {path}: {reason}") from None
 
 
+SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}  # the float types
+
+
+def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
+    """What `path`'s tensors take once loaded with floats no wider than `dtype`, read from the file's
+    index, not its data: a float32 SAM-H file of 2.6 GB holds 1.3 GB of bfloat16, and a memory budget
+    planning by file sizes would unload a tool it did not need to. The file's size where the index
+    cannot be read (a legacy pickle, a damaged file: the loader will say what is wrong)."""
+    try:
+        if path.suffix == ".safetensors":
+            with path.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            total = 0
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    stored = entry["data_offsets"][1] - entry["data_offsets"][0]
+                    width = SAFETENSORS_BYTES.get(entry["dtype"])
+                    total += stored * min(width, dtype.itemsize) // width if width else stored
+            return total
+        return sum(t.numel() * (min(t.element_size(), dtype.itemsize) if t.is_floating_point() else t.element_size())
+                   for t in _read_torch(path, mmap=True).values())
+    except Exception:  # noqa: BLE001 - any unreadable index: fall back to the size on disk
+        return path.stat().st_size
+
+
 def read_json(path: Path) -> dict:
     """A checkpoint's `config.json` or shard index; a truncated or mangled one is a `UserError`."""
     try:

@@ -75,6 +75,22 @@ def test_a_busy_tool_is_never_unloaded_and_a_full_budget_says_why():
     assert in_use.is_set()
 
 
+def test_a_tool_estimated_over_the_budget_still_loads_when_it_would_be_alone():
+    """The estimate before a first load is its files' size, which over-states quantized or down-cast
+    weights (a 13.5 GB bf16 Vicuna is 4 GB in int4): with nothing else to unload, it is tried."""
+    lines: list[str] = []
+    host = ToolHost(torch.device("cpu"), 100 * MIB, lines.append)
+    host.add(ToolSpec("chat", lambda say, free: Holder(30), estimate=30 * MIB))
+    host.add(ToolSpec("image chat", lambda say, free: Holder(40), estimate=160 * MIB))
+    with host.using("chat"):
+        pass
+    with host.using("image chat") as image_chat:
+        assert isinstance(image_chat, Holder)
+    assert host.loaded("chat") is None  # unloaded first: the estimate did not fit beside it
+    assert any("image chat may need 160 MiB, more than the 100 MiB budget; nothing else is loaded" in line
+               for line in lines)
+
+
 def test_a_tool_that_needs_another_goes_with_it():
     host, lines = host_with({"chat": 64, "image chat": 16, "segment": 40}, budget_mib=100,
                             needs={"image chat": ("chat",)})
@@ -141,3 +157,21 @@ def test_startup_report_listeners_hear_lines_only_inside_their_block():
         report.say("during")
     report.say("after")
     assert heard == ["during"] and report.lines == ["before", "during", "after"]
+
+
+def test_sizes_before_a_first_load_count_floats_at_the_loading_width(tmp_path):
+    """A float32 file loaded in bfloat16 takes half its size (SAM-H: 2.6 GB on disk, 1.3 GB loaded);
+    integer tensors keep theirs; an index that cannot be read falls back to the size on disk."""
+    from safetensors.torch import save_file
+
+    from pipeline.weights_io import loaded_bytes, write_weight_file
+
+    tensors = {"w": torch.zeros(1000, 250), "ids": torch.zeros(1000, dtype=torch.int64)}
+    save_file(tensors, str(tmp_path / "a.safetensors"))
+    write_weight_file(tmp_path / "b.pth", tensors)
+    for name in ("a.safetensors", "b.pth"):
+        assert loaded_bytes(tmp_path / name, torch.bfloat16) == 250_000 * 2 + 8_000
+        assert loaded_bytes(tmp_path / name, torch.float32) == 250_000 * 4 + 8_000
+    (tmp_path / "c.pth").write_bytes(b"\x80" + b"x" * 99)  # a damaged pickle
+    assert loaded_bytes(tmp_path / "c.pth", torch.bfloat16) == 100
+    assert launch.weights_size(tmp_path, dtype=torch.bfloat16) == 2 * (250_000 * 2 + 8_000) + 100

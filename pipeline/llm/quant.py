@@ -126,8 +126,15 @@ class QuantLinear(nn.Module):
         return dequantize(self.parts(), self.mode)
 
     def use_kernel(self) -> None:
-        """Hand the weights to gemlite's kernel (CUDA); the reference buffers are then freed."""
+        """Hand the weights to gemlite's kernel (CUDA); the reference buffers are then freed.
+
+        gemlite's split-K GEMVs add their partial sums atomically, on Hopper in bfloat16 by default:
+        that put 4.2 % error into the 18944-wide int4 down projection on the H100 (every add rounds),
+        against 0.42 % with float32 adds (`bench/llm_quant.py`), so the adds are made in float32."""
+        import gemlite
         import gemlite.helper as gh
+
+        gemlite.set_native_atomic_bfp16(False)
 
         device = self.q.device
         if self.mode == "int8":
@@ -187,14 +194,7 @@ def kernel_unavailable(device: torch.device) -> str | None:
 
 
 def use_kernels(model: nn.Module) -> int:
-    """Move every `QuantLinear` of `model` onto gemlite's kernels; the number moved.
-
-    gemlite's split-K GEMVs add their partial sums atomically; on Hopper it does so in bfloat16 by
-    default, which put 3.9 % error into the 18944-wide down projection on the H100 (every add rounds).
-    Adding in float32 keeps the kernel within the reference's rounding (`tests/test_gpu.py`)."""
-    import gemlite
-
-    gemlite.set_native_atomic_bfp16(False)
+    """Move every `QuantLinear` of `model` onto gemlite's kernels; the number moved."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     for layer in layers:
         layer.use_kernel()
