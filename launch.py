@@ -85,6 +85,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-files", type=int, default=3600, metavar="SECONDS",
                    help="delete uploads, masks and exports this long after they were made (default 3600)")
     p.add_argument("--no-browser", action="store_true", help="do not open the browser on the app")
+    p.add_argument("--max-sessions", type=int, default=1000,
+                   help="browser tabs and API clients whose server-side state is kept (least recently used "
+                        "dropped first; ~180 KB each; default 1000)")
+    p.add_argument("--session-idle", type=int, default=3600, metavar="SECONDS",
+                   help="drop a session's server-side state after this long unused (default 3600)")
     p.add_argument("--auth", help="user:password required to open the app")
     p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
     return p.parse_args(argv)
@@ -316,11 +321,9 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -> int:
-    """The UI and the OpenAI-compatible API on one port; one ready line; the browser opened when run
-    from a terminal; Ctrl+C shuts down cleanly (engines stopped, caches untouched)."""
+def start_server(args: argparse.Namespace, host, startup: list[str], chat_model: str):
+    """The UI and the OpenAI-compatible API on one port, serving in the background: (app, url)."""
     import secrets
-    import webbrowser
 
     from app.openai_api import mount
     from app.ui import build_app
@@ -331,6 +334,8 @@ def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -
         if not user or not password:
             raise UserError("--auth must look like user:password, both non-empty")
         auth = (user, password)
+    if args.max_sessions < 1 or args.session_idle < 1:
+        raise UserError("--max-sessions and --session-idle must be at least 1")
     api_key = args.api_key
     if api_key is None and args.host not in LOOPBACK:
         api_key = secrets.token_urlsafe(24)
@@ -339,15 +344,31 @@ def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -
     app = build_app(host, startup, args.keep_files).queue(default_concurrency_limit=1)
     server, local_url, share_url = app.launch(server_name=args.host, server_port=args.port, share=args.share,
                                               auth=auth, show_error=True, prevent_thread_lock=True, quiet=True,
-                                              max_file_size=args.max_upload)
+                                              max_file_size=args.max_upload,
+                                              state_session_capacity=args.max_sessions)
     mount(server, host, chat_model, api_key, args.allow_file_urls)
     url = share_url or local_url
     print(f"[studio] ready: {url} (OpenAI-compatible API at {local_url.rstrip('/')}/v1) · Ctrl+C to stop", flush=True)
+    return app, url
+
+
+def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -> int:
+    """`start_server`, then: the browser opened when run from a terminal; idle sessions dropped every
+    minute; Ctrl+C shuts down cleanly (engines stopped, caches untouched)."""
+    import webbrowser
+
+    from app.sessions import forget_idle_sessions
+
+    app, url = start_server(args, host, startup, chat_model)
     if not args.no_browser and sys.stdout.isatty():
         webbrowser.open(url)
+    swept = time.monotonic()
     try:
         while app.is_running:
             time.sleep(0.2)
+            if time.monotonic() - swept > 60:
+                forget_idle_sessions(app, args.session_idle)
+                swept = time.monotonic()
     except KeyboardInterrupt:
         print("\n[studio] shutting down…", flush=True)
     finally:

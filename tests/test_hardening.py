@@ -12,7 +12,7 @@ import torch
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from pipeline.llm.prompt import chat_format, fit_prompt
 from pipeline.llm.tokenizer import load_tokenizer
 
@@ -173,3 +173,61 @@ def test_a_long_history_streams_in_a_bounded_number_of_updates(client):
     seconds = tokens / max(float(status.split(" tok/s")[0].split("· ")[-1]), 1e-3)
     assert tokens > 50, status
     assert len(updates) <= seconds / 0.05 + 5 < tokens, (len(updates), seconds, tokens)
+
+
+def in_process_app(argv: list[str], monkeypatch, cache):
+    """launch.py's server in this process (tools declared, none loaded), for what a subprocess hides."""
+    import launch
+    from pipeline.tools import ToolHost
+
+    monkeypatch.setenv("STUDIO_CACHE", str(cache))
+    args = launch.parse_args(["--port", str(free_port()), *argv])
+    plan = launch.make_plan(args)
+    host = ToolHost(torch.device("cpu"), None, lambda line: None)
+    for spec in launch.tool_specs(args, plan, launch.engine_options(args, echo=False), host):
+        host.add(spec)
+    return launch, args, host
+
+
+def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache):
+    """Gradio keeps ~180 KB per session hash ever seen, up to 10,000: fresh clients fill 1.8 GB. The app
+    keeps at most --max-sessions and drops idle ones."""
+    from app.sessions import forget_idle_sessions
+
+    launch, args, host = in_process_app(["--max-sessions", "5"], monkeypatch, studio_cache)
+    app, url = launch.start_server(args, host, ["start-up"], "demo/qwen-v1-tiny")
+    try:
+        for _ in range(12):  # each client is a new session
+            assert "tools" in json.loads(Client(url, verbose=False).predict(api_name="/engine_status"))
+        assert 1 <= len(app.state_holder.session_data) <= 5
+        kept = Client(url, verbose=False)
+        kept.predict(api_name="/engine_status")
+        assert forget_idle_sessions(app, 3600) == 0  # none idle for an hour
+        assert forget_idle_sessions(app, 0) >= 1 and len(app.state_holder.session_data) == 0
+        assert "tools" in json.loads(kept.predict(api_name="/engine_status"))  # a dropped session comes back
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("flag, opened", [([], True), (["--no-browser"], False)])
+def test_the_browser_opens_on_the_app_from_a_terminal(monkeypatch, studio_cache, capsys, flag, opened):
+    """Run from a terminal, serve opens the browser on its URL (not with --no-browser), and Ctrl+C ends it
+    with exit status 0 and no traceback."""
+    import webbrowser
+
+    launch, args, host = in_process_app(flag, monkeypatch, studio_cache)
+    urls: list[str] = []
+    monkeypatch.setattr(webbrowser, "open", urls.append)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    real_sleep = time.sleep
+
+    def sleep_then_ctrl_c(seconds):  # the serving loop's wait ends in Ctrl+C; other sleeps are left alone
+        real_sleep(seconds)
+        if sys._getframe(1).f_code.co_name == "serve":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch.time, "sleep", sleep_then_ctrl_c)
+    assert launch.serve(args, host, ["start-up"], "demo/qwen-v1-tiny") == 0
+    out = capsys.readouterr().out
+    assert "[studio] ready: http://127.0.0.1:" in out and "shutting down" in out
+    assert urls == ([f"http://127.0.0.1:{args.port}/"] if opened else [])
