@@ -2,7 +2,8 @@
 
 At batch 1 a decoder layer is ~40 kernels of which only four are the weight-bound GEMVs; the rest
 (RMSNorm's seven elementwise passes, RoPE's ten, SiLU·up's two, the residual adds) cost more than
-their math. The residual add is fused into the RMSNorm that follows it. Each
+their math. The residual add is fused into the RMSNorm that follows it, and a decode step's RoPE
+and KV-cache write (two rotations, an index and two scattered writes) are one kernel. Each
 function here is one Triton kernel on CUDA when Triton is importable, and the reference torch code
 everywhere else (the CPU, or `STUDIO_FUSED=0`), so results on the CPU are unchanged and the GPU
 path is checked against that reference (`tests/test_gpu.py`).
@@ -51,6 +52,17 @@ def rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rope_cache_write_reference(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                               v_cache: Tensor, positions: Tensor) -> Tensor:
+    """A decode step's RoPE and KV-cache write: q, k, v [B, 1, heads, head_dim] of rows 0..B-1 at
+    `positions` [B]; k (rotated) and v go into the caches [rows, kv_heads, max_seq, head_dim]; returns
+    the rotated q."""
+    rows = torch.arange(q.shape[0], device=q.device)
+    k_cache[rows, :, positions] = rotary_reference(k, cos, sin)[:, 0]
+    v_cache[rows, :, positions] = v[:, 0]
+    return rotary_reference(q, cos, sin)
 
 
 def silu_mul_reference(gate_up: Tensor) -> Tensor:
@@ -103,6 +115,34 @@ if triton is not None:
         tl.store(base + half + i, (x2 * c2 + x1 * s2).to(x_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _rope_cache_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, heads, row_stride,
+                                 cache_row, cache_head, half, BLOCK: tl.constexpr):
+        # one program per (row, head) over the q heads then the kv heads: q rotated in place; k rotated
+        # and v copied into the caches at the row's position (the cache's token stride is 2*half)
+        b, h = tl.program_id(0), tl.program_id(1)
+        i = tl.arange(0, BLOCK)
+        mask = i < half
+        c1 = tl.load(cos_ptr + b * 2 * half + i, mask=mask).to(tl.float32)
+        c2 = tl.load(cos_ptr + b * 2 * half + half + i, mask=mask).to(tl.float32)
+        s1 = tl.load(sin_ptr + b * 2 * half + i, mask=mask).to(tl.float32)
+        s2 = tl.load(sin_ptr + b * 2 * half + half + i, mask=mask).to(tl.float32)
+        if h < heads:
+            src = q_ptr + b * row_stride + h * 2 * half
+            dst = src
+        else:
+            kh = h - heads
+            src = k_ptr + b * row_stride + kh * 2 * half
+            dst = kc_ptr + b * cache_row + kh * cache_head + tl.load(pos_ptr + b) * 2 * half
+            v_src = v_ptr + b * row_stride + kh * 2 * half
+            v_dst = vc_ptr + b * cache_row + kh * cache_head + tl.load(pos_ptr + b) * 2 * half
+            tl.store(v_dst + i, tl.load(v_src + i, mask=mask), mask=mask)
+            tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=mask), mask=mask)
+        x1 = tl.load(src + i, mask=mask).to(tl.float32)
+        x2 = tl.load(src + half + i, mask=mask).to(tl.float32)
+        tl.store(dst + i, (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + half + i, (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -149,6 +189,23 @@ def rotary_fused(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x
 
 
+def rope_cache_write_fused(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor,
+                           v_cache: Tensor, positions: Tensor) -> Tensor:
+    """`rope_cache_write_reference` in one kernel (it was two RoPE kernels, an index and two scattered
+    writes per layer); q is rotated in place. q, k, v are views of one row of the fused q/k/v output."""
+    batch, tokens, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    row_stride = q.stride(0)
+    if (not _use_triton(q) or tokens != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or any(t.stride(-1) != 1 or t.stride(2) != dim or t.stride(0) != row_stride for t in (q, k, v))):
+        return rope_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, positions)
+    cos, sin = cos.contiguous(), sin.contiguous()
+    _rope_cache_write_kernel[(batch, heads + kv_heads)](
+        q, k, v, cos, sin, k_cache, v_cache, positions.contiguous(), heads, row_stride, k_cache.stride(0),
+        k_cache.stride(1), dim // 2, BLOCK=triton.next_power_of_2(dim // 2))
+    return q
+
+
 def silu_mul_fused(gate_up: Tensor) -> Tensor:
     """SiLU(gate) · up for gate_up = [gate; up] along the last dimension."""
     if not _use_triton(gate_up) or not gate_up.is_contiguous():
@@ -168,8 +225,10 @@ class Kernels:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (x + delta, its norm)
     rotary: Callable[[Tensor, Tensor, Tensor], Tensor]  # may work in place
+    rope_cache_write: Callable[..., Tensor]  # a decode step's RoPE and KV write; may rotate q in place
     silu_mul: Callable[[Tensor], Tensor]
 
 
-REFERENCE = Kernels(rms_norm_reference, add_rms_norm_reference, rotary_reference, silu_mul_reference)
-FUSED = Kernels(rms_norm_fused, add_rms_norm_fused, rotary_fused, silu_mul_fused)  # the reference wherever Triton cannot run
+REFERENCE = Kernels(rms_norm_reference, add_rms_norm_reference, rotary_reference, rope_cache_write_reference,
+                    silu_mul_reference)
+FUSED = Kernels(rms_norm_fused, add_rms_norm_fused, rotary_fused, rope_cache_write_fused, silu_mul_fused)  # the reference wherever Triton cannot run

@@ -179,3 +179,22 @@ def test_quantized_chat_graphs_match_eager(studio_cache):
     eager_engine.close()
     assert graphed == eager and len(graphed) == 300
     assert "gemlite" in repr(engine.model)
+
+
+def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
+    from plugins.fused import rope_cache_write_fused, rope_cache_write_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim = 28, 4, 128  # Qwen2.5-7B
+    qkv = torch.randn(4, 1, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (t.view(4, 1, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+    cos, sin = (torch.rand(4, 1, dim, device="cuda", generator=g) for _ in range(2))
+    positions = torch.tensor([7, 0, 300, 31], device="cuda")
+    caches = [torch.randn(4, kv_heads, 512, dim, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)]
+    caches += [c.clone() for c in caches]
+    expected = rope_cache_write_reference(q.clone(), k.clone(), v.clone(), cos, sin, caches[0], caches[1], positions)
+    got = rope_cache_write_fused(q, k, v, cos, sin, caches[2], caches[3], positions)
+    assert got.data_ptr() == q.data_ptr()
+    for a, b in ((got, expected), (caches[2], caches[0])):  # one rounding instead of three: within bf16
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() <= 4e-3
+    assert torch.equal(caches[3], caches[1])

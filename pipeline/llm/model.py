@@ -206,20 +206,18 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
-        if logn is not None:
-            q = q * logn[:, :, None, None].to(q.dtype)
-        q = q.transpose(1, 2)
         if isinstance(step, Prefill):
+            q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
             end = step.start + seqlen
             k_cache[step.row, :, step.start:end] = k[0].transpose(0, 1)
             v_cache[step.row, :, step.start:end] = v[0].transpose(0, 1)
             keys, values = k_cache[step.row:step.row + 1, :, :end], v_cache[step.row:step.row + 1, :, :end]
         else:
-            rows = torch.arange(bsz, device=x.device)
-            k_cache[rows, :, step.positions] = k[:, 0]
-            v_cache[rows, :, step.positions] = v[:, 0]
+            q = self.kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, step.positions)
             keys, values = k_cache[:bsz, :, :step.kv_len], v_cache[:bsz, :, :step.kv_len]
+        if logn is not None:
+            q = q * logn[:, :, None, None].to(q.dtype)
+        q = q.transpose(1, 2)
         grouped = c.num_heads != c.num_kv_heads
         if grouped and mask is not None and seqlen > 1:
             # A prefill after a cached prefix: SDPA has no fast masked kernel for grouped heads
