@@ -18,6 +18,7 @@ process-wide switch, so a benchmark can run fused and reference models side by s
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -199,11 +200,23 @@ def rope_cache_write_fused(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Te
     if (not _use_triton(q) or tokens != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
             or any(t.stride(-1) != 1 or t.stride(2) != dim or t.stride(0) != row_stride for t in (q, k, v))):
         return rope_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, positions)
+    global _rope_cache_write_failed
+    if _rope_cache_write_failed:
+        return rope_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, positions)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _rope_cache_write_kernel[(batch, heads + kv_heads)](
-        q, k, v, cos, sin, k_cache, v_cache, positions.contiguous(), heads, row_stride, k_cache.stride(0),
-        k_cache.stride(1), dim // 2, BLOCK=triton.next_power_of_2(dim // 2))
+    try:
+        _rope_cache_write_kernel[(batch, heads + kv_heads)](
+            q, k, v, cos, sin, k_cache, v_cache, positions.contiguous(), heads, row_stride, k_cache.stride(0),
+            k_cache.stride(1), dim // 2, BLOCK=triton.next_power_of_2(dim // 2))
+    except Exception as e:  # noqa: BLE001 - newest kernel here: a Triton that cannot compile it falls back, once, saying so
+        _rope_cache_write_failed = True
+        warnings.warn(f"the fused RoPE + KV-cache kernel did not compile ({type(e).__name__}); using the torch "
+                      f"reference for it", stacklevel=2)
+        return rope_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, positions)
     return q
+
+
+_rope_cache_write_failed = False  # set when the kernel failed to compile (the first call is outside any CUDA graph)
 
 
 def silu_mul_fused(gate_up: Tensor) -> Tensor:
