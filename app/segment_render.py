@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pipeline.images import fit_for_display, to_device
+from pipeline.images import fit_for_display, to_device, to_host
 from pipeline.segment import AutoMask
 from pipeline.segment_session import SegmentSession
 
@@ -73,7 +73,7 @@ def render_overlay(image: np.ndarray | torch.Tensor, mask: np.ndarray | torch.Te
         _frame(canvas, box, max(2, r // 2))
     for (x, y), label in zip(points, labels):
         _disc(canvas, x, y, r, POSITIVE_COLOUR if label == 1 else NEGATIVE_COLOUR, max(1, r // 3))
-    return canvas.cpu().numpy()
+    return to_host(canvas)
 
 
 def render_everything(image: np.ndarray, masks: Sequence[AutoMask]) -> np.ndarray:

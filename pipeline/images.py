@@ -97,6 +97,17 @@ def to_device(image: np.ndarray | torch.Tensor, device: str | torch.device) -> t
         return torch.from_numpy(image).to(device)
 
 
+def to_host(x: torch.Tensor) -> np.ndarray:
+    """A tensor as a numpy array in host memory. From a GPU it is copied into page-locked memory, which
+    the copy engine fills two to three times faster than pageable memory (a 1600×1200 drawn copy is
+    5.8 MB per Segment click); torch caches those blocks, and the array keeps its block alive."""
+    if x.device.type != "cuda":
+        return x.numpy()
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    out.copy_(x)  # blocking: the array is complete when returned
+    return out.numpy()
+
+
 def resize_image(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """RGB uint8 [H, W, 3] (on any device) → float [3, h, w] at `size`: bilinear with antialiasing,
     rounded to whole levels, within one level of PIL's 8-bit bilinear resize."""
@@ -116,7 +127,7 @@ def fit_for_display(image: np.ndarray, max_side: int = 1600,
     if torch.device(device).type == "cpu":
         return np.asarray(Image.fromarray(image).resize(size[::-1], Image.BILINEAR)), scale
     small = resize_image(to_device(image, device), size)
-    return small.to(torch.uint8).permute(1, 2, 0).contiguous().cpu().numpy(), scale  # contiguous: PIL copies strided arrays slowly
+    return to_host(small.to(torch.uint8).permute(1, 2, 0).contiguous()), scale  # contiguous: PIL copies strided arrays slowly
 
 
 def masked_crop(image: np.ndarray, mask: np.ndarray, margin: float = 0.15, dim: float = 0.3) -> np.ndarray:

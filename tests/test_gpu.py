@@ -198,3 +198,14 @@ def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
     for a, b in ((got, expected), (caches[2], caches[0])):  # one rounding instead of three: within bf16
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() <= 4e-3
     assert torch.equal(caches[3], caches[1])
+
+
+def test_the_segment_overlay_drawn_on_the_gpu_equals_the_cpu_one():
+    from app.segment_render import render_overlay
+
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)
+    mask = rng.random((300, 400)) > 0.5
+    args = ([[50.0, 60.0], [200.0, 100.0]], [1, 0], [10.0, 20.0, 300.0, 250.0])
+    on_gpu = render_overlay(torch.from_numpy(image).cuda(), torch.from_numpy(mask).cuda(), *args, device="cuda")
+    assert np.array_equal(on_gpu, render_overlay(image, mask, *args))
