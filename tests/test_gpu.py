@@ -208,4 +208,5 @@ def test_the_segment_overlay_drawn_on_the_gpu_equals_the_cpu_one():
     mask = rng.random((300, 400)) > 0.5
     args = ([[50.0, 60.0], [200.0, 100.0]], [1, 0], [10.0, 20.0, 300.0, 250.0])
     on_gpu = render_overlay(torch.from_numpy(image).cuda(), torch.from_numpy(mask).cuda(), *args, device="cuda")
-    assert np.array_equal(on_gpu, render_overlay(image, mask, *args))
+    on_cpu = render_overlay(image, mask, *args)
+    assert np.abs(on_gpu.astype(int) - on_cpu).max() <= 1  # the blend may round once differently (FMA)
