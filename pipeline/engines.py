@@ -83,13 +83,16 @@ def cache_rows(config, context: int, dtype: torch.dtype, max_batch: int, kv_cach
 
 
 def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
-    """What a decoder's weights take in memory with `mode` weights (the embedding and LM head stay in `dtype`)."""
+    """What a decoder's weights take in memory with `mode` weights (see `quantized_layers` for which)."""
     with torch.device("meta"):
         model = Decoder(config)
-    projections = sum(getattr(parent, name).weight.numel() for parent, name in quantized_layers(model))
-    rest = sum(p.numel() for p in model.parameters()) - projections
-    per_weight = {"none": dtype.itemsize, "int8": 1 + 4 / config.hidden_size, "int4": 0.5 + 2 * dtype.itemsize / GROUP}
-    return int(rest * dtype.itemsize + projections * per_weight[mode])
+    total = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    if mode == "none":
+        return total
+    per_weight = {"int8": 1 + 4 / config.hidden_size, "int4": 0.5 + 2 * dtype.itemsize / GROUP}
+    for parent, name, layer_mode in quantized_layers(model, mode):
+        total -= int(getattr(parent, name).weight.numel() * (dtype.itemsize - per_weight[layer_mode]))
+    return total
 
 
 def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.device, free_bytes: int | None,

@@ -9,11 +9,11 @@ from torch import nn
 from engine_builder.build import EngineOptions, StartupReport
 from engine_builder.cache import EngineCache
 from pipeline.engines import choose_quant, load_language_model, weight_bytes
-from pipeline.llm.checkpoint import load_decoder
-from pipeline.llm.config import config_from_hf
+from pipeline.llm.checkpoint import load_decoder, read_config
+from pipeline.llm.config import DecoderConfig, config_from_hf
 from pipeline.llm.engine import Prompt
-from pipeline.llm.model import KVCache, Prefill, RotaryTables
-from pipeline.llm.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, unpack_int4
+from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, quantize_decoder, unpack_int4
 from pipeline.llm.quantized_weights import quantized_decoder
 
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
@@ -90,11 +90,24 @@ def test_quantized_decoder_through_the_loader_stays_close_to_float(demo, mode, b
     ref = load_decoder(folder)
     quantized = quantized_decoder(folder, mode, torch.float32, torch.device("cpu"), None, print)
     layers = [m for m in quantized.modules() if isinstance(m, QuantLinear)]
-    assert len(layers) == 4 * quantized.config.num_layers
-    assert isinstance(quantized.lm_head, nn.Linear) and isinstance(quantized.embed, nn.Embedding)
+    assert [m.mode for m in layers] == [mode] * 4 * quantized.config.num_layers + ["int8"]  # the LM head: int8
+    assert layers[-1] is quantized.lm_head and isinstance(quantized.embed, nn.Embedding)
     ids = list(range(5, 45))
     err = rel_err(_logits(quantized, ids), _logits(ref, ids))
     assert 1e-4 < err < bound, err
+
+
+def test_a_head_tied_to_the_embedding_stays_float_and_weight_bytes_counts_what_is_held(qwen2_demo):
+    """`weight_bytes` (what the memory budget and `--quant auto` plan with) equals the bytes a quantized
+    decoder holds; a tied LM head is the embedding's table and stays float with it."""
+    config = read_config(qwen2_demo)
+    for tied in (False, True):
+        cfg = DecoderConfig(**{**config.__dict__, "tie_word_embeddings": tied})
+        for mode in ("int8", "int4"):
+            model = quantize_decoder(Decoder(cfg).to(torch.bfloat16), mode, "cpu")
+            held = sum(t.nbytes for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values())
+            assert isinstance(model.lm_head, nn.Linear if tied else QuantLinear)
+            assert abs(weight_bytes(cfg, mode, torch.bfloat16) - held) <= 0.02 * held, (tied, mode)
 
 
 def test_the_quantized_cache_is_reused_and_rebuilt_when_the_source_changes(qwen2_demo, tmp_path):
@@ -151,8 +164,8 @@ def test_auto_picks_what_fits_the_memory():
     config = config_from_hf(QWEN25_7B)
     gpu, bf16 = torch.device("cuda"), torch.bfloat16
     assert 15.0e9 < weight_bytes(config, "none", bf16) < 15.5e9
-    assert 8.5e9 < weight_bytes(config, "int8", bf16) < 8.9e9
-    assert 5.5e9 < weight_bytes(config, "int4", bf16) < 5.9e9  # embedding and LM head stay bf16: 2.2 GB
+    assert 8.0e9 < weight_bytes(config, "int8", bf16) < 8.3e9
+    assert 4.9e9 < weight_bytes(config, "int4", bf16) < 5.3e9  # embedding in bf16 1.09 GB, LM head in int8 0.55 GB
     assert choose_quant("auto", config, bf16, gpu, 40 << 30, 8192)[0] == "none"
     assert choose_quant("auto", config, bf16, gpu, 12 << 30, 8192)[0] == "int8"
     assert choose_quant("auto", config, bf16, gpu, 8 << 30, 8192)[0] == "int4"

@@ -9,6 +9,7 @@ damaged or half-written file is never loaded (`engine_builder.cache`).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,10 +22,10 @@ from engine_builder.cache import EngineCache, EngineKey
 from engine_builder.fingerprint import fingerprint
 from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.model import Decoder
-from pipeline.llm.quant import GROUP, QuantLinear, empty_quantized, quantized_layers
+from pipeline.llm.quant import GROUP, empty_quantized, quantize_decoder
 from pipeline.weights_io import read_weight_file
 
-FORMAT = "1"  # bump when the stored layout of quantized weights changes
+FORMAT = "2"  # bump when the stored layout of quantized weights changes (2: the LM head in int8)
 FILE = "decoder.safetensors"
 
 
@@ -41,10 +42,8 @@ def quant_key(folder: Path, mode: str, dtype: torch.dtype, cache: EngineCache) -
 def quantize_checkpoint(folder: Path, mode: str, dtype: torch.dtype, device: torch.device) -> Decoder:
     """Read the float checkpoint on the CPU and quantize it layer by layer on `device` (a bar per layer)."""
     model = load_decoder(folder, dtype=dtype, device="cpu")
-    layers = list(quantized_layers(model))
-    for parent, name in tqdm(layers, desc=f"quantizing to {mode}", unit="layer", file=sys.stderr):
-        setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), mode, device))
-    return model.to(device)
+    bar = functools.partial(tqdm, desc=f"quantizing to {mode}", unit="layer", file=sys.stderr)
+    return quantize_decoder(model, mode, device, bar).to(device)
 
 
 def save_quantized(model: Decoder, path: Path) -> None:
