@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from pipeline.images import fit_for_display, to_device, to_host
@@ -99,11 +100,17 @@ def mask_png(mask: np.ndarray) -> bytes:
     return png_bytes(mask.astype(np.uint8) * 255)
 
 
-def shrink(mask: np.ndarray | None, like: np.ndarray) -> np.ndarray | None:
-    """A full-size mask at the display copy's size (nearest neighbour keeps it binary)."""
-    if mask is None or mask.shape == like.shape[:2]:
+def shrink(mask: np.ndarray | torch.Tensor | None, like: np.ndarray | torch.Tensor
+           ) -> np.ndarray | torch.Tensor | None:
+    """Masks ([h, w] or [M, h, w], numpy or a tensor on its device) at the size of the image `like`,
+    nearest neighbour with pixel centres aligned as PIL's (the masks stay binary), as the type given."""
+    if mask is None or tuple(mask.shape[-2:]) == tuple(like.shape[:2]):
         return mask
-    return np.asarray(Image.fromarray(mask).resize((like.shape[1], like.shape[0]), Image.NEAREST))
+    t = mask if isinstance(mask, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(mask))
+    batch = t.reshape(-1, 1, *t.shape[-2:]).to(torch.uint8)
+    out = F.interpolate(batch, size=tuple(like.shape[:2]), mode="nearest-exact").bool().reshape(
+        *t.shape[:-2], *like.shape[:2])
+    return out if isinstance(mask, torch.Tensor) else out.numpy()
 
 
 def render_session(s: SegmentSession, display: np.ndarray | torch.Tensor, scale: float,
@@ -114,9 +121,7 @@ def render_session(s: SegmentSession, display: np.ndarray | torch.Tensor, scale:
     points = [[v * scale for v in point] for point in [*s.prompts.points, *corner]]
     labels = [*s.prompts.labels, *[1] * len(corner)]
     box = [v * scale for v in s.prompts.box] if s.prompts.box is not None else None
-    mask = s.prediction.mask_tensor[s.chosen] if s.prediction is not None else None
-    if mask is not None and tuple(mask.shape) != tuple(display.shape[:2]):
-        mask = shrink(s.mask, display)
+    mask = shrink(s.prediction.mask_tensor[s.chosen], display) if s.prediction is not None else None
     return render_overlay(display, mask, points, labels, box, device)
 
 
@@ -126,11 +131,14 @@ def thumbnail(display: np.ndarray) -> np.ndarray:
 
 
 def render_candidates(s: SegmentSession, small: np.ndarray) -> list[tuple[np.ndarray, str]]:
-    """(thumbnail, caption) for each candidate mask on the `thumbnail` copy, the chosen one ticked."""
+    """(thumbnail, caption) for each candidate mask on the `thumbnail` copy, the chosen one ticked; drawn
+    where the masks are (the GPU), so only the thumbnails come back."""
     if s.prediction is None:
         return []
-    return [(render_overlay(small, shrink(m, small)), f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
-            for i, (m, score) in enumerate(zip(s.prediction.masks, s.prediction.scores))]
+    masks = s.prediction.mask_tensor
+    small_masks, canvas = shrink(masks, small), to_device(small, masks.device)
+    return [(render_overlay(canvas, m, device=masks.device), f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
+            for i, (m, score) in enumerate(zip(small_masks, s.prediction.scores))]
 
 
 def status_line(s: SegmentSession) -> str:

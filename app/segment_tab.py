@@ -51,7 +51,7 @@ def _render(t: TabState):
     full-size mask PNG is made only when the user downloads (a 12 MP one costs ~0.15 s, not per click)."""
     s = t.session
     return (render_session(s, t.on_device, t.scale, s.pipeline.engine.device), t, render_candidates(s, t.small),
-            gr.Button(interactive=s.mask is not None), status_line(s))
+            gr.Button(interactive=s.prediction is not None), status_line(s))
 
 
 @dataclasses.dataclass

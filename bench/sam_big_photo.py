@@ -133,6 +133,8 @@ def main() -> None:
             lambda: Image.fromarray(drawn).save(io.BytesIO(), fmt), 5), 1)
     small = thumbnail(display)
     res["click: candidate thumbnails ms"] = round(median_ms(lambda: render_candidates(session, small)), 2)
+    res["click: the tab's whole step (drawn copy + thumbnails) ms"] = round(median_ms(
+        lambda: (ours_click(), render_candidates(session, small))), 2)
     res["download mask (full size + PNG) ms"] = round(median_ms(
         lambda: mask_png(seg.full_size_mask(handle, full.low_res_logits[0])), 5), 1)
     best = int(np.argmax(full.scores))

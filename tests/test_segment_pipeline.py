@@ -10,12 +10,13 @@ from PIL import Image
 from official_sam import official_sam_modules
 from pipeline.errors import UserError
 from pipeline.images import fit_for_display, load_image
-from app.segment_render import mask_png, render_everything, render_overlay
+from app.segment_render import mask_png, render_candidates, render_everything, render_overlay, shrink, thumbnail
 from pipeline.sam.engine import TorchSamEngine
 from pipeline.sam.model import load_sam
 from pipeline.sam.transforms import input_size, preprocess
 from pipeline.sam.weights import resolve_sam
 from pipeline.segment import SegmentPipeline, SegmentStats
+from pipeline.segment_session import SegmentSession
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +133,25 @@ def test_overlay_and_png(seg, photo):
     assert np.abs(overlay[inside].astype(int) - tinted).max() <= 1
     png = Image.open(io.BytesIO(mask_png(result.masks[0])))
     assert png.size == (800, 600) and set(np.unique(np.asarray(png))) <= {0, 255}
+
+
+def test_masks_shrink_as_pil_does_and_candidates_are_drawn_where_the_masks_are(seg, photo):
+    """`shrink` (numpy or tensors, one mask or a batch) picks PIL's nearest pixels; the candidate
+    thumbnails are drawn from the masks where they are, each with its own mask."""
+    rng = np.random.default_rng(0)
+    for (h, w), (sh, sw) in (((3024, 4032), (1200, 1600)), ((101, 77), (50, 33))):
+        mask, like = rng.random((h, w)) > 0.5, np.zeros((sh, sw, 3), np.uint8)
+        expected = np.asarray(Image.fromarray(mask).resize((sw, sh), Image.NEAREST))
+        assert np.array_equal(shrink(mask, like), expected)
+        batch = shrink(torch.from_numpy(np.stack([mask, ~mask])), like)
+        assert isinstance(batch, torch.Tensor) and np.array_equal(batch[1].numpy(), ~expected)
+    session = SegmentSession(seg, photo, (300, 400))
+    session.click(400, 300)
+    small = thumbnail(photo)
+    drawn = render_candidates(session, small)
+    assert len(drawn) == 3 and sum(caption.startswith("✓") for _, caption in drawn) == 1
+    for (image, _), m in zip(drawn, session.prediction.masks):
+        assert np.array_equal(image, render_overlay(small, shrink(m, small)))
 
 
 @pytest.mark.parametrize("mode", ["L", "LA", "P", "RGBA", "I;16", "I", "F", "CMYK", "1"])
