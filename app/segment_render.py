@@ -6,6 +6,7 @@ display copy at browser size, so a click on a 40-MP photo costs no more to show 
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Sequence
 
@@ -26,9 +27,16 @@ THUMBNAIL = 256  # the candidates' longest side, in pixels
 POSITIVE_COLOUR, NEGATIVE_COLOUR, OUTLINE, BOX_COLOUR = (0, 200, 70), (230, 40, 40), (255, 255, 255), (255, 200, 0)
 
 
+@functools.lru_cache(maxsize=64)
+def _colour(colour: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A colour as a tensor on `device`, made once: a copy from host memory mid-drawing would make the
+    host wait for the GPU's queued kernels."""
+    return torch.tensor(colour, dtype=dtype, device=device)
+
+
 def _paint(canvas: torch.Tensor, where: torch.Tensor, colour: Sequence[int]) -> None:
     """`colour` where `where` holds, in place (a select, not a boolean index: no wait for the GPU)."""
-    canvas.copy_(torch.where(where[..., None], torch.tensor(colour, dtype=torch.uint8, device=canvas.device), canvas))
+    canvas.copy_(torch.where(where[..., None], _colour(tuple(colour), torch.uint8, canvas.device), canvas))
 
 
 def _disc(canvas: torch.Tensor, x: float, y: float, r: int, colour: Sequence[int], outline: int) -> None:
@@ -48,7 +56,7 @@ def _disc(canvas: torch.Tensor, x: float, y: float, r: int, colour: Sequence[int
 def _frame(canvas: torch.Tensor, box: Sequence[float], width: int) -> None:
     h, w = canvas.shape[:2]
     x0, y0, x1, y1 = (max(0, min(int(round(v)), limit)) for v, limit in zip(box, (w, h, w, h)))
-    colour = torch.tensor(BOX_COLOUR, dtype=torch.uint8, device=canvas.device)
+    colour = _colour(BOX_COLOUR, torch.uint8, canvas.device)
     canvas[y0:min(y0 + width, y1), x0:x1] = colour
     canvas[max(y1 - width, y0):y1, x0:x1] = colour
     canvas[y0:y1, x0:min(x0 + width, x1)] = colour
@@ -65,7 +73,8 @@ def render_overlay(image: np.ndarray | torch.Tensor, mask: np.ndarray | torch.Te
     copies nothing in."""
     canvas = to_device(image, device)
     if mask is not None:
-        blended = (canvas.float() * 0.45 + torch.as_tensor(MASK_COLOUR, device=canvas.device) * 0.55).to(torch.uint8)
+        blended = (canvas.float() * 0.45 + _colour(tuple(MASK_COLOUR.tolist()), torch.float32, canvas.device) * 0.55
+                   ).to(torch.uint8)
         canvas = torch.where(to_device(mask, device)[..., None], blended, canvas)
     else:
         canvas = canvas.clone()
