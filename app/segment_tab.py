@@ -4,9 +4,11 @@ its own `SegmentSession` (and so its own statistics) in `gr.State`."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
+import threading
 from collections.abc import Callable, Iterator
 
 import gradio as gr
@@ -35,7 +37,31 @@ class TabState:
     display: np.ndarray = dataclasses.field(repr=False)  # the image at browser size, drawn on every click
     scale: float  # displayed pixels per original pixel
     small: np.ndarray = dataclasses.field(repr=False)  # the candidates' thumbnail copy
-    on_device: torch.Tensor = dataclasses.field(repr=False)  # `display` where SAM runs: a click copies nothing in
+
+
+class DeviceCopies:
+    """Display copies kept where SAM runs, for the most recently clicked images, so a click copies
+    nothing in. Bounded: a thousand open sessions must not hold 5.8 MB of GPU memory each; an image
+    not held is uploaded again on its next click (~0.5 ms). Keyed by the image's content key (the
+    copies are only read), so two users on one photo share one."""
+
+    def __init__(self, limit: int = 8):
+        self.limit = limit
+        self._copies: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, t: TabState, device: torch.device) -> torch.Tensor:
+        key = (t.session.handle.key, t.display.shape, str(device))
+        with self._lock:
+            if key not in self._copies:
+                self._copies[key] = to_device(t.display, device)
+                while len(self._copies) > self.limit:
+                    self._copies.popitem(last=False)
+            self._copies.move_to_end(key)
+            return self._copies[key]
+
+
+DISPLAY_COPIES = DeviceCopies()
 
 
 def _write_png(data: bytes) -> str:
@@ -50,7 +76,8 @@ def _render(t: TabState):
     """(display image, state, gallery, download button, status) for the session's current state. The
     full-size mask PNG is made only when the user downloads (a 12 MP one costs ~0.15 s, not per click)."""
     s = t.session
-    return (render_session(s, t.on_device, t.scale, s.pipeline.engine.device), t, render_candidates(s, t.small),
+    device = s.pipeline.engine.device
+    return (render_session(s, DISPLAY_COPIES.get(t, device), t.scale, device), t, render_candidates(s, t.small),
             gr.Button(interactive=s.prediction is not None), status_line(s))
 
 
@@ -93,8 +120,7 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> SelectionQuestion
         yield from loading_updates(tools, "segment", 5)
         with tools.using("segment") as seg:
             display, scale = fit_for_display(image, device=seg.engine.device)
-            yield _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale, thumbnail(display),
-                                   to_device(display, seg.engine.device)))
+            yield _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale, thumbnail(display)))
 
     def on_click(t: TabState | None, label: str, mode: str, multimask: bool, evt: gr.SelectData):
         def click(s: SegmentSession) -> None:

@@ -158,3 +158,25 @@ def test_masks_come_at_the_shown_size_and_full_size_for_download(seg):
     halved = full.reshape(300, 2, 400, 2)[:, 0, :, 0]
     assert (halved == session.mask).mean() > 0.98  # the same mask, sampled at the shown size
     assert [m.mask.shape for m in session.everything()][:1] in ([], [shown])
+
+
+def test_display_copies_on_the_device_are_shared_by_image_and_bounded(seg):
+    """The Segment tab keeps display copies where SAM runs for the last few images only (a thousand
+    sessions must not hold one each); two sessions on one photo share a copy."""
+    import torch
+
+    from app.segment_render import thumbnail
+    from app.segment_tab import DeviceCopies, TabState
+
+    rng = np.random.default_rng(3)
+    images = [rng.integers(0, 255, (60, 80, 3), dtype=np.uint8) for _ in range(3)]
+    tabs = [TabState(SegmentSession(seg, image), image, 1.0, thumbnail(image)) for image in images]
+    twin = TabState(SegmentSession(seg, images[0].copy()), images[0].copy(), 1.0, thumbnail(images[0]))
+    copies = DeviceCopies(limit=2)
+    first = copies.get(tabs[0], torch.device("cpu"))
+    assert copies.get(twin, torch.device("cpu")) is first  # same pixels: one copy
+    copies.get(tabs[1], torch.device("cpu"))
+    copies.get(tabs[2], torch.device("cpu"))  # the least recently used (image 0) goes
+    assert len(copies._copies) == 2 and all(key[0] != tabs[0].session.handle.key for key in copies._copies)
+    again = copies.get(tabs[0], torch.device("cpu"))
+    assert again is not first and torch.equal(again, torch.from_numpy(images[0]))
