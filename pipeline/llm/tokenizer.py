@@ -130,7 +130,25 @@ def piece_bytes(piece: str, special: bool, byte: bool) -> bytes:
     return bytes([int(piece[3:5], 16)]) if byte else piece.replace("\u2581", " ").encode()
 
 
-class HFTokenizer(Tokenizer):
+class ByteTableTokenizer(Tokenizer):
+    """A tokenizer whose subclass fills `_bytes` (each id's bytes, made once) and `_eos` at load."""
+
+    _bytes: list[bytes]
+    _eos: set[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._bytes)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self._eos
+
+
+class HFTokenizer(ByteTableTokenizer):
     """Any transformers fast tokenizer with a byte-level (Qwen2/3) or byte-fallback (LLaMA) vocabulary."""
 
     def __init__(self, folder: Path):
@@ -168,20 +186,9 @@ class HFTokenizer(Tokenizer):
         return self._tok.get_added_vocab().get(token)
 
     @property
-    def vocab_size(self) -> int:
-        return len(self._bytes)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
-
-    @property
     def special_ids(self) -> set[int]:
         marked = {i for i, t in self._tok.added_tokens_decoder.items() if t.special}
         return marked | set(self._tok.all_special_ids)
-
-    @property
-    def eos_ids(self) -> set[int]:
-        return self._eos
 
     def render_chat_template(self, messages: list[dict]) -> list[int]:
         """The checkpoint's own chat template, rendered by transformers and tokenized with special
@@ -194,7 +201,7 @@ class HFTokenizer(Tokenizer):
         return self._tok.encode(text, add_special_tokens=False)
 
 
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(ByteTableTokenizer):
     """A SentencePiece `tokenizer.model` (LLaMA / Vicuna folders that ship no `tokenizer.json`), run by
     the `sentencepiece` library itself, as Meta's LLaMA code runs it: no conversion to another format,
     so the ids are the model's own. Pieces map to bytes as SentencePiece defines them: `▁` is a space,
@@ -228,19 +235,8 @@ class SentencePieceTokenizer(Tokenizer):
         return i if i in self._specials and self._sp.id_to_piece(i) == token else None
 
     @property
-    def vocab_size(self) -> int:
-        return len(self._bytes)
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
-
-    @property
     def special_ids(self) -> set[int]:
         return set(self._specials)
-
-    @property
-    def eos_ids(self) -> set[int]:
-        return self._eos
 
 
 def load_tokenizer(folder: Path) -> Tokenizer:
