@@ -1,9 +1,9 @@
 """Quantized decoders, made once per checkpoint and kept in the engine cache.
 
-Quantizing a 7B model means reading its 15 GB and rounding 7 billion weights; the result (8 GB for
-int8, 5 GB for int4 with the float embedding and LM head) is written to the engine cache under a key
-holding the source weights' SHA-256, the mode, the group size and this format's version, exactly as
-an engine is: the second launch reads it directly, a changed checkpoint is quantized again, and a
+Quantizing a 7B model means reading its 15 GB and rounding 7 billion weights; the result (at
+Qwen2.5-7B 8.2 GB for int8, 5.1 GB for int4: the embedding stays float, the LM head is int8) is
+written to the engine cache under a key holding the source weights' SHA-256, the mode, the group
+size and this format's version, exactly as an engine is: the second launch reads it directly, a changed checkpoint is quantized again, and a
 damaged or half-written file is never loaded (`engine_builder.cache`).
 """
 
