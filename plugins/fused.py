@@ -99,21 +99,24 @@ if triton is not None:
         tl.store(out_ptr + row * n_cols + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _rotate(src, dst, cos, sin, half, BLOCK: tl.constexpr):
+        """RoPE on one head: `src`'s two halves rotated by one position's cos/sin, rounded once into `dst`."""
+        i = tl.arange(0, BLOCK)
+        mask = i < half
+        x1 = tl.load(src + i, mask=mask).to(tl.float32)
+        x2 = tl.load(src + half + i, mask=mask).to(tl.float32)
+        c1, c2 = tl.load(cos + i, mask=mask).to(tl.float32), tl.load(cos + half + i, mask=mask).to(tl.float32)
+        s1, s2 = tl.load(sin + i, mask=mask).to(tl.float32), tl.load(sin + half + i, mask=mask).to(tl.float32)
+        tl.store(dst + i, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + half + i, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, heads, half, row_stride, BLOCK: tl.constexpr):
         # one program per (token, head); x is [tokens, heads, 2*half] with rows `row_stride` apart
         pid = tl.program_id(0)
         token = pid // heads
         base = x_ptr + token * row_stride + (pid % heads) * 2 * half
-        i = tl.arange(0, BLOCK)
-        mask = i < half
-        x1 = tl.load(base + i, mask=mask).to(tl.float32)
-        x2 = tl.load(base + half + i, mask=mask).to(tl.float32)
-        c1 = tl.load(cos_ptr + token * 2 * half + i, mask=mask).to(tl.float32)
-        c2 = tl.load(cos_ptr + token * 2 * half + half + i, mask=mask).to(tl.float32)
-        s1 = tl.load(sin_ptr + token * 2 * half + i, mask=mask).to(tl.float32)
-        s2 = tl.load(sin_ptr + token * 2 * half + half + i, mask=mask).to(tl.float32)
-        tl.store(base + i, (x1 * c1 - x2 * s1).to(x_ptr.dtype.element_ty), mask=mask)
-        tl.store(base + half + i, (x2 * c2 + x1 * s2).to(x_ptr.dtype.element_ty), mask=mask)
+        _rotate(base, base, cos_ptr + token * 2 * half, sin_ptr + token * 2 * half, half, BLOCK)
 
     @triton.jit
     def _rope_cache_write_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, pos_ptr, heads, row_stride,
@@ -121,12 +124,6 @@ if triton is not None:
         # one program per (row, head) over the q heads then the kv heads: q rotated in place; k rotated
         # and v copied into the caches at the row's position (the cache's token stride is 2*half)
         b, h = tl.program_id(0), tl.program_id(1)
-        i = tl.arange(0, BLOCK)
-        mask = i < half
-        c1 = tl.load(cos_ptr + b * 2 * half + i, mask=mask).to(tl.float32)
-        c2 = tl.load(cos_ptr + b * 2 * half + half + i, mask=mask).to(tl.float32)
-        s1 = tl.load(sin_ptr + b * 2 * half + i, mask=mask).to(tl.float32)
-        s2 = tl.load(sin_ptr + b * 2 * half + half + i, mask=mask).to(tl.float32)
         if h < heads:
             src = q_ptr + b * row_stride + h * 2 * half
             dst = src
@@ -136,12 +133,10 @@ if triton is not None:
             dst = kc_ptr + b * cache_row + kh * cache_head + tl.load(pos_ptr + b) * 2 * half
             v_src = v_ptr + b * row_stride + kh * 2 * half
             v_dst = vc_ptr + b * cache_row + kh * cache_head + tl.load(pos_ptr + b) * 2 * half
-            tl.store(v_dst + i, tl.load(v_src + i, mask=mask), mask=mask)
-            tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=mask), mask=mask)
-        x1 = tl.load(src + i, mask=mask).to(tl.float32)
-        x2 = tl.load(src + half + i, mask=mask).to(tl.float32)
-        tl.store(dst + i, (x1 * c1 - x2 * s1).to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + half + i, (x2 * c2 + x1 * s2).to(q_ptr.dtype.element_ty), mask=mask)
+            i = tl.arange(0, BLOCK)
+            tl.store(v_dst + i, tl.load(v_src + i, mask=i < half), mask=i < half)
+            tl.store(v_dst + half + i, tl.load(v_src + half + i, mask=i < half), mask=i < half)
+        _rotate(src, dst, cos_ptr + b * 2 * half, sin_ptr + b * 2 * half, half, BLOCK)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
