@@ -222,16 +222,21 @@ def weights_size(*paths: Path | None, dtype=None) -> int:
 
 def llm_size(folder: Path | None, quant: str, dtype) -> int:
     """An LLM's size before its first load: its weight files, or with `--quant int8|int4` the quantized
-    weights' bytes (a 13.5 GB bf16 Vicuna takes 3.9 GB in int4, and the budget must see that)."""
-    if folder is None or quant not in ("int8", "int4") or not (Path(folder) / "config.json").exists():
+    weights' bytes (a 13.5 GB bf16 Vicuna takes 3.9 GB in int4, and the budget must see that); an
+    AWQ/GPTQ folder's are int4 whatever `quant` says."""
+    if folder is None or not (Path(folder) / "config.json").exists():
         return weights_size(folder, dtype=dtype)
     from pipeline.engines import weight_bytes
     from pipeline.llm.checkpoint import read_config
 
     try:
-        return weight_bytes(read_config(Path(folder)), quant, dtype)
+        config = read_config(Path(folder))
+        mode = "int4" if config.quantization else quant
+        if mode in ("int8", "int4"):
+            return weight_bytes(config, mode, dtype)
     except Exception:  # noqa: BLE001 - a config the loader will refuse with its own message
-        return weights_size(folder, dtype=dtype)
+        pass
+    return weights_size(folder, dtype=dtype)
 
 
 def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:

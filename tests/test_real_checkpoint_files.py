@@ -150,7 +150,10 @@ def test_mlp_bias_is_refused_by_name(tmp_path):
 @pytest.mark.parametrize("field, value, words", [
     ("hidden_act", "gelu", "hidden_act"),
     ("partial_rotary_factor", 0.5, "partial_rotary_factor"),
-    ("quantization_config", {"quant_method": "gptq", "bits": 4}, "quantization_config"),
+    # AWQ/GPTQ int4 folders load (tests/test_prequantized.py); other quantizations are refused by name
+    ("quantization_config", {"quant_method": "gptq", "bits": 8, "group_size": 128}, "quantization_config has bits 8"),
+    ("quantization_config", {"quant_method": "bitsandbytes", "load_in_4bit": True},
+     "quantization_config has quant_method 'bitsandbytes'"),
     ("layer_types", ["sliding_attention", "full_attention"], "layer_types"),
 ])
 def test_other_fields_that_change_the_math_are_refused_by_name(tmp_path, field, value, words):

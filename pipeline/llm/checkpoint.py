@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from pipeline.files import atomic_folder
 from pipeline.llm.config import CONFIG_WRITERS, DecoderConfig, config_from_hf
 from pipeline.llm.families import QWEN_V1, Layout, family_of
 from pipeline.llm.model import Decoder
+from pipeline.llm.quant import empty_quantized
 from pipeline.weights_io import read_json, read_weight_file
 
 StateDict = dict[str, Tensor]
@@ -64,7 +66,7 @@ def read_tensors(folder: Path, dtype: torch.dtype | None = None) -> StateDict:
     return tensors
 
 
-def _take(raw: StateDict, key: str) -> Tensor:
+def take(raw: StateDict, key: str) -> Tensor:
     try:
         return raw.pop(key)
     except KeyError:
@@ -83,18 +85,28 @@ def _layer_names(config: DecoderConfig, layout: Layout) -> dict[str, str]:
     return {ours: theirs for ours, theirs in layout.renames.items() if ours not in skip}
 
 
-def to_internal(config: DecoderConfig, raw: StateDict, layout: Layout) -> StateDict:
-    """Checkpoint tensors (consumed from `raw`) under the decoder's own names."""
-    sd = {"embed.weight": _take(raw, layout.embed), "norm.weight": _take(raw, layout.norm)}
+def float_linear(raw: StateDict, modules: list[str]) -> StateDict:
+    """A float projection: its modules' weights (consumed from `raw`) concatenated along the outputs."""
+    return {"weight": torch.cat([take(raw, m + "weight") for m in modules])}
+
+
+def to_internal(config: DecoderConfig, raw: StateDict, layout: Layout,
+                linear: Callable[[StateDict, list[str]], StateDict] = float_linear) -> StateDict:
+    """Checkpoint tensors (consumed from `raw`) under the decoder's own names. `linear(raw, modules)`
+    makes each block projection's tensors, by suffix ("weight"; a pre-quantized format's "q", "scale",
+    "zero"), from the format's modules (`Layout.projections`); biases and the rest are float."""
+    projections = layout.projections()
+    names = {ours: theirs for ours, theirs in _layer_names(config, layout).items()
+             if ours.removesuffix(".weight") not in projections}
+    sd = {"embed.weight": take(raw, layout.embed), "norm.weight": take(raw, layout.norm)}
     for i in range(config.num_layers):
         p, o = layout.layer.format(i), f"layers.{i}."
-        sd.update({o + ours: _take(raw, p + theirs) for ours, theirs in _layer_names(config, layout).items()})
-        if layout.qkv:
-            sd[o + "attn.wqkv.weight"] = torch.cat([_take(raw, p + q + "weight") for q in layout.qkv])
-            if config.qkv_bias:
-                sd[o + "attn.wqkv.bias"] = torch.cat([_take(raw, p + q + "bias") for q in layout.qkv])
-        sd[o + "mlp.w_gate_up.weight"] = torch.cat([_take(raw, p + name) for name in layout.gate_up])
-    sd["lm_head.weight"] = sd["embed.weight"] if config.tie_word_embeddings else _take(raw, "lm_head.weight")
+        sd.update({o + ours: take(raw, p + theirs) for ours, theirs in names.items()})
+        for ours, modules in projections.items():
+            sd.update({f"{o}{ours}.{k}": v for k, v in linear(raw, [p + m for m in modules]).items()})
+        if layout.qkv and config.qkv_bias:
+            sd[o + "attn.wqkv.bias"] = torch.cat([take(raw, p + q + "bias") for q in layout.qkv])
+    sd["lm_head.weight"] = sd["embed.weight"] if config.tie_word_embeddings else take(raw, "lm_head.weight")
     return sd
 
 
@@ -119,18 +131,31 @@ def layout_of(config: DecoderConfig) -> Layout:
     return family_of(config.family).layout
 
 
-def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
-    """Build the decoder for a checkpoint folder of any supported format, weights in `dtype` on `device`."""
-    folder = Path(folder)
-    config = read_config(folder)
-    raw = read_tensors(folder, dtype)
-    sd = to_internal(config, raw, layout_of(config))
+def build_decoder(config: DecoderConfig, sd: StateDict, dtype: torch.dtype, device: str | torch.device,
+                  mode: str = "none") -> Decoder:
+    """The decoder holding `sd` (its own names; under `mode` int8/int4 the quantized layers' buffers, as
+    `quant.empty_quantized` lays them out; a tied LM head may be left out)."""
     with torch.device("meta"):
-        model = Decoder(config)
+        model = Decoder(config).to(dtype)
+        if mode != "none":
+            empty_quantized(model, mode)
+    if config.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["embed.weight"]
     model.load_state_dict(sd, strict=True, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.to(device).eval()
+
+
+def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
+    """Build the decoder for a checkpoint folder of any supported format, weights in `dtype` on `device`."""
+    folder = Path(folder)
+    config = read_config(folder)
+    if config.quantization:
+        raise UserError(f"{folder.name} holds {config.quantization.upper()} int4 weights: it loads as int4 "
+                        f"(`quantized_weights.quantized_decoder`), not as float weights")
+    sd = to_internal(config, read_tensors(folder, dtype), layout_of(config))
+    return build_decoder(config, sd, dtype, device)
 
 
 def _contiguous(sd: StateDict) -> StateDict:

@@ -38,6 +38,8 @@ class DecoderConfig:
     seq_length: int = 0
     # RoPE scaling as (key, value) pairs, `rope_type` first ("linear", "llama3", "yarn"); () = none.
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    # "awq" or "gptq": the checkpoint holds pre-quantized int4 weights (`prequantized.py`); "": float ones.
+    quantization: str = ""
 
     @property
     def q_size(self) -> int:
@@ -94,8 +96,16 @@ def _rope(cfg: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
 
 
 # Config fields that change the math, with the value we implement; anything else is refused by name.
-MATH_FIELDS = {"hidden_act": "silu", "partial_rotary_factor": 1.0, "mlp_bias": False, "use_sliding_window": False,
-               "quantization_config": None}
+MATH_FIELDS = {"hidden_act": "silu", "partial_rotary_factor": 1.0, "mlp_bias": False, "use_sliding_window": False}
+
+
+def _quantization(cfg: dict) -> str:
+    """`DecoderConfig.quantization` for `quantization_config`; one we cannot run is refused by name."""
+    if cfg.get("quantization_config") is None:
+        return ""
+    from pipeline.llm.prequantized import scheme_of  # not at the top: it reads configs through this module
+
+    return scheme_of(cfg["quantization_config"]).method
 
 
 def _refuse_unsupported(cfg: dict) -> None:
@@ -136,6 +146,7 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         o_bias=family.qkv_bias is None and attention_bias,
         qk_norm=family.qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        quantization=_quantization(cfg),
     )
 
 
@@ -164,6 +175,7 @@ def _config_from_qwen_v1(cfg: dict) -> DecoderConfig:
         logn_attn=bool(cfg.get("use_logn_attn", False)),
         dynamic_ntk=bool(cfg.get("use_dynamic_ntk", False)),
         seq_length=seq_length,
+        quantization=_quantization(cfg),  # Qwen-7B-Chat-Int4 is a GPTQ checkpoint
     )
 
 

@@ -21,6 +21,17 @@ class Layout:
     gate_up: tuple[str, str]
     qkv: tuple[str, str, str] | None = None  # None: the format fuses q/k/v as we do (and renames it)
 
+    def projections(self) -> dict[str, tuple[str, ...]]:
+        """Per block, the format's linear modules (name prefixes, "mlp.down_proj.") each of our four
+        projections concatenates along its outputs: what the weight loaders fuse, float or quantized."""
+        def module(name: str) -> str:
+            return name.removesuffix("weight")
+
+        return {"attn.wqkv": self.qkv or (module(self.renames["attn.wqkv.weight"]),),
+                "attn.wo": (module(self.renames["attn.wo.weight"]),),
+                "mlp.w_gate_up": tuple(map(module, self.gate_up)),
+                "mlp.w_down": (module(self.renames["mlp.w_down.weight"]),)}
+
 
 HF_LAYOUT = Layout(
     embed="model.embed_tokens.weight", norm="model.norm.weight", layer="model.layers.{}.",

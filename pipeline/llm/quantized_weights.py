@@ -4,7 +4,8 @@ Quantizing a 7B model means reading its 15 GB and rounding 7 billion weights; th
 Qwen2.5-7B 8.2 GB for int8, 5.1 GB for int4: the embedding stays float, the LM head is int8) is
 written to the engine cache under a key holding the source weights' SHA-256, the mode, the group
 size and this format's version, exactly as an engine is: the second launch reads it directly, a changed checkpoint is quantized again, and a
-damaged or half-written file is never loaded (`engine_builder.cache`).
+damaged or half-written file is never loaded (`engine_builder.cache`). A pre-quantized (AWQ/GPTQ)
+folder is repacked instead of quantized (`prequantized.py`), always into int4, and cached the same way.
 """
 
 from __future__ import annotations
@@ -20,20 +21,22 @@ from tqdm.auto import tqdm
 
 from engine_builder.cache import EngineCache, EngineKey
 from engine_builder.fingerprint import fingerprint
-from pipeline.llm.checkpoint import load_decoder, read_config
+from pipeline.llm.checkpoint import build_decoder, load_decoder, read_config
 from pipeline.llm.model import Decoder
-from pipeline.llm.quant import GROUP, empty_quantized, quantize_decoder
+from pipeline.llm.prequantized import load_prequantized
+from pipeline.llm.quant import GROUP, quantize_decoder
 from pipeline.weights_io import read_weight_file
 
 FORMAT = "2"  # bump when the stored layout of quantized weights changes (2: the LM head in int8)
 FILE = "decoder.safetensors"
 
 
-def quant_key(folder: Path, mode: str, dtype: torch.dtype, cache: EngineCache) -> EngineKey:
+def quant_key(folder: Path, mode: str, dtype: torch.dtype, cache: EngineCache, method: str = "") -> EngineKey:
     """What a cached quantized decoder depends on: the weights, mode, group size, dtype and format
-    (not the device: the stored tensors are the same for every GPU)."""
+    (not the device: the stored tensors are the same for every GPU); `method` ("awq", "gptq"): the
+    repacked weights of a pre-quantized checkpoint (`llm-int4-awq`)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    return EngineKey(component=f"llm-{mode}", source=str(Path(folder).resolve()),
+    return EngineKey(component=f"llm-{mode}" + (f"-{method}" if method else ""), source=str(Path(folder).resolve()),
                      weights=fingerprint([folder], cache.root), precision=f"{mode}/{dtype_name}",
                      profile={"group": GROUP} if mode == "int4" else {}, builder="studio-quant",
                      builder_version=FORMAT, device="any")
@@ -55,30 +58,28 @@ def save_quantized(model: Decoder, path: Path) -> None:
 
 def load_quantized(folder: Path, path: Path, mode: str, dtype: torch.dtype, device: torch.device) -> Decoder:
     """A quantized decoder from a file `save_quantized` wrote."""
-    config = read_config(folder)
-    with torch.device("meta"):
-        model = empty_quantized(Decoder(config).to(dtype), mode)
-    state = read_weight_file(path, "quantized weights")
-    if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    return model.to(device).eval()
+    return build_decoder(read_config(folder), read_weight_file(path, "quantized weights"), dtype, device, mode)
 
 
 def quantized_decoder(folder: Path, mode: str, dtype: torch.dtype, device: torch.device,
                       cache: EngineCache | None, say: Callable[[str], None]) -> Decoder:
     """The decoder of `folder` with `mode` weights on `device`: from the cache when it holds them,
-    else quantized now (and cached when `cache` is given)."""
+    else quantized now (and cached when `cache` is given). A pre-quantized folder has int4 weights
+    whatever `mode` says (the caller says so: `engines.choose_quant`), repacked rather than quantized."""
+    method = read_config(folder).quantization
+    if method:
+        mode, doing = "int4", f"repacking its {method.upper()} int4 weights"
+        make = functools.partial(load_prequantized, folder, dtype, device)
+    else:
+        doing, make = f"quantizing to {mode}", functools.partial(quantize_checkpoint, folder, mode, dtype, device)
     if cache is None:
-        return quantize_checkpoint(folder, mode, dtype, device).eval()
+        return make().eval()
 
     def build(tmp: Path, reason: str) -> None:
-        say(f"{Path(folder).name}: quantizing to {mode} ({reason})")
-        save_quantized(quantize_checkpoint(folder, mode, dtype, device), tmp / FILE)
+        say(f"{Path(folder).name}: {doing} ({reason})")
+        save_quantized(make(), tmp / FILE)
 
-    model, cached = cache.get(quant_key(folder, mode, dtype, cache), build,
+    model, cached = cache.get(quant_key(folder, mode, dtype, cache, method), build,
                               lambda tmp: load_quantized(folder, tmp / FILE, mode, dtype, device))
     say(f"{Path(folder).name}: {mode} weights " + (f"made and cached in {cached.seconds:.1f} s" if cached.built
                                                   else f"loaded from the cache in {cached.seconds:.2f} s"))
