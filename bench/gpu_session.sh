@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 10's GPU checks in two device calls of under 10 minutes each (the device tool's limit):
-#   part 1: tests/test_gpu.py, bench/resident_memory.py, bench/sam_big_photo.py
-#   part 2: bench/llm_quant.py, bench/quant_gemv.py
+# Issue 17's GPU work in device calls of under 10 minutes each (the device tool's limit):
+#   probe:  bench/quant_gemv.py (our kernel's config sweep against cuBLAS, gemlite, tinygemm), the decode step
+#   decode: bench/decode_limit.py --parts gemv,decode ; launch: --parts launch ; tests: tests/test_gpu.py
 # Carry gemlite as a wheel in .whl/ (see ../.library/device/README.md); logs and JSON land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,16 +16,13 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAM
   local limit=$1 name=$2
   shift 2
   echo "=== $name"
-  timeout "$limit" "$@" 2>&1 | grep -v "it/s\]\|layer/s\]\|shard/s\]" | tee "$OUT/$name.log" | tail -40
+  timeout "$limit" "$@" 2>&1 | grep -v "it/s\]\|layer/s\]\|shard/s\]\|shape/s\]" | tee "$OUT/$name.log" | tail -60
 }
-case "${1:-1}" in
-  1)
-    step 150 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider
-    step 260 resident_memory python3 bench/resident_memory.py
-    step 90 sam_big_photo python3 bench/sam_big_photo.py
-    ;;
-  2)
-    step 330 llm_quant python3 bench/llm_quant.py
-    step 180 quant_gemv python3 bench/quant_gemv.py
-    ;;
-esac
+for part in "$@"; do
+  case "$part" in
+    probe) step 240 quant_gemv python3 bench/quant_gemv.py --quick ;;
+    decode) step 330 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
+    launch) step 300 launch python3 bench/decode_limit.py --parts launch ;;
+    tests) step 200 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider ;;
+  esac
+done

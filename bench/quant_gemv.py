@@ -1,18 +1,19 @@
-"""Which gemlite kernel to run for a batch-1 decode step: each int8/int4 variant against cuBLAS bf16, in one run.
+"""Low-bit GEMV/GEMM kernels at Qwen2.5-7B's shapes, batch 1 and 8: ours against cuBLAS bf16, gemlite and tinygemm.
 
-The H100 run of `bench/llm_quant.py` (2026-11-23) found gemlite's int8 GEMVs at 0.84 of the copy
-bandwidth but its int4 GEMV (auto choice: GEMV_REVSPLITK) at 0.57, so int4 decode was only 1.60× bf16.
-This times, at Qwen2.5-7B's projection shapes and its LM head, every batch-1 kernel gemlite offers
-(GEMV, GEMV_REVSPLITK, GEMV_SPLITK, GEMM_SPLITK), with 32- and 8-bit packing for int4 and split-K sums
-added in float32 or bfloat16, each replayed as a CUDA graph of 20 calls (as the engine runs them), and
-reports microseconds, the fraction of copy bandwidth the weight bytes reach, and the error against the
-dequantizing reference. Prints a table; writes quant_gemv.json to $OUT.
+Every kernel is timed in the same run, replayed as a CUDA graph of CALLS calls that walk through
+enough copies of the weights to rotate past the L2 cache (each call reads its weights from memory,
+as a decode step does). Per shape and batch: microseconds, the fraction of copy bandwidth the weight
+bytes reach, and the error against the dequantizing reference. Ours is swept over its launch
+configurations (`plugins.lowbit.Config`); the best per shape and batch is reported with its config.
 
-    python bench/quant_gemv.py        # on a CUDA GPU with gemlite
+    python bench/quant_gemv.py [--quick]       # on a CUDA GPU (gemlite optional: carried as a wheel)
+Prints a table last; writes quant_gemv.json to $OUT.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -24,92 +25,138 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import copy_bandwidth_tbps, report  # noqa: E402
-from pipeline.llm.quant import QuantLinear, group_size, unpack_int4  # noqa: E402
+from pipeline.llm.quant import dequantize, quantize  # noqa: E402
+from plugins import lowbit  # noqa: E402
+from plugins.lowbit_tuning import graphed_us  # noqa: E402
 
-SHAPES = {"qkv 3584→4608": (3584, 4608), "o 3584→3584": (3584, 3584), "gate_up 3584→37888": (3584, 37888),
-          "down 18944→3584": (18944, 3584), "lm_head 3584→152064": (3584, 152064)}
-KERNELS = ("auto", "GEMV", "GEMV_REVSPLITK", "GEMV_SPLITK", "GEMM_SPLITK")
-CALLS = 20
-
-
-def graphed_us(fn, x: torch.Tensor) -> float:
-    """Microseconds per call of `fn(x)`, replayed as one CUDA graph of CALLS calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn(x)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return sorted(times)[len(times) // 2]
+SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584),
+          "lm_head": (3584, 152064)}
+BATCHES = (1, 8)
+CALLS = 24
+ROTATE_BYTES = 400 << 20  # weights walked per graph: far past the 50-60 MB L2
 
 
-def kernel_for(layer: QuantLinear, packing: int):
-    """gemlite's layer for `layer`'s stored weights with `packing`-bit packing (int4)."""
-    import gemlite.helper as gh
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return round(((a.float() - b.float()).norm() / b.float().norm()).item(), 5)
 
-    if layer.mode == "int8":
-        return gh.A16W8(device=layer.q.device, dtype=layer.dtype).from_weights(layer.q, scales=layer.scale)
-    return gh.A16Wn(device=layer.q.device, dtype=layer.dtype, packing_bitwidth=packing).from_weights(
-        unpack_int4(layer.q), layer.scale, layer.zero, W_nbits=4, group_size=group_size(layer.in_features))
+
+def copies_for(nbytes: int) -> int:
+    return max(2, min(CALLS, -(-ROTATE_BYTES // nbytes)))
+
+
+def tinygemm(parts: dict, n_in: int):
+    """torch's built-in int4 kernel (`aten._weight_int4pack_mm`) on our int4 weights, or None where absent.
+    tinygemm computes (q − 8)·s + z', so z' = (8 − zero)·s; its byte order is found by checking both."""
+    q = torch.stack((parts["q"] & 15, parts["q"] >> 4), -1).flatten(-2)  # [out, in] values 0..15
+    s, z = parts["scale"], parts["zero"]
+    scale_zero = torch.stack((s, (8 - z.float()) * s.float()), -1).to(torch.bfloat16).transpose(0, 1).contiguous()
+    for order in ("hi-lo", "lo-hi"):
+        packed = (q[:, ::2] << 4 | q[:, 1::2]) if order == "hi-lo" else (q[:, ::2] | q[:, 1::2] << 4)
+        try:
+            w = torch.ops.aten._convert_weight_to_int4pack(packed.to(torch.uint8).contiguous(), 8)
+        except Exception:  # noqa: BLE001 - not built into this torch
+            return None
+        yield order, (lambda x, w=w: torch.ops.aten._weight_int4pack_mm(x, w, 128, scale_zero))
+
+
+def gemlite_layer(parts: dict, mode: str, n_in: int):
+    try:
+        import gemlite
+        import gemlite.helper as gh
+    except ImportError:
+        return None
+    gemlite.set_native_atomic_bfp16(False)
+    if mode == "int8":
+        return gh.A16W8(device="cuda", dtype=torch.bfloat16).from_weights(parts["q"], scales=parts["scale"])
+    q = torch.stack((parts["q"] & 15, parts["q"] >> 4), -1).flatten(-2)
+    return gh.A16Wn(device="cuda", dtype=torch.bfloat16).from_weights(q, parts["scale"], parts["zero"], W_nbits=4,
+                                                                       group_size=128)
+
+
+def configs(quick: bool):
+    block_ns, steps, stages, splits = ((32, 64), (1, 2), (3,), (1, 2, 4, 8)) if quick else \
+        ((16, 32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2, 4, 8, 16))
+    for bn, st, sg, sk in itertools.product(block_ns, steps, stages, splits):
+        yield lowbit.Config(block_n=bn, steps=st, split_k=sk, warps=4, stages=sg)
 
 
 def main() -> None:
-    import gemlite
-
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="a small config sweep")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    args = parser.parse_args()
     bandwidth = copy_bandwidth_tbps() * 1e12
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gemlite": gemlite.__version__,
-                 "date": time.strftime("%Y-%m-%d"), "copy_TBps": round(bandwidth / 1e12, 3)}
+    res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                 "triton": __import__("triton").__version__, "copy_TBps": round(bandwidth / 1e12, 3)}
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-    for shape_name, (n_in, n_out) in SHAPES.items():
-        linear = torch.nn.Linear(n_in, n_out, bias=False, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            linear.weight.normal_(0, 0.02, generator=g)
-        x = torch.randn(1, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
-        us = graphed_us(lambda v: F.linear(v, linear.weight), x)
-        rows.append((shape_name, "bf16 cuBLAS", round(us, 1), round(linear.weight.nbytes / (us * 1e-6) / bandwidth, 2),
-                     0.0))
+    rows, best = [], {}
+    for name in args.shapes.split(","):
+        n_in, n_out = SHAPES[name]
+        weight = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        bf16_copies = [weight] + [weight.clone() for _ in range(copies_for(weight.nbytes) - 1)]
+        for batch in BATCHES:
+            x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
+            us = graphed_us([lambda w=bf16_copies[i % len(bf16_copies)]: F.linear(x, w) for i in range(CALLS)])
+            rows.append((name, batch, "bf16 cuBLAS", round(us, 1), round(weight.nbytes / (us * 1e-6) / bandwidth, 3), 0.0))
         for mode in ("int8", "int4"):
-            layer = QuantLinear.from_linear(linear, mode)
-            expected = F.linear(x, layer.weight_float().to(torch.bfloat16)).float()
-            stored = sum(t.nbytes for t in layer.parts().values())
-            for packing in ((32, 8) if mode == "int4" else (8,)):
-                kernel = kernel_for(layer, packing)
-                for adds in ("fp32", "bf16"):
-                    gemlite.set_native_atomic_bfp16(adds == "bf16")
-                    for choice in KERNELS:
-                        def call(v, kernel=kernel, choice=choice):
-                            return kernel(v) if choice == "auto" else kernel.forward_manual(v, choice)
-                        try:
-                            err = ((call(x).float() - expected).norm() / expected.norm()).item()
-                            us = graphed_us(call, x)
-                        except Exception as e:  # noqa: BLE001 - a kernel gemlite does not offer for this shape
-                            rows.append((shape_name, f"{mode} p{packing} {adds} adds {choice}", None, None,
-                                         f"{type(e).__name__}"))
-                            continue
-                        rows.append((shape_name, f"{mode} p{packing} {adds} adds {choice}", round(us, 1),
-                                     round(stored / (us * 1e-6) / bandwidth, 2), round(err, 5)))
-        gemlite.set_native_atomic_bfp16(False)
-    res["rows (shape, kernel, us, of copy bandwidth, rel err)"] = rows
+            parts = quantize(weight, mode, torch.bfloat16)
+            stored = sum(t.nbytes for t in parts.values())
+            reference_w = dequantize(parts, mode).to(torch.bfloat16)
+            n_copies = copies_for(stored)
+            bits = 4 if mode == "int4" else 8
+            words = lowbit.pack_int4(parts["q"]) if bits == 4 else lowbit.pack_int8(parts["q"])
+            scale = parts["scale"].T.contiguous() if bits == 4 else parts["scale"].view(1, -1).contiguous()
+            zero = parts["zero"].T.contiguous() if bits == 4 else None
+            ours = [(words, scale, zero)] + [(words.clone(), scale.clone(), zero.clone() if zero is not None else None)
+                                             for _ in range(n_copies - 1)]
+            workspace = lowbit.Workspace(torch.device("cuda"))
+            others = {}
+            layer = gemlite_layer(parts, mode, n_in)
+            if layer is not None:
+                others["gemlite"] = [layer] + [gemlite_layer(parts, mode, n_in) for _ in range(min(n_copies, 8) - 1)]
+            if mode == "int4":
+                for order, fn in (tinygemm(parts, n_in) or []):
+                    others[f"tinygemm {order}"] = [fn]
+            for batch in BATCHES:
+                x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
+                expected = F.linear(x, reference_w).float()
+                for label, fns in others.items():
+                    try:
+                        err = rel(fns[0](x), expected)
+                        us = graphed_us([lambda f=fns[i % len(fns)]: f(x) for i in range(CALLS)])
+                    except Exception as e:  # noqa: BLE001 - a library kernel that does not take this shape
+                        rows.append((name, batch, f"{mode} {label}", None, None, type(e).__name__))
+                        continue
+                    if err > 0.05:
+                        rows.append((name, batch, f"{mode} {label}", None, None, f"wrong ({err})"))
+                        continue
+                    rows.append((name, batch, f"{mode} {label}", round(us, 1),
+                                 round(stored / (us * 1e-6) / bandwidth, 3), err))
+                fastest = None
+                for config in configs(args.quick):
+                    def call(i, config=config):
+                        w, s, z = ours[i % len(ours)]
+                        return lowbit.lowbit_matmul(x, w, s, z, None, bits, config, workspace)
+                    try:
+                        err = rel(call(0), expected)
+                        us = graphed_us([lambda i=i: call(i) for i in range(CALLS)])
+                    except Exception as e:  # noqa: BLE001 - a config Triton cannot compile (shared memory)
+                        print(f"  {name} b{batch} {mode} {config}: {type(e).__name__}: {str(e)[:120]}")
+                        continue
+                    if fastest is None or us < fastest[0]:
+                        fastest = (us, err, config)
+                if fastest:
+                    us, err, config = fastest
+                    best[f"{mode} {name} b{batch}"] = vars(config) | {"us": round(us, 2)}
+                    rows.append((name, batch, f"{mode} ours {config.block_n}/{config.steps}/{config.split_k}/"
+                                 f"{config.stages}", round(us, 1), round(stored / (us * 1e-6) / bandwidth, 3), err))
+                print(f"{name} b{batch} {mode}: done", flush=True)
+    res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows
+    res["best ours"] = best
     report("quant_gemv", res)
-    print(f"\n{'shape':22s} {'kernel':40s} {'us':>8s} {'of bw':>6s} {'rel err':>9s}")
-    for shape_name, kernel_name, us, frac, err in rows:
-        print(f"{shape_name:22s} {kernel_name:40s} {us if us is not None else '-':>8} "
+    print(f"\n{'shape':9s} {'b':>2s} {'kernel':36s} {'us':>8s} {'of bw':>6s} {'rel err':>9s}")
+    for shape_name, batch, kernel_name, us, frac, err in rows:
+        print(f"{shape_name:9s} {batch:2d} {kernel_name:36s} {us if us is not None else '-':>8} "
               f"{frac if frac is not None else '-':>6} {err:>9}")
 
 

@@ -99,7 +99,11 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
                  context: int) -> tuple[str, str]:
     """The weight mode for `--quant requested`, and why. `auto` keeps float weights on the CPU (the
     quantized reference path dequantizes per call there) and, on a GPU, takes the first of none, int8,
-    int4 whose weights plus one conversation's KV cache fit `free_bytes`."""
+    int4 whose weights plus one conversation's KV cache fit `free_bytes`. A pre-quantized (AWQ/GPTQ)
+    checkpoint runs as int4 whatever was asked."""
+    if config.quantization:
+        return "int4", "asked for" if requested == "int4" else \
+            f"the checkpoint holds {config.quantization.upper()} int4 weights: it runs as int4, not --quant {requested}"
     if requested != "auto":
         return requested, "asked for"
     if device.type != "cuda" or free_bytes is None:
@@ -119,10 +123,13 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
         return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     say = engines.report.say if engines is not None else (lambda line: None)
     model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
-    why = kernel_unavailable(device)
+    why = kernel_unavailable(model)
     if why is None:
-        use_kernels(model)
-        return model, f"{mode} weights (gemlite kernels)"
+        from plugins.lowbit_tuning import TunedConfigs
+
+        folder = engines.cache.root / "kernels" if engines is not None else None
+        use_kernels(model, TunedConfigs(folder, device, say))
+        return model, f"{mode} weights (Triton low-bit kernels)"
     say(f"{model_id}: {why}")
     return model, f"{mode} weights (reference: dequantized per call)"
 
@@ -144,6 +151,10 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     quant, quant_why = choose_quant(quant, config, dtype, target, free_bytes, context)
     if engines is not None and quant_why != "asked for":
         engines.report.say(f"{model_id}: --quant {quant} ({quant_why})")
+    if backend == "tensorrt" and config.quantization:
+        engines.report.say(f"{model_id}: runs on torch: the TensorRT-LLM path here builds from float checkpoints, "
+                           f"not {config.quantization.upper()} ones")
+        backend = "torch"
     if backend == "tensorrt":
         from engine_builder.trtllm.engine import load_trtllm_engine
 

@@ -10,7 +10,7 @@ Formats (what the quantized-weight cache stores and the kernels read):
   int4  q uint8 [out, in/2], two values per byte, low nibble first; scale and zero in the model's
         dtype [out, in/group]:                          w ≈ (q − zero) · scale
         asymmetric per group of `group_size(in)` inputs (the group's min maps to 0, its max to 15). The
-        zero is kept fractional, as HQQ and gemlite keep it, so both ends of the range are exact.
+        zero is kept fractional (as HQQ keeps it), so both ends of the range are exact.
 
 Which layers: the four projections of every block (q/k/v, output, gate/up, down) in the mode asked
 for, and the LM head in int8 under both modes. The LM head of Qwen2.5-7B is 1.09 GB of bf16, read
@@ -20,9 +20,11 @@ would cost sampling more; llama.cpp's 4-bit files keep their output layer at 6 b
 A head tied to the embedding stays in float with it. The embedding stays in float: a token reads one
 row of it.
 
-Kernels: on CUDA, gemlite's Triton GEMV/GEMM kernels (A16W8, A16W4) when gemlite imports. Elsewhere
-(the CPU, or a GPU without gemlite) the reference path dequantizes the weight at each call and runs
-a plain matmul: the same numbers, the float layer's speed at best.
+Kernels: on CUDA, our Triton kernels (`plugins/lowbit.py`: magic-number dequantization into tensor-core
+dots, batch 1–16 in one weight pass), in a layout made from this format at load, with launch shapes
+tuned once per GPU (`plugins/lowbit_tuning.py`). Elsewhere (the CPU, or a GPU without Triton) the
+reference path dequantizes the weight at each call and runs a plain matmul: the same numbers, the
+float layer's speed at best.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from plugins import lowbit
+
 MODES = ("none", "int8", "int4")
-GROUP = 128  # int4 group size: gemlite's and TensorRT-LLM's usual choice, 1/32 extra bytes of metadata
+GROUP = lowbit.GROUP  # int4 group size (TensorRT-LLM's and AWQ's usual choice): 1/32 extra bytes of metadata
 QUANTIZED = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # per block, the names in model.py
 HEAD_MODE = "int8"  # the LM head's, under both modes (see the module docstring)
 BITS = {"int8": 8, "int4": 4}
@@ -130,28 +134,22 @@ class QuantLinear(nn.Module):
     def weight_float(self) -> Tensor:
         return dequantize(self.parts(), self.mode)
 
-    def use_kernel(self) -> None:
-        """Hand the weights to gemlite's kernel (CUDA); the reference buffers are then freed.
+    def kernel_unavailable(self) -> str | None:
+        """None when `plugins.lowbit` can run this layer where its weights are, else why not."""
+        return lowbit.available(self.q.device, self.dtype, BITS[self.mode], self.in_features)
 
-        gemlite's split-K GEMVs add their partial sums atomically, on Hopper in bfloat16 by default:
-        that put 4.2 % error into the 18944-wide int4 down projection on the H100 (every add rounds),
-        against 0.42 % with float32 adds (`bench/llm_quant.py`), so the adds are made in float32."""
-        import gemlite
-        import gemlite.helper as gh
-
-        gemlite.set_native_atomic_bfp16(False)
-
-        device = self.q.device
-        if self.mode == "int8":
-            self.kernel = gh.A16W8(device=device, dtype=self.dtype).from_weights(
-                self.q, bias=self.bias, scales=self.scale)
+    def use_kernel(self, workspace: lowbit.Workspace, config: lowbit.Config | None = None) -> None:
+        """Repack the weights into the kernel's layout and run the Triton kernel from now on; the
+        reference buffers are then freed. `workspace` (one per model) holds split-K partial sums."""
+        bits = BITS[self.mode]
+        if bits == 4:
+            words, scale, zero = lowbit.pack_int4(self.q), self.scale.t().contiguous(), self.zero.t().contiguous()
         else:
-            self.kernel = gh.A16Wn(device=device, dtype=self.dtype).from_weights(
-                unpack_int4(self.q), self.scale, self.zero, W_nbits=4, group_size=group_size(self.in_features),
-                bias=self.bias)
+            words, scale, zero = lowbit.pack_int8(self.q), self.scale.view(1, -1).contiguous(), None
+        self.kernel = lowbit.LowBitWeight(words, scale, zero, self.bias, bits, self.dtype, workspace, config)
         for name in ("q", "scale", "zero"):
             if hasattr(self, name):
-                setattr(self, name, torch.empty(0, device=device))
+                setattr(self, name, torch.empty(0, device=words.device))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel is not None:
@@ -159,7 +157,7 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.weight_float().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} → {self.out_features}, {self.mode}" + (", gemlite" if self.kernel else "")
+        return f"{self.in_features} → {self.out_features}, {self.mode}" + (", triton" if self.kernel else "")
 
 
 def quantized_layers(model: nn.Module, mode: str) -> Iterator[tuple[nn.Module, str, str]]:
@@ -191,20 +189,25 @@ def empty_quantized(model: nn.Module, mode: str) -> nn.Module:
     return model
 
 
-def kernel_unavailable(device: torch.device) -> str | None:
-    """None when gemlite's kernels can run the quantized layers on `device`, else why not."""
-    if device.type != "cuda":
-        return "on the CPU the quantized layers dequantize at each call (the reference path)"
-    try:
-        import gemlite  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - ImportError, or its import-time CUDA probing failing
-        return f"gemlite does not import ({type(e).__name__}: {e}); the layers dequantize at each call (slow)"
+def kernel_unavailable(model: nn.Module) -> str | None:
+    """None when every `QuantLinear` of `model` can run on the low-bit kernels, else why not."""
+    for layer in model.modules():
+        if isinstance(layer, QuantLinear) and (why := layer.kernel_unavailable()):
+            return f"{why}; the layers dequantize at each call (slow)"
     return None
 
 
-def use_kernels(model: nn.Module) -> int:
-    """Move every `QuantLinear` of `model` onto gemlite's kernels; the number moved."""
+def use_kernels(model: nn.Module, tuned: "lowbit_tuning.TunedConfigs | None" = None) -> int:
+    """Move every `QuantLinear` of `model` onto the low-bit kernels, with launch shapes from `tuned`
+    (tuned now for shapes it lacks, with progress) or the untuned defaults; the number moved."""
+    from plugins import lowbit_tuning
+
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not layers:
+        return 0
+    workspace = lowbit.Workspace(layers[0].q.device)
     for layer in layers:
-        layer.use_kernel()
+        layer.use_kernel(workspace)
+    if tuned is not None:
+        lowbit_tuning.tune_layers([layer.kernel for layer in layers], tuned)
     return len(layers)

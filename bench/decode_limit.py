@@ -1,0 +1,277 @@
+"""A decode step against the GPU's limit (issue 17's must-shows 1–4), every ratio from this one run.
+
+Qwen2.5-7B shapes (28 layers, GQA 28/4, qkv bias, vocab 152064), random weights, through
+`TorchLLMEngine` as the app runs it (CUDA graphs; the Triton low-bit kernels, tuned in this run).
+
+Parts (`--parts`, comma-separated; all by default):
+  decode   per mode (bf16, int8, int4): batch-1 tok/s greedy and with the UI's default sampling, the
+           roofline of that mode's bytes per token at the measured copy bandwidth, 8 concurrent chats,
+           kernels per token and where the step's GPU time goes (profiler, eager), fidelity (fused
+           against unfused step: greedy tokens and logits; each mode's logits against bf16)
+  gemv     the int4/int8 kernels alone at the four projection shapes, batch 1 and 8, weights rotated
+           past L2, each against the dequantizing reference
+  launch   a 7B int4 chat's first launch from a float checkpoint on disk (quantize, tune, capture) and
+           its second launch from the cache, through the app's own loader
+
+    python bench/decode_limit.py [--parts decode,gemv,launch] [--layers 28]
+Writes decode_limit.json to $OUT after every part (a cut-short run keeps what it measured); prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llm_engine import GREEDY, QWEN25_7B, UI_DEFAULT, concurrent, random_prompt, run  # noqa: E402
+from timing import copy_bandwidth_tbps, report  # noqa: E402
+from pipeline.llm.config import config_from_hf  # noqa: E402
+from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.model import Decoder  # noqa: E402
+from pipeline.llm.quant import MODES, QuantLinear, dequantize, quantize, quantize_decoder, use_kernels  # noqa: E402
+from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from plugins import lowbit  # noqa: E402
+from plugins.fused import FUSED, REFERENCE  # noqa: E402
+from plugins.lowbit_tuning import TunedConfigs, fastest, graphed_us  # noqa: E402
+
+PROJECTIONS = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
+OUT_NAME = "decode_limit"
+
+
+def random_model(layers: int) -> Decoder:
+    with torch.device("meta"):
+        model = Decoder(config_from_hf({**QWEN25_7B, "num_hidden_layers": layers}))
+    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.02)
+    return model
+
+
+def bytes_per_token(model: Decoder) -> int:
+    """What one decode step must read: every weight but the embedding table (one row of it)."""
+    quantized = sum(t.nbytes for m in model.modules() if isinstance(m, QuantLinear) for t in m.parts().values())
+    return quantized + sum(p.nbytes for n, p in model.named_parameters() if n != "embed.weight")
+
+
+def set_kernels(model: Decoder, kernels) -> None:
+    for m in model.modules():
+        if hasattr(m, "kernels"):
+            m.kernels = kernels
+
+
+def profile_kernels(model: Decoder, vocab: int, prompt: tuple[int, ...], params: SamplingParams,
+                    tokens: int = 17) -> dict:
+    """Kernels per decode token and GPU µs per token by kernel name (eager engine: every launch is
+    seen): a run of `tokens` tokens minus a run of one (its prefill and first draw)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = TorchLLMEngine(model, 4096, vocab, max_batch=1, rows=2, use_cuda_graphs=False)
+
+    def counted(n: int) -> tuple[collections.Counter, collections.Counter]:
+        run(engine, prompt, dataclasses.replace(params, max_new_tokens=n))  # warm
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run(engine, prompt, dataclasses.replace(params, max_new_tokens=n))
+        counts, us = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                counts[e.name] += 1
+                us[e.name] += e.device_time
+        return counts, us
+
+    with torch.inference_mode():
+        one_counts, one_us = counted(1)
+        many_counts, many_us = counted(tokens)
+    engine.close()
+    steps = tokens - 1
+    per_token = {k: (many_counts[k] - one_counts[k]) / steps for k in many_counts}
+    us = {k: (many_us[k] - one_us[k]) / steps for k in many_us}
+    top = sorted(us.items(), key=lambda kv: -kv[1])[:18]
+    return {"kernels_per_token": round(sum(per_token.values()), 1), "gpu_us_per_token": round(sum(us.values()), 1),
+            "by_kernel (name: launches, us per token)": {k[:90]: (round(per_token[k], 2), round(v, 1)) for k, v in top}}
+
+
+def decode_part(res: dict, layers: int) -> None:
+    vocab = QWEN25_7B["vocab_size"]
+    prompt = random_prompt(1, 128)
+    bandwidth = res["copy_TBps"] * 1e12
+    reference_tokens, reference_logits = None, None
+    for mode in MODES:
+        started = time.perf_counter()
+        model = random_model(layers)
+        row: dict = {}
+        if mode != "none":
+            quantize_decoder(model, mode, "cuda")
+        row["bytes_per_token_GB"] = round(bytes_per_token(model) / 1e9, 3)
+        row["roofline_tok_s"] = round(bandwidth / bytes_per_token(model), 1)
+        if mode != "none":
+            t0 = time.perf_counter()
+            use_kernels(model, TunedConfigs(None, torch.device("cuda")))
+            row["kernel_tuning_s"] = round(time.perf_counter() - t0, 1)
+            row["tuned"] = {w.kernel.shape_key(): dataclasses.astuple(w.kernel.config)
+                            for w in model.modules() if isinstance(w, QuantLinear)}
+        row["profile_ui_sampling"] = profile_kernels(model, vocab, prompt, UI_DEFAULT)
+        engine = TorchLLMEngine(model, 4096, vocab, max_batch=8, rows=16)
+        with torch.inference_mode():
+            for params, key in ((GREEDY, "greedy"), (UI_DEFAULT, "ui_sampling")):
+                run(engine, prompt, params)  # captures this length's graphs
+                row[f"{key}_tok_s"] = round(statistics.median(run(engine, prompt, params)[1].tokens_per_s
+                                                              for _ in range(3)), 1)
+            row["roofline_fraction_ui_sampling"] = round(row["ui_sampling_tok_s"] / row["roofline_tok_s"], 3)
+            concurrent(engine, 8, UI_DEFAULT)  # captures the batch-8 graphs
+            eight = concurrent(engine, 8, UI_DEFAULT)
+            row["8_chats_aggregate_tok_s"] = eight["aggregate_tok_s"]
+            row["8_chats_x_one"] = round(eight["aggregate_tok_s"] / row["ui_sampling_tok_s"], 2)
+            tokens, _ = run(engine, prompt, dataclasses.replace(GREEDY, max_new_tokens=64))
+            logits = logits_for(engine, prompt + tuple(tokens))
+            if mode == "none":
+                reference_tokens, reference_logits = tokens, logits
+                engine.close()
+                set_kernels(model, REFERENCE)  # the unfused step on the same weights
+                plain = TorchLLMEngine(model, 4096, vocab, max_batch=1, rows=2)
+                plain_tokens, _ = run(plain, prompt, dataclasses.replace(GREEDY, max_new_tokens=64))
+                plain_logits = logits_for(plain, prompt + tuple(tokens))
+                plain.close()
+                set_kernels(model, FUSED)
+                row["fused_vs_unfused_greedy_same_of_64"] = sum(a == b for a, b in zip(tokens, plain_tokens))
+                row["fused_vs_unfused_logit_rel_err"] = rel(logits, plain_logits)
+            else:
+                engine.close()
+                row["greedy_same_as_bf16_of_64"] = sum(a == b for a, b in zip(tokens, reference_tokens))
+                row["logit_rel_err_vs_bf16"] = rel(logits, reference_logits)
+        row["seconds"] = round(time.perf_counter() - started, 1)
+        res[mode] = row
+        print(f"{mode}: { {k: v for k, v in row.items() if k not in ('profile_ui_sampling', 'tuned')} }", flush=True)
+        report(OUT_NAME, res)
+        del model, engine
+        torch.cuda.empty_cache()
+    bf16 = res["none"]
+    res["bf16_roofline_fraction"] = bf16["roofline_fraction_ui_sampling"]
+    res["int8_x_bf16"] = round(res["int8"]["ui_sampling_tok_s"] / bf16["ui_sampling_tok_s"], 3)
+    res["int4_x_bf16"] = round(res["int4"]["ui_sampling_tok_s"] / bf16["ui_sampling_tok_s"], 3)
+    res["int4_roofline_fraction"] = res["int4"]["roofline_fraction_ui_sampling"]
+    res["int4_8chats_x_one"] = res["int4"]["8_chats_x_one"]
+    res["kernels_per_token"] = {m: res[m]["profile_ui_sampling"]["kernels_per_token"] for m in MODES}
+    res["kernels_per_token_target"] = 10 * layers + 30
+
+
+def logits_for(engine, ids: tuple[int, ...]) -> torch.Tensor:
+    stream = engine.submit(Prompt(ids), SamplingParams(max_new_tokens=1, temperature=0), set(), keep_logits=True)
+    stream.wait()
+    return stream.logits[0]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return round(((a.float() - b.float()).norm() / b.float().norm()).item(), 5)
+
+
+def gemv_part(res: dict) -> None:
+    """Each projection's int4 and int8 kernel with the app's tuned config, batch 1 and 8."""
+    bandwidth = res["copy_TBps"] * 1e12
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fractions, slowdowns, errors, us_table = {}, {}, {}, {}
+    for name, (n_in, n_out) in PROJECTIONS.items():
+        weight = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+        for mode in ("int4", "int8"):
+            parts = quantize(weight, mode, torch.bfloat16)
+            stored = sum(t.nbytes for t in parts.values())
+            layers = [lowbit_weight(parts, mode) for _ in range(max(2, min(24, -(-(400 << 20) // stored))))]
+            config = fastest(layers)  # as the app tunes it
+            for layer in layers:
+                layer.config = config
+            reference = dequantize(quantize(weight, mode, torch.bfloat16), mode).to(torch.bfloat16)
+            times = {}
+            for batch in (1, 8):
+                x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
+                errors[f"{mode} {name} b{batch}"] = rel(layers[0](x), F.linear(x, reference))
+                times[batch] = graphed_us([lambda i=i: layers[i % len(layers)](x) for i in range(24)])
+            us_table[f"{mode} {name}"] = {"b1_us": round(times[1], 2), "b8_us": round(times[8], 2),
+                                          "config": dataclasses.astuple(config)}
+            if mode == "int4":
+                fractions[name] = {f"b{b}": round(stored / (t * 1e-6) / bandwidth, 3) for b, t in times.items()}
+                slowdowns[name] = round(times[8] / times[1], 3)
+    res["int4_gemv_bandwidth_fraction"] = fractions
+    res["int4_gemv_b8_over_b1"] = slowdowns
+    res["lowbit_kernel_rel_err_vs_dequantized"] = errors
+    res["lowbit_kernel_us"] = us_table
+    report(OUT_NAME, res)
+
+
+def lowbit_weight(parts: dict, mode: str) -> lowbit.LowBitWeight:
+    workspace = lowbit.Workspace(torch.device("cuda"))
+    if mode == "int4":
+        return lowbit.LowBitWeight(lowbit.pack_int4(parts["q"]), parts["scale"].t().contiguous(),
+                                   parts["zero"].t().contiguous(), None, 4, torch.bfloat16, workspace)
+    return lowbit.LowBitWeight(lowbit.pack_int8(parts["q"]), parts["scale"].view(1, -1).contiguous(), None, None, 8,
+                               torch.bfloat16, workspace)
+
+
+def launch_part(res: dict, layers: int) -> None:
+    """The app's loader on a float Qwen2.5-7B-shaped checkpoint: first launch (quantize, tune, first
+    reply) and second launch (from the engine cache), with its progress lines."""
+    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.cache import EngineCache
+    from pipeline.engines import load_language_model
+    from pipeline.llm.checkpoint import write_checkpoint
+    from pipeline.llm.demo import _qwen2_tokenizer
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        folder = Path(tmp) / "qwen25-7b-random"
+        model = random_model(layers)
+        sd = {k: v.cpu() for k, v in model.state_dict().items()}
+        del model
+        torch.cuda.empty_cache()
+        write_checkpoint(folder, config_from_hf({**QWEN25_7B, "num_hidden_layers": layers}), sd, "hf")
+        del sd
+        _qwen2_tokenizer(folder)  # a small real tokenizer: the app's loader needs one
+        times = {}
+        for attempt in ("first", "second"):
+            t0 = time.perf_counter()
+            report_ = StartupReport()
+            options = EngineOptions(EngineCache(Path(tmp) / "engines"), report_)
+            lm = load_language_model(folder, "qwen25-7b-random", device="cuda", dtype=torch.bfloat16,
+                                     max_context=4096, quant="int4", engines=options)
+            with torch.inference_mode():
+                stream = lm.engine.submit(Prompt(random_prompt(2, 64)), dataclasses.replace(UI_DEFAULT, max_new_tokens=8),
+                                          set())
+                stream.wait()
+            times[attempt] = {"ready_s": round(time.perf_counter() - t0, 1), "log": report_.lines}
+            lm.engine.close()
+            del lm
+            torch.cuda.empty_cache()
+        res["first_launch"] = times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parts", default="decode,gemv")
+    ap.add_argument("--layers", type=int, default=28)
+    args = ap.parse_args()
+    parts = args.parts.split(",")
+    res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+                 "triton": __import__("triton").__version__, "copy_TBps": round(copy_bandwidth_tbps(), 3),
+                 "shapes": f"Qwen2.5-7B, {args.layers} layers"}
+    if "gemv" in parts:
+        gemv_part(res)
+    if "decode" in parts:
+        decode_part(res, args.layers)
+    if "launch" in parts:
+        launch_part(res, args.layers)
+    report(OUT_NAME, res)
+
+
+if __name__ == "__main__":
+    main()
