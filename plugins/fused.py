@@ -191,9 +191,12 @@ def rope_cache_write_fused(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Te
     writes per layer); q is rotated in place. q, k, v are views of one row of the fused q/k/v output."""
     batch, tokens, heads, dim = q.shape
     kv_heads = k.shape[2]
-    row_stride = q.stride(0)
+    # Rows are `row_stride` apart in all three views. A batch of one has no second row: its views'
+    # stride(0) is whatever `view` made of a size-1 dimension (and differs between q, k and v).
+    row_stride = q.stride(0) if batch > 1 else 0
     if (not _use_triton(q) or tokens != 1 or not k_cache.is_contiguous() or not v_cache.is_contiguous()
-            or any(t.stride(-1) != 1 or t.stride(2) != dim or t.stride(0) != row_stride for t in (q, k, v))):
+            or any(t.stride(-1) != 1 or t.stride(2) != dim or (batch > 1 and t.stride(0) != row_stride)
+                   for t in (q, k, v))):
         return rope_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, positions)
     global _rope_cache_write_failed
     if _rope_cache_write_failed:

@@ -32,18 +32,19 @@ for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1.5e-2)):  # bf16: th
     assert worst(fused.silu_mul_fused(gu), fused.silu_mul_reference(gu)) <= tol
     q, cos, sin = torch.randn(1, 7, 4, 32).to(dtype), torch.rand(1, 7, 32), torch.rand(1, 7, 32)
     assert worst(fused.rotary_fused(q.clone(), cos, sin), fused.rotary_reference(q, cos, sin)) <= tol
-    heads, kv_heads, dim = 6, 2, 32  # a decode batch of 3 rows at different positions, grouped KV heads
-    qkv = torch.randn(3, 1, (heads + 2 * kv_heads) * dim).to(dtype)
-    q, k, v = (t.view(3, 1, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
-    cos, sin, positions = torch.rand(3, 1, dim), torch.rand(3, 1, dim), torch.tensor([5, 0, 9])
-    caches = [torch.randn(4, kv_heads, 12, dim).to(dtype) for _ in range(2)]
-    caches += [c.clone() for c in caches]
-    expected = fused.rope_cache_write_reference(q.clone(), k.clone(), v.clone(), cos, sin, caches[0], caches[1],
-                                                positions)
-    got = fused.rope_cache_write_fused(q, k, v, cos, sin, caches[2], caches[3], positions)
-    assert got.data_ptr() == q.data_ptr() and worst(got, expected) <= tol  # q rotated in place
-    assert worst(caches[2], caches[0]) <= tol and torch.equal(caches[3], caches[1])  # k rotated, v copied
-    assert torch.equal(caches[2][:, :, 1:5], caches[0][:, :, 1:5])  # nothing else written
+    heads, kv_heads, dim = 6, 2, 32  # a decode batch at different positions, grouped KV heads; batch 1 too
+    for batch, positions in ((3, torch.tensor([5, 0, 9])), (1, torch.tensor([7]))):
+        qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * dim).to(dtype)
+        q, k, v = (t.view(batch, 1, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1))
+        cos, sin = torch.rand(batch, 1, dim), torch.rand(batch, 1, dim)
+        caches = [torch.randn(4, kv_heads, 12, dim).to(dtype) for _ in range(2)]
+        caches += [c.clone() for c in caches]
+        expected = fused.rope_cache_write_reference(q.clone(), k.clone(), v.clone(), cos, sin, caches[0], caches[1],
+                                                    positions)
+        got = fused.rope_cache_write_fused(q, k, v, cos, sin, caches[2], caches[3], positions)
+        assert got.data_ptr() == q.data_ptr() and worst(got, expected) <= tol, batch  # the kernel ran: q in place
+        assert worst(caches[2], caches[0]) <= tol and torch.equal(caches[3], caches[1])  # k rotated, v copied
+        assert torch.equal(caches[2][:, :, 1:5], caches[0][:, :, 1:5])  # nothing else written
 print("ok")
 '''
 
