@@ -121,7 +121,8 @@ def decode_part(res: dict, layers: int) -> None:
             t0 = time.perf_counter()
             use_kernels(model, TunedConfigs(None, torch.device("cuda")))
             row["kernel_tuning_s"] = round(time.perf_counter() - t0, 1)
-            row["tuned"] = {w.kernel.shape_key(): dataclasses.astuple(w.kernel.config)
+            row["tuned"] = {w.kernel.shape_key(): (dataclasses.astuple(w.kernel.config),
+                                                   dataclasses.astuple(w.kernel.batch_config))
                             for w in model.modules() if isinstance(w, QuantLinear)}
         row["profile_ui_sampling"] = profile_kernels(model, vocab, prompt, UI_DEFAULT)
         engine = TorchLLMEngine(model, 4096, vocab, max_batch=8, rows=16)
@@ -189,9 +190,9 @@ def gemv_part(res: dict) -> None:
             parts = quantize(weight, mode, torch.bfloat16)
             stored = sum(t.nbytes for t in parts.values())
             layers = [lowbit_weight(parts, mode) for _ in range(max(2, min(24, -(-(400 << 20) // stored))))]
-            config = fastest(layers)  # as the app tunes it
+            configs = {1: fastest(layers, 1), 8: fastest(layers, 8)}  # as the app tunes them
             for layer in layers:
-                layer.config = config
+                layer.config, layer.batch_config = configs[1], configs[8]
             reference = dequantize(quantize(weight, mode, torch.bfloat16), mode).to(torch.bfloat16)
             times = {}
             for batch in (1, 8):
@@ -199,7 +200,7 @@ def gemv_part(res: dict) -> None:
                 errors[f"{mode} {name} b{batch}"] = rel(layers[0](x), F.linear(x, reference))
                 times[batch] = graphed_us([lambda i=i: layers[i % len(layers)](x) for i in range(24)])
             us_table[f"{mode} {name}"] = {"b1_us": round(times[1], 2), "b8_us": round(times[8], 2),
-                                          "config": dataclasses.astuple(config)}
+                                          "configs": {b: dataclasses.astuple(c) for b, c in configs.items()}}
             if mode == "int4":
                 fractions[name] = {f"b{b}": round(stored / (t * 1e-6) / bandwidth, 3) for b, t in times.items()}
                 slowdowns[name] = round(times[8] / times[1], 3)

@@ -3,10 +3,11 @@
 Every kernel is timed in the same run, replayed as a CUDA graph of CALLS calls that walk through
 enough copies of the weights to rotate past the L2 cache (each call reads its weights from memory,
 as a decode step does). Per shape and batch: microseconds, the fraction of copy bandwidth the weight
-bytes reach, and the error against the dequantizing reference. Ours is swept over its launch
-configurations (`plugins.lowbit.Config`); the best per shape and batch is reported with its config.
+bytes reach, and the error against the dequantizing reference. Ours is swept over the launch
+configurations the app tunes among (`plugins.lowbit_tuning.CANDIDATES`); the best per shape and batch
+is reported with its config (kernel, rows per program, chunks per step, split-K).
 
-    python bench/quant_gemv.py [--quick]       # on a CUDA GPU (gemlite optional: carried as a wheel)
+    python bench/quant_gemv.py       # on a CUDA GPU (gemlite optional: carried as a wheel)
 Prints a table last; writes quant_gemv.json to $OUT.
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth_tbps, report  # noqa: E402
 from pipeline.llm.quant import dequantize, quantize  # noqa: E402
 from plugins import lowbit  # noqa: E402
-from plugins.lowbit_tuning import graphed_us  # noqa: E402
+from plugins.lowbit_tuning import CANDIDATES, graphed_us  # noqa: E402
 
 SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584),
           "lm_head": (3584, 152064)}
@@ -73,16 +74,8 @@ def gemlite_layer(parts: dict, mode: str, n_in: int):
                                                                        group_size=128)
 
 
-def configs(quick: bool):
-    block_ns, steps, stages, splits = ((32, 64), (1, 2), (3,), (1, 2, 4, 8)) if quick else \
-        ((16, 32, 64, 128), (1, 2, 4), (2, 3, 4), (1, 2, 4, 8, 16))
-    for bn, st, sg, sk in itertools.product(block_ns, steps, stages, splits):
-        yield lowbit.Config(block_n=bn, steps=st, split_k=sk, warps=4, stages=sg)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="a small config sweep")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     bandwidth = copy_bandwidth_tbps() * 1e12
@@ -133,7 +126,7 @@ def main() -> None:
                     rows.append((name, batch, f"{mode} {label}", round(us, 1),
                                  round(stored / (us * 1e-6) / bandwidth, 3), err))
                 fastest = None
-                for config in configs(args.quick):
+                for config in CANDIDATES[1 if batch == 1 else 8]:
                     def call(i, config=config):
                         w, s, z = ours[i % len(ours)]
                         return lowbit.lowbit_matmul(x, w, s, z, None, bits, config, workspace)
@@ -148,8 +141,8 @@ def main() -> None:
                 if fastest:
                     us, err, config = fastest
                     best[f"{mode} {name} b{batch}"] = vars(config) | {"us": round(us, 2)}
-                    rows.append((name, batch, f"{mode} ours {config.block_n}/{config.steps}/{config.split_k}/"
-                                 f"{config.stages}", round(us, 1), round(stored / (us * 1e-6) / bandwidth, 3), err))
+                    rows.append((name, batch, f"{mode} ours {config.kind} {config.block_n}/{config.steps}/"
+                                 f"{config.split_k}", round(us, 1), round(stored / (us * 1e-6) / bandwidth, 3), err))
                 print(f"{name} b{batch} {mode}: done", flush=True)
     res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows
     res["best ours"] = best

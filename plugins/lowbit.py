@@ -1,29 +1,28 @@
 """Weight-only int4 (grouped) and int8 (per channel) matrix products for batch 1–16 and prefill (Triton).
 
-Why our own kernel: a quantized decode step reads every weight once, so its time is the weight
+Why our own kernels: a quantized decode step reads every weight once, so its time is the weight
 bytes over memory bandwidth, provided dequantization keeps up. On Hopper it barely does: the H200
-must turn ~37 int4 weights per SM per clock into math, and the usual way (integer unpack, then a
-int→float conversion at 16 per SM per clock) is capped near 0.45 of bandwidth. Here:
+must turn ~37 int4 weights per SM per clock into math, and the usual way (integer unpack, then an
+int→float conversion at 16 per SM per clock) is capped near 0.45 of bandwidth. So:
 
-- **Magic-number dequantization.** A 32-bit word of packed nibbles becomes two bf16 lanes with one
-  shift and one AND-OR: `(w >> s) & 0x000F000F | 0x43004300` is the bf16 pair (128 + q₁, 128 + q₂),
-  exact (fp16 models use 0x6400: 1024 + q). No per-element conversion instruction.
-- **Tensor cores at batch 1.** The lanes feed `tl.dot` with the activations padded to 16 rows, so a
-  batch of 1 and a batch of 16 cost the same: eight chats decode in one weight pass.
+- **Magic-number dequantization, no conversion instructions.** int4: a nibble moved under the bits
+  of 128.0 is the float 128 + q (`(w >> s) & 0x000F000F | 0x43004300` gives two such bf16 lanes in
+  one AND-OR; fp16 uses 1024.0). int8: the byte (stored + 128) under 2^23, or its two nibbles as lanes.
 - **The offset and the zero point come out once per group**, from the activations' group sum:
   Σ x·(q − z)·s = (Σ x·(128 + q) − (128 + z)·Σ x)·s, in fp32.
-- **A pre-shuffled layout, so activations are read in runs of 16.** In a group of 128 inputs, word
-  w (0–15) of a row holds nibble j = input 16·j + w; the shift for nibble s yields inputs
-  16·s + w (low lane) and 16·(s + 4) + w (high lane). int8 does the same per 64 inputs with each
-  byte's two nibbles (the weight stored + 128): u = 16·h + l, two exact bf16 lanes per byte.
+- **Two kernels, chosen per shape and batch by timing (`plugins/lowbit_tuning.py`)**: `_mma_kernel`
+  joins the lanes back into input order and runs one tensor-core `tl.dot` per 16-word chunk with the
+  activations padded to 16 rows, so a batch of 8 costs what a batch of 1 does; `_fma_kernel` keeps
+  each weight an fp32 on the CUDA cores (two integer instructions and one FMA per weight and row),
+  which needs no layout change for the tensor cores, for 1–4 rows.
 - **Split-K without fills or a reduction launch.** Where a layer has few output tiles (the down
   projection), several programs share a tile's inputs, write fp32 partials to a workspace, and the
   last one to arrive (an atomic counter) adds them in a fixed order and resets the counter. One
   launch, no zero-fill, deterministic sums.
 
-Layouts (`pack`): `words` int32 [out, in/8] (int4) or [out, in/4] (int8, stored as q + 128);
+Layouts (`pack_int4` / `pack_int8`): the canonical bytes of `pipeline/llm/quant.py` read as int32
+words (int8 with its sign bit flipped), so nibble (byte) j of word w is input 8w + j (4w + j);
 `scale` [groups, out] in the model's dtype (int4; `zero` likewise) or float32 [1, out] (int8).
-The on-disk format stays the canonical one of `pipeline/llm/quant.py`; this layout is made at load.
 
 On the CPU the kernels run under Triton's interpreter in the tests (`tests/test_lowbit.py`), whose
 bf16 `tl.dot` is broken (Triton 3.9): there the dot operands are widened to fp32 first (exact for
@@ -45,16 +44,17 @@ except ImportError:  # CPU-only installs: the caller's reference path is used
     triton = None
 
 GROUP = 128  # int4 inputs per group (one scale and zero); int8 packs 64 inputs per 16 words
-WORDS = 16  # int32 words of a row per group (int4) or per block (int8)
 BLOCK_M = 16  # activation rows per program: tl.dot's smallest tile, so batches 1–16 cost one pass
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One launch shape: output rows per program, groups (or blocks) per loop step, programs per
-    output tile along the inputs, and Triton's warps and pipeline depth."""
+    """One launch shape: which kernel ("mma": tensor cores, batches 1–16 in one weight pass; "fma": CUDA
+    cores, 1–4 rows), output rows per program, 16-word chunks per loop step, programs per output tile
+    along the inputs (split-K), and Triton's warps and pipeline depth."""
 
+    kind: str = "mma"
     block_n: int = 64
     steps: int = 1
     split_k: int = 1
@@ -64,85 +64,153 @@ class Config:
 
 if triton is not None:
     @triton.jit
-    def _lowbit_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
-                       M, N, K, stride_xm, stride_om,
-                       BITS: tl.constexpr, HAS_BIAS: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
-                       DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr,
-                       SPLIT_K):
-        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rw = tl.arange(0, 16)
-        n_ok, m_ok = rn < N, rm < M
-        chunk: tl.constexpr = 128 if BITS == 4 else 64  # inputs per 16 words
-        blocks = K // chunk
-        row_words = K // (32 // BITS)
-        per_split = tl.cdiv(tl.cdiv(blocks, SPLIT_K), STEPS) * STEPS
+    def _chunks(pid_k, K, BITS: tl.constexpr, STEPS: tl.constexpr, SPLIT_K):
+        """The chunks (16 words of every row: 128 int4 or 64 int8 inputs) program `pid_k` of a split covers."""
+        chunks = K // (128 if BITS == 4 else 64)
+        per_split = tl.cdiv(tl.cdiv(chunks, SPLIT_K), STEPS) * STEPS
         first = pid_k * per_split
-        last = tl.minimum(first + per_split, blocks)
-        compute = x_ptr.dtype.element_ty
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        xsum_all = tl.zeros((BLOCK_M,), tl.float32)
-        for start in range(first, last, STEPS):
-            for i in tl.static_range(STEPS):
-                b = start + i
-                ok = (rw * 0 + b) < last  # a tensor, not a scalar: the interpreter masks with tensors only
-                w = tl.load(w_ptr + rn[:, None] * row_words + b * 16 + rw[None, :], mask=n_ok[:, None] & ok[None, :], other=0)
-                xb = x_ptr + rm[None, :] * stride_xm + b * chunk + rw[:, None]  # x transposed: [16, BLOCK_M]
-                x_ok = m_ok[None, :] & ok[:, None]
-                part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                high = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # int8: the high nibbles' products, worth 16×
-                xsum = tl.zeros((BLOCK_M,), tl.float32)
-                for s in tl.static_range(4):
-                    if BITS == 4:
-                        t = ((w >> (4 * s)) & 0x000F000F) | MAGIC_BITS
-                        x_lo = tl.load(xb + 16 * s, mask=x_ok, other=0.0)
-                        x_hi = tl.load(xb + 16 * (s + 4), mask=x_ok, other=0.0)
-                        xsum += tl.sum(x_lo.to(tl.float32), 0) + tl.sum(x_hi.to(tl.float32), 0)
-                    else:  # bytes 0–3 of a word are inputs w, 16 + w, 32 + w, 48 + w; high nibbles count 16×
-                        t = ((w >> (8 * (s % 2) + 4 * (s // 2))) & 0x000F000F) | MAGIC_BITS
-                        x_lo = tl.load(xb + 16 * (s % 2), mask=x_ok, other=0.0)
-                        x_hi = tl.load(xb + 16 * (s % 2 + 2), mask=x_ok, other=0.0)
-                        if s < 2:
-                            xsum += tl.sum(x_lo.to(tl.float32), 0) + tl.sum(x_hi.to(tl.float32), 0)
-                    lo = t.to(tl.int16).to(compute, bitcast=True)
-                    hi = (t >> 16).to(tl.int16).to(compute, bitcast=True)
-                    if DOT_F32:
-                        lo, hi, x_lo, x_hi = lo.to(tl.float32), hi.to(tl.float32), x_lo.to(tl.float32), x_hi.to(tl.float32)
-                    if BITS == 8 and s >= 2:
-                        high = tl.dot(lo, x_lo, high)
-                        high = tl.dot(hi, x_hi, high)
-                    else:
-                        part = tl.dot(lo, x_lo, part)
-                        part = tl.dot(hi, x_hi, part)
-                if BITS == 4:
-                    sc = tl.load(scale_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
-                    zp = tl.load(zero_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32) + MAGIC
-                    acc += (part - zp[:, None] * xsum[None, :]) * sc[:, None]
-                else:
-                    acc += part + 16 * high
-                    xsum_all += xsum
-        if BITS == 8:  # Σ x·(c + l) + 16·Σ x·(c + h) = Σ x·q + (17·c + 128)·Σ x
-            sc = tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-            acc = (acc - (17 * MAGIC + 128) * xsum_all[None, :]) * sc[:, None]
-        writer = n_ok  # the rows this program writes out: all of its tile, or, split, only if it came last
+        return first, tl.minimum(first + per_split, chunks)
+
+    @triton.jit
+    def _finish(acc, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
+                SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_M] (fp32) → out[m, n] (+ bias); split, only the last program to arrive
+        writes, after adding every split's partial in split order (and leaves the counter at zero)."""
+        writer = n_ok
         if SPLIT_K > 1:
-            n_all = n_ok[:, None] & (tl.arange(0, BLOCK_M)[None, :] < BLOCK_M)
-            tl.store(part_ptr + (pid_k * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]) * N + rn[:, None], acc,
-                     mask=n_all)
+            rows = tl.arange(0, BLOCK_M)
+            n_all = n_ok[:, None] & (rows[None, :] < BLOCK_M)
+            tl.store(part_ptr + (pid_k * BLOCK_M + rows[None, :]) * N + rn[:, None], acc, mask=n_all)
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
             writer = n_ok & ((rn * 0 + arrived) == SPLIT_K - 1)
             if arrived == SPLIT_K - 1:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
                 for k in range(SPLIT_K):  # in split order: the same sum on every run
-                    acc += tl.load(part_ptr + (k * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]) * N + rn[:, None],
-                                   mask=n_all, other=0.0, cache_modifier=".cg")
+                    acc += tl.load(part_ptr + (k * BLOCK_M + rows[None, :]) * N + rn[:, None], mask=n_all, other=0.0,
+                                   cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call: no fill launch
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
                  mask=writer[:, None] & m_ok[None, :])
+
+    @triton.jit
+    def _lanes(t, compute: tl.constexpr):
+        """An int32 tensor of two 16-bit float patterns → its low and high halves as `compute` floats."""
+        return t.to(tl.int16).to(compute, bitcast=True), (t >> 16).to(tl.int16).to(compute, bitcast=True)
+
+    @triton.jit
+    def _mma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                    M, N, K, stride_xm, stride_om, SPLIT_K,
+                    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
+                    DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
+        """Tensor-core version: each chunk's 16 words per row become one [BLOCK_N, 128 or 64] operand
+        (magic-number lanes joined back into input order) for one `tl.dot` with the activations."""
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rw = tl.arange(0, 16)
+        CHUNK: tl.constexpr = 128 if BITS == 4 else 64
+        rk = tl.arange(0, CHUNK)
+        n_ok, m_ok = rn < N, rm < M
+        compute: tl.constexpr = x_ptr.dtype.element_ty
+        first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        high = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)  # int8: the high nibbles' products, worth 16x
+        xsum_all = tl.zeros((BLOCK_M,), tl.float32)
+        for start in range(first, last, STEPS):
+            for i in tl.static_range(STEPS):
+                b = start + i
+                ok = (rw * 0 + b) < last  # tensors, not a scalar: the interpreter masks with tensors only
+                w = tl.load(w_ptr + rn[:, None] * (K * BITS // 32) + b * 16 + rw[None, :],
+                            mask=n_ok[:, None] & ok[None, :], other=0)
+                x = tl.load(x_ptr + rm[None, :] * stride_xm + b * CHUNK + rk[:, None],
+                            mask=m_ok[None, :] & ((rk * 0 + b) < last)[:, None], other=0.0)  # [CHUNK, BLOCK_M]
+                xsum = tl.sum(x.to(tl.float32), 0)
+                if BITS == 4:  # nibble j of word w is input 8w + j; lanes s and s + 4 come out together
+                    lo0, hi0 = _lanes((w & 0x000F000F) | MAGIC_BITS, compute)
+                    lo1, hi1 = _lanes(((w >> 4) & 0x000F000F) | MAGIC_BITS, compute)
+                    lo2, hi2 = _lanes(((w >> 8) & 0x000F000F) | MAGIC_BITS, compute)
+                    lo3, hi3 = _lanes(((w >> 12) & 0x000F000F) | MAGIC_BITS, compute)
+                    # tl.join adds the last (fastest) axis, so the first join picks the highest bit of j
+                    a = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)),
+                                tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
+                    a = tl.reshape(a, (BLOCK_N, CHUNK))
+                    if DOT_F32:
+                        part = tl.dot(a.to(tl.float32), x.to(tl.float32))
+                    else:
+                        part = tl.dot(a, x)
+                    sc = tl.load(scale_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                    zp = tl.load(zero_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                    acc += (part - (zp + MAGIC)[:, None] * xsum[None, :]) * sc[:, None]
+                else:  # byte j of word w is input 4w + j, stored + 128; each nibble is a lane
+                    l0, l2 = _lanes((w & 0x000F000F) | MAGIC_BITS, compute)
+                    l1, l3 = _lanes(((w >> 8) & 0x000F000F) | MAGIC_BITS, compute)
+                    h0, h2 = _lanes(((w >> 4) & 0x000F000F) | MAGIC_BITS, compute)
+                    h1, h3 = _lanes(((w >> 12) & 0x000F000F) | MAGIC_BITS, compute)
+                    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), (BLOCK_N, CHUNK))
+                    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), (BLOCK_N, CHUNK))
+                    if DOT_F32:
+                        lo, hi, x = lo.to(tl.float32), hi.to(tl.float32), x.to(tl.float32)
+                    acc = tl.dot(lo, x, acc)
+                    high = tl.dot(hi, x, high)
+                    xsum_all += xsum
+        if BITS == 8:  # Σ x·(c + l) + 16·Σ x·(c + h) = Σ x·q + (17·c + 128)·Σ x
+            sc = tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            acc = (acc + 16 * high - (17 * MAGIC + 128) * xsum_all[None, :]) * sc[:, None]
+        _finish(acc, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
+                SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)
+
+    @triton.jit
+    def _fma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                    M, N, K, stride_xm, stride_om, SPLIT_K,
+                    BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                    STEPS: tl.constexpr):
+        """CUDA-core version for 1–4 rows: each weight becomes an fp32 with two integer instructions
+        (int4: the nibble under a 128.0 exponent; int8: the byte under 2^23) and one FMA per row."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rw = tl.arange(0, 16)
+        PER_WORD: tl.constexpr = 32 // BITS
+        CHUNK: tl.constexpr = 16 * PER_WORD
+        n_ok, m_ok = rn < N, rm < M
+        first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        dots = tl.zeros((BLOCK_M, BLOCK_N, 16), tl.float32)  # int8: Σ x·q per word column, reduced at the end
+        for start in range(first, last, STEPS):
+            for i in tl.static_range(STEPS):
+                b = start + i
+                ok = (rw * 0 + b) < last
+                w = tl.load(w_ptr + rn[:, None] * (K // PER_WORD) + b * 16 + rw[None, :],
+                            mask=n_ok[:, None] & ok[None, :], other=0)
+                x_ptrs = x_ptr + rm[:, None] * stride_xm + b * CHUNK + PER_WORD * rw[None, :]
+                x_ok = m_ok[:, None] & ok[None, :]
+                if BITS == 4:
+                    part = tl.zeros((BLOCK_M, BLOCK_N, 16), tl.float32)
+                    xsum = tl.zeros((BLOCK_M,), tl.float32)
+                    for j in tl.static_range(8):  # nibble j → bits 16..19 under 0x43000000: 128 + q as fp32
+                        if j <= 4:
+                            v = ((w << (16 - 4 * j)) & 0x000F0000) | 0x43000000
+                        else:
+                            v = ((w >> (4 * j - 16)) & 0x000F0000) | 0x43000000
+                        xj = tl.load(x_ptrs + j, mask=x_ok, other=0.0).to(tl.float32)
+                        part += v.to(tl.float32, bitcast=True)[None, :, :] * xj[:, None, :]
+                        xsum += tl.sum(xj, 1)
+                    sc = tl.load(scale_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                    zp = tl.load(zero_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                    acc += (tl.sum(part, 2) - xsum[:, None] * (zp + 128.0)[None, :]) * sc[None, :]
+                else:
+                    for j in tl.static_range(4):  # byte j under 2^23, minus 2^23 + 128: q exactly
+                        v = ((w >> (8 * j)) & 0xFF) | 0x4B000000
+                        q = v.to(tl.float32, bitcast=True) - 8388736.0
+                        xj = tl.load(x_ptrs + j, mask=x_ok, other=0.0).to(tl.float32)
+                        dots += q[None, :, :] * xj[:, None, :]
+        if BITS == 8:
+            acc = tl.sum(dots, 2) * tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        _finish(tl.trans(acc), rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
+                SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)
 
 
 def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: int) -> str | None:
@@ -160,19 +228,15 @@ def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: 
 
 
 def pack_int4(q: Tensor) -> Tensor:
-    """Canonical int4 bytes [out, in/2] (element 2i low nibble of byte i) → kernel words [out, in/8]."""
-    out, half = q.shape
-    values = torch.stack((q & 15, q >> 4), dim=-1).view(out, half * 2 // GROUP, 8, WORDS).to(torch.int32)
-    words = sum(values[:, :, j] << (4 * j) for j in range(8))  # word w holds inputs 16·j + w of its group
-    return words.reshape(out, -1).contiguous()
+    """Canonical int4 bytes [out, in/2] (input 2i in the low nibble of byte i) → kernel words [out, in/8]:
+    the same bytes read as little-endian int32, so nibble j of word w is input 8w + j."""
+    return q.contiguous().view(torch.int32)
 
 
 def pack_int8(q: Tensor) -> Tensor:
-    """int8 [out, in] → kernel words [out, in/4] holding q + 128, byte i of word w = input 16·i + w of its 64."""
-    out, n = q.shape
-    values = (q.to(torch.int32) + 128).view(out, n // 64, 4, WORDS)
-    words = sum(values[:, :, i] << (8 * i) for i in range(4))
-    return words.reshape(out, -1).contiguous()
+    """int8 [out, in] → kernel words [out, in/4] holding q + 128 (the sign bit flipped): byte j of word w
+    is input 4w + j, each nibble of it exact as a float lane."""
+    return (q.contiguous().view(torch.uint8) ^ 0x80).view(torch.int32)
 
 
 class Workspace:
@@ -195,14 +259,14 @@ class Workspace:
 def default_config(bits: int, out_features: int, in_features: int, rows: int, processors: int) -> Config:
     """A launch shape without tuning: enough programs to cover the GPU at batch ≤ 16; plain tiles for prefill."""
     if rows > BLOCK_M:
-        return Config(block_n=64, steps=1, split_k=1, warps=4, stages=3)
+        return Config("mma", block_n=64, steps=1, split_k=1)
     block_n = 32
     tiles = -(-out_features // block_n)
-    blocks = in_features // (GROUP if bits == 4 else 64)
+    chunks = in_features // (GROUP if bits == 4 else 64)
     split = 1
-    while tiles * split < 2 * processors and blocks // (split * 2) >= 8:
+    while tiles * split < 2 * processors and chunks // (split * 2) >= 8:
         split *= 2
-    return Config(block_n=block_n, steps=2, split_k=split, warps=4, stages=3)
+    return Config("fma" if rows == 1 else "mma", block_n=block_n, steps=2, split_k=split)
 
 
 def lowbit_matmul(x: Tensor, words: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, bits: int,
@@ -215,37 +279,41 @@ def lowbit_matmul(x: Tensor, words: Tensor, scale: Tensor, zero: Tensor | None, 
     m, k = x2.shape
     n = words.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    fma = config.kind == "fma" and m <= 4
     split = config.split_k if m <= BLOCK_M else 1
-    block_m = BLOCK_M if m <= BLOCK_M else 64
+    block_m = (1 << (m - 1).bit_length()) if fma else (BLOCK_M if m <= BLOCK_M else 64)
     tiles = triton.cdiv(n, config.block_n)
     if split > 1:
-        workspace.reserve(split * BLOCK_M * n, tiles)
+        workspace.reserve(split * block_m * n, tiles)
         partials, counters = workspace.partials, workspace.counters
     else:
         partials = counters = out  # unused
-    magic_bits, magic = (0x43004300, 128.0) if x.dtype == torch.bfloat16 else (0x64006400, 1024.0)
-    grid = (tiles, split, triton.cdiv(m, block_m))
-    _lowbit_kernel[grid](
-        x2, words, scale, zero if zero is not None else scale, bias if bias is not None else scale, out, partials,
-        counters, m, n, k, x2.stride(0), out.stride(0),
-        BITS=bits, HAS_BIAS=bias is not None, MAGIC_BITS=magic_bits, MAGIC=magic, DOT_F32=INTERPRETED,
-        BLOCK_N=config.block_n, BLOCK_M=block_m, STEPS=config.steps, SPLIT_K=split,  # SPLIT_K is not compiled in
-        num_warps=config.warps, num_stages=config.stages)
+    common = (x2, words, scale, zero if zero is not None else scale, bias if bias is not None else scale, out,
+              partials, counters, m, n, k, x2.stride(0), out.stride(0), split)  # split: a value, not compiled in
+    launch = dict(BITS=bits, HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_M=block_m, STEPS=config.steps,
+                  num_warps=config.warps, num_stages=config.stages)
+    if fma:
+        _fma_kernel[(tiles, split)](*common, **launch)
+    else:
+        magic_bits, magic = (0x43004300, 128.0) if x.dtype == torch.bfloat16 else (0x64006400, 1024.0)
+        _mma_kernel[(tiles, split, triton.cdiv(m, block_m))](*common, MAGIC_BITS=magic_bits, MAGIC=magic,
+                                                             DOT_F32=INTERPRETED, **launch)
     return out.view(*shape[:-1], n)
 
 
 class LowBitWeight:
-    """One layer's packed weight and how to launch on it: `config` for batches up to 16 (the decode
-    step; tuned per GPU by `plugins.lowbit_tuning`), the untuned prefill tiles above that."""
+    """One layer's packed weight and how to launch on it: `config` for one row, `batch_config` for 2–16
+    rows (the decode step; both tuned per GPU by `plugins.lowbit_tuning`), plain tiles for prefill."""
 
     def __init__(self, words: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, bits: int,
-                 dtype: torch.dtype, workspace: Workspace, config: Config | None = None):
+                 dtype: torch.dtype, workspace: Workspace):
         self.words, self.scale, self.zero, self.bias, self.bits, self.dtype = words, scale, zero, bias, bits, dtype
         self.workspace = workspace
         self.out_features = words.shape[0]
         self.in_features = words.shape[1] * (32 // bits)
         processors = torch.cuda.get_device_properties(words.device).multi_processor_count if words.is_cuda else 132
-        self.config = config or default_config(bits, self.out_features, self.in_features, 1, processors)
+        self.config = default_config(bits, self.out_features, self.in_features, 1, processors)
+        self.batch_config = default_config(bits, self.out_features, self.in_features, 8, processors)
         self.prefill = default_config(bits, self.out_features, self.in_features, BLOCK_M + 1, processors)
 
     def shape_key(self) -> str:
@@ -254,5 +322,5 @@ class LowBitWeight:
 
     def __call__(self, x: Tensor, config: Config | None = None) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        chosen = config or (self.config if rows <= BLOCK_M else self.prefill)
+        chosen = config or (self.config if rows == 1 else self.batch_config if rows <= BLOCK_M else self.prefill)
         return lowbit_matmul(x, self.words, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace)

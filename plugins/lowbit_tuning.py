@@ -24,9 +24,13 @@ from tqdm.auto import tqdm
 from pipeline.files import atomic_write
 from plugins.lowbit import Config, LowBitWeight
 
-KERNEL_VERSION = "1"  # bump when the kernel changes what a config means
-CANDIDATES = tuple(Config(block_n=bn, steps=st, split_k=sk, warps=4, stages=3)
-                   for bn in (32, 64) for st in (1, 2) for sk in (1, 2, 4, 8))
+KERNEL_VERSION = "2"  # bump when the kernels change what a config means
+SPLITS = (1, 2, 4, 8)
+CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (timed at 8)
+    1: tuple(Config("fma", bn, st, sk) for bn in (16, 32, 64) for st in (1, 2) for sk in SPLITS)
+    + tuple(Config("mma", bn, 1, sk) for bn in (32, 64) for sk in SPLITS),
+    8: tuple(Config("mma", bn, st, sk) for bn in (32, 64, 128) for st in (1, 2) for sk in SPLITS),
+}
 CALLS = 24
 
 
@@ -78,34 +82,35 @@ class TunedConfigs:
 
 
 def tune_layers(weights: list[LowBitWeight], tuned: TunedConfigs) -> None:
-    """Give every weight its shape's tuned config, timing the candidates for shapes `tuned` lacks."""
+    """Give every weight its shape's tuned configs, timing the candidates for shapes `tuned` lacks."""
     by_shape: dict[str, list[LowBitWeight]] = defaultdict(list)
     for w in weights:
         by_shape[w.shape_key()].append(w)
-    missing = [key for key in by_shape if key not in tuned.configs]
+    missing = [(key, rows) for key in by_shape for rows in CANDIDATES if f"{key} b{rows}" not in tuned.configs]
     if missing:
         start = time.perf_counter()
-        tuned.say(f"tuning the low-bit kernels for {len(missing)} layer shapes on this GPU (once; cached)")
-        for key in tqdm(missing, desc="tuning low-bit kernels", unit="shape", file=sys.stderr):
-            tuned.configs[key] = fastest(by_shape[key])
+        tuned.say(f"tuning the low-bit kernels for {len(by_shape)} layer shapes on this GPU (once; cached)")
+        for key, rows in tqdm(missing, desc="tuning low-bit kernels", unit="shape", file=sys.stderr):
+            tuned.configs[f"{key} b{rows}"] = fastest(by_shape[key], rows)
         tuned.save()
-        tuned.say(f"low-bit kernels tuned in {time.perf_counter() - start:.1f} s: " +
-                  ", ".join(f"{k}: {c.block_n}/{c.steps}/{c.split_k}" for k, c in tuned.configs.items() if k in missing))
+        tuned.say(f"low-bit kernels tuned in {time.perf_counter() - start:.1f} s")
     for key, layers in by_shape.items():
         for w in layers:
-            w.config = tuned.configs[key]
+            w.config, w.batch_config = tuned.configs[f"{key} b1"], tuned.configs[f"{key} b8"]
 
 
-def fastest(layers: list[LowBitWeight]) -> Config:
-    """The candidate that runs a batch-1 call over `layers` (rotating through them) in the least time."""
+def fastest(layers: list[LowBitWeight], rows: int) -> Config:
+    """The candidate that runs `rows` rows through `layers` (rotating through them) in the least time."""
     w0 = layers[0]
-    x = torch.randn(1, w0.in_features, device=w0.words.device, dtype=w0.dtype)
+    x = torch.randn(rows, w0.in_features, device=w0.words.device, dtype=w0.dtype)
     best: tuple[float, Config] | None = None
-    for config in CANDIDATES:
+    for config in CANDIDATES[rows]:
         try:
             us = graphed_us([lambda i=i, config=config: layers[i % len(layers)](x, config) for i in range(CALLS)])
         except Exception:  # noqa: BLE001 - a candidate this GPU cannot compile (resources): skip it
             continue
         if best is None or us < best[0]:
             best = (us, config)
-    return best[1] if best else w0.config
+    if best is None:
+        raise RuntimeError(f"no low-bit kernel configuration compiled for {w0.shape_key()}")
+    return best[1]

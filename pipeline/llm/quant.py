@@ -138,7 +138,7 @@ class QuantLinear(nn.Module):
         """None when `plugins.lowbit` can run this layer where its weights are, else why not."""
         return lowbit.available(self.q.device, self.dtype, BITS[self.mode], self.in_features)
 
-    def use_kernel(self, workspace: lowbit.Workspace, config: lowbit.Config | None = None) -> None:
+    def use_kernel(self, workspace: lowbit.Workspace) -> None:
         """Repack the weights into the kernel's layout and run the Triton kernel from now on; the
         reference buffers are then freed. `workspace` (one per model) holds split-K partial sums."""
         bits = BITS[self.mode]
@@ -146,7 +146,7 @@ class QuantLinear(nn.Module):
             words, scale, zero = lowbit.pack_int4(self.q), self.scale.t().contiguous(), self.zero.t().contiguous()
         else:
             words, scale, zero = lowbit.pack_int8(self.q), self.scale.view(1, -1).contiguous(), None
-        self.kernel = lowbit.LowBitWeight(words, scale, zero, self.bias, bits, self.dtype, workspace, config)
+        self.kernel = lowbit.LowBitWeight(words, scale, zero, self.bias, bits, self.dtype, workspace)
         for name in ("q", "scale", "zero"):
             if hasattr(self, name):
                 setattr(self, name, torch.empty(0, device=words.device))

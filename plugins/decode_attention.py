@@ -1,0 +1,217 @@
+"""Decode attention (one new token per running sequence) over the KV cache in place, in one Triton launch.
+
+The decode step ran SDPA with a boolean mask over the bucketed cache slice `[:B, :, :kv_len]`: it reads
+every padded position of every row (kv_len is rounded up to a multiple of 256 for the CUDA graphs) and
+may copy the grouped KV heads. This kernel reads only each row's valid positions, once for the whole
+GQA group, straight from the cache.
+
+Flash-decoding: one program per (split, row, kv head) scores a contiguous chunk of positions for all q
+heads of that kv head (the group padded to 16 rows for `tl.dot`), keeping fp32 (max, sum, output) in a
+workspace; chunks past the row's length read nothing. The grid depends on B and kv_len only, never on
+`lengths`, so a call can be captured in a CUDA graph. The last program of each (row, kv head) to
+finish, found with an int32 counter that it resets to zero, merges the splits by log-sum-exp and writes
+the output, so no second launch (and no zero-fill) is needed. Workspaces are cached per device and size
+class and never freed (graphs keep their addresses); calls on one device must not run concurrently on
+two streams.
+
+On the CPU, or without Triton, `decode_attention` runs `decode_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference is used
+    triton = None
+
+
+def _use_triton(x: Tensor) -> bool:
+    return triton is not None and x.is_cuda
+
+
+def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
+                               out: Tensor | None = None) -> Tensor:
+    """q [B, heads, head_dim]; caches [rows, kv_heads, max_seq, head_dim]; row b attends to positions
+    0..lengths[b]-1 of cache row b (within the first kv_len). Math in fp32; returns [B, heads*head_dim]."""
+    batch, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    keys = k_cache[:batch, :, :kv_len].float().repeat_interleave(group, 1)
+    values = v_cache[:batch, :, :kv_len].float().repeat_interleave(group, 1)
+    scores = torch.einsum("bhd,bhnd->bhn", q.float(), keys) / math.sqrt(dim)
+    valid = torch.arange(kv_len, device=q.device) < lengths[:, None]
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    y = torch.einsum("bhn,bhnd->bhd", scores.softmax(-1), values).reshape(batch, heads * dim).to(q.dtype)
+    return y if out is None else out.copy_(y)
+
+
+if triton is not None:
+    @triton.jit
+    def _merge(acc_ptr, ml_ptr, out_ptr, first, n_valid, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
+               SPLIT_BLOCK: tl.constexpr):
+        """One q head's output from its first `n_valid` splits' partials (workspace rows first + s*GROUP_PAD),
+        by log-sum-exp. Lane j of SPLIT_BLOCK keeps its own running state over splits j, j+SPLIT_BLOCK, ..
+        (independent loads, no reduction in the loop); -1e30 stands for -inf so that no lane makes a NaN."""
+        lane, d = tl.arange(0, SPLIT_BLOCK), tl.arange(0, DIM)
+        m = tl.full([SPLIT_BLOCK], -1e30, tl.float32)
+        l = tl.zeros([SPLIT_BLOCK], tl.float32)
+        o = tl.zeros([SPLIT_BLOCK, DIM], tl.float32)
+        for s0 in range(0, n_valid, SPLIT_BLOCK):
+            ok = s0 + lane < n_valid
+            row = first + (s0 + lane) * GROUP_PAD
+            m_s = tl.load(ml_ptr + 2 * row, mask=ok, other=-1e30, cache_modifier=".cg")
+            l_s = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0, cache_modifier=".cg")
+            o_s = tl.load(acc_ptr + row[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0,
+                          cache_modifier=".cg")
+            m_new = tl.maximum(m, m_s)
+            alpha, beta = tl.math.exp2(m - m_new), tl.math.exp2(m_s - m_new)
+            l = l * alpha + l_s * beta
+            o = o * alpha[:, None] + o_s * beta[:, None]
+            m = m_new
+        w = tl.math.exp2(m - tl.max(m, 0))
+        o = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(out_ptr + d, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
+                                 stride_qb, stride_qh, stride_kb, stride_kh, kv_len, chunk, n_splits, qk_scale,
+                                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                                 DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                                 MERGE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+        # DOT: the dtype of tl.dot's operands (the cache's, or float32 under the interpreter, whose dot
+        # multiplies bf16 bit patterns as integers; bf16 products are exact in fp32, so the numbers agree)
+        split, bh = tl.program_id(0), tl.program_id(1)
+        b, kh = bh // KV_HEADS, bh % KV_HEADS
+        length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len)
+        g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
+        real = g < GROUP  # rows >= GROUP pad the group for tl.dot: q = 0, never stored
+        part = (bh * n_splits + split) * GROUP_PAD + g  # this split's rows in the workspace
+        start = split * chunk
+        if start < length:  # chunks past the row's length read nothing
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (kh * GROUP + g)[:, None] * stride_qh + d[None, :],
+                        mask=real[:, None], other=0.0)
+            kv_off = b.to(tl.int64) * stride_kb + kh * stride_kh
+            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
+            l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
+            acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+            end = tl.minimum(start + chunk, length)
+            for n0 in range(start, end, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                valid = n < end
+                offs = kv_off + n[:, None] * DIM + d[None, :]
+                k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+                s = tl.dot(q.to(DOT), tl.trans(k).to(DOT), input_precision=PRECISION) * qk_scale
+                s = tl.where(valid[None, :], s, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                p = tl.math.exp2(s - m_new[:, None])
+                alpha = tl.math.exp2(m - m_new)
+                v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PRECISION)
+                l = l * alpha + tl.sum(p, 1)
+                m = m_new
+            tl.store(acc_ptr + part[:, None] * DIM + d[None, :], acc, mask=real[:, None])
+            tl.store(ml_ptr + 2 * part, m, mask=real)
+            tl.store(ml_ptr + 2 * part + 1, l, mask=real)
+        if MERGE:
+            tl.debug_barrier()  # every thread's partials are written before the counter is released
+            done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
+            if done == n_splits - 1:  # the last split of (row, kv head) to finish merges them all
+                for h in range(GROUP):
+                    _merge(acc_ptr, ml_ptr, out_ptr + b.to(tl.int64) * (KV_HEADS * GROUP * DIM) + (kh * GROUP + h) * DIM,
+                           bh * n_splits * GROUP_PAD + h, tl.cdiv(length, chunk), GROUP_PAD, DIM, SPLIT_BLOCK)
+                tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch
+
+    @triton.jit
+    def _merge_kernel(len_ptr, out_ptr, acc_ptr, ml_ptr, kv_len, chunk, n_splits, KV_HEADS: tl.constexpr,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+        bh = tl.program_id(0)  # one program per (row, q head)
+        b, h = bh // (KV_HEADS * GROUP), bh % (KV_HEADS * GROUP)
+        length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len)
+        first = (b * KV_HEADS + h // GROUP) * n_splits * GROUP_PAD + h % GROUP
+        _merge(acc_ptr, ml_ptr, out_ptr + bh.to(tl.int64) * DIM, first, tl.cdiv(length, chunk), GROUP_PAD, DIM,
+               SPLIT_BLOCK)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
+_BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2  # positions per tile (a split's chunk is a multiple of it)
+_COMBINE_TILE = 4096  # fp32 partial outputs the merge loads at once
+_ONE_LAUNCH = True
+_workspaces: dict[tuple, Tensor] = {}
+_sm_counts: dict[int, int] = {}
+_failed = False  # set when the kernel failed to compile (the first call is outside any CUDA graph)
+
+
+def _workspace(device: torch.device, dtype: torch.dtype, numel: int) -> Tensor:
+    """A zeroed buffer of at least `numel` elements, one per (device, dtype, power-of-two size), kept forever
+    (a captured graph keeps its address). fp32 ones hold partials, int32 ones the counters (left at zero)."""
+    key = (str(device), dtype, triton.next_power_of_2(numel))
+    if key not in _workspaces:
+        _workspaces[key] = torch.zeros(key[2], dtype=dtype, device=device)
+    return _workspaces[key]
+
+
+def _chunk(kv_len: int, programs_per_split: int, device: torch.device) -> int:
+    """Positions per split: the largest of 64..1024 (and kv_len) that still gives ~2 programs per SM."""
+    if device.type == "cuda":
+        if device.index not in _sm_counts:
+            _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _sm_counts[device.index]
+    else:
+        target = 2 * 132  # the interpreter: as on an H100
+    chunk = _BLOCK_N
+    while chunk < min(kv_len, 1024) and programs_per_split * triton.cdiv(kv_len, 2 * chunk) >= target:
+        chunk *= 2
+    return chunk
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
+                     out: Tensor | None = None) -> Tensor:
+    """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
+    the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
+    valid positions of each row, >= 1 and <= kv_len). Returns [B, heads*head_dim] in q's dtype, written
+    into `out` when given. The launch depends on B and kv_len, never on the values in `lengths`."""
+    global _failed
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    if (not _use_triton(q) or _failed or dim < 16 or dim & (dim - 1) or heads % kv_heads
+            or q.dtype not in _TL_DTYPES or q.dtype != k_cache.dtype or q.dtype != v_cache.dtype
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
+    assert out.shape == (batch, heads * dim) and out.dtype == q.dtype and out.is_contiguous(), "bad `out`"
+    group = heads // kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    chunk = _chunk(kv_len, batch * kv_heads, q.device)
+    n_splits = triton.cdiv(kv_len, chunk)
+    rows = batch * kv_heads * n_splits * group_pad
+    partials = _workspace(q.device, torch.float32, rows * (dim + 2))  # each row's output, then (max, sum)
+    acc, ml = partials[:rows * dim], partials[rows * dim:]
+    counts = _workspace(q.device, torch.int32, batch * kv_heads)
+    # on CPU tensors the kernel runs under Triton's interpreter (tests), which needs float32 dots
+    dot = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32
+    split_block = min(triton.next_power_of_2(n_splits), max(1, _COMBINE_TILE // dim))
+    try:
+        _decode_attention_kernel[(n_splits, batch * kv_heads)](
+            q, k_cache, v_cache, lengths, out, acc, ml, counts, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim),
+            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_N=_BLOCK_N, SPLIT_BLOCK=split_block,
+            MERGE=_ONE_LAUNCH, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=_NUM_WARPS,
+            num_stages=_NUM_STAGES)
+        if not _ONE_LAUNCH:
+            _merge_kernel[(batch * heads,)](lengths, out, acc, ml, kv_len, chunk, n_splits, KV_HEADS=kv_heads,
+                                            GROUP=group, GROUP_PAD=group_pad, DIM=dim, SPLIT_BLOCK=split_block)
+    except Exception as e:  # noqa: BLE001 - a Triton that cannot compile it falls back, once, saying so
+        _failed = True
+        warnings.warn(f"the decode-attention kernel did not compile ({type(e).__name__}: {e}); using the torch "
+                      f"reference for it", stacklevel=2)
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out)
+    return out

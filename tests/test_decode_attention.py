@@ -1,0 +1,86 @@
+"""`plugins/decode_attention.py`: the reference against per-row SDPA, the split choice, and the Triton kernel
+under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the reference: rows of different
+lengths (1, a split boundary, kv_len), garbage past each row's length and in unused cache rows, q as a
+strided view of a fused q/k/v row, every output element written, the split counters left at zero."""
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plugins import decode_attention as da
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_reference_matches_sdpa_over_each_rows_valid_positions():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, lengths = 6, 2, 16, [5, 1, 12]
+    q = torch.randn(3, heads, dim)
+    k_cache, v_cache = torch.randn(2, 4, kv_heads, 16, dim)
+    got = da.decode_attention_reference(q, k_cache, v_cache, torch.tensor(lengths), 12)
+    for b, n in enumerate(lengths):
+        keys, values = (c[b, :, :n].repeat_interleave(heads // kv_heads, 0) for c in (k_cache, v_cache))
+        want = F.scaled_dot_product_attention(q[b, :, None], keys, values, scale=1 / math.sqrt(dim))
+        torch.testing.assert_close(got[b], want.reshape(-1))
+    assert torch.equal(da.decode_attention(q, k_cache, v_cache, torch.tensor(lengths), 12), got)  # CPU: the reference
+
+
+@pytest.mark.skipif(da.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize(("kv_len", "batch_kv_heads", "chunk"), [(256, 4, 64), (4096, 4, 64), (32768, 4, 256),
+                                                                 (4096, 128, 1024), (256, 512, 256)])
+def test_split_choice_spreads_over_the_gpu(kv_len, batch_kv_heads, chunk):
+    assert da._chunk(kv_len, batch_kv_heads, torch.device("cpu")) == chunk  # about two programs per SM when it can
+
+
+SCRIPT = r'''
+import torch
+from plugins import decode_attention as da
+da._use_triton = lambda x: True  # the interpreter runs the kernel on CPU tensors
+torch.manual_seed(0)
+
+def worst(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+def check(dtype, tol, heads, kv_heads, dim, lengths, kv_len, calls=1):
+    batch, rows, max_seq = len(lengths), len(lengths) + 2, kv_len + 16
+    qkv = torch.randn(batch, 1, (heads + 2 * kv_heads) * dim).to(dtype)  # the fused projection's output
+    q = qkv[:, 0, :heads * dim].view(batch, heads, dim)  # rows (heads + 2*kv_heads)*dim apart
+    k_cache, v_cache = torch.randn(rows, kv_heads, max_seq, dim).to(dtype), torch.randn(rows, kv_heads, max_seq, dim).to(dtype)
+    for b in range(rows):  # garbage past each row's length and in the rows beyond the batch
+        n = lengths[b] if b < batch else 0
+        k_cache[b, :, n:], v_cache[b, :, n:] = 100.0, 1e4
+    lengths = torch.tensor(lengths)
+    expected = da.decode_attention_reference(q, k_cache, v_cache, lengths, kv_len)
+    for _ in range(calls):  # a later call finds the counters at zero again
+        out = torch.full((batch, heads * dim), float("nan"), dtype=dtype)
+        got = da.decode_attention(q, k_cache, v_cache, lengths, kv_len, out)
+        assert got is out and not out.isnan().any(), "an output element was not written"
+        err = worst(out, expected)
+        assert err <= tol, (dtype, heads, kv_heads, dim, lengths.tolist(), kv_len, err)
+    counters = [t for t in da._workspaces.values() if t.dtype == torch.int32]
+    assert counters and all(not t.any() for t in counters), "a split counter was left non-zero"
+
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    check(dtype, tol, 8, 2, 16, [64, 1, 192], 192, calls=2)  # GQA: a split boundary, one position, kv_len
+    check(dtype, tol, 4, 4, 32, [150], 192)  # MHA, batch 1
+check(torch.float32, 1e-5, 6, 2, 32, [100, 192, 63], 192)  # a group of 3 (padded to 16)
+da._COMBINE_TILE = 0  # the merge takes one split at a time
+check(torch.float32, 1e-5, 8, 2, 16, [64, 1, 192], 192)
+da._chunk = lambda kv_len, programs, device: 128  # splits of two 64-position tiles each
+check(torch.float32, 1e-5, 8, 2, 16, [128, 129, 5], 256, calls=2)
+check(torch.bfloat16, 1e-2, 8, 2, 32, [256, 70], 256)
+print("ok")
+'''
+
+
+@pytest.mark.skipif(da.triton is None, reason="Triton is not installed")
+def test_decode_attention_kernel_matches_the_reference_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
