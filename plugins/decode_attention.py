@@ -1,18 +1,24 @@
-"""Decode attention (one new token per running sequence) over the KV cache in place, in one Triton launch.
+"""Decode attention (one new token per running sequence) over the KV cache in place: flash-decoding in
+two Triton launches.
 
 The decode step ran SDPA with a boolean mask over the bucketed cache slice `[:B, :, :kv_len]`: it reads
 every padded position of every row (kv_len is rounded up to a multiple of 256 for the CUDA graphs) and
-may copy the grouped KV heads. This kernel reads only each row's valid positions, once for the whole
-GQA group, straight from the cache.
+may copy the grouped KV heads. This reads only each row's valid positions, in place, once for the whole
+GQA group.
 
-Flash-decoding: one program per (split, row, kv head) scores a contiguous chunk of positions for all q
-heads of that kv head (the group padded to 16 rows for `tl.dot`), keeping fp32 (max, sum, output) in a
-workspace; chunks past the row's length read nothing. The grid depends on B and kv_len only, never on
-`lengths`, so a call can be captured in a CUDA graph. The last program of each (row, kv head) to
-finish, found with an int32 counter that it resets to zero, merges the splits by log-sum-exp and writes
-the output, so no second launch (and no zero-fill) is needed. Workspaces are cached per device and size
-class and never freed (graphs keep their addresses); calls on one device must not run concurrently on
-two streams.
+`_split_kernel`: one program per (split, row, kv head) scores a contiguous chunk of positions for all q
+heads of that kv head (the group padded to 16 rows for `tl.dot`) and writes fp32 (max, sum, output)
+partials to a workspace; chunks past the row's length read nothing. `_merge_kernel`: one program per
+(row, q head) merges that head's splits by log-sum-exp. Both grids depend on B and kv_len only, never
+on `lengths`, so a call can be captured in a CUDA graph (after one call outside it, which allocates the
+workspace; workspaces are cached per device and size class and never freed, so graphs keep their
+addresses; calls on one device must not run concurrently on two streams).
+
+Why two launches: a single launch where the last split program of each (row, kv head) merges the
+partials (found with an atomic counter) was built and was correct on an H100, but that one program
+reads all splits x group x head_dim partials alone, so at batch 1 with 4 kv heads it took 15-45 us
+where the separate merge, spread over B x heads programs, takes 8-15 us (kv_len 4096-16384, Qwen2.5-7B
+shapes; masked SDPA: 17-23 us).
 
 On the CPU, or without Triton, `decode_attention` runs `decode_attention_reference`.
 """
@@ -53,47 +59,19 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, leng
 
 if triton is not None:
     @triton.jit
-    def _merge(acc_ptr, ml_ptr, out_ptr, first, n_valid, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-               SPLIT_BLOCK: tl.constexpr):
-        """One q head's output from its first `n_valid` splits' partials (workspace rows first + s*GROUP_PAD),
-        by log-sum-exp. Lane j of SPLIT_BLOCK keeps its own running state over splits j, j+SPLIT_BLOCK, ..
-        (independent loads, no reduction in the loop); -1e30 stands for -inf so that no lane makes a NaN."""
-        lane, d = tl.arange(0, SPLIT_BLOCK), tl.arange(0, DIM)
-        m = tl.full([SPLIT_BLOCK], -1e30, tl.float32)
-        l = tl.zeros([SPLIT_BLOCK], tl.float32)
-        o = tl.zeros([SPLIT_BLOCK, DIM], tl.float32)
-        for s0 in range(0, n_valid, SPLIT_BLOCK):
-            ok = s0 + lane < n_valid
-            row = first + (s0 + lane) * GROUP_PAD
-            m_s = tl.load(ml_ptr + 2 * row, mask=ok, other=-1e30, cache_modifier=".cg")
-            l_s = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0, cache_modifier=".cg")
-            o_s = tl.load(acc_ptr + row[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0,
-                          cache_modifier=".cg")
-            m_new = tl.maximum(m, m_s)
-            alpha, beta = tl.math.exp2(m - m_new), tl.math.exp2(m_s - m_new)
-            l = l * alpha + l_s * beta
-            o = o * alpha[:, None] + o_s * beta[:, None]
-            m = m_new
-        w = tl.math.exp2(m - tl.max(m, 0))
-        o = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(out_ptr + d, o.to(out_ptr.dtype.element_ty))
-
-    @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, acc_ptr, ml_ptr, count_ptr,
-                                 stride_qb, stride_qh, stride_kb, stride_kh, kv_len, chunk, n_splits, qk_scale,
-                                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                                 DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                                 MERGE: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, ml_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
+                      kv_len, chunk, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                      GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
+                      PRECISION: tl.constexpr):
         # DOT: the dtype of tl.dot's operands (the cache's, or float32 under the interpreter, whose dot
         # multiplies bf16 bit patterns as integers; bf16 products are exact in fp32, so the numbers agree)
         split, bh = tl.program_id(0), tl.program_id(1)
         b, kh = bh // KV_HEADS, bh % KV_HEADS
         length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len)
-        g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
-        real = g < GROUP  # rows >= GROUP pad the group for tl.dot: q = 0, never stored
-        part = (bh * n_splits + split) * GROUP_PAD + g  # this split's rows in the workspace
         start = split * chunk
         if start < length:  # chunks past the row's length read nothing
+            g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
+            real = g < GROUP  # rows >= GROUP pad the group for tl.dot: q = 0, never stored
             q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (kh * GROUP + g)[:, None] * stride_qh + d[None, :],
                         mask=real[:, None], other=0.0)
             kv_off = b.to(tl.int64) * stride_kb + kh * stride_kh
@@ -115,44 +93,54 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PRECISION)
                 l = l * alpha + tl.sum(p, 1)
                 m = m_new
+            part = (bh * n_splits + split) * GROUP_PAD + g  # this split's rows in the workspace
             tl.store(acc_ptr + part[:, None] * DIM + d[None, :], acc, mask=real[:, None])
             tl.store(ml_ptr + 2 * part, m, mask=real)
             tl.store(ml_ptr + 2 * part + 1, l, mask=real)
-        if MERGE:
-            tl.debug_barrier()  # every thread's partials are written before the counter is released
-            done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel", scope="gpu")
-            if done == n_splits - 1:  # the last split of (row, kv head) to finish merges them all
-                for h in range(GROUP):
-                    _merge(acc_ptr, ml_ptr, out_ptr + b.to(tl.int64) * (KV_HEADS * GROUP * DIM) + (kh * GROUP + h) * DIM,
-                           bh * n_splits * GROUP_PAD + h, tl.cdiv(length, chunk), GROUP_PAD, DIM, SPLIT_BLOCK)
-                tl.atomic_xchg(count_ptr + bh, 0)  # ready for the next launch
 
     @triton.jit
     def _merge_kernel(len_ptr, out_ptr, acc_ptr, ml_ptr, kv_len, chunk, n_splits, KV_HEADS: tl.constexpr,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-        bh = tl.program_id(0)  # one program per (row, q head)
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, LANES: tl.constexpr):
+        # One program per (row, q head): its splits' partials, rows first + s*GROUP_PAD, by log-sum-exp.
+        # Lane j keeps its own running state over splits j, j+LANES, .. (independent loads, no reduction
+        # in the loop); -1e30 stands for -inf so that an idle lane makes no NaN.
+        bh = tl.program_id(0)
         b, h = bh // (KV_HEADS * GROUP), bh % (KV_HEADS * GROUP)
-        length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len)
+        n_valid = tl.cdiv(tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len), chunk)  # splits that held positions
         first = (b * KV_HEADS + h // GROUP) * n_splits * GROUP_PAD + h % GROUP
-        _merge(acc_ptr, ml_ptr, out_ptr + bh.to(tl.int64) * DIM, first, tl.cdiv(length, chunk), GROUP_PAD, DIM,
-               SPLIT_BLOCK)
+        lane, d = tl.arange(0, LANES), tl.arange(0, DIM)
+        m = tl.full([LANES], -1e30, tl.float32)
+        l = tl.zeros([LANES], tl.float32)
+        o = tl.zeros([LANES, DIM], tl.float32)
+        for s0 in range(0, n_valid, LANES):
+            ok = s0 + lane < n_valid
+            row = first + (s0 + lane) * GROUP_PAD
+            m_s = tl.load(ml_ptr + 2 * row, mask=ok, other=-1e30)
+            l_s = tl.load(ml_ptr + 2 * row + 1, mask=ok, other=0.0)
+            o_s = tl.load(acc_ptr + row[:, None] * DIM + d[None, :], mask=ok[:, None], other=0.0)
+            m_new = tl.maximum(m, m_s)
+            alpha, beta = tl.math.exp2(m - m_new), tl.math.exp2(m_s - m_new)
+            l = l * alpha + l_s * beta
+            o = o * alpha[:, None] + o_s * beta[:, None]
+            m = m_new
+        w = tl.math.exp2(m - tl.max(m, 0))
+        o = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(out_ptr + bh.to(tl.int64) * DIM + d, o.to(out_ptr.dtype.element_ty))
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
-_BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2  # positions per tile (a split's chunk is a multiple of it)
-_COMBINE_TILE = 4096  # fp32 partial outputs the merge loads at once
-_ONE_LAUNCH = True
+_MERGE_TILE = 4096  # fp32 partial outputs a merge program loads at once (LANES x head_dim)
 _workspaces: dict[tuple, Tensor] = {}
 _sm_counts: dict[int, int] = {}
-_failed = False  # set when the kernel failed to compile (the first call is outside any CUDA graph)
+_failed = False  # set when a kernel failed to compile (the first call is outside any CUDA graph)
 
 
-def _workspace(device: torch.device, dtype: torch.dtype, numel: int) -> Tensor:
-    """A zeroed buffer of at least `numel` elements, one per (device, dtype, power-of-two size), kept forever
-    (a captured graph keeps its address). fp32 ones hold partials, int32 ones the counters (left at zero)."""
-    key = (str(device), dtype, triton.next_power_of_2(numel))
+def _workspace(device: torch.device, numel: int) -> Tensor:
+    """An fp32 buffer of at least `numel` elements, one per (device, power-of-two size), kept forever (a
+    captured graph keeps its address)."""
+    key = (str(device), triton.next_power_of_2(numel))
     if key not in _workspaces:
-        _workspaces[key] = torch.zeros(key[2], dtype=dtype, device=device)
+        _workspaces[key] = torch.empty(key[1], dtype=torch.float32, device=device)
     return _workspaces[key]
 
 
@@ -164,7 +152,7 @@ def _chunk(kv_len: int, programs_per_split: int, device: torch.device) -> int:
         target = 2 * _sm_counts[device.index]
     else:
         target = 2 * 132  # the interpreter: as on an H100
-    chunk = _BLOCK_N
+    chunk = 64
     while chunk < min(kv_len, 1024) and programs_per_split * triton.cdiv(kv_len, 2 * chunk) >= target:
         chunk *= 2
     return chunk
@@ -175,7 +163,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
     the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
     valid positions of each row, >= 1 and <= kv_len). Returns [B, heads*head_dim] in q's dtype, written
-    into `out` when given. The launch depends on B and kv_len, never on the values in `lengths`."""
+    into `out` when given. The launches depend on B and kv_len, never on the values in `lengths`."""
     global _failed
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -193,25 +181,21 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     chunk = _chunk(kv_len, batch * kv_heads, q.device)
     n_splits = triton.cdiv(kv_len, chunk)
     rows = batch * kv_heads * n_splits * group_pad
-    partials = _workspace(q.device, torch.float32, rows * (dim + 2))  # each row's output, then (max, sum)
+    partials = _workspace(q.device, rows * (dim + 2))  # each row's output, then its (max, sum)
     acc, ml = partials[:rows * dim], partials[rows * dim:]
-    counts = _workspace(q.device, torch.int32, batch * kv_heads)
-    # on CPU tensors the kernel runs under Triton's interpreter (tests), which needs float32 dots
-    dot = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32
-    split_block = min(triton.next_power_of_2(n_splits), max(1, _COMBINE_TILE // dim))
+    dot = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32  # CPU tensors: the interpreter (tests)
     try:
-        _decode_attention_kernel[(n_splits, batch * kv_heads)](
-            q, k_cache, v_cache, lengths, out, acc, ml, counts, q.stride(0), q.stride(1), k_cache.stride(0),
-            k_cache.stride(1), kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim),
-            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_N=_BLOCK_N, SPLIT_BLOCK=split_block,
-            MERGE=_ONE_LAUNCH, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=_NUM_WARPS,
-            num_stages=_NUM_STAGES)
-        if not _ONE_LAUNCH:
-            _merge_kernel[(batch * heads,)](lengths, out, acc, ml, kv_len, chunk, n_splits, KV_HEADS=kv_heads,
-                                            GROUP=group, GROUP_PAD=group_pad, DIM=dim, SPLIT_BLOCK=split_block)
-    except Exception as e:  # noqa: BLE001 - a Triton that cannot compile it falls back, once, saying so
+        _split_kernel[(n_splits, batch * kv_heads)](
+            q, k_cache, v_cache, lengths, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim), KV_HEADS=kv_heads, GROUP=group,
+            GROUP_PAD=group_pad, DIM=dim, BLOCK_N=max(16, min(64, 8192 // dim)), DOT=dot,
+            PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=4, num_stages=2)
+        _merge_kernel[(batch * heads,)](
+            lengths, out, acc, ml, kv_len, chunk, n_splits, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
+            DIM=dim, LANES=min(triton.next_power_of_2(n_splits), max(1, _MERGE_TILE // dim)), num_warps=4)
+    except Exception as e:  # noqa: BLE001 - a Triton that cannot compile them falls back, once, saying so
         _failed = True
-        warnings.warn(f"the decode-attention kernel did not compile ({type(e).__name__}: {e}); using the torch "
-                      f"reference for it", stacklevel=2)
+        warnings.warn(f"the decode-attention kernels did not compile ({type(e).__name__}: {e}); using the torch "
+                      f"reference for them", stacklevel=2)
         return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out)
     return out

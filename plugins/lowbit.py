@@ -50,8 +50,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One launch shape: which kernel ("mma": tensor cores, batches 1–16 in one weight pass; "fma": CUDA
-    cores, 1–4 rows), output rows per program, 16-word chunks per loop step, programs per output tile
+    """One launch shape: which kernel ("mma", "mma2": tensor cores, batches 1–16 in one weight pass;
+    "fma": CUDA cores, 1–4 rows), output rows per program, 16-word chunks per loop step, programs per output tile
     along the inputs (split-K), and Triton's warps and pipeline depth."""
 
     kind: str = "mma"
@@ -163,52 +163,102 @@ if triton is not None:
                 SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)
 
     @triton.jit
+    def _mma2_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                     M, N, K, stride_xm, stride_om, SPLIT_K,
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr,
+                     DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
+        """Tensor-core version whose operands come from the stored bytes by elementwise steps only
+        (int4: the low and the high nibbles as two operands, each dotted with the even or the odd
+        inputs; int8: the byte), which Triton can apply after loading straight into the dot layout."""
+        pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rb = tl.arange(0, 64)  # bytes of a row per chunk
+        n_ok, m_ok = rn < N, rm < M
+        compute: tl.constexpr = x_ptr.dtype.element_ty
+        magic_half: tl.constexpr = 0x4300 if MAGIC == 128.0 else 0x6400
+        CHUNK: tl.constexpr = 128 if BITS == 4 else 64
+        first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        xsum_all = tl.zeros((BLOCK_M,), tl.float32)
+        for start in range(first, last, STEPS):
+            for i in tl.static_range(STEPS):
+                b = start + i
+                ok = (rb * 0 + b) < last
+                w = tl.load(w_ptr + rn[:, None] * (K * BITS // 8) + b * 64 + rb[None, :],
+                            mask=n_ok[:, None] & ok[None, :], other=0).to(tl.int16)  # [BLOCK_N, 64] bytes
+                x_at = x_ptr + rm[None, :] * stride_xm + b * CHUNK + rb[:, None] * (CHUNK // 64)
+                x_ok = m_ok[None, :] & ok[:, None]
+                if BITS == 4:
+                    x_even = tl.load(x_at, mask=x_ok, other=0.0)  # [64, BLOCK_M]: inputs 2i
+                    x_odd = tl.load(x_at + 1, mask=x_ok, other=0.0)
+                    lo = ((w & 15) | magic_half).to(compute, bitcast=True)  # MAGIC + q, exact
+                    hi = ((w >> 4) | magic_half).to(compute, bitcast=True)
+                    if DOT_F32:
+                        lo, hi, x_even, x_odd = lo.to(tl.float32), hi.to(tl.float32), x_even.to(tl.float32), \
+                            x_odd.to(tl.float32)
+                    part = tl.dot(hi, x_odd, tl.dot(lo, x_even))
+                    xsum = tl.sum(x_even.to(tl.float32), 0) + tl.sum(x_odd.to(tl.float32), 0)
+                    sc = tl.load(scale_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                    zp = tl.load(zero_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                    acc += (part - (zp + MAGIC)[:, None] * xsum[None, :]) * sc[:, None]
+                else:
+                    x = tl.load(x_at, mask=x_ok, other=0.0)
+                    u = (w & 255).to(tl.float32 if DOT_F32 else compute)  # the stored byte, q + 128: exact
+                    if DOT_F32:
+                        x = x.to(tl.float32)
+                    acc = tl.dot(u, x, acc)
+                    xsum_all += tl.sum(x.to(tl.float32), 0)
+        if BITS == 8:
+            sc = tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            acc = (acc - 128 * xsum_all[None, :]) * sc[:, None]
+        _finish(acc, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
+                SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)
+
+    @triton.jit
     def _fma_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                     M, N, K, stride_xm, stride_om, SPLIT_K,
                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                     STEPS: tl.constexpr):
-        """CUDA-core version for 1–4 rows: each weight becomes an fp32 with two integer instructions
-        (int4: the nibble under a 128.0 exponent; int8: the byte under 2^23) and one FMA per row."""
+        """CUDA-core version for 1–4 rows: a chunk's words are spread into a [rows, 16 words, 8 nibbles
+        (4 bytes)] tensor, each value an fp32 made with two integer instructions and one add (the value
+        under the exponent of 2^23, minus 2^23), multiplied by activations read as contiguous runs."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rw = tl.arange(0, 16)
         PER_WORD: tl.constexpr = 32 // BITS
         CHUNK: tl.constexpr = 16 * PER_WORD
+        rj = tl.arange(0, PER_WORD)
         n_ok, m_ok = rn < N, rm < M
         first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        dots = tl.zeros((BLOCK_M, BLOCK_N, 16), tl.float32)  # int8: Σ x·q per word column, reduced at the end
+        # input PER_WORD·w + j of the chunk, for word w and nibble (byte) j: runs of PER_WORD
+        x_offsets = (PER_WORD * rw[:, None] + rj[None, :])[None, :, :] + rm[:, None, None] * stride_xm
+        shifts = (BITS * rj)[None, None, :]
         for start in range(first, last, STEPS):
             for i in tl.static_range(STEPS):
                 b = start + i
                 ok = (rw * 0 + b) < last
                 w = tl.load(w_ptr + rn[:, None] * (K // PER_WORD) + b * 16 + rw[None, :],
                             mask=n_ok[:, None] & ok[None, :], other=0)
-                x_ptrs = x_ptr + rm[:, None] * stride_xm + b * CHUNK + PER_WORD * rw[None, :]
-                x_ok = m_ok[:, None] & ok[None, :]
+                x = tl.load(x_ptr + b * CHUNK + x_offsets, mask=m_ok[:, None, None] & ok[None, :, None],
+                            other=0.0).to(tl.float32)  # [BLOCK_M, 16, PER_WORD]
+                bits = ((w[:, :, None] >> shifts) & (2 ** BITS - 1)) | 0x4B000000
                 if BITS == 4:
-                    part = tl.zeros((BLOCK_M, BLOCK_N, 16), tl.float32)
-                    xsum = tl.zeros((BLOCK_M,), tl.float32)
-                    for j in tl.static_range(8):  # nibble j → bits 16..19 under 0x43000000: 128 + q as fp32
-                        if j <= 4:
-                            v = ((w << (16 - 4 * j)) & 0x000F0000) | 0x43000000
-                        else:
-                            v = ((w >> (4 * j - 16)) & 0x000F0000) | 0x43000000
-                        xj = tl.load(x_ptrs + j, mask=x_ok, other=0.0).to(tl.float32)
-                        part += v.to(tl.float32, bitcast=True)[None, :, :] * xj[:, None, :]
-                        xsum += tl.sum(xj, 1)
+                    q = bits.to(tl.float32, bitcast=True) - 8388608.0  # 0..15
+                else:
+                    q = bits.to(tl.float32, bitcast=True) - 8388736.0  # the byte held q + 128
+                part = tl.sum(tl.sum(q[None, :, :, :] * x[:, None, :, :], 3), 2)  # [BLOCK_M, BLOCK_N]
+                if BITS == 4:
+                    xsum = tl.sum(tl.sum(x, 2), 1)
                     sc = tl.load(scale_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
                     zp = tl.load(zero_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
-                    acc += (tl.sum(part, 2) - xsum[:, None] * (zp + 128.0)[None, :]) * sc[None, :]
+                    acc += (part - xsum[:, None] * zp[None, :]) * sc[None, :]
                 else:
-                    for j in tl.static_range(4):  # byte j under 2^23, minus 2^23 + 128: q exactly
-                        v = ((w >> (8 * j)) & 0xFF) | 0x4B000000
-                        q = v.to(tl.float32, bitcast=True) - 8388736.0
-                        xj = tl.load(x_ptrs + j, mask=x_ok, other=0.0).to(tl.float32)
-                        dots += q[None, :, :] * xj[:, None, :]
+                    acc += part
         if BITS == 8:
-            acc = tl.sum(dots, 2) * tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc = acc * tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         _finish(tl.trans(acc), rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
                 SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)
 
@@ -294,6 +344,10 @@ def lowbit_matmul(x: Tensor, words: Tensor, scale: Tensor, zero: Tensor | None, 
                   num_warps=config.warps, num_stages=config.stages)
     if fma:
         _fma_kernel[(tiles, split)](*common, **launch)
+    elif config.kind == "mma2":
+        magic = 128.0 if x.dtype == torch.bfloat16 else 1024.0
+        _mma2_kernel[(tiles, split, triton.cdiv(m, block_m))](
+            x2, words.view(torch.uint8), *common[2:], MAGIC=magic, DOT_F32=INTERPRETED, **launch)
     else:
         magic_bits, magic = (0x43004300, 128.0) if x.dtype == torch.bfloat16 else (0x64006400, 1024.0)
         _mma_kernel[(tiles, split, triton.cdiv(m, block_m))](*common, MAGIC_BITS=magic_bits, MAGIC=magic,

@@ -27,9 +27,10 @@ from plugins.lowbit import Config, LowBitWeight
 KERNEL_VERSION = "2"  # bump when the kernels change what a config means
 SPLITS = (1, 2, 4, 8)
 CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (timed at 8)
-    1: tuple(Config("fma", bn, st, sk) for bn in (16, 32, 64) for st in (1, 2) for sk in SPLITS)
-    + tuple(Config("mma", bn, 1, sk) for bn in (32, 64) for sk in SPLITS),
-    8: tuple(Config("mma", bn, st, sk) for bn in (32, 64, 128) for st in (1, 2) for sk in SPLITS),
+    1: tuple(Config(kind, bn, st, sk) for kind in ("fma", "mma2") for bn in (32, 64) for st in (1, 2) for sk in SPLITS)
+    + tuple(Config("mma", 64, 1, sk) for sk in SPLITS),
+    8: tuple(Config("mma2", bn, st, sk) for bn in (32, 64, 128) for st in (1, 2) for sk in SPLITS)
+    + tuple(Config("mma", 64, st, sk) for st in (1, 2) for sk in SPLITS),
 }
 CALLS = 24
 
