@@ -10,10 +10,11 @@ Parts (`--parts`, comma-separated; all by default):
            against unfused step: greedy tokens and logits; each mode's logits against bf16)
   gemv     the int4/int8 kernels alone at the four projection shapes, batch 1 and 8, weights rotated
            past L2, each against the dequantizing reference
+  real     a real-format Qwen2 checkpoint (transformers' save_pretrained) in each mode against transformers
   launch   a 7B int4 chat's first launch from a float checkpoint on disk (quantize, tune, capture) and
            its second launch from the cache, through the app's own loader
 
-    python bench/decode_limit.py [--parts decode,gemv,launch] [--layers 28]
+    python bench/decode_limit.py [--parts gemv,decode,real,launch] [--layers 28]
 Writes decode_limit.json to $OUT after every part (a cut-short run keeps what it measured); prints a
 table last.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import dataclasses
 import statistics
 import sys
@@ -138,19 +140,11 @@ def decode_part(res: dict, layers: int) -> None:
             row["8_chats_x_one"] = round(eight["aggregate_tok_s"] / row["ui_sampling_tok_s"], 2)
             tokens, _ = run(engine, prompt, dataclasses.replace(GREEDY, max_new_tokens=64))
             logits = logits_for(engine, prompt + tuple(tokens))
+            engine.close()
             if mode == "none":
                 reference_tokens, reference_logits = tokens, logits
-                engine.close()
-                set_kernels(model, REFERENCE)  # the unfused step on the same weights
-                plain = TorchLLMEngine(model, 4096, vocab, max_batch=1, rows=2)
-                plain_tokens, _ = run(plain, prompt, dataclasses.replace(GREEDY, max_new_tokens=64))
-                plain_logits = logits_for(plain, prompt + tuple(tokens))
-                plain.close()
-                set_kernels(model, FUSED)
-                row["fused_vs_unfused_greedy_same_of_64"] = sum(a == b for a, b in zip(tokens, plain_tokens))
-                row["fused_vs_unfused_logit_rel_err"] = rel(logits, plain_logits)
+                row.update(fused_fidelity(model, vocab, prompt, tokens, logits))
             else:
-                engine.close()
                 row["greedy_same_as_bf16_of_64"] = sum(a == b for a, b in zip(tokens, reference_tokens))
                 row["logit_rel_err_vs_bf16"] = rel(logits, reference_logits)
         row["seconds"] = round(time.perf_counter() - started, 1)
@@ -167,6 +161,31 @@ def decode_part(res: dict, layers: int) -> None:
     res["int4_8chats_x_one"] = res["int4"]["8_chats_x_one"]
     res["kernels_per_token"] = {m: res[m]["profile_ui_sampling"]["kernels_per_token"] for m in MODES}
     res["kernels_per_token_target"] = 10 * layers + 30
+
+
+def fused_fidelity(model: Decoder, vocab: int, prompt: tuple[int, ...], tokens: list[int],
+                   fused_logits: torch.Tensor) -> dict:
+    """The fused bf16 step against the unfused bf16 step on the same weights, both against an fp32 copy
+    (the bf16 noise): greedy tokens, and logits teacher-forced on the same tokens."""
+    out = {}
+    set_kernels(model, REFERENCE)
+    try:
+        plain = TorchLLMEngine(model, 4096, vocab, max_batch=1, rows=2)
+        plain_tokens, _ = run(plain, prompt, dataclasses.replace(GREEDY, max_new_tokens=64))
+        plain_logits = logits_for(plain, prompt + tuple(tokens))
+        plain.close()
+        exact = copy.deepcopy(model).float()
+        fp32 = TorchLLMEngine(exact, 4096, vocab, max_batch=1, rows=2)
+        fp32_logits = logits_for(fp32, prompt + tuple(tokens))
+        fp32.close()
+        del exact, fp32
+    finally:
+        set_kernels(model, FUSED)
+    out["fused_vs_unfused_greedy_same_of_64"] = sum(a == b for a, b in zip(tokens, plain_tokens))
+    out["fused_vs_unfused_logit_rel_err"] = rel(fused_logits, plain_logits)
+    out["fused_logit_rel_err_vs_fp32"] = rel(fused_logits, fp32_logits)
+    out["unfused_logit_rel_err_vs_fp32 (bf16 noise)"] = rel(plain_logits, fp32_logits)
+    return out
 
 
 def logits_for(engine, ids: tuple[int, ...]) -> torch.Tensor:
@@ -208,6 +227,41 @@ def gemv_part(res: dict) -> None:
     res["int4_gemv_b8_over_b1"] = slowdowns
     res["lowbit_kernel_rel_err_vs_dequantized"] = errors
     res["lowbit_kernel_us"] = us_table
+    report(OUT_NAME, res)
+
+
+def real_checkpoint_part(res: dict) -> None:
+    """A transformers Qwen2 checkpoint (Qwen2.5-0.5B widths, 4 layers, random weights) saved by
+    `save_pretrained` and read through our loader in each mode: last-token logits against transformers'."""
+    import transformers
+
+    from pipeline.llm.checkpoint import load_decoder
+
+    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
+                                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        reference = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
+    ids = random_prompt(3, 64)
+    with torch.inference_mode():
+        expected = reference(torch.tensor([ids], device="cuda")).logits[0, -1].float().cpu()
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        reference.save_pretrained(tmp)
+        del reference
+        for mode in MODES:
+            model = load_decoder(Path(tmp), dtype=torch.bfloat16, device="cpu")
+            if mode != "none":
+                quantize_decoder(model, mode, "cuda")
+            model = model.to("cuda")
+            if mode != "none":
+                use_kernels(model, TunedConfigs(None, torch.device("cuda")))
+            engine = TorchLLMEngine(model, 512, config.vocab_size, max_batch=1, rows=1)
+            with torch.inference_mode():
+                out[mode] = rel(logits_for(engine, ids), expected)
+            engine.close()
+    res["real_format_logit_rel_err_vs_transformers"] = out
     report(OUT_NAME, res)
 
 
@@ -258,7 +312,7 @@ def launch_part(res: dict, layers: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="decode,gemv")
+    ap.add_argument("--parts", default="gemv,decode,real,launch")
     ap.add_argument("--layers", type=int, default=28)
     args = ap.parse_args()
     parts = args.parts.split(",")
@@ -269,6 +323,8 @@ def main() -> None:
         gemv_part(res)
     if "decode" in parts:
         decode_part(res, args.layers)
+    if "real" in parts:
+        real_checkpoint_part(res)
     if "launch" in parts:
         launch_part(res, args.layers)
     report(OUT_NAME, res)

@@ -7,6 +7,7 @@ engines); a backend adds implementations here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -18,11 +19,12 @@ from engine_builder.onnx_export import minigpt4_graph, sam_graphs
 from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import load_decoder, read_config
-from pipeline.llm.engine import TorchLLMEngine
+from pipeline.llm.engine import Prompt, TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.quant import GROUP, MODES, kernel_unavailable, quantized_layers, use_kernels
 from pipeline.llm.quantized_weights import quantized_decoder
+from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.tokenizer import load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
@@ -134,6 +136,16 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     return model, f"{mode} weights (reference: dequantized per call)"
 
 
+def warm_up(engine: TorchLLMEngine, model_id: str, say) -> None:
+    """A first short reply before the tool counts as ready: Triton compiles the step's kernels (seconds
+    on a first launch, read from its cache later) and the batch-1 decode graph is captured, so the
+    user's first message does not pay for them in silence."""
+    start = time.perf_counter()
+    say(f"{model_id}: compiling the decode step's kernels and capturing its CUDA graph")
+    engine.submit(Prompt(tuple(range(1, 9))), SamplingParams(max_new_tokens=4, seed=0), set()).wait()
+    say(f"{model_id}: decode step ready in {time.perf_counter() - start:.1f} s")
+
+
 def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", device: str = "cpu",
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
                         kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
@@ -169,6 +181,8 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)
     engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows)
+    if target.type == "cuda":
+        warm_up(engine, model_id, engines.report.say if engines is not None else (lambda line: None))
     params = weight_bytes(config, "none", torch.float32) / 4e6
     description = (f"{model_id} ({config.family}, {params:.1f} M params) · {engine.description} · "
                    f"{device} · {weights}")
