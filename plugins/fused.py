@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from plugins.decode_attention import decode_attention
+
 try:
     import triton
     import triton.language as tl
@@ -229,6 +231,21 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
     return out
 
 
+def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+    """The reference decode attention: SDPA over each row's cache slice [:kv_len] with positions past the
+    row's own masked; q [B, heads, head_dim] → [B, heads*head_dim]."""
+    batch, heads, dim = q.shape
+    mask = (torch.arange(kv_len, device=q.device)[None] <= positions[:, None])[:, None, None]
+    y = F.scaled_dot_product_attention(q[:, :, None], k_cache[:batch, :, :kv_len], v_cache[:batch, :, :kv_len],
+                                       attn_mask=mask, enable_gqa=heads != k_cache.shape[1])
+    return y.reshape(batch, heads * dim)
+
+
+def decode_attention_fused(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+    """Decode attention reading each row's valid positions in place (`plugins/decode_attention.py`)."""
+    return decode_attention(q, k_cache, v_cache, positions + 1, kv_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The elementwise kernels a decoder runs between its GEMMs."""
@@ -238,8 +255,10 @@ class Kernels:
     rotary: Callable[[Tensor, Tensor, Tensor], Tensor]  # may work in place
     rope_cache_write: Callable[..., Tensor]  # a decode step's RoPE and KV write; may rotate q in place
     silu_mul: Callable[[Tensor], Tensor]
+    decode_attention: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]  # q [B, heads, dim] → [B, heads·dim]
 
 
 REFERENCE = Kernels(rms_norm_reference, add_rms_norm_reference, rotary_reference, rope_cache_write_reference,
-                    silu_mul_reference)
-FUSED = Kernels(rms_norm_fused, add_rms_norm_fused, rotary_fused, rope_cache_write_fused, silu_mul_fused)  # the reference wherever Triton cannot run
+                    silu_mul_reference, decode_attention_sdpa)
+FUSED = Kernels(rms_norm_fused, add_rms_norm_fused, rotary_fused, rope_cache_write_fused, silu_mul_fused,
+                decode_attention_fused)  # the reference wherever Triton cannot run

@@ -195,9 +195,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: Tensor | None,
                 k_cache: Tensor, v_cache: Tensor, step: Step) -> Tensor:
-        """`k_cache`/`v_cache` are this layer's [rows, kv_heads, max_seq, head_dim]; `mask` None
-        means a fresh prefill (positions 0..T-1): plain causal attention, which lets SDPA pick
-        its flash kernel instead of the masked one."""
+        """`k_cache`/`v_cache` are this layer's [rows, kv_heads, max_seq, head_dim]. For a prefill, `mask`
+        None means a fresh one (positions 0..T-1): plain causal attention, which lets SDPA pick its flash
+        kernel instead of the masked one; a decode step masks by its rows' positions itself."""
         c = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -214,9 +214,10 @@ class Attention(nn.Module):
             keys, values = k_cache[step.row:step.row + 1, :, :end], v_cache[step.row:step.row + 1, :, :end]
         else:
             q = self.kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, step.positions)
-            keys, values = k_cache[:bsz, :, :step.kv_len], v_cache[:bsz, :, :step.kv_len]
         if logn is not None:
             q = q * logn[:, :, None, None].to(q.dtype)
+        if isinstance(step, Decode):  # each row's own valid positions, read in place
+            return self.wo(self.kernels.decode_attention(q[:, 0], k_cache, v_cache, step.positions, step.kv_len)[:, None])
         q = q.transpose(1, 2)
         grouped = c.num_heads != c.num_kv_heads
         if grouped and mask is not None and seqlen > 1:
@@ -286,11 +287,10 @@ class Decoder(nn.Module):
             cos, sin = rope.cos[step.table, positions], rope.sin[step.table, positions]
             keys = torch.arange(step.start + seqlen, device=x.device)
             mask = None if step.start == 0 else (keys[None] <= positions[0, :, None])[None, None]
-        else:
+        else:  # the decode attention masks each row by its own position
             positions = step.positions[:, None]
             cos, sin = rope.cos[step.tables[:, None], positions], rope.sin[step.tables[:, None], positions]
-            keys = torch.arange(step.kv_len, device=x.device)
-            mask = (keys[None] <= step.positions[:, None])[:, None, None]
+            mask = None
         logn = rope.logn[positions] if rope.logn is not None else None
         delta = None
         for i, layer in enumerate(self.layers):
