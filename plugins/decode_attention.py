@@ -188,8 +188,9 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         _split_kernel[(n_splits, batch * kv_heads)](
             q, k_cache, v_cache, lengths, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim), KV_HEADS=kv_heads, GROUP=group,
-            GROUP_PAD=group_pad, DIM=dim, BLOCK_N=max(16, min(64, 8192 // dim)), DOT=dot,
-            PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=4, num_stages=2)
+            GROUP_PAD=group_pad, DIM=dim, BLOCK_N=max(16, min(64, 16384 // (dim * q.element_size()))), DOT=dot,
+            PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=8 if dim * q.element_size() >= 512 else 4,
+            num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
         _merge_kernel[(batch * heads,)](
             lengths, out, acc, ml, kv_len, chunk, n_splits, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
             DIM=dim, LANES=min(triton.next_power_of_2(n_splits), max(1, _MERGE_TILE // dim)), num_warps=4)
