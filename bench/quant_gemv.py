@@ -144,6 +144,9 @@ def main() -> None:
                     rows.append((name, batch, f"{mode} ours {config.kind} {config.block_n}/{config.steps}/"
                                  f"{config.split_k}", round(us, 1), round(stored / (us * 1e-6) / bandwidth, 3), err))
                 print(f"{name} b{batch} {mode}: done", flush=True)
+        res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows
+        res["best ours"] = best
+        report("quant_gemv", res)  # after every shape: a run cut short keeps what it measured
     res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows
     res["best ours"] = best
     report("quant_gemv", res)
