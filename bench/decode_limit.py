@@ -208,7 +208,9 @@ def gemv_part(res: dict) -> None:
         for mode in ("int4", "int8"):
             parts = quantize(weight, mode, torch.bfloat16)
             stored = sum(t.nbytes for t in parts.values())
-            layers = [lowbit_weight(parts, mode) for _ in range(max(2, min(24, -(-(400 << 20) // stored))))]
+            layers = [lowbit.LowBitWeight.from_parts(parts, 4 if mode == "int4" else 8, torch.bfloat16, None,
+                                                     lowbit.Workspace(torch.device("cuda")))
+                      for _ in range(max(2, min(24, -(-(400 << 20) // stored))))]
             configs = {1: fastest(layers, 1), 8: fastest(layers, 8)}  # as the app tunes them
             for layer in layers:
                 layer.config, layer.batch_config = configs[1], configs[8]
@@ -263,15 +265,6 @@ def real_checkpoint_part(res: dict) -> None:
             engine.close()
     res["real_format_logit_rel_err_vs_transformers"] = out
     report(OUT_NAME, res)
-
-
-def lowbit_weight(parts: dict, mode: str) -> lowbit.LowBitWeight:
-    workspace = lowbit.Workspace(torch.device("cuda"))
-    if mode == "int4":
-        return lowbit.LowBitWeight(lowbit.pack_int4(parts["q"]), parts["scale"].t().contiguous(),
-                                   parts["zero"].t().contiguous(), None, 4, torch.bfloat16, workspace)
-    return lowbit.LowBitWeight(lowbit.pack_int8(parts["q"]), parts["scale"].view(1, -1).contiguous(), None, None, 8,
-                               torch.bfloat16, workspace)
 
 
 def launch_part(res: dict, layers: int) -> None:

@@ -5,7 +5,7 @@ enough copies of the weights to rotate past the L2 cache (each call reads its we
 as a decode step does). Per shape and batch: microseconds, the fraction of copy bandwidth the weight
 bytes reach, and the error against the dequantizing reference. Ours is swept over the launch
 configurations the app tunes among (`plugins.lowbit_tuning.CANDIDATES`); the best per shape and batch
-is reported with its config (kernel, rows per program, chunks per step, split-K).
+is reported with its config (rows per program, chunks per step, split-K, warps).
 
     python bench/quant_gemv.py       # on a CUDA GPU (gemlite optional: carried as a wheel)
 Prints a table last; writes quant_gemv.json to $OUT.
@@ -97,12 +97,9 @@ def main() -> None:
             reference_w = dequantize(parts, mode).to(torch.bfloat16)
             n_copies = copies_for(stored)
             bits = 4 if mode == "int4" else 8
-            words = lowbit.pack_int4(parts["q"]) if bits == 4 else lowbit.pack_int8(parts["q"])
-            scale = parts["scale"].T.contiguous() if bits == 4 else parts["scale"].view(1, -1).contiguous()
-            zero = parts["zero"].T.contiguous() if bits == 4 else None
-            ours = [(words, scale, zero)] + [(words.clone(), scale.clone(), zero.clone() if zero is not None else None)
-                                             for _ in range(n_copies - 1)]
             workspace = lowbit.Workspace(torch.device("cuda"))
+            ours = [lowbit.LowBitWeight.from_parts({k: v.clone() for k, v in parts.items()}, bits, torch.bfloat16, None,
+                                                   workspace) for _ in range(n_copies)]
             others = {}
             layer = gemlite_layer(parts, mode, n_in)
             if layer is not None:
@@ -128,8 +125,7 @@ def main() -> None:
                 fastest = None
                 for config in CANDIDATES[1 if batch == 1 else 8]:
                     def call(i, config=config):
-                        w, s, z = ours[i % len(ours)]
-                        return lowbit.lowbit_matmul(x, w, s, z, None, bits, config, workspace)
+                        return ours[i % len(ours)](x, config)
                     try:
                         err = rel(call(0), expected)
                         us = graphed_us([lambda i=i: call(i) for i in range(CALLS)])
@@ -141,8 +137,8 @@ def main() -> None:
                 if fastest:
                     us, err, config = fastest
                     best[f"{mode} {name} b{batch}"] = vars(config) | {"us": round(us, 2)}
-                    rows.append((name, batch, f"{mode} ours {config.kind} {config.block_n}/{config.steps}/"
-                                 f"{config.split_k}", round(us, 1), round(stored / (us * 1e-6) / bandwidth, 3), err))
+                    rows.append((name, batch, f"{mode} ours {config.block_n}/{config.steps}/{config.split_k}/"
+                                 f"w{config.warps}", round(us, 1), round(stored / (us * 1e-6) / bandwidth, 3), err))
                 print(f"{name} b{batch} {mode}: done", flush=True)
         res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows
         res["best ours"] = best

@@ -24,13 +24,12 @@ from tqdm.auto import tqdm
 from pipeline.files import atomic_write
 from plugins.lowbit import Config, LowBitWeight
 
-KERNEL_VERSION = "2"  # bump when the kernels change what a config means
+KERNEL_VERSION = "3"  # bump when the kernels change what a config means
 SPLITS = (1, 2, 4, 8)
 CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (timed at 8)
-    1: tuple(Config(kind, bn, st, sk) for kind in ("fma", "mma2") for bn in (32, 64) for st in (1, 2) for sk in SPLITS)
-    + tuple(Config("mma", 64, 1, sk) for sk in SPLITS),
-    8: tuple(Config("mma2", bn, st, sk) for bn in (32, 64, 128) for st in (1, 2) for sk in SPLITS)
-    + tuple(Config("mma", 64, st, sk) for st in (1, 2) for sk in SPLITS),
+    1: tuple(Config(bn, st, sk) for bn in (32, 64) for st in (1, 2) for sk in SPLITS)
+    + tuple(Config(128, 1, sk, warps=8, stages=4) for sk in SPLITS),
+    8: tuple(Config(bn, st, sk) for bn in (64, 128) for st in (1, 2) for sk in SPLITS),
 }
 CALLS = 24
 
@@ -103,7 +102,7 @@ def tune_layers(weights: list[LowBitWeight], tuned: TunedConfigs) -> None:
 def fastest(layers: list[LowBitWeight], rows: int) -> Config:
     """The candidate that runs `rows` rows through `layers` (rotating through them) in the least time."""
     w0 = layers[0]
-    x = torch.randn(rows, w0.in_features, device=w0.words.device, dtype=w0.dtype)
+    x = torch.randn(rows, w0.in_features, device=w0.data.device, dtype=w0.dtype)
     best: tuple[float, Config] | None = None
     for config in CANDIDATES[rows]:
         try:

@@ -1,8 +1,8 @@
-"""The low-bit kernels of `plugins/lowbit.py` run on the CPU through Triton's interpreter
-(TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/quant.py`: both kernels
-(tensor-core and FMA), int4 and int8, bf16 and fp16 activations, with and without bias, split-K (whose
-counters must be left at zero for the next call), batches 1–4, 5–16 and prefill, and widths that leave a
-partial output tile. On a GPU, `tests/test_gpu.py` checks them compiled at Qwen2.5-7B's shapes."""
+"""The low-bit kernel of `plugins/lowbit.py` runs on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/quant.py`: int4 and int8,
+bf16 and fp16 activations, with and without bias, split-K (whose counters must be left at zero for the
+next call), batches 1–4, 5–16 and prefill, and widths that leave a partial output tile. On a GPU,
+`tests/test_gpu.py` checks it compiled at Qwen2.5-7B's shapes."""
 
 import os
 import subprocess
@@ -23,14 +23,13 @@ torch.manual_seed(0)
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-cases = [  # rows, out, in, config
-    (1, 96, 256, ("fma", 32, 1, 1)), (1, 80, 512, ("mma", 32, 2, 4)), (3, 64, 512, ("fma", 16, 2, 2)),
-    (1, 96, 256, ("mma2", 32, 1, 1)), (2, 80, 512, ("mma2", 32, 2, 4)), (9, 48, 384, ("mma2", 16, 1, 2)),
-    (4, 64, 384, ("mma", 16, 2, 3)), (7, 48, 256, ("mma", 32, 1, 2)), (20, 48, 256, ("mma", 32, 1, 1)),
+cases = [  # rows, out, in, (rows per program, chunks per step, split-K)
+    (1, 96, 256, (32, 1, 1)), (1, 80, 512, (32, 2, 4)), (3, 64, 512, (16, 2, 2)), (4, 64, 384, (16, 2, 3)),
+    (7, 48, 256, (32, 1, 2)), (20, 48, 256, (32, 1, 1)),
 ]
 for mode, bits in (("int4", 4), ("int8", 8)):
     for dtype in (torch.bfloat16, torch.float16):
-        for rows, n, k, (kind, block_n, steps, split) in cases:
+        for rows, n, k, shape in cases:
             w = torch.randn(n, k) * 0.05
             parts = quantize(w, mode, dtype)
             bias = torch.randn(n).to(dtype) if rows % 2 else None
@@ -38,17 +37,12 @@ for mode, bits in (("int4", 4), ("int8", 8)):
             expected = x.float() @ dequantize(parts, mode).to(dtype).float().T
             if bias is not None:
                 expected += bias.float()
-            if bits == 4:
-                words, scale, zero = lowbit.pack_int4(parts["q"]), parts["scale"].T.contiguous(), parts["zero"].T.contiguous()
-            else:
-                words, scale, zero = lowbit.pack_int8(parts["q"]), parts["scale"].view(1, -1).contiguous(), None
-            workspace = lowbit.Workspace(torch.device("cpu"))
-            config = lowbit.Config(kind, block_n, steps, split)
+            layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")))
             for call in range(2):  # the second call proves the split-K counters were reset
-                got = lowbit.lowbit_matmul(x, words, scale, zero, bias, bits, config, workspace)
+                got = layer(x, lowbit.Config(*shape))
                 tol = 6e-3 if dtype == torch.bfloat16 else 5e-4  # the output's rounding
-                assert got.shape == (rows, n) and rel(got, expected) < tol, (mode, dtype, rows, kind, call, rel(got, expected))
-            assert not workspace.counters.any()
+                assert got.shape == (rows, n) and rel(got, expected) < tol, (mode, dtype, rows, shape, call, rel(got, expected))
+            assert not layer.workspace.counters.any()
 print("ok")
 '''
 

@@ -20,9 +20,9 @@ would cost sampling more; llama.cpp's 4-bit files keep their output layer at 6 b
 A head tied to the embedding stays in float with it. The embedding stays in float: a token reads one
 row of it.
 
-Kernels: on CUDA, our Triton kernels (`plugins/lowbit.py`: magic-number dequantization into tensor-core
-dots, batch 1–16 in one weight pass), in a layout made from this format at load, with launch shapes
-tuned once per GPU (`plugins/lowbit_tuning.py`). Elsewhere (the CPU, or a GPU without Triton) the
+Kernels: on CUDA, our Triton kernel (`plugins/lowbit.py`: magic-number dequantization into tensor-core
+dots, batch 1–16 in one weight pass) reads this format as it is (int8 with its sign bit flipped), with
+launch shapes tuned once per GPU (`plugins/lowbit_tuning.py`). Elsewhere (the CPU, or a GPU without Triton) the
 reference path dequantizes the weight at each call and runs a plain matmul: the same numbers, the
 float layer's speed at best.
 """
@@ -141,15 +141,10 @@ class QuantLinear(nn.Module):
     def use_kernel(self, workspace: lowbit.Workspace) -> None:
         """Repack the weights into the kernel's layout and run the Triton kernel from now on; the
         reference buffers are then freed. `workspace` (one per model) holds split-K partial sums."""
-        bits = BITS[self.mode]
-        if bits == 4:
-            words, scale, zero = lowbit.pack_int4(self.q), self.scale.t().contiguous(), self.zero.t().contiguous()
-        else:
-            words, scale, zero = lowbit.pack_int8(self.q), self.scale.view(1, -1).contiguous(), None
-        self.kernel = lowbit.LowBitWeight(words, scale, zero, self.bias, bits, self.dtype, workspace)
+        self.kernel = lowbit.LowBitWeight.from_parts(self.parts(), BITS[self.mode], self.dtype, self.bias, workspace)
         for name in ("q", "scale", "zero"):
             if hasattr(self, name):
-                setattr(self, name, torch.empty(0, device=words.device))
+                setattr(self, name, torch.empty(0, device=self.kernel.data.device))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel is not None:
