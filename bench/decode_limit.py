@@ -25,6 +25,7 @@ import argparse
 import collections
 import copy
 import dataclasses
+import re
 import statistics
 import sys
 import tempfile
@@ -296,11 +297,17 @@ def launch_part(res: dict, layers: int) -> None:
                 stream = lm.engine.submit(Prompt(random_prompt(2, 64)), dataclasses.replace(UI_DEFAULT, max_new_tokens=8),
                                           set())
                 stream.wait()
-            times[attempt] = {"ready_s": round(time.perf_counter() - t0, 1), "log": report_.lines}
+            ready = time.perf_counter() - t0
+            quantized = [float(m.group(1)) for line in report_.lines if (m := re.search(r"made and cached in ([\d.]+) s", line))]
+            times[attempt] = {"ready_s": round(ready, 1), "log": report_.lines}
+            if quantized:
+                times[attempt]["quantize_s"] = quantized[0]
+                times[attempt]["ready_after_quantization_s"] = round(ready - quantized[0], 1)
             lm.engine.close()
             del lm
             torch.cuda.empty_cache()
         res["first_launch"] = times
+        report(OUT_NAME, res)
 
 
 def main() -> None:

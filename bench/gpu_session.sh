@@ -21,8 +21,8 @@ step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAM
 for part in "$@"; do
   case "$part" in
     probe) step 250 quant_gemv python3 bench/quant_gemv.py ;;
-    decode) step 320 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
-    launch) step 300 launch python3 bench/decode_limit.py --parts real,launch ;;
-    tests) step 200 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider ;;
+    decode) step 230 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
+    launch) step 200 launch python3 bench/decode_limit.py --parts real,launch ;;
+    tests) step 150 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider ;;
   esac
 done

@@ -231,19 +231,14 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
     return out
 
 
-def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-    """The reference decode attention: SDPA over each row's cache slice [:kv_len] with positions past the
-    row's own masked; q [B, heads, head_dim] → [B, heads*head_dim]."""
+def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int) -> Tensor:
+    """The reference decode attention: SDPA over each row's cache slice [:kv_len] with the positions past
+    the row's length masked; q [B, heads, head_dim] → [B, heads*head_dim]."""
     batch, heads, dim = q.shape
-    mask = (torch.arange(kv_len, device=q.device)[None] <= positions[:, None])[:, None, None]
+    mask = (torch.arange(kv_len, device=q.device)[None] < lengths[:, None])[:, None, None]
     y = F.scaled_dot_product_attention(q[:, :, None], k_cache[:batch, :, :kv_len], v_cache[:batch, :, :kv_len],
                                        attn_mask=mask, enable_gqa=heads != k_cache.shape[1])
     return y.reshape(batch, heads * dim)
-
-
-def decode_attention_fused(q: Tensor, k_cache: Tensor, v_cache: Tensor, positions: Tensor, kv_len: int) -> Tensor:
-    """Decode attention reading each row's valid positions in place (`plugins/decode_attention.py`)."""
-    return decode_attention(q, k_cache, v_cache, positions + 1, kv_len)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,4 +256,4 @@ class Kernels:
 REFERENCE = Kernels(rms_norm_reference, add_rms_norm_reference, rotary_reference, rope_cache_write_reference,
                     silu_mul_reference, decode_attention_sdpa)
 FUSED = Kernels(rms_norm_fused, add_rms_norm_fused, rotary_fused, rope_cache_write_fused, silu_mul_fused,
-                decode_attention_fused)  # the reference wherever Triton cannot run
+                decode_attention)  # each falls back to the reference wherever Triton cannot run

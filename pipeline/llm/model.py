@@ -172,11 +172,13 @@ class Prefill:
 @dataclasses.dataclass(frozen=True)
 class Decode:
     """One token for each cache row 0..B-1, at `positions` [B], with rotary `tables` [B]; attention
-    reads the first `kv_len` positions (masked per row beyond each row's own position)."""
+    reads at most the first `kv_len` positions of each row, and of row b its first positions[b] + 1
+    (`lengths`, made once per step by the decoder)."""
 
     positions: Tensor
     tables: Tensor
     kv_len: int
+    lengths: Tensor | None = None
 
 
 Step = Prefill | Decode
@@ -217,7 +219,7 @@ class Attention(nn.Module):
         if logn is not None:
             q = q * logn[:, :, None, None].to(q.dtype)
         if isinstance(step, Decode):  # each row's own valid positions, read in place
-            return self.wo(self.kernels.decode_attention(q[:, 0], k_cache, v_cache, step.positions, step.kv_len)[:, None])
+            return self.wo(self.kernels.decode_attention(q[:, 0], k_cache, v_cache, step.lengths, step.kv_len)[:, None])
         q = q.transpose(1, 2)
         grouped = c.num_heads != c.num_kv_heads
         if grouped and mask is not None and seqlen > 1:
@@ -287,7 +289,8 @@ class Decoder(nn.Module):
             cos, sin = rope.cos[step.table, positions], rope.sin[step.table, positions]
             keys = torch.arange(step.start + seqlen, device=x.device)
             mask = None if step.start == 0 else (keys[None] <= positions[0, :, None])[None, None]
-        else:  # the decode attention masks each row by its own position
+        else:  # the decode attention masks each row by its own length
+            step = dataclasses.replace(step, lengths=step.positions + 1)
             positions = step.positions[:, None]
             cos, sin = rope.cos[step.tables[:, None], positions], rope.sin[step.tables[:, None], positions]
             mask = None
