@@ -50,7 +50,7 @@ from plugins.fused import FUSED, REFERENCE  # noqa: E402
 from plugins.lowbit_tuning import TunedConfigs, fastest, graphed_us  # noqa: E402
 
 PROJECTIONS = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
-OUT_NAME = "decode_limit"
+OUT_NAME = "decode_limit"  # --out changes it, so that two calls of one session keep both files
 
 
 def random_model(layers: int) -> Decoder:
@@ -311,10 +311,13 @@ def launch_part(res: dict, layers: int) -> None:
 
 
 def main() -> None:
+    global OUT_NAME
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="gemv,decode,real,launch")
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--out", default=OUT_NAME, help="the JSON's name under $OUT")
     args = ap.parse_args()
+    OUT_NAME = args.out
     parts = args.parts.split(",")
     res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                  "triton": __import__("triton").__version__, "copy_TBps": round(copy_bandwidth_tbps(), 3),

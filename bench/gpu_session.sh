@@ -22,7 +22,7 @@ for part in "$@"; do
   case "$part" in
     probe) step 250 quant_gemv python3 bench/quant_gemv.py ;;
     decode) step 230 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
-    launch) step 200 launch python3 bench/decode_limit.py --parts real,launch ;;
+    launch) step 200 launch python3 bench/decode_limit.py --parts real,launch --out decode_limit_launch ;;
     tests) step 150 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider ;;
   esac
 done
