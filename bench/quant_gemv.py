@@ -14,7 +14,6 @@ Prints a table last; writes quant_gemv.json to $OUT.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 from pathlib import Path

@@ -18,6 +18,7 @@ from engine_builder.cache import EngineBuildError
 from engine_builder.onnx_export import minigpt4_graph, sam_graphs
 from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
 from pipeline.errors import UserError
+from pipeline.files import atomic_write
 from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.engine import Prompt, TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
@@ -30,6 +31,7 @@ from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
+from plugins.lowbit_tuning import TunedConfigs
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")
 KV_SHARE_OF_FREE_MEMORY = 0.4  # of what is free (on the GPU, or under the budget) once the weights are in
@@ -127,10 +129,13 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
     why = kernel_unavailable(model)
     if why is None:
-        from plugins.lowbit_tuning import TunedConfigs
-
-        folder = engines.cache.root / "kernels" if engines is not None else None
-        use_kernels(model, TunedConfigs(folder, device, say))
+        tuned = TunedConfigs(say)
+        path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) if engines is not None else None
+        if path is not None and path.is_file():
+            tuned.from_json(path.read_text())
+        use_kernels(model, tuned)
+        if path is not None and tuned.changed:
+            atomic_write(path, tuned.to_json())
         return model, f"{mode} weights (Triton low-bit kernels)"
     say(f"{model_id}: {why}")
     return model, f"{mode} weights (reference: dequantized per call)"

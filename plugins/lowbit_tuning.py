@@ -4,8 +4,9 @@ Why: the best tile, loop step and split-K count depend on the GPU (its processor
 latency) and on the layer's shape; a fixed choice leaves a third of the bandwidth unused on some
 shapes. The first launch times a few candidates per distinct layer shape over the model's own layers
 (so the weights come from memory, not the L2 cache), replayed as CUDA graphs as the engine runs
-them, and writes the winners beside the engine cache, keyed by GPU, Triton and kernel version. A
-second launch reads the file and times nothing (Triton keeps the compiled kernels in its own cache).
+them; the app keeps the winners beside the engine cache, keyed by GPU, Triton and kernel version
+(`TunedConfigs.file_name`). A second launch reads the file and times nothing (Triton keeps the
+compiled kernels in its own cache).
 """
 
 from __future__ import annotations
@@ -16,12 +17,10 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.files import atomic_write
 from plugins.lowbit import Config, LowBitWeight
 
 KERNEL_VERSION = "3"  # bump when the kernels change what a config means
@@ -60,25 +59,30 @@ def graphed_us(calls: list[Callable[[], object]], repeats: int = 10) -> float:
 
 
 class TunedConfigs:
-    """The chosen launch shape per layer shape for one GPU; in memory only when `folder` is None."""
+    """The chosen launch shape per layer shape and batch bucket for one GPU. The caller keeps them:
+    `to_json` / `from_json` (the app stores them beside the engine cache, under `file_name`)."""
 
-    def __init__(self, folder: Path | None, device: torch.device, say: Callable[[str], None] = lambda line: None):
+    def __init__(self, say: Callable[[str], None] = lambda line: None):
+        self.say = say
+        self.configs: dict[str, Config] = {}
+        self.changed = False
+
+    @staticmethod
+    def file_name(device: torch.device) -> str:
         import triton
 
-        self.say = say
-        gpu = torch.cuda.get_device_name(device).replace(" ", "_") if device.type == "cuda" else "cpu"
-        self.path = (Path(folder) / f"lowbit-{gpu}-triton{triton.__version__}-v{KERNEL_VERSION}.json"
-                     if folder is not None else None)
-        self.configs: dict[str, Config] = {}
-        if self.path is not None and self.path.is_file():
-            try:
-                self.configs = {k: Config(**v) for k, v in json.loads(self.path.read_text()).items()}
-            except (ValueError, TypeError) as e:  # a damaged file is tuned again, not trusted
-                say(f"low-bit kernel configs in {self.path.name} unreadable ({type(e).__name__}); tuning again")
+        gpu = torch.cuda.get_device_name(device).replace(" ", "_")
+        return f"lowbit-{gpu}-triton{triton.__version__}-v{KERNEL_VERSION}.json"
 
-    def save(self) -> None:
-        if self.path is not None:
-            atomic_write(self.path, json.dumps({k: dataclasses.asdict(v) for k, v in self.configs.items()}, indent=1))
+    def from_json(self, text: str) -> None:
+        """Adopt stored configs; a damaged file is tuned again, not trusted."""
+        try:
+            self.configs = {k: Config(**v) for k, v in json.loads(text).items()}
+        except (ValueError, TypeError) as e:
+            self.say(f"stored low-bit kernel configs unreadable ({type(e).__name__}); tuning again")
+
+    def to_json(self) -> str:
+        return json.dumps({k: dataclasses.asdict(v) for k, v in self.configs.items()}, indent=1)
 
 
 def tune_layers(weights: list[LowBitWeight], tuned: TunedConfigs) -> None:
@@ -92,7 +96,7 @@ def tune_layers(weights: list[LowBitWeight], tuned: TunedConfigs) -> None:
         tuned.say(f"tuning the low-bit kernels for {len(by_shape)} layer shapes on this GPU (once; cached)")
         for key, rows in tqdm(missing, desc="tuning low-bit kernels", unit="shape", file=sys.stderr):
             tuned.configs[f"{key} b{rows}"] = fastest(by_shape[key], rows)
-        tuned.save()
+        tuned.changed = True
         tuned.say(f"low-bit kernels tuned in {time.perf_counter() - start:.1f} s")
     for key, layers in by_shape.items():
         for w in layers:

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from plugins import lowbit
+from plugins import lowbit, lowbit_tuning
 
 MODES = ("none", "int8", "int4")
 GROUP = lowbit.GROUP  # int4 group size (TensorRT-LLM's and AWQ's usual choice): 1/32 extra bytes of metadata
@@ -192,11 +192,9 @@ def kernel_unavailable(model: nn.Module) -> str | None:
     return None
 
 
-def use_kernels(model: nn.Module, tuned: "lowbit_tuning.TunedConfigs | None" = None) -> int:
+def use_kernels(model: nn.Module, tuned: lowbit_tuning.TunedConfigs | None = None) -> int:
     """Move every `QuantLinear` of `model` onto the low-bit kernels, with launch shapes from `tuned`
     (tuned now for shapes it lacks, with progress) or the untuned defaults; the number moved."""
-    from plugins import lowbit_tuning
-
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return 0
