@@ -189,6 +189,29 @@ def fused_fidelity(model: Decoder, vocab: int, prompt: tuple[int, ...], tokens: 
     return out
 
 
+TARGETS = {  # issue 17's must-show 2: key → (target, "min" or "max")
+    "bf16_roofline_fraction": (0.82, "min"), "int8_x_bf16": (1.7, "min"), "int4_x_bf16": (2.3, "min"),
+    "int4_roofline_fraction": (0.5, "min"), "int4_8chats_x_one": (6.0, "min"),
+}
+
+
+def target_report(res: dict, layers: int) -> dict:
+    """Each target: the value, met or not, and by how much it is missed."""
+    out = {}
+    checks = {k: (res[k], *TARGETS[k]) for k in TARGETS if k in res}
+    for mode, count in res.get("kernels_per_token", {}).items():
+        checks[f"kernels_per_token {mode}"] = (count, 10 * layers + 30, "max")
+    for shape, fractions in res.get("int4_gemv_bandwidth_fraction", {}).items():
+        checks[f"int4 GEMV {shape} b1 of bandwidth"] = (fractions["b1"], 0.75, "min")
+        checks[f"int4 GEMV {shape} b8 / b1 time"] = (res["int4_gemv_b8_over_b1"][shape], 1.3, "max")
+    for key, (value, target, kind) in checks.items():
+        met = value >= target if kind == "min" else value <= target
+        out[key] = {"value": value, "target": target, "met": met,
+                    "missed_by": None if met else f"{value / target:.2f} of the target" if kind == "min"
+                    else f"{value / target:.2f}x the target"}
+    return out
+
+
 def logits_for(engine, ids: tuple[int, ...]) -> torch.Tensor:
     stream = engine.submit(Prompt(ids), SamplingParams(max_new_tokens=1, temperature=0), set(), keep_logits=True)
     stream.wait()
@@ -326,6 +349,8 @@ def main() -> None:
         gemv_part(res)
     if "decode" in parts:
         decode_part(res, args.layers)
+    if "decode" in parts or "gemv" in parts:
+        res["targets"] = target_report(res, args.layers)
     if "real" in parts:
         real_checkpoint_part(res)
     if "launch" in parts:
