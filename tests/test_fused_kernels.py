@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="Triton is not installed (it comes with gemlite on Linux x86-64)")
+pytest.importorskip("triton", reason="Triton is not installed (requirements-dev.txt installs it on Linux x86-64)")
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r'''

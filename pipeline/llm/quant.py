@@ -95,7 +95,7 @@ class QuantLinear(nn.Module):
     """A linear layer whose weight is held quantized; `bias` (Qwen's q/k/v) stays in float.
 
     Buffers are named `q`, `scale`, `zero` (int4 only) and `bias`, so a state dict of a quantized
-    decoder is the cache's file format. `use_kernel` swaps the reference for gemlite's kernel.
+    decoder is the cache's file format. `use_kernel` swaps the reference for the Triton low-bit kernel.
     """
 
     def __init__(self, in_features: int, out_features: int, mode: str, dtype: torch.dtype, bias: bool):
