@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from llm_engine import GREEDY, QWEN25_7B, UI_DEFAULT, concurrent, random_prompt, run  # noqa: E402
+from llm_engine import GREEDY, QWEN25_7B, UI_DEFAULT, concurrent, random_prompt, random_qwen25_7b, run  # noqa: E402
 from timing import copy_bandwidth_tbps, report  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
 from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
@@ -51,17 +51,6 @@ from plugins.lowbit_tuning import TunedConfigs, fastest, graphed_us  # noqa: E40
 
 PROJECTIONS = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "down": (18944, 3584)}
 OUT_NAME = "decode_limit"  # --out changes it, so that two calls of one session keep both files
-
-
-def random_model(layers: int) -> Decoder:
-    with torch.device("meta"):
-        model = Decoder(config_from_hf({**QWEN25_7B, "num_hidden_layers": layers}))
-    model = model.to_empty(device="cuda").to(torch.bfloat16).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0, 0.02)
-    return model
 
 
 def bytes_per_token(model: Decoder) -> int:
@@ -114,7 +103,7 @@ def decode_part(res: dict, layers: int) -> None:
     reference_tokens, reference_logits = None, None
     for mode in MODES:
         started = time.perf_counter()
-        model = random_model(layers)
+        model = random_qwen25_7b(layers)
         row: dict = {}
         if mode != "none":
             quantize_decoder(model, mode, "cuda")
@@ -302,7 +291,7 @@ def launch_part(res: dict, layers: int) -> None:
 
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         folder = Path(tmp) / "qwen25-7b-random"
-        model = random_model(layers)
+        model = random_qwen25_7b(layers)
         sd = {k: v.cpu() for k, v in model.state_dict().items()}
         del model
         torch.cuda.empty_cache()
