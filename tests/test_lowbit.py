@@ -51,3 +51,23 @@ def test_lowbit_kernels_match_the_dequantizing_reference_under_the_interpreter()
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_tuned_configs_round_trip_and_a_damaged_file_is_tuned_again():
+    """What the app stores beside the engine cache comes back the same; a damaged file is not trusted:
+    it is said, and every shape is tuned again (no configs kept)."""
+    from plugins.lowbit import Config
+    from plugins.lowbit_tuning import TunedConfigs
+
+    tuned = TunedConfigs()
+    tuned.configs = {"int4 3584->4608 +bias b1": Config(64, 2, 8), "int4 3584->4608 +bias b8": Config(128, 1, 2, 8, 4)}
+    again = TunedConfigs()
+    again.from_json(tuned.to_json())
+    assert again.configs == tuned.configs and not again.changed
+    said: list[str] = []
+    damaged = TunedConfigs(said.append)
+    damaged.from_json(tuned.to_json()[:40])
+    assert damaged.configs == {} and "unreadable" in said[0]
+    wrong_fields = TunedConfigs(said.append)
+    wrong_fields.from_json('{"int4 x b1": {"block_n": 64, "kind": "fma"}}')
+    assert wrong_fields.configs == {} and len(said) == 2
