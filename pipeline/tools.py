@@ -83,6 +83,7 @@ class _Slot:
     busy: int = 0
     last_used: float = 0.0
     loads: int = 0
+    load_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class ToolHost:
@@ -92,7 +93,8 @@ class ToolHost:
         self.device, self.budget, self.say = device, budget, say
         self.measure = measure or device_bytes(device)
         self._slots: dict[str, _Slot] = {}
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # bookkeeping only: never held during a load
+        self._loading = threading.Lock()  # one load (and its memory measurement) at a time
 
     def add(self, spec: ToolSpec) -> None:
         self._slots[spec.name] = _Slot(spec)
@@ -116,12 +118,15 @@ class ToolHost:
     def using(self, name: str, say: Say | None = None) -> Iterator[Any]:
         """The tool's pipeline, loaded if needed (progress to `say` too); the tool, and the tools it
         needs, count as busy until the block ends, so they are not unloaded under a request."""
-        with self._lock:
+        names = self._with_needs(name)
+        while True:
             pipeline = self._ensure(name, say)
-            names = self._with_needs(name)
-            for n in names:
-                self._slots[n].busy += 1
-                self._slots[n].last_used = time.monotonic()
+            with self._lock:  # still loaded (an unload may have come between): hold it busy
+                if all(self._slots[n].pipeline is not None for n in names) and self._slots[name].pipeline is pipeline:
+                    for n in names:
+                        self._slots[n].busy += 1
+                        self._slots[n].last_used = time.monotonic()
+                    break
         try:
             yield pipeline
         finally:
@@ -132,8 +137,7 @@ class ToolHost:
 
     def load(self, name: str, say: Say | None = None) -> Any:
         """Load `name` now (start-up, `--preload`), without holding it busy."""
-        with self._lock:
-            return self._ensure(name, say)
+        return self._ensure(name, say)
 
     def unload(self, name: str, why: str) -> None:
         """Unload `name` and the loaded tools that need it (all must be idle)."""
@@ -168,7 +172,7 @@ class ToolHost:
                     slot.pipeline = None
             self._free()
 
-    # ---- inside the lock ----------------------------------------------------------------------
+    # ---- bookkeeping (the callers hold the lock, except where said) ----------------------------
 
     def _free(self) -> None:
         gc.collect()
@@ -188,35 +192,48 @@ class ToolHost:
         return sum(s.size or 0 for s in self._slots.values() if s.pipeline is not None)
 
     def _ensure(self, name: str, say: Say | None) -> Any:
+        """The loaded pipeline of `name`, loading it (and what it needs) first if it is not; called
+        without the host's lock, which it takes only around bookkeeping."""
         slot = self._slots[name]
         if slot.pipeline is not None:
             return slot.pipeline
         for need in slot.spec.needs:
             self._ensure(need, say)
+        with slot.load_lock:  # a second first request waits here, then finds it loaded
+            if slot.pipeline is not None:
+                return slot.pipeline
+            with self._loading:
+                return self._load(name, say)
+
+    def _load(self, name: str, say: Say | None) -> Any:
+        slot = self._slots[name]
 
         def tell(line: str) -> None:
             self.say(line)
             if say is not None:
                 say(line)
 
-        expected = slot.size if slot.size is not None else slot.spec.estimate
-        self._make_room(name, expected, tell)
+        with self._lock:
+            expected = slot.size if slot.size is not None else slot.spec.estimate
+            self._make_room(name, expected, tell)
+            free = None if self.budget is None else self.budget - self._in_use()
         tell(f"loading {name}" + (" again" if slot.loads else "") + "…")
-        free = None if self.budget is None else self.budget - self._in_use()
         before, start = self.measure(), time.perf_counter()
         try:
-            slot.pipeline = slot.spec.load(say or (lambda line: None), free)
+            pipeline = slot.spec.load(say or (lambda line: None), free)
         except torch.OutOfMemoryError:
             gc.collect()
             raise UserError(f"the GPU ran out of memory loading {name}: lower --gpu-memory's other tools' share "
                             f"(--quant int4), or use the tools one at a time") from None
-        slot.size = max(self.measure() - before, 0)
-        slot.loads += 1
-        slot.last_used = time.monotonic()
-        tell(f"{name} ready in {time.perf_counter() - start:.1f} s ({size_text(slot.size)})")
-        if self.budget is not None and self._in_use() > self.budget:
-            self._make_room(name, 0, tell)
-        return slot.pipeline
+        size = max(self.measure() - before, 0)
+        with self._lock:
+            slot.pipeline, slot.size = pipeline, size
+            slot.loads += 1
+            slot.last_used = time.monotonic()
+            tell(f"{name} ready in {time.perf_counter() - start:.1f} s ({size_text(slot.size)})")
+            if self.budget is not None and self._in_use() > self.budget:
+                self._make_room(name, 0, tell)
+        return pipeline
 
     def _make_room(self, name: str, needed: int, tell: Say) -> None:
         """Unload least recently used idle tools until `needed` more bytes fit the budget."""

@@ -3,6 +3,7 @@ a busy one never is, and a request for an unloaded tool loads it again. Sizes ar
 (on the CPU: the bytes of live tensors)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -175,3 +176,61 @@ def test_sizes_before_a_first_load_count_floats_at_the_loading_width(tmp_path):
     (tmp_path / "c.pth").write_bytes(b"\x80" + b"x" * 99)  # a damaged pickle
     assert loaded_bytes(tmp_path / "c.pth", torch.bfloat16) == 100
     assert launch.weights_size(tmp_path, dtype=torch.bfloat16) == 2 * (250_000 * 2 + 8_000) + 100
+
+
+class SlowTool:
+    """A tool whose load takes `seconds` (a first launch's compile and quantization, in small)."""
+
+    loads = 0
+
+    def __init__(self, seconds: float):
+        time.sleep(seconds)
+        SlowTool.loads += 1
+
+    def close(self):
+        pass
+
+
+def test_a_tool_loading_blocks_no_other_tools_requests_and_loads_once(qwen2_demo):
+    """While a tool takes 5 s to load, five chat replies started during the load finish within 0.5 s of
+    their time with no load running (the same greedy replies, so the same work); two first requests to
+    the loading tool both wait for one load."""
+    from pipeline.chat import ChatPipeline
+    from pipeline.engines import load_language_model
+
+    host = ToolHost(torch.device("cpu"), None, lambda line: None)
+    host.add(ToolSpec("chat", lambda say, free: ChatPipeline(load_language_model(qwen2_demo, "demo/qwen2-tiny"),
+                                                            is_demo=True), estimate=0))
+    host.add(ToolSpec("slow", lambda say, free: SlowTool(5.0), estimate=0))
+    host.load("chat")
+    params = SamplingParams(max_new_tokens=48, temperature=0, repetition_penalty=1.0)
+
+    def five_replies() -> tuple[float, list[str]]:
+        texts: list[str] = [""] * 5
+
+        def reply(i: int) -> None:
+            with host.using("chat") as chat:
+                for event in chat.stream([{"role": "user", "content": f"question {i}"}], params):
+                    texts[i] += event.text
+        start = time.perf_counter()
+        threads = [threading.Thread(target=reply, args=(i,)) for i in range(5)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - start, texts
+
+    five_replies()  # warm
+    alone, expected = five_replies()
+    got = []
+    loaders = [threading.Thread(target=lambda: got.append(host.load("slow"))) for _ in range(2)]
+    for t in loaders:
+        t.start()
+    time.sleep(0.2)  # the load is under way
+    during, texts = five_replies()
+    assert host.loaded("slow") is None, "the replies must have run while the tool was still loading"
+    for t in loaders:
+        t.join()
+    assert texts == expected and all(expected)
+    assert during <= alone + 0.5, (during, alone)
+    assert SlowTool.loads == 1 and host.loads("slow") == 1 and got[0] is got[1]
