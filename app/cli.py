@@ -114,10 +114,7 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
                         print(f"\n[{event.notice}]", file=sys.stderr, flush=True)
                     print(event.text, end="", file=stdout, flush=True)
                     if event.stats is not None:
-                        s = event.stats
-                        print(f"\n({s.new_tokens} tokens · {s.tokens_per_s:.1f} tok/s · first token "
-                              f"{s.time_to_first_token_s * 1000:.0f} ms · prompt {s.prompt_tokens} tokens · "
-                              f"ended: {s.finish_reason})", file=sys.stderr, flush=True)
+                        print(f"\n({event.stats.summary()})", file=sys.stderr, flush=True)
             except KeyboardInterrupt:  # Ctrl+C stops the reply, not the program
                 chat.cancel.set()
                 print("\n(stopped)", file=sys.stderr, flush=True)

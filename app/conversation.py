@@ -119,12 +119,8 @@ def start_turn(message, history, sampling) -> tuple[SamplingParams, list[dict]]:
 
 
 def stats_line(stats, context: int = 0) -> str:
-    """A reply's speed and size, and how full the context is (`context` 0: unknown, a remote model)."""
-    reused = f" ({stats.cached_tokens} reused from the last turn)" if stats.cached_tokens else ""
-    meter = f" · context: {stats.prompt_tokens + stats.new_tokens} of {context} tokens" if context else ""
-    line = (f"{stats.new_tokens} tokens · {stats.tokens_per_s:.1f} tok/s · first token "
-            f"{stats.time_to_first_token_s * 1000:.0f} ms · prompt {stats.prompt_tokens} tokens{reused} · "
-            f"ended: {stats.finish_reason}{meter}")
+    """The reply's statistics line, marked when the user stopped it."""
+    line = stats.summary(context)
     return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
 
 

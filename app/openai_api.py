@@ -238,7 +238,8 @@ class Reply:
     def usage(self) -> dict:
         prompt = self.stats.prompt_tokens if self.stats else 0
         completion = self.stats.new_tokens if self.stats else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.stats.cached_tokens if self.stats else 0}}
 
 
 def _user_error(e: BaseException) -> ApiError:

@@ -90,8 +90,9 @@ def build_app(tools: ToolHost, startup: list[str], keep_files_s: int = KEEP_FILE
 
         def engine_status() -> str:
             """API: JSON with what each LLM engine is doing now ("chat", "image_chat": requests running and
-            queued, batch size, cache rows, decode steps so far; {"loaded": false} while the tool is not
-            loaded), "tools": each tool's state and size, and "startup": the start-up report's lines."""
+            queued, batch size, cache rows, decode steps so far, prompt tokens prefilled and found in the
+            cache; {"loaded": false} while the tool is not loaded), "tools": each tool's state and size,
+            and "startup": the start-up report's lines."""
             def llm_status(name: str) -> dict:
                 pipeline = tools.loaded(name)
                 return pipeline.llm.engine.status() if pipeline is not None else {"loaded": False}

@@ -17,10 +17,12 @@ def test_terminal_chat_two_turns_system_image_reset_and_exit(studio_cache):
     done = subprocess.run([sys.executable, "launch.py", "chat", "--context", "2048"], input=typed, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    prompts = [int(n) for n in re.findall(r"prompt (\d+) tokens · ended", done.stderr)]
-    assert len(prompts) == 5, done.stderr[-3000:]  # five replies: two turns, one after /system, image, after /reset
+    found = re.findall(r"prompt (\d+) tokens(?: \((\d+) found in the cache\))? · ended", done.stderr)
+    assert len(found) == 5, done.stderr[-3000:]  # five replies: two turns, one after /system, image, after /reset
+    prompts = [int(n) for n, _ in found]
     first, second, after_system, image, after_reset = prompts
     assert second > first + 3  # the second turn carries the first (history)
+    assert int(found[1][1] or 0) >= first  # ... and prefills only what is new: the first turn is in the cache
     assert after_system < second  # /system starts a new conversation
     assert image > 32  # MiniGPT-4's 32 image positions are in the prompt
     assert after_reset < image

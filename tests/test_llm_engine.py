@@ -127,7 +127,7 @@ def test_idle_sessions_are_reclaimed_least_recently_used(model):
     for name in ("a", "b", "c"):
         run(engine, prompt_of(ord(name), 20), params, session=name)
     run(engine, prompt_of(ord("a"), 20), params, session="a")  # touch "a": "b" is now the oldest
-    run(engine, prompt_of(99, 20), params, session="d")  # needs a row: evicts "b"
+    run(engine, prompt_of(200, 20), params, session="d")  # shares no prefix, needs a row: evicts "b"
     assert run(engine, prompt_of(ord("a"), 20), params, session="a")[1].stats.cached_tokens == 19
     assert run(engine, prompt_of(ord("c"), 20), params, session="c")[1].stats.cached_tokens == 19
     assert run(engine, prompt_of(ord("b"), 20), params, session="b")[1].stats.cached_tokens == 0

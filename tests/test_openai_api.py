@@ -186,3 +186,21 @@ def test_an_image_question_with_a_mask_asks_about_the_object(api):
         client.chat.completions.create(**ask, extra_body={"mask": "data:image/png;base64," +
                                                           base64.b64encode(buf.getvalue()).decode()})
     assert caught.value.body["param"] == "mask" and "same size" in caught.value.body["message"]
+
+
+def test_a_resent_conversation_prefills_only_its_new_turn(api):
+    """An API client resends the whole conversation each turn (with no session of its own): the engine
+    finds the earlier turn in its cache by content and prefills only what follows it."""
+    client, url = api
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour, 红 or 蓝?"}]
+    first = client.chat.completions.create(model=CHAT, messages=messages, max_tokens=10, temperature=0)
+    before = engine_status(url)["chat"]
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And another one?"}]
+    second = client.chat.completions.create(model=CHAT, messages=messages, max_tokens=10, temperature=0)
+    after = engine_status(url)["chat"]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    prefilled = after["prefilled_tokens"] - before["prefilled_tokens"]
+    assert prefilled == second.usage.prompt_tokens - cached  # the engine's own count
+    assert cached >= first.usage.prompt_tokens  # the whole first prompt came from the cache
+    assert prefilled <= second.usage.prompt_tokens - first.usage.prompt_tokens  # at most the new turn

@@ -11,8 +11,11 @@ runs continuous batching. New requests are prefilled and join the running batch;
 advances all running requests together, each at its own position with its own sampling parameters
 and random stream; finished or cancelled requests leave at once. Running requests always occupy
 cache rows 0..B-1 (rows are swapped when one joins or leaves), so a step reads the cache as a plain
-view. A session's row keeps its tokens after a reply, so the next turn prefills only what is new;
-idle rows are reclaimed least recently used.
+view. A row keeps its tokens after a reply, and a new request runs in the idle row that shares the
+longest prefix with it, found by content (token ids, and image slots by the image's hash), so a
+conversation's next turn prefills only what is new whoever sends it: the UI, an API client that
+resends the whole conversation, the terminal chat. A session name only breaks ties. Idle rows are
+reclaimed least recently used.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class Prompt:
 @dataclasses.dataclass
 class GenerationStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose cache entries were reused from the session's last turn
+    cached_tokens: int = 0  # prompt tokens whose cache entries were found in a row (an earlier turn's)
     new_tokens: int = 0
     time_to_first_token_s: float = 0.0  # from submission, queueing included
     decode_s: float = 0.0
@@ -86,6 +89,15 @@ class GenerationStats:
     @property
     def tokens_per_s(self) -> float:
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
+
+    def summary(self, context: int = 0) -> str:
+        """A reply's speed and size, and how full the context is (`context` 0: unknown, a remote model):
+        the one statistics line of the UI and the terminal chat."""
+        cached = f" ({self.cached_tokens} found in the cache)" if self.cached_tokens else ""
+        meter = f" · context: {self.prompt_tokens + self.new_tokens} of {context} tokens" if context else ""
+        return (f"{self.new_tokens} tokens · {self.tokens_per_s:.1f} tok/s · first token "
+                f"{self.time_to_first_token_s * 1000:.0f} ms · prompt {self.prompt_tokens} tokens{cached} · "
+                f"ended: {self.finish_reason}{meter}")
 
 
 _END = object()
@@ -172,7 +184,7 @@ class _Request:
 
 @dataclasses.dataclass
 class _Row:
-    """What a cache row holds: whose session, and the signature of the tokens in it."""
+    """What a cache row holds: the signature of the tokens in it, and whose session put them there (a hint)."""
 
     session: str | None = None
     held: list = dataclasses.field(default_factory=list)
@@ -251,6 +263,7 @@ class TorchLLMEngine:
         self._wake = threading.Condition()
         self._closed = False
         self.steps = 0  # decode steps run (for tests and benchmarks)
+        self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
                             f"{rows} cache rows of {context} tokens")
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
@@ -278,7 +291,8 @@ class TorchLLMEngine:
     def status(self) -> dict[str, int]:
         """What the engine is doing now (for the UI and tests): requests running and queued, and so on."""
         return {"running": len(self._active), "queued": len(self._waiting), "max_batch": self.max_batch,
-                "cache_rows": len(self._rows), "decode_steps": self.steps}
+                "cache_rows": len(self._rows), "decode_steps": self.steps, "prefilled_tokens": self.prefilled_tokens,
+                "reused_tokens": self.reused_tokens}
 
     def close(self) -> None:
         """Stop the engine thread (queued and running requests end "cancelled") and let go of the model,
@@ -333,20 +347,20 @@ class TorchLLMEngine:
                 self._finish(request, "error")
 
     def _admit(self, request: _Request) -> None:
-        """Prefill a new request in its row (reusing its session's cached prefix) and emit its first token."""
+        """Prefill a new request in a row (reusing the longest cached prefix of its tokens) and emit its first token."""
         if request.stream.cancelled:
             self._finish(request, request.stream.reason)
             return
-        row_index = self._claim_row(request.session)
+        prompt, sig = request.prompt, request.prompt.signature()
+        request.table = self.rope.table_for(len(prompt))
+        row_index, reused = self._claim_row(request, sig)
         row = self._rows[row_index]
         request.row = row_index
         self._active.append(request)
-        prompt, sig = request.prompt, request.prompt.signature()
-        request.table = self.rope.table_for(len(prompt))
-        reused = 0
-        if request.session is not None and row.session == request.session and row.table == request.table:
-            reused = min(common_prefix(row.held, sig), len(sig) - 1)  # the last token must run for its logits
+        reused = min(reused, len(sig) - 1)  # the last token must run for its logits
         row.session, row.held, row.table = request.session, sig[:reused], request.table
+        self.prefilled_tokens += len(sig) - reused
+        self.reused_tokens += reused
         logits = self._prefill(prompt, row_index, reused, request.table)
         row.held = sig
         request.position = row.written = len(sig)
@@ -496,7 +510,8 @@ class TorchLLMEngine:
             self._finish(r, r.stream.reason)
 
     def _finish(self, request: _Request, reason: str) -> None:
-        """End a request: its stream closes, its row stays with its session and leaves the running block."""
+        """End a request: its stream closes; its row, holding its tokens for whoever continues them, leaves
+        the running block."""
         request.stream.end(reason)
         if request.row < 0 or request not in self._active:
             return
@@ -505,26 +520,32 @@ class TorchLLMEngine:
         if reason == "error":  # what the row holds is unknown
             self._rows[i] = _Row()
         self._rows[i].last_used = time.perf_counter()
-        if request.session is None:
-            self._rows[i] = _Row()
         self._swap(i, last)
         moved = self._active[last]
         self._active[i], moved.row = moved, i
         self._active.pop()
         request.row = -1
 
-    def _claim_row(self, session: str | None) -> int:
-        """The row a joining request runs in, moved to just after the running ones: its session's
-        own row if idle, else an empty row, else the least recently used idle row (evicted)."""
+    def _claim_row(self, request: _Request, sig: list) -> tuple[int, int]:
+        """The row a joining request runs in, moved to just after the running ones, and how many of its
+        first positions that row already holds. Rows are found by content: the idle row sharing the
+        longest prefix with the prompt (the request's own session's row first among equals), else an
+        empty row, else the least recently used idle row (evicted)."""
         first_idle = len(self._active)
         idle = range(first_idle, len(self._rows))
-        own = [i for i in idle if session is not None and self._rows[i].session == session]
-        empty = [i for i in idle if self._rows[i].session is None]
-        chosen = (own or empty or [min(idle, key=lambda i: self._rows[i].last_used)])[0]
-        if not own:
-            self._rows[chosen] = _Row()
-        self._swap(chosen, first_idle)
-        return first_idle
+
+        def shared(i: int) -> int:
+            row = self._rows[i]
+            return common_prefix(row.held, sig) if row.table == request.table else 0
+
+        held = {i: shared(i) for i in idle}
+        best = max(idle, key=lambda i: (held[i], request.session is not None and self._rows[i].session == request.session))
+        if held[best] == 0:
+            empty = [i for i in idle if not self._rows[i].held]
+            best = (empty or [min(idle, key=lambda i: self._rows[i].last_used)])[0]
+            self._rows[best] = _Row()
+        self._swap(best, first_idle)
+        return first_idle, held[best]
 
     def _swap(self, a: int, b: int) -> None:
         if a == b:
