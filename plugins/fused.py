@@ -243,7 +243,7 @@ def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: 
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    """The elementwise kernels a decoder runs between its GEMMs."""
+    """The kernels a decoder runs between its GEMMs: norms, RoPE (+ the KV write), SiLU·up, decode attention."""
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (x + delta, its norm)
