@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PROMPT_TOKENS = r"prompt (\d+) tokens(?: \(\d+ found in the cache\))? · ended"
 
 
 def test_terminal_chat_two_turns_system_image_reset_and_exit(studio_cache):
@@ -17,12 +18,10 @@ def test_terminal_chat_two_turns_system_image_reset_and_exit(studio_cache):
     done = subprocess.run([sys.executable, "launch.py", "chat", "--context", "2048"], input=typed, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    found = re.findall(r"prompt (\d+) tokens(?: \((\d+) found in the cache\))? · ended", done.stderr)
-    assert len(found) == 5, done.stderr[-3000:]  # five replies: two turns, one after /system, image, after /reset
-    prompts = [int(n) for n, _ in found]
+    prompts = [int(n) for n in re.findall(PROMPT_TOKENS, done.stderr)]
+    assert len(prompts) == 5, done.stderr[-3000:]  # five replies: two turns, one after /system, image, after /reset
     first, second, after_system, image, after_reset = prompts
     assert second > first + 3  # the second turn carries the first (history)
-    assert int(found[1][1] or 0) >= first  # ... and prefills only what is new: the first turn is in the cache
     assert after_system < second  # /system starts a new conversation
     assert image > 32  # MiniGPT-4's 32 image positions are in the prompt
     assert after_reset < image
@@ -40,3 +39,18 @@ def test_terminal_chat_explains_a_bad_image_and_carries_on(studio_cache):
     assert "error: " in done.stderr and "/image needs a path" in done.stderr
     assert "unknown command /frobnicate" in done.stdout
     assert "ended:" in done.stderr  # the chat still answered
+
+
+def test_the_terminal_chats_second_turn_prefills_only_what_is_new(studio_cache):
+    """The second turn finds the first in the engine's cache by content. (The Qwen2 demo: Qwen v1's demo
+    switches its rotary base past 256 tokens, which a long random first reply can cross, and a prompt
+    under another base cannot reuse keys made under the first.)"""
+    env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--model", "demo/qwen2-tiny", "--context", "1024"],
+                          input="Hello there\nHow are you?\n/exit\n", cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = re.findall(r"prompt (\d+) tokens(?: \((\d+) found in the cache\))? · ended", done.stderr)
+    assert len(found) == 2, done.stderr[-3000:]
+    (first, _), (second, cached) = found
+    assert int(second) > int(first) and int(cached or 0) >= int(first)  # the whole first prompt came from the cache
