@@ -75,7 +75,9 @@ def gemlite_layer(parts: dict, mode: str, n_in: int):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
     args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     bandwidth = copy_bandwidth_tbps() * 1e12
     res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                  "triton": __import__("triton").__version__, "copy_TBps": round(bandwidth / 1e12, 3)}
@@ -85,7 +87,7 @@ def main() -> None:
         n_in, n_out = SHAPES[name]
         weight = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
         bf16_copies = [weight] + [weight.clone() for _ in range(copies_for(weight.nbytes) - 1)]
-        for batch in BATCHES:
+        for batch in batches:
             x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
             us = graphed_us([lambda w=bf16_copies[i % len(bf16_copies)]: F.linear(x, w) for i in range(CALLS)])
             rows.append((name, batch, "bf16 cuBLAS", round(us, 1), round(weight.nbytes / (us * 1e-6) / bandwidth, 3), 0.0))
@@ -104,7 +106,7 @@ def main() -> None:
                 others["gemlite"] = [layer] + [gemlite_layer(parts, mode, n_in) for _ in range(min(n_copies, 8) - 1)]
             if mode == "int4" and (fn := tinygemm(parts)) is not None:
                 others["tinygemm"] = [fn]
-            for batch in BATCHES:
+            for batch in batches:
                 x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
                 expected = F.linear(x, reference_w).float()
                 for label, fns in others.items():
@@ -119,7 +121,7 @@ def main() -> None:
                         continue
                     rows.append((name, batch, f"{mode} {label}", round(us, 1),
                                  round(stored / (us * 1e-6) / bandwidth, 3), err))
-                fastest = None
+                fastest: dict[str, tuple] = {}  # per kernel of ours ("mma", "gemv"): the best config
                 for config in CANDIDATES[1 if batch == 1 else 8]:
                     def call(i, config=config):
                         return ours[i % len(ours)](x, config)
@@ -129,12 +131,13 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 - a config Triton cannot compile (shared memory)
                         print(f"  {name} b{batch} {mode} {config}: {type(e).__name__}: {str(e)[:120]}")
                         continue
-                    if fastest is None or us < fastest[0]:
-                        fastest = (us, err, config)
-                if fastest:
-                    us, err, config = fastest
-                    best[f"{mode} {name} b{batch}"] = vars(config) | {"us": round(us, 2)}
-                    rows.append((name, batch, f"{mode} ours {config.block_n}/{config.steps}/{config.split_k}/"
+                    print(f"  {name} b{batch} {mode} {config.kernel} {config.block_n}/{config.steps}/{config.split_k}/"
+                          f"w{config.warps}: {us:.1f} us")
+                    if config.kernel not in fastest or us < fastest[config.kernel][0]:
+                        fastest[config.kernel] = (us, err, config)
+                for kernel, (us, err, config) in sorted(fastest.items(), key=lambda kv: kv[1][0]):
+                    best.setdefault(f"{mode} {name} b{batch}", vars(config) | {"us": round(us, 2)})
+                    rows.append((name, batch, f"{mode} ours-{kernel} {config.block_n}/{config.steps}/{config.split_k}/"
                                  f"w{config.warps}", round(us, 1), round(stored / (us * 1e-6) / bandwidth, 3), err))
                 print(f"{name} b{batch} {mode}: done", flush=True)
         res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows

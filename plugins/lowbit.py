@@ -16,7 +16,12 @@ then an int→float conversion at 16 per SM per clock, per row of the batch) fal
   projection), several programs share a tile's inputs, write fp32 partials to a workspace, and the
   last one to arrive (an atomic counter) adds them in a fixed order and resets the counter. One
   launch, no zero-fill, deterministic sums.
-- Launch shapes (tile, loop step, split) are timed per GPU and layer shape (`plugins/lowbit_tuning.py`).
+- **One row (the single chat) also has a CUDA-core GEMV** (`_gemv_kernel`): at batch 1 the tensor
+  cores would multiply 15 rows of padding, and the layout change into their operands costs more
+  instructions than the product. Its dequantization is two instructions per weight (an AND-OR into
+  an fp32 mantissa, then the FMA), with the known offset taken out once per word.
+- Launch shapes (kernel, tile, loop step, split) are timed per GPU and layer shape
+  (`plugins/lowbit_tuning.py`): whichever kernel is fastest for a shape and batch runs it.
 
 Layouts (`kernel_bytes`): the canonical bytes of `pipeline/llm/quant.py` (int8 with its sign
 bit flipped); `scale` [groups, out] in the model's dtype (int4; `zero` likewise) or float32 [1, out].
@@ -48,13 +53,14 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One launch shape: output rows per program, chunks (64 bytes of every row) per loop step, programs
-    per output tile along the inputs (split-K), and Triton's warps and pipeline depth."""
+    per output tile along the inputs (split-K), Triton's warps and pipeline depth, and which kernel."""
 
     block_n: int = 64
     steps: int = 1
     split_k: int = 1
     warps: int = 4
     stages: int = 3
+    kernel: str = "mma"  # or "gemv": one row on the CUDA cores (`_gemv_kernel`)
 
 
 if triton is not None:
@@ -145,6 +151,67 @@ if triton is not None:
                 SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)
 
 
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+                     STEPS: tl.constexpr):
+        """One row of activations times BLOCK_N weight rows, on the CUDA cores: two instructions per weight.
+
+        Each 32-bit word is shifted so that one byte lands on bits 15–22, the top of an fp32 mantissa;
+        an AND-OR under the bits of 1.0 makes the float 1 + q·2^(p−23), exactly (p: the value's lowest
+        bit there: int4's low nibble at 15, its high one at 19; int8's byte, stored as q + 128, at 15),
+        and one FMA with the input pre-scaled by 2^(23−p) adds q·x plus that scaled input, which comes
+        out once per word with the zero point. bf16 inputs are read in pairs (one 32-bit load, two bit
+        operations make the fp32 values)."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
+        n_ok = rn < N
+        CHUNK: tl.constexpr = 128 if BITS == 4 else 64
+        first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        for start in range(first, last, STEPS):
+            for i in tl.static_range(STEPS):
+                c = start + i
+                ok = (rw * 0 + c) < last
+                w = tl.load(w_ptr + rn[:, None] * (K * BITS // 32) + c * 16 + rw[None, :],
+                            mask=n_ok[:, None] & ok[None, :], other=0)  # [BLOCK_N, 16] int32
+                t = tl.zeros((BLOCK_N, 16), tl.float32)
+                known = tl.zeros((16,), tl.float32)  # the scaled inputs t holds besides Σ q·x
+                xs = tl.zeros((16,), tl.float32)
+                for j in tl.static_range(4):  # byte j of every word
+                    v = w << (15 - 8 * j) if j < 2 else w >> (8 * j - 15)
+                    if BITS == 4:
+                        if X_BF16:  # inputs 2j and 2j + 1 of each word's eight, in one load
+                            pair = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + c * 64 + rw * 4 + j, mask=ok, other=0)
+                            x_lo = (pair << 16).to(tl.float32, bitcast=True)
+                            x_hi = (pair & -65536).to(tl.float32, bitcast=True)
+                        else:
+                            x_lo = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j, mask=ok, other=0.0).to(tl.float32)
+                            x_hi = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
+                        lo = ((v & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/256
+                        hi = ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
+                        t += lo * (x_lo * 256.0)[None, :] + hi * (x_hi * 16.0)[None, :]
+                        known += x_lo * 256.0 + x_hi * 16.0
+                        xs += x_lo + x_hi
+                    else:
+                        x_j = tl.load(x_ptr + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32) * 256.0
+                        t += ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True) * x_j[None, :]  # 1 + u/256
+                        known += x_j * 1.5  # u = q + 128
+                if BITS == 4:
+                    c_ok = n_ok & (rn * 0 + c < last)
+                    sc = tl.load(scale_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
+                    zp = tl.load(zero_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
+                    acc += (t - known[None, :] - zp[:, None] * xs[None, :]) * sc[:, None]
+                else:
+                    acc += t - known[None, :]
+        out = tl.sum(acc, 1)
+        if BITS == 8:
+            out *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        _finish(out[:, None], rn, tl.arange(0, 1), n_ok, tl.arange(0, 1) < 1, pid_n, pid_k, N, bias_ptr, out_ptr, N,
+                part_ptr, count_ptr, SPLIT_K, HAS_BIAS, BLOCK_N, 1)
+
+
 def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: int) -> str | None:
     """None when the kernel can run a layer like this, else why not (the caller keeps its reference)."""
     if triton is None:
@@ -200,22 +267,30 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
     """x [..., in] @ the packed weight's transpose (+ bias) → [..., out] in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    if x2.stride(-1) != 1 or x2.data_ptr() % 16:  # the kernels read the inputs in aligned pairs or more
+        x2 = x2.clone(memory_format=torch.contiguous_format)
     m, k = x2.shape
     n = data.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     split = config.split_k if m <= BLOCK_M else 1
-    block_m = BLOCK_M if m <= BLOCK_M else 64
+    gemv = config.kernel == "gemv" and m == 1
+    block_m = 1 if gemv else BLOCK_M if m <= BLOCK_M else 64
     tiles = triton.cdiv(n, config.block_n)
     if split > 1:
         workspace.reserve(split * block_m * n, tiles)
         partials, counters = workspace.partials, workspace.counters
     else:
         partials = counters = out  # unused
+    zero = zero if zero is not None else scale
+    bias_or = bias if bias is not None else scale
+    if gemv:
+        _gemv_kernel[(tiles, split)](
+            x2, data.view(torch.int32), scale, zero, bias_or, out, partials, counters, n, k, split,
+            BITS=bits, HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, BLOCK_N=config.block_n,
+            STEPS=config.steps, num_warps=config.warps, num_stages=config.stages)
+        return out.view(*shape[:-1], n)
     _lowbit_kernel[(tiles, split, triton.cdiv(m, block_m))](
-        x2, data, scale, zero if zero is not None else scale, bias if bias is not None else scale,
-        out, partials, counters, m, n, k, x2.stride(0), out.stride(0), split,  # split: a value, not compiled in
+        x2, data, scale, zero, bias_or, out, partials, counters, m, n, k, x2.stride(0), out.stride(0), split,  # split: a value, not compiled in
         BITS=bits, HAS_BIAS=bias is not None, MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0,
         DOT_F32=INTERPRETED, BLOCK_N=config.block_n, BLOCK_M=block_m, STEPS=config.steps,
         num_warps=config.warps, num_stages=config.stages)

@@ -146,7 +146,8 @@ def test_fused_kernels_match_the_torch_reference():
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_lowbit_kernels_match_the_dequantizing_reference(mode):
-    """The low-bit kernel, split and unsplit, at batch 1, 4, 5 and 64 gives the
+    """The low-bit kernels (tensor cores; for one row, also the CUDA-core GEMV), split and unsplit, at batch
+    1, 4, 5 and 64 give the
     reference's numbers on our stored format: a wrong nibble order, zero point or scale layout would
     be far off; the split-K counters are left at zero."""
     from plugins import lowbit
@@ -164,7 +165,9 @@ def test_lowbit_kernels_match_the_dequantizing_reference(mode):
         for batch in (1, 4, 5, 64):
             x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
             expected = torch.nn.functional.linear(x, reference, linear.bias).float()
-            for config in [lowbit.Config(32, 2, split) for split in (1, 4)] + [None]:
+            configs = [lowbit.Config(32, 2, split) for split in (1, 4)] + [None]
+            configs += [lowbit.Config(64, 2, split, kernel="gemv") for split in (1, 4)]  # one row: CUDA cores
+            for config in configs:
                 err = ((layer.kernel(x, config).float() - expected).norm() / expected.norm()).item()
                 assert err < 1e-2, (mode, n_in, batch, config, err)
         assert not layer.kernel.workspace.counters.any()

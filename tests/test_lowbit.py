@@ -1,7 +1,7 @@
 """The low-bit kernel of `plugins/lowbit.py` runs on the CPU through Triton's interpreter
 (TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/quant.py`: int4 and int8,
 bf16 and fp16 activations, with and without bias, split-K (whose counters must be left at zero for the
-next call), batches 1–4, 5–16 and prefill, and widths that leave a partial output tile. On a GPU,
+next call), batches 1 (the tensor-core kernel and the CUDA-core GEMV), 2–4, 5–16 and prefill, and widths that leave a partial output tile. On a GPU,
 `tests/test_gpu.py` checks it compiled at Qwen2.5-7B's shapes."""
 
 import os
@@ -15,6 +15,7 @@ pytest.importorskip("triton", reason="Triton is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r'''
+import itertools
 import torch
 from plugins import lowbit
 from pipeline.llm.quant import dequantize, quantize
@@ -24,7 +25,7 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 cases = [  # rows, out, in, (rows per program, chunks per step, split-K)
-    (1, 96, 256, (32, 1, 1)), (1, 80, 512, (32, 2, 4)), (3, 64, 512, (16, 2, 2)), (4, 64, 384, (16, 2, 3)),
+    (1, 96, 256, (32, 1, 1)), (1, 80, 512, (32, 2, 4)), (1, 64, 384, (16, 2, 3)), (3, 64, 512, (16, 2, 2)), (4, 64, 384, (16, 2, 3)),
     (7, 48, 256, (32, 1, 2)), (20, 48, 256, (32, 1, 1)),
 ]
 for mode, bits in (("int4", 4), ("int8", 8)):
@@ -38,10 +39,11 @@ for mode, bits in (("int4", 4), ("int8", 8)):
             if bias is not None:
                 expected += bias.float()
             layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")))
-            for call in range(2):  # the second call proves the split-K counters were reset
-                got = layer(x, lowbit.Config(*shape))
+            kernels = ("mma", "gemv") if rows == 1 else ("mma",)
+            for kernel, call in itertools.product(kernels, range(2)):  # call 2: the split-K counters were reset
+                got = layer(x, lowbit.Config(*shape, kernel=kernel))
                 tol = 6e-3 if dtype == torch.bfloat16 else 5e-4  # the output's rounding
-                assert got.shape == (rows, n) and rel(got, expected) < tol, (mode, dtype, rows, shape, call, rel(got, expected))
+                assert got.shape == (rows, n) and rel(got, expected) < tol, (mode, kernel, dtype, rows, shape, call, rel(got, expected))
             assert not layer.workspace.counters.any()
 print("ok")
 '''
