@@ -73,43 +73,60 @@ if triton is not None:
         return first, tl.minimum(first + per_split, chunks)
 
     @triton.jit
-    def _finish(acc, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
-                SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-        """acc [BLOCK_N, BLOCK_M] (fp32) → out[m, n] (+ bias); split, only the last program to arrive
-        writes, after adding every split's partial in split order (and leaves the counter at zero)."""
-        writer = n_ok
+    def _rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+        """This program's output rows in the sums (`rv`) and in the weight (`rn`). Gated (a fused gate and
+        up projection, SiLU·mul applied on the way out), rows alternate: gate row i, then up row i."""
+        rv = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if GATED:
+            return rv, (rv >> 1) + (rv & 1) * (N // 2)
+        return rv, rv
+
+    @triton.jit
+    def _finish(acc, rv, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
+                SPLIT_K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_M] (fp32) → out[m, n] (+ bias; gated: SiLU(gate)·up, half the rows); split,
+        only the last program to arrive writes, after adding every split's partial in split order (and
+        leaves the counter at zero)."""
+        arrived = SPLIT_K - 1  # unsplit: this program is the last
         if SPLIT_K > 1:
             rows = tl.arange(0, BLOCK_M)
             n_all = n_ok[:, None] & (rows[None, :] < BLOCK_M)
-            tl.store(part_ptr + (pid_k * BLOCK_M + rows[None, :]) * N + rn[:, None], acc, mask=n_all)
+            tl.store(part_ptr + (pid_k * BLOCK_M + rows[None, :]) * N + rv[:, None], acc, mask=n_all)
             tl.debug_barrier()
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-            writer = n_ok & ((rn * 0 + arrived) == SPLIT_K - 1)
             if arrived == SPLIT_K - 1:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
                 for k in range(SPLIT_K):  # in split order: the same sum on every run
-                    acc += tl.load(part_ptr + (k * BLOCK_M + rows[None, :]) * N + rn[:, None], mask=n_all, other=0.0,
+                    acc += tl.load(part_ptr + (k * BLOCK_M + rows[None, :]) * N + rv[:, None], mask=n_all, other=0.0,
                                    cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call: no fill launch
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rm[None, :] * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=writer[:, None] & m_ok[None, :])
+        if GATED:
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1)))
+            ro = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            writer = (ro < N // 2) & ((ro * 0 + arrived) == SPLIT_K - 1)
+            tl.store(out_ptr + rm[None, :] * stride_om + ro[:, None],
+                     (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty),
+                     mask=writer[:, None] & m_ok[None, :])
+        else:
+            tl.store(out_ptr + rm[None, :] * stride_om + rv[:, None], acc.to(out_ptr.dtype.element_ty),
+                     mask=(n_ok & ((rv * 0 + arrived) == SPLIT_K - 1))[:, None] & m_ok[None, :])
 
     @triton.jit
     def _lowbit_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                      M, N, K, stride_xm, stride_om, SPLIT_K,
-                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr,
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, MAGIC: tl.constexpr,
                      DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
         """One [BLOCK_N, BLOCK_M] tile of out, over this split's chunks of the inputs. The dot operands come
         from the stored bytes by elementwise steps only (int4: the low and the high nibbles as two
         operands, dotted with the even and the odd inputs; int8: the byte), which Triton can apply after
         loading straight into the tensor cores' operand layout."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rb = tl.arange(0, 64)  # bytes of a row per chunk
-        n_ok, m_ok = rn < N, rm < M
+        n_ok, m_ok = rv < N, rm < M
         compute: tl.constexpr = x_ptr.dtype.element_ty
         magic_half: tl.constexpr = 0x4300 if MAGIC == 128.0 else 0x6400
         CHUNK: tl.constexpr = 128 if BITS == 4 else 64
@@ -147,14 +164,14 @@ if triton is not None:
         if BITS == 8:
             sc = tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             acc = (acc - 128 * xsum_all[None, :]) * sc[:, None]
-        _finish(acc, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
-                SPLIT_K, HAS_BIAS, BLOCK_N, BLOCK_M)
+        _finish(acc, rv, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
+                SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
 
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
-                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, X_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-                     STEPS: tl.constexpr):
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_BF16: tl.constexpr,
+                     BLOCK_N: tl.constexpr, STEPS: tl.constexpr):
         """One row of activations times BLOCK_N weight rows, on the CUDA cores: two instructions per weight.
 
         Each 32-bit word is shifted so that one byte lands on bits 15–22, the top of an fp32 mantissa;
@@ -164,9 +181,9 @@ if triton is not None:
         out once per word with the zero point. bf16 inputs are read in pairs (one 32-bit load, two bit
         operations make the fp32 values)."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
-        n_ok = rn < N
+        n_ok = rv < N
         CHUNK: tl.constexpr = 128 if BITS == 4 else 64
         first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
@@ -208,8 +225,8 @@ if triton is not None:
         out = tl.sum(acc, 1)
         if BITS == 8:
             out *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        _finish(out[:, None], rn, tl.arange(0, 1), n_ok, tl.arange(0, 1) < 1, pid_n, pid_k, N, bias_ptr, out_ptr, N,
-                part_ptr, count_ptr, SPLIT_K, HAS_BIAS, BLOCK_N, 1)
+        _finish(out[:, None], rv, rn, tl.arange(0, 1), n_ok, tl.arange(0, 1) < 1, pid_n, pid_k, N, bias_ptr, out_ptr,
+                0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
 
 
 def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: int) -> str | None:
@@ -263,15 +280,17 @@ def default_config(bits: int, out_features: int, in_features: int, rows: int, pr
 
 
 def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, bits: int,
-                  config: Config, workspace: Workspace | None) -> Tensor:
-    """x [..., in] @ the packed weight's transpose (+ bias) → [..., out] in x's dtype."""
+                  config: Config, workspace: Workspace | None, gated: bool = False) -> Tensor:
+    """x [..., in] @ the packed weight's transpose (+ bias) → [..., out] in x's dtype; gated (the weight is
+    a gate projection above an up projection): SiLU(gate)·up → [..., out / 2]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1 or x2.data_ptr() % 16:  # the kernels read the inputs in aligned pairs or more
         x2 = x2.clone(memory_format=torch.contiguous_format)
     m, k = x2.shape
     n = data.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if gated else n
+    out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     split = config.split_k if m <= BLOCK_M else 1
     gemv = config.kernel == "gemv" and m == 1
     block_m = 1 if gemv else BLOCK_M if m <= BLOCK_M else 64
@@ -281,30 +300,29 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
         partials, counters = workspace.partials, workspace.counters
     else:
         partials = counters = out  # unused
-    zero = zero if zero is not None else scale
-    bias_or = bias if bias is not None else scale
+    common = dict(BITS=bits, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=config.block_n, STEPS=config.steps,
+                  num_warps=config.warps, num_stages=config.stages)
+    tensors = (x2, data.view(torch.int32) if gemv else data, scale, zero if zero is not None else scale,
+               bias if bias is not None else scale, out, partials, counters)
     if gemv:
-        _gemv_kernel[(tiles, split)](
-            x2, data.view(torch.int32), scale, zero, bias_or, out, partials, counters, n, k, split,
-            BITS=bits, HAS_BIAS=bias is not None, X_BF16=x.dtype == torch.bfloat16, BLOCK_N=config.block_n,
-            STEPS=config.steps, num_warps=config.warps, num_stages=config.stages)
-        return out.view(*shape[:-1], n)
-    _lowbit_kernel[(tiles, split, triton.cdiv(m, block_m))](
-        x2, data, scale, zero, bias_or, out, partials, counters, m, n, k, x2.stride(0), out.stride(0), split,  # split: a value, not compiled in
-        BITS=bits, HAS_BIAS=bias is not None, MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0,
-        DOT_F32=INTERPRETED, BLOCK_N=config.block_n, BLOCK_M=block_m, STEPS=config.steps,
-        num_warps=config.warps, num_stages=config.stages)
-    return out.view(*shape[:-1], n)
+        _gemv_kernel[(tiles, split)](*tensors, n, k, split, X_BF16=x.dtype == torch.bfloat16, **common)
+    else:
+        _lowbit_kernel[(tiles, split, triton.cdiv(m, block_m))](
+            *tensors, m, n, k, x2.stride(0), out.stride(0), split,  # split: a value, not compiled in
+            MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0, DOT_F32=INTERPRETED, BLOCK_M=block_m, **common)
+    return out.view(*shape[:-1], n_out)
 
 
 class LowBitWeight:
     """One layer's packed weight and how to launch on it: `config` for one row, `batch_config` for 2–16
-    rows (the decode step; both tuned per GPU by `plugins.lowbit_tuning`), plain tiles for prefill."""
+    rows (the decode step; both tuned per GPU by `plugins.lowbit_tuning`), plain tiles for prefill.
+    `gated`: a fused gate and up projection whose output is SiLU(gate)·up, made in the kernel's last
+    step (no separate SiLU·mul launch)."""
 
     def __init__(self, data: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, bits: int,
-                 dtype: torch.dtype, workspace: Workspace):
+                 dtype: torch.dtype, workspace: Workspace, gated: bool = False):
         self.data, self.scale, self.zero, self.bias, self.bits, self.dtype = data, scale, zero, bias, bits, dtype
-        self.workspace = workspace
+        self.workspace, self.gated = workspace, gated
         self.out_features = data.shape[0]
         self.in_features = data.shape[1] * 8 // bits
         processors = torch.cuda.get_device_properties(data.device).multi_processor_count if data.is_cuda else 132
@@ -314,19 +332,21 @@ class LowBitWeight:
 
     @classmethod
     def from_parts(cls, parts: dict[str, Tensor], bits: int, dtype: torch.dtype, bias: Tensor | None,
-                   workspace: Workspace) -> "LowBitWeight":
+                   workspace: Workspace, gated: bool = False) -> "LowBitWeight":
         """From the canonical format's tensors (`pipeline.llm.quant.quantize`: q, scale[, zero])."""
         if bits == 4:
             scale, zero = parts["scale"].t().contiguous(), parts["zero"].t().contiguous()
         else:
             scale, zero = parts["scale"].view(1, -1).contiguous(), None
-        return cls(kernel_bytes(parts["q"], bits), scale, zero, bias, bits, dtype, workspace)
+        return cls(kernel_bytes(parts["q"], bits), scale, zero, bias, bits, dtype, workspace, gated)
 
     def shape_key(self) -> str:
         """What a tuned launch shape is chosen for (layers alike in this run alike)."""
-        return f"int{self.bits} {self.in_features}->{self.out_features}{' +bias' if self.bias is not None else ''}"
+        extras = (" +bias" if self.bias is not None else "") + (" +silu_mul" if self.gated else "")
+        return f"int{self.bits} {self.in_features}->{self.out_features}{extras}"
 
     def __call__(self, x: Tensor, config: Config | None = None) -> Tensor:
         rows = x.numel() // x.shape[-1]
         chosen = config or (self.config if rows == 1 else self.batch_config if rows <= BLOCK_M else self.prefill)
-        return lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace)
+        return lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace,
+                             self.gated)

@@ -1,8 +1,9 @@
 """The low-bit kernel of `plugins/lowbit.py` runs on the CPU through Triton's interpreter
 (TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/quant.py`: int4 and int8,
 bf16 and fp16 activations, with and without bias, split-K (whose counters must be left at zero for the
-next call), batches 1 (the tensor-core kernel and the CUDA-core GEMV), 2–4, 5–16 and prefill, and widths that leave a partial output tile. On a GPU,
-`tests/test_gpu.py` checks it compiled at Qwen2.5-7B's shapes."""
+next call), batches 1 (the tensor-core kernel and the CUDA-core GEMV), 2–4, 5–16 and prefill, plain
+and gated (SiLU(gate)·up made in the kernel's last step), and widths that leave a partial output tile.
+On a GPU, `tests/test_gpu.py` checks it compiled at Qwen2.5-7B's shapes."""
 
 import os
 import subprocess
@@ -30,7 +31,9 @@ cases = [  # rows, out, in, (rows per program, chunks per step, split-K)
 ]
 for mode, bits in (("int4", 4), ("int8", 8)):
     for dtype in (torch.bfloat16, torch.float16):
-        for rows, n, k, shape in cases:
+        for (rows, n, k, shape), gated in itertools.product(cases, (False, True)):
+            if gated and (dtype == torch.float16 or rows in (3, 7)):
+                continue  # the gated epilogue is dtype-blind: bf16, one row, a batch and prefill cover it
             w = torch.randn(n, k) * 0.05
             parts = quantize(w, mode, dtype)
             bias = torch.randn(n).to(dtype) if rows % 2 else None
@@ -38,21 +41,55 @@ for mode, bits in (("int4", 4), ("int8", 8)):
             expected = x.float() @ dequantize(parts, mode).to(dtype).float().T
             if bias is not None:
                 expected += bias.float()
-            layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")))
+            if gated:  # the gate projection's rows above the up projection's
+                expected = torch.nn.functional.silu(expected[:, :n // 2]) * expected[:, n // 2:]
+            layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")),
+                                                   gated)
             kernels = ("mma", "gemv") if rows == 1 else ("mma",)
             for kernel, call in itertools.product(kernels, range(2)):  # call 2: the split-K counters were reset
                 got = layer(x, lowbit.Config(*shape, kernel=kernel))
                 tol = 6e-3 if dtype == torch.bfloat16 else 5e-4  # the output's rounding
-                assert got.shape == (rows, n) and rel(got, expected) < tol, (mode, kernel, dtype, rows, shape, call, rel(got, expected))
+                assert got.shape == expected.shape and rel(got, expected) < tol, \
+                    (mode, kernel, gated, dtype, rows, shape, call, rel(got, expected))
             assert not layer.workspace.counters.any()
 print("ok")
 '''
 
 
-def test_lowbit_kernels_match_the_dequantizing_reference_under_the_interpreter():
+MLP_SCRIPT = r'''
+import torch
+from pipeline.llm.config import DecoderConfig
+from pipeline.llm.model import Decoder
+from pipeline.llm.quant import quantize_decoder, use_kernels
+torch.manual_seed(0)
+config = DecoderConfig(family="qwen2", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=1,
+                       num_heads=2, num_kv_heads=1, head_dim=64, max_position_embeddings=256, qkv_bias=True)
+model = quantize_decoder(Decoder(config).to(torch.bfloat16), "int4", "cpu")
+mlp = model.layers[0].mlp
+x = torch.randn(3, 128).to(torch.bfloat16)
+reference = mlp(x).float()
+assert use_kernels(model) == 5 and mlp.w_gate_up.applies_silu_mul and not mlp.w_down.applies_silu_mul
+got = mlp(x).float()
+err = ((got - reference).norm() / reference.norm()).item()
+assert got.shape == (3, 128) and err < 2e-2, err
+print("ok")
+'''
+
+
+def run_interpreted(script: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_lowbit_kernels_match_the_dequantizing_reference_under_the_interpreter():
+    run_interpreted(SCRIPT)
+
+
+def test_a_quantized_mlp_applies_silu_mul_in_the_gate_up_kernel_once():
+    """`use_kernels` gives each MLP's gate and up projection the gated kernel, and the MLP then skips its
+    own SiLU·mul: the output is the reference MLP's (applied twice, or not at all, it is far off)."""
+    run_interpreted(MLP_SCRIPT)
 
 
 def test_tuned_configs_round_trip_and_a_damaged_file_is_tuned_again():

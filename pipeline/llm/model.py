@@ -233,7 +233,7 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU with gate and up fused into one GEMM."""
+    """SwiGLU with gate and up fused into one GEMM (a low-bit one applies SiLU·mul itself, in its last step)."""
 
     def __init__(self, config: DecoderConfig, kernels: Kernels):
         super().__init__()
@@ -242,7 +242,8 @@ class FeedForward(nn.Module):
         self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w_down(self.kernels.silu_mul(self.w_gate_up(x)))
+        h = self.w_gate_up(x)
+        return self.w_down(h if getattr(self.w_gate_up, "applies_silu_mul", False) else self.kernels.silu_mul(h))
 
 
 class Block(nn.Module):

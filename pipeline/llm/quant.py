@@ -138,13 +138,20 @@ class QuantLinear(nn.Module):
         """None when `plugins.lowbit` can run this layer where its weights are, else why not."""
         return lowbit.available(self.q.device, self.dtype, BITS[self.mode], self.in_features)
 
-    def use_kernel(self, workspace: lowbit.Workspace) -> None:
+    def use_kernel(self, workspace: lowbit.Workspace, silu_mul: bool = False) -> None:
         """Repack the weights into the kernel's layout and run the Triton kernel from now on; the
-        reference buffers are then freed. `workspace` (one per model) holds split-K partial sums."""
-        self.kernel = lowbit.LowBitWeight.from_parts(self.parts(), BITS[self.mode], self.dtype, self.bias, workspace)
+        reference buffers are then freed. `workspace` (one per model) holds split-K partial sums.
+        `silu_mul` (a fused gate and up projection): the layer returns SiLU(gate)·up, made in the kernel."""
+        self.kernel = lowbit.LowBitWeight.from_parts(self.parts(), BITS[self.mode], self.dtype, self.bias, workspace,
+                                                     gated=silu_mul)
         for name in ("q", "scale", "zero"):
             if hasattr(self, name):
                 setattr(self, name, torch.empty(0, device=self.kernel.data.device))
+
+    @property
+    def applies_silu_mul(self) -> bool:
+        """Whether this layer's output is already SiLU(gate)·up (see `use_kernel`)."""
+        return self.kernel is not None and self.kernel.gated
 
     def forward(self, x: Tensor) -> Tensor:
         if self.kernel is not None:
@@ -194,13 +201,15 @@ def kernel_unavailable(model: nn.Module) -> str | None:
 
 def use_kernels(model: nn.Module, tuned: lowbit_tuning.TunedConfigs | None = None) -> int:
     """Move every `QuantLinear` of `model` onto the low-bit kernels, with launch shapes from `tuned`
-    (tuned now for shapes it lacks, with progress) or the untuned defaults; the number moved."""
+    (tuned now for shapes it lacks, with progress) or the untuned defaults; the number moved. The MLPs'
+    gate and up projections apply SiLU·mul in the kernel (`FeedForward` then skips its own)."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return 0
     workspace = lowbit.Workspace(layers[0].q.device)
+    gate_ups = {id(m) for name, m in model.named_modules() if name.endswith("mlp.w_gate_up")}
     for layer in layers:
-        layer.use_kernel(workspace)
+        layer.use_kernel(workspace, silu_mul=id(layer) in gate_ups)
     if tuned is not None:
         lowbit_tuning.tune_layers([layer.kernel for layer in layers], tuned)
     return len(layers)
