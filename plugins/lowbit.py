@@ -34,6 +34,7 @@ these values). Everything else is the code the GPU runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import torch
@@ -184,7 +185,6 @@ if triton is not None:
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
         n_ok = rv < N
-        CHUNK: tl.constexpr = 128 if BITS == 4 else 64
         first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
         for start in range(first, last, STEPS):
@@ -280,9 +280,10 @@ def default_config(bits: int, out_features: int, in_features: int, rows: int, pr
 
 
 def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, bits: int,
-                  config: Config, workspace: Workspace | None, gated: bool = False) -> Tensor:
+                  config: Config, workspace: Workspace | None, gated: bool = False, compile_only: bool = False) -> Tensor:
     """x [..., in] @ the packed weight's transpose (+ bias) → [..., out] in x's dtype; gated (the weight is
-    a gate projection above an up projection): SiLU(gate)·up → [..., out / 2]."""
+    a gate projection above an up projection): SiLU(gate)·up → [..., out / 2]. `compile_only`: compile
+    the kernel this call needs (in Triton's `AsyncCompileMode`, in the background) and launch nothing."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1 or x2.data_ptr() % 16:  # the kernels read the inputs in aligned pairs or more
@@ -304,10 +305,13 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
                   num_warps=config.warps, num_stages=config.stages)
     tensors = (x2, data.view(torch.int32) if gemv else data, scale, zero if zero is not None else scale,
                bias if bias is not None else scale, out, partials, counters)
+    def launcher(kernel, grid):
+        return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+
     if gemv:
-        _gemv_kernel[(tiles, split)](*tensors, n, k, split, X_BF16=x.dtype == torch.bfloat16, **common)
+        launcher(_gemv_kernel, (tiles, split))(*tensors, n, k, split, X_BF16=x.dtype == torch.bfloat16, **common)
     else:
-        _lowbit_kernel[(tiles, split, triton.cdiv(m, block_m))](
+        launcher(_lowbit_kernel, (tiles, split, triton.cdiv(m, block_m)))(
             *tensors, m, n, k, x2.stride(0), out.stride(0), split,  # split: a value, not compiled in
             MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0, DOT_F32=INTERPRETED, BLOCK_M=block_m, **common)
     return out.view(*shape[:-1], n_out)
@@ -345,8 +349,8 @@ class LowBitWeight:
         extras = (" +bias" if self.bias is not None else "") + (" +silu_mul" if self.gated else "")
         return f"int{self.bits} {self.in_features}->{self.out_features}{extras}"
 
-    def __call__(self, x: Tensor, config: Config | None = None) -> Tensor:
+    def __call__(self, x: Tensor, config: Config | None = None, compile_only: bool = False) -> Tensor:
         rows = x.numel() // x.shape[-1]
         chosen = config or (self.config if rows == 1 else self.batch_config if rows <= BLOCK_M else self.prefill)
         return lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace,
-                             self.gated)
+                             self.gated, compile_only)

@@ -13,22 +13,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm.auto import tqdm
 
-from plugins.lowbit import Config, LowBitWeight
+from plugins.lowbit import Config, LowBitWeight, triton
 
 KERNEL_VERSION = "4"  # bump when the kernels change what a config means
 SPLITS = (1, 2, 4, 8)
-CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (timed at 8)
-    1: tuple(Config(bn, st, sk, kernel="gemv") for bn in (64, 128) for st in (2, 4) for sk in SPLITS)
-    + tuple(Config(64, 1, sk) for sk in (4, 8)),  # the tensor cores won no shape at one row on an H100
-    8: tuple(Config(bn, st, sk) for bn in (64, 128) for st in (1, 2) for sk in SPLITS),
+CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (timed at 8). Each distinct tile
+    # and step compiles once per layer shape (about a second; the split is a value): four per shape, from
+    # the winners of wider sweeps on an H100 (bench/RESULTS.md), so a first launch stays short.
+    1: tuple(Config(64, st, sk, kernel="gemv") for st in (2, 4) for sk in SPLITS)
+    + tuple(Config(64, 1, sk) for sk in (4, 8)),
+    8: tuple(Config(64, st, sk) for st in (1, 2) for sk in SPLITS),
 }
 CALLS = 24
 
@@ -69,8 +73,6 @@ class TunedConfigs:
 
     @staticmethod
     def file_name(device: torch.device) -> str:
-        import triton
-
         gpu = torch.cuda.get_device_name(device).replace(" ", "_")
         return f"lowbit-{gpu}-triton{triton.__version__}-v{KERNEL_VERSION}.json"
 
@@ -94,6 +96,7 @@ def tune_layers(weights: list[LowBitWeight], tuned: TunedConfigs) -> None:
     if missing:
         start = time.perf_counter()
         tuned.say(f"tuning the low-bit kernels for {len(by_shape)} layer shapes on this GPU (once; cached)")
+        compile_candidates([(by_shape[key][0], rows) for key, rows in missing], tuned.say)
         for key, rows in tqdm(missing, desc="tuning low-bit kernels", unit="shape", file=sys.stderr):
             tuned.configs[f"{key} b{rows}"] = fastest(by_shape[key], rows)
         tuned.changed = True
@@ -101,6 +104,22 @@ def tune_layers(weights: list[LowBitWeight], tuned: TunedConfigs) -> None:
     for key, layers in by_shape.items():
         for w in layers:
             w.config, w.batch_config = tuned.configs[f"{key} b1"], tuned.configs[f"{key} b8"]
+
+
+def compile_candidates(cases: list[tuple[LowBitWeight, int]], say: Callable[[str], None]) -> None:
+    """Compile every candidate for these (layer, rows) at once on all CPU cores (Triton's
+    `AsyncCompileMode`; about a second each, one after another otherwise). Where this Triton lacks it,
+    the timing loop compiles each on first use. A candidate that fails to compile is left to it too."""
+    mode = getattr(triton, "AsyncCompileMode", None)
+    if mode is None:
+        return
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool, mode(pool, ignore_errors=True):
+        for layer, rows in cases:
+            x = torch.empty(rows, layer.in_features, device=layer.data.device, dtype=layer.dtype)
+            for config in CANDIDATES[rows]:
+                layer(x, config, compile_only=True)
+    say(f"compiled the low-bit kernel candidates in {time.perf_counter() - start:.1f} s (all CPU cores)")
 
 
 def fastest(layers: list[LowBitWeight], rows: int) -> Config:
