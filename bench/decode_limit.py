@@ -11,8 +11,10 @@ Parts (`--parts`, comma-separated; all by default):
   gemv     the int4/int8 kernels alone at the four projection shapes, batch 1 and 8, weights rotated
            past L2, each against the dequantizing reference
   real     a real-format Qwen2 checkpoint (transformers' save_pretrained) in each mode against transformers
-  launch   a 7B int4 chat's first launch from a float checkpoint on disk (quantize, tune, capture) and
-           its second launch from the cache, through the app's own loader
+  launch   a 7B int4 chat's first launch from a float checkpoint on disk (quantize, compile, tune, capture)
+           with an empty Triton cache, its second launch from the caches, and a launch from the quantized
+           weights with no tuned configs and an empty Triton cache; each in its own process, through the
+           app's own loader
 
     python bench/decode_limit.py [--parts gemv,decode,real,launch] [--layers 28]
 Writes decode_limit.json to $OUT after every part (a cut-short run keeps what it measured); prints a
@@ -25,8 +27,11 @@ import argparse
 import collections
 import copy
 import dataclasses
+import json
+import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -281,16 +286,18 @@ def real_checkpoint_part(res: dict) -> None:
 
 
 def launch_part(res: dict, layers: int) -> None:
-    """The app's loader on a float Qwen2.5-7B-shaped checkpoint: first launch (quantize, tune, first
-    reply) and second launch (from the engine cache), with its progress lines."""
-    from engine_builder.build import EngineOptions, StartupReport
+    """The app's loader on a float Qwen2.5-7B-shaped checkpoint, each launch in a fresh process (Triton
+    keeps compiled kernels in memory too): first launch (quantize, compile, tune, first reply) with an
+    empty Triton cache; second launch (weights and tuned configs from the engine cache, kernels from
+    Triton's); and "quantized on disk": the quantized weights cached, but no tuned configs and an empty
+    Triton cache, as a first launch of pre-quantized weights (AWQ/GPTQ, or the cache on a new GPU) is."""
     from engine_builder.cache import EngineCache
-    from pipeline.engines import load_language_model
     from pipeline.llm.checkpoint import write_checkpoint
     from pipeline.llm.demo import _qwen2_tokenizer
+    from plugins.lowbit_tuning import TunedConfigs
 
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        folder = Path(tmp) / "qwen25-7b-random"
+        folder, engines = Path(tmp) / "qwen25-7b-random", Path(tmp) / "engines"
         model = random_qwen25_7b(layers)
         sd = {k: v.cpu() for k, v in model.state_dict().items()}
         del model
@@ -298,28 +305,44 @@ def launch_part(res: dict, layers: int) -> None:
         write_checkpoint(folder, config_from_hf({**QWEN25_7B, "num_hidden_layers": layers}), sd, "hf")
         del sd
         _qwen2_tokenizer(folder)  # a small real tokenizer: the app's loader needs one
+        triton_cache = Path(tmp) / "triton"
         times = {}
-        for attempt in ("first", "second"):
-            t0 = time.perf_counter()
-            report_ = StartupReport()
-            options = EngineOptions(EngineCache(Path(tmp) / "engines"), report_)
-            lm = load_language_model(folder, "qwen25-7b-random", device="cuda", dtype=torch.bfloat16,
-                                     max_context=4096, quant="int4", engines=options)
-            with torch.inference_mode():
-                ids = tuple(i % lm.tokenizer.vocab_size for i in random_prompt(2, 64))  # the small tokenizer's ids
-                stream = lm.engine.submit(Prompt(ids), dataclasses.replace(UI_DEFAULT, max_new_tokens=8), set())
-                stream.wait()
-            ready = time.perf_counter() - t0
-            quantized = [float(m.group(1)) for line in report_.lines if (m := re.search(r"made and cached in ([\d.]+) s", line))]
-            times[attempt] = {"ready_s": round(ready, 1), "log": report_.lines}
-            if quantized:
-                times[attempt]["quantize_s"] = quantized[0]
-                times[attempt]["ready_after_quantization_s"] = round(ready - quantized[0], 1)
-            lm.engine.close()
-            del lm
-            torch.cuda.empty_cache()
+        for attempt in ("first", "second", "quantized_on_disk"):
+            if attempt == "quantized_on_disk":
+                (EngineCache(engines).root / "kernels" / TunedConfigs.file_name(torch.device("cuda"))).unlink()
+                triton_cache = Path(tmp) / "triton-empty"
+            env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache)}
+            done = subprocess.run([sys.executable, __file__, "--parts", "one_launch", "--folder", str(folder),
+                                   "--engines", str(engines)], env=env, capture_output=True, text=True, timeout=300)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode or not lines:
+                times[attempt] = {"failed": done.stderr[-2000:]}
+                break
+            times[attempt] = json.loads(lines[-1])
+            print(attempt, times[attempt], flush=True)
         res["first_launch"] = times
         report(OUT_NAME, res)
+
+
+def one_launch(folder: Path, engines: Path) -> None:
+    """One launch through the app's loader, to the end of a first short reply; prints its times as JSON."""
+    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.cache import EngineCache
+    from pipeline.engines import load_language_model
+
+    t0 = time.perf_counter()
+    report_ = StartupReport()
+    lm = load_language_model(folder, "qwen25-7b-random", device="cuda", dtype=torch.bfloat16, max_context=4096,
+                             quant="int4", engines=EngineOptions(EngineCache(engines), report_))
+    with torch.inference_mode():
+        ids = tuple(i % lm.tokenizer.vocab_size for i in random_prompt(2, 64))  # the small tokenizer's ids
+        lm.engine.submit(Prompt(ids), dataclasses.replace(UI_DEFAULT, max_new_tokens=8), set()).wait()
+    ready = time.perf_counter() - t0
+    times = {"ready_s": round(ready, 1), "log": report_.lines}
+    if quantized := [float(m.group(1)) for line in report_.lines if (m := re.search(r"made and cached in ([\d.]+) s", line))]:
+        times |= {"quantize_s": quantized[0], "ready_after_quantization_s": round(ready - quantized[0], 1)}
+    lm.engine.close()
+    print(json.dumps(times), flush=True)
 
 
 def main() -> None:
@@ -328,7 +351,11 @@ def main() -> None:
     ap.add_argument("--parts", default="gemv,decode,real,launch")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--out", default=OUT_NAME, help="the JSON's name under $OUT")
+    ap.add_argument("--folder", type=Path, help="one_launch: the checkpoint (launch's own subprocesses)")
+    ap.add_argument("--engines", type=Path, help="one_launch: the engine cache")
     args = ap.parse_args()
+    if args.parts == "one_launch":
+        return one_launch(args.folder, args.engines)
     OUT_NAME = args.out
     parts = args.parts.split(",")
     res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
