@@ -10,6 +10,8 @@ Commands: /reset (a new conversation) · /system TEXT (the system prompt; a new 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import sys
 import threading
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from pipeline.errors import UserError
 from pipeline.llm.language_model import ChatEvent
 from pipeline.llm.sampling import SamplingParams
 
-HELP = "commands: /reset · /system TEXT · /image PATH · /exit"
+HELP = "commands: /reset · /system TEXT · /image PATH · /set SETTING VALUE (e.g. /set temperature 0) · /exit"
 
 
 class TerminalChat:
@@ -59,6 +61,17 @@ class TerminalChat:
             self.reset()
             self.image = image
             return f"(talking about {arg}, {image.shape[1]}×{image.shape[0]}; /reset to go back to plain chat)"
+        if name == "/set":
+            setting, _, value = arg.partition(" ")
+            if not setting:
+                return f"(sampling: {dataclasses.asdict(self.params)}; /set SETTING VALUE changes one)"
+            try:
+                number = json.loads(value.strip())  # as the API's JSON would carry it: 3, 0.7, null
+            except ValueError:
+                number = value.strip()
+            values = {**dataclasses.asdict(self.params), setting: number}
+            self.params = SamplingParams.from_values(**values)
+            return f"({setting} = {getattr(self.params, setting)})"
         return f"(unknown command {name}; {HELP})"
 
     def reply(self, message: str) -> Iterator[ChatEvent]:

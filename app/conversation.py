@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import math
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,7 +15,7 @@ from app.errors import shown_to_user
 from app.tool_loading import loading_updates
 from pipeline.errors import UserError
 from pipeline.llm.language_model import ChatEvent
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.sampling import LIMITS, SamplingParams
 from pipeline.tools import ToolHost
 
 STOPPED = "Stopped: the reply so far is kept."
@@ -65,27 +65,22 @@ class CancelFlags:
                 flag.set()
 
 
+SLIDERS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")  # controls' order
+UI_MAX = {"max_new_tokens": 4096}  # a slider's usable span; typing a larger value in its box still works
+
+
 def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
-    """Temperature, top-p, top-k, repetition penalty, max new tokens, seed (in `SamplingParams` order);
-    element ids start with `tab` so each tab's controls can be found."""
+    """The `SLIDERS` controls, spanning `pipeline.llm.sampling.LIMITS`, starting at `SamplingParams`'
+    defaults; element ids start with `tab` so each tab's controls can be found."""
+    defaults = dataclasses.replace(SamplingParams(), max_new_tokens=max_new_tokens)
+    labels = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p", "top_k": "Top-k (0 = off)",
+              "repetition_penalty": "Repetition penalty", "max_new_tokens": "Max new tokens"}
+    steps = {"temperature": 0.05, "top_p": 0.05, "top_k": 1, "repetition_penalty": 0.01, "max_new_tokens": 1}
     with gr.Accordion("Sampling", open=True):
-        return [
-            gr.Slider(0, 2, value=0.7, step=0.05, label="Temperature (0 = greedy)", elem_id=f"{tab}-temperature"),
-            gr.Slider(0.05, 1, value=0.8, step=0.05, label="Top-p", elem_id=f"{tab}-top-p"),
-            gr.Slider(0, 200, value=20, step=1, label="Top-k (0 = off)", elem_id=f"{tab}-top-k"),
-            gr.Slider(1.0, 2.0, value=1.05, step=0.01, label="Repetition penalty", elem_id=f"{tab}-repetition"),
-            gr.Slider(1, 4096, value=max_new_tokens, step=1, label="Max new tokens", elem_id=f"{tab}-max-new-tokens"),
-            gr.Number(-1, precision=0, label="Seed (-1 = random)", elem_id=f"{tab}-seed"),
-        ]
-
-
-def _number(name: str, value, whole: bool = False) -> float | int:
-    """`value` as a number, or a `UserError` naming the parameter (API clients send anything)."""
-    kind = "a whole number" if whole else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or whole and value != int(value):
-        raise UserError(f"{name} must be {kind}, got {value!r}")
-    return int(value) if whole else float(value)
+        sliders = [gr.Slider(LIMITS[name].low + (steps[name] if LIMITS[name].low_open else 0),
+                             UI_MAX.get(name, LIMITS[name].high), value=getattr(defaults, name), step=steps[name],
+                             label=labels[name], elem_id=f"{tab}-{name.replace('_', '-')}") for name in SLIDERS[:-1]]
+        return sliders + [gr.Number(-1, precision=0, label="Seed (-1 = random)", elem_id=f"{tab}-seed")]
 
 
 def plain_history(history) -> list[dict]:
@@ -105,14 +100,11 @@ def plain_history(history) -> list[dict]:
 
 @shown_to_user
 def start_turn(message, history, sampling) -> tuple[SamplingParams, list[dict]]:
-    """Validated parameters and the history as plain {role, content} dicts."""
-    names = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")
-    temperature, top_p, top_k, repetition_penalty, max_new_tokens, seed = (
-        _number(name, value, whole=name in ("top_k", "max_new_tokens", "seed")) if value is not None or
-        name != "seed" else None for name, value in zip(names, sampling))
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            repetition_penalty=repetition_penalty,
-                            seed=None if seed is None or seed < 0 else seed).validated()
+    """Validated parameters (a seed below 0 is the UI's "random") and the history as plain dicts."""
+    values = dict(zip(SLIDERS, sampling))
+    if isinstance(values.get("seed"), (int, float)) and values["seed"] < 0:
+        values["seed"] = None
+    params = SamplingParams.from_values(**values)
     if not isinstance(message, str) or not message.strip():
         raise UserError("the message is empty: type something to send")
     return params, plain_history(history)

@@ -28,12 +28,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
 from pipeline.llm.language_model import ChatEvent
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.sampling import InvalidSampling, SamplingParams
 from pipeline.tools import ToolHost
 
 IMAGE_MODEL = "minigpt4"
 MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not
-DEFAULTS = SamplingParams()  # the UI's defaults, where a request leaves a parameter out
 
 
 class ApiError(Exception):
@@ -61,15 +60,6 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     pixels: np.ndarray | None = None  # the decoded picture (`request_image`), once checked
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or not lo <= value <= hi:
-        raise ApiError(400, f"{name} must be a number from {lo} to {hi}, got {value!r}", name)
-    return float(value)
 
 
 def _whole(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -150,13 +140,12 @@ def parse_request(body: object, models: list[str], allow_files: bool) -> ChatReq
     stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
-    seed = _whole(body, "seed", None, 0, 2**63 - 1)
-    params = SamplingParams(max_new_tokens=_whole(body, max_name, DEFAULTS.max_new_tokens, 1, 32768),
-                            temperature=_number(body, "temperature", DEFAULTS.temperature, 0, 2),
-                            top_p=_number(body, "top_p", DEFAULTS.top_p, 1e-6, 1),
-                            top_k=_whole(body, "top_k", DEFAULTS.top_k, 0, 100000),
-                            repetition_penalty=_number(body, "repetition_penalty", DEFAULTS.repetition_penalty, 0.5, 3),
-                            seed=seed)
+    try:  # the one check of sampling values (`SamplingParams.from_values`); absent ones keep the UI's defaults
+        params = SamplingParams.from_values(max_new_tokens=body.get(max_name), **{
+            name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed")})
+    except InvalidSampling as e:
+        param = max_name if e.param == "max_new_tokens" else e.param
+        raise ApiError(400, str(e).replace("max_new_tokens", param), param) from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")

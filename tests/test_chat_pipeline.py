@@ -93,11 +93,11 @@ def test_bad_messages_are_rejected_clearly(qwen_v1_demo, messages, reason):
 @pytest.mark.parametrize("params, field", [
     (SamplingParams(temperature=-1), "temperature"),
     (SamplingParams(temperature=float("nan")), "temperature"),
-    (SamplingParams(top_p=0), "top-p"),
-    (SamplingParams(top_k=-3), "top-k"),
+    (SamplingParams(top_p=0), "top_p"),
+    (SamplingParams(top_k=-3), "top_k"),
     (SamplingParams(repetition_penalty=100), "repetition"),
-    (SamplingParams(max_new_tokens=0), "max new tokens"),
-    (SamplingParams(max_new_tokens=10**9), "max new tokens"),
+    (SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    (SamplingParams(max_new_tokens=10**9), "max_new_tokens"),
     (SamplingParams(seed=-5), "seed"),
 ])
 def test_absurd_parameters_are_rejected(params, field):

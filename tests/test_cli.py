@@ -44,11 +44,12 @@ def test_terminal_chat_explains_a_bad_image_and_carries_on(studio_cache):
 def test_the_terminal_chats_second_turn_prefills_only_what_is_new(studio_cache):
     """The second turn finds the first in the engine's cache by content. (The Qwen2 demo: Qwen v1's demo
     switches its rotary base past 256 tokens, which a long random first reply can cross, and a prompt
-    under another base cannot reuse keys made under the first.)"""
+    under another base cannot reuse keys made under the first. Replies are capped at 40 tokens: a long
+    random first reply leaves the second prompt no room for the first turn, which is then dropped.)"""
     env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
     done = subprocess.run([sys.executable, "launch.py", "chat", "--model", "demo/qwen2-tiny", "--context", "1024"],
-                          input="Hello there\nHow are you?\n/exit\n", cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+                          input="/set max_new_tokens 40\nHello there\nHow are you?\n/exit\n", cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     found = re.findall(r"prompt (\d+) tokens(?: \((\d+) found in the cache\))? · ended", done.stderr)
     assert len(found) == 2, done.stderr[-3000:]

@@ -3,6 +3,8 @@
 import base64
 import os
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -204,3 +206,25 @@ def test_a_resent_conversation_prefills_only_its_new_turn(api):
     assert prefilled == second.usage.prompt_tokens - cached  # the engine's own count
     assert cached >= first.usage.prompt_tokens  # the whole first prompt came from the cache
     assert prefilled <= second.usage.prompt_tokens - first.usage.prompt_tokens  # at most the new turn
+
+
+def test_an_out_of_range_sampling_value_gets_one_message_everywhere(api, studio_cache):
+    """The UI's /chat, /v1 and the terminal chat check sampling values in one place
+    (`SamplingParams.from_values`): the same value, the same words."""
+    from gradio_client.exceptions import AppError
+
+    client, url = api
+    expected = "temperature must be a number from 0 to 2, got 3"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=CHAT, messages=[{"role": "user", "content": "hi"}], temperature=3)
+    assert caught.value.body["message"] == expected and caught.value.body["param"] == "temperature"
+    with pytest.raises(AppError) as shown:
+        Client(url, verbose=False).predict("hi", [], "You are a helpful assistant.", 3, 0.8, 20, 1.0, 4, -1,
+                                           api_name="/chat")
+    assert expected in str(shown.value)
+    env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
+    typed = "/set temperature 3\n/set top_k 5\n/set\n/exit\n"
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--context", "1024"], input=typed, cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert f"error: {expected}" in done.stderr, done.stderr[-2000:]
+    assert "(top_k = 5)" in done.stdout and "'temperature': 0.7, 'top_p': 0.8, 'top_k': 5" in done.stdout

@@ -9,6 +9,7 @@ stream, never on what else shares the batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Sequence
 
@@ -16,6 +17,47 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The values a sampling setting takes: every front end checks through these, and the UI's sliders
+    span them."""
+
+    low: float
+    high: float
+    whole: bool = False  # a whole number (integral floats, as sliders and JSON send them, count)
+    low_open: bool = False  # `low` itself is not allowed
+
+    def describe(self) -> str:
+        kind = "a whole number" if self.whole else "a number"
+        return f"{kind} from {self.low} to {self.high}" + (f" (not {self.low})" if self.low_open else "")
+
+    def check(self, name: str, value) -> int | float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+            and (value > self.low if self.low_open else value >= self.low) and value <= self.high \
+            and (not self.whole or value == int(value))
+        if not ok:
+            raise InvalidSampling(name, f"{name} must be {self.describe()}, got {value!r}")
+        return int(value) if self.whole else float(value)
+
+
+class InvalidSampling(UserError):
+    """A sampling value out of its `LIMITS`; `param` names it (the OpenAI API reports it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+LIMITS = {
+    "max_new_tokens": Limit(1, 32768, whole=True),
+    "temperature": Limit(0, 2),
+    "top_p": Limit(0, 1, low_open=True),
+    "top_k": Limit(0, 1000, whole=True),
+    "repetition_penalty": Limit(0.5, 3),
+    "seed": Limit(0, 2**63 - 1, whole=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,28 +71,21 @@ class SamplingParams:
     repetition_penalty: float = 1.05
     seed: int | None = None
 
+    @classmethod
+    def from_values(cls, **values) -> "SamplingParams":
+        """The one check every front end's sampling values go through (values of None keep the default):
+        the same out-of-range value gets the same message from the UI, the API and the terminal chat."""
+        unknown = set(values) - set(LIMITS)
+        if unknown:
+            raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of {', '.join(LIMITS)}")
+        return cls(**{name: LIMITS[name].check(name, value) for name, value in values.items() if value is not None})
+
     def validated(self) -> "SamplingParams":
-        checks = [
-            (isinstance(self.max_new_tokens, int) and 1 <= self.max_new_tokens <= 32768,
-             f"max new tokens must be a whole number from 1 to 32768, got {self.max_new_tokens!r}"),
-            (_number(self.temperature) and 0 <= self.temperature <= 5,
-             f"temperature must be between 0 and 5, got {self.temperature!r}"),
-            (_number(self.top_p) and 0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and 0 <= self.top_k <= 100000,
-             f"top-k must be a whole number ≥ 0 (0 = off), got {self.top_k!r}"),
-            (_number(self.repetition_penalty) and 0.5 <= self.repetition_penalty <= 3,
-             f"repetition penalty must be between 0.5 and 3, got {self.repetition_penalty!r}"),
-            (self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-             f"seed must be empty or a whole number ≥ 0, got {self.seed!r}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise UserError(message)
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None or field.name != "seed":
+                LIMITS[field.name].check(field.name, value)
         return self
-
-
-def _number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # x == x rejects NaN
 
 
 class Draws:
