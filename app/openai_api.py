@@ -56,7 +56,6 @@ class ChatRequest:
     image: bytes | None  # the image of an image-chat request (encoded file bytes)
     mask: bytes | None  # extension: a mask of the image (PNG, white = the object) to ask about that object only
     params: SamplingParams
-    stop: list[str]
     stream: bool
     include_usage: bool
     pixels: np.ndarray | None = None  # the decoded picture (`request_image`), once checked
@@ -136,13 +135,9 @@ def parse_request(body: object, models: list[str], allow_files: bool) -> ChatReq
         raise ApiError(400, "n must be 1", "n")
     messages, image = _messages(body.get("messages"), allow_files)
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop if stop is not None else []
-    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", "stop")
     try:  # the one check of sampling values (`SamplingParams.from_values`); absent ones keep the UI's defaults
         params = SamplingParams.from_values(max_new_tokens=body.get(max_name), **{
-            name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed")})
+            name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")})
     except InvalidSampling as e:
         param = max_name if e.param == "max_new_tokens" else e.param
         raise ApiError(400, str(e).replace("max_new_tokens", param), param) from None
@@ -157,7 +152,7 @@ def parse_request(body: object, models: list[str], allow_files: bool) -> ChatReq
         if image is None:
             raise ApiError(400, "mask needs an image_url part in the last user message", "mask")
         mask = _image_bytes(mask, allow_files)
-    return ChatRequest(model, messages, image, mask, params, stop, stream,
+    return ChatRequest(model, messages, image, mask, params, stream,
                        bool(isinstance(options, dict) and options.get("include_usage")))
 
 
@@ -186,43 +181,23 @@ class Reply:
     def __init__(self, tools: ToolHost, req: ChatRequest):
         self.req, self.cancel = req, threading.Event()
         self.pieces: queue.SimpleQueue = queue.SimpleQueue()  # str, then ("end", stats or exception)
-        self.text = ""
         self.stats = None
-        self.stopped = False  # a client stop string ended the reply
         threading.Thread(target=self._run, args=(tools,), daemon=True, name="openai-reply").start()
 
     def _run(self, tools: ToolHost) -> None:
         try:
             for event in _events(tools, self.req, self.cancel, f"api:{secrets.token_hex(8)}"):
-                piece = event.text
-                if piece:
-                    piece = self._cut_at_stop(piece)
-                    if piece:
-                        self.pieces.put(piece)
+                if event.text:
+                    self.pieces.put(event.text)
                 if event.stats is not None:
                     self.stats = event.stats
             self.pieces.put(("end", None))
         except BaseException as e:  # noqa: BLE001 - handed to the HTTP side
             self.pieces.put(("end", e))
 
-    def _cut_at_stop(self, piece: str) -> str:
-        """The part of `piece` before a client stop string (the reply is then cancelled)."""
-        if self.cancel.is_set():
-            return ""
-        before = len(self.text)
-        self.text += piece
-        hits = [i for i in (self.text.find(s, max(0, before - len(s) + 1)) for s in self.req.stop) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
-            self.stopped = True
-            self.cancel.set()
-            return self.text[before:]
-        return piece
-
     def finish_reason(self) -> str:
-        if self.stopped or self.stats is None:
-            return "stop"
-        return "length" if self.stats.finish_reason in ("length", "context") else "stop"
+        """OpenAI's words: "stop" for an end token or a stop string (`SamplingParams.stop`)."""
+        return "length" if self.stats is not None and self.stats.finish_reason in ("length", "context") else "stop"
 
     def usage(self) -> dict:
         prompt = self.stats.prompt_tokens if self.stats else 0

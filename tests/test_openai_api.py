@@ -228,3 +228,21 @@ def test_an_out_of_range_sampling_value_gets_one_message_everywhere(api, studio_
                           capture_output=True, text=True, timeout=300)
     assert f"error: {expected}" in done.stderr, done.stderr[-2000:]
     assert "(top_k = 5)" in done.stdout and "'temperature': 0.7, 'top_p': 0.8, 'top_k': 5" in done.stdout
+
+
+def test_stop_strings_end_the_reply_before_them(api):
+    """An `openai` client's `stop` strings (`SamplingParams.stop`, cut inside the pipeline's text stream,
+    even when a string arrives split over tokens): the reply is the unstopped one up to the string,
+    streamed or not, with finish_reason "stop"."""
+    client, _ = api
+    ask = dict(model=CHAT, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=60, temperature=0,
+               extra_body={"repetition_penalty": 1.0})
+    full = client.chat.completions.create(**ask).choices[0].message.content
+    assert len(full) > 12, full
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    expected = full[:full.index(stop)]
+    stopped = client.chat.completions.create(**ask, stop=[stop, "never appears in it"])
+    assert stopped.choices[0].message.content == expected and stopped.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stop=stop, stream=True)
+              if c.choices]
+    assert "".join(pieces) == expected

@@ -56,7 +56,7 @@ class LanguageModel:
         if fill is not None:
             prompt = fill(prompt)
         stream = self.engine.submit(prompt, params, fmt.stop_ids, session=session, cancel=cancel)
-        text = TextStream(self.tokenizer, fmt.stop_strings)
+        text = TextStream(self.tokenizer, (*fmt.stop_strings, *params.stop))
         started = False
         try:
             for token_id in stream:

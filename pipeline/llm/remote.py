@@ -86,6 +86,8 @@ class RemoteLanguageModel:
                 "repetition_penalty": params.repetition_penalty}
         if params.seed is not None:
             body["seed"] = params.seed
+        if params.stop:
+            body["stop"] = list(params.stop)
         cancel = cancel or threading.Event()
         pieces: queue.SimpleQueue = queue.SimpleQueue()
         stats, start = GenerationStats(), time.perf_counter()

@@ -70,22 +70,36 @@ class SamplingParams:
     top_k: int = 20
     repetition_penalty: float = 1.05
     seed: int | None = None
+    stop: tuple[str, ...] = ()  # the reply ends before the first of these strings (an API client's `stop`)
 
     @classmethod
     def from_values(cls, **values) -> "SamplingParams":
         """The one check every front end's sampling values go through (values of None keep the default):
         the same out-of-range value gets the same message from the UI, the API and the terminal chat."""
-        unknown = set(values) - set(LIMITS)
+        unknown = set(values) - set(LIMITS) - {"stop"}
         if unknown:
-            raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of {', '.join(LIMITS)}")
-        return cls(**{name: LIMITS[name].check(name, value) for name, value in values.items() if value is not None})
+            raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of {', '.join(LIMITS)}, stop")
+        checked = {name: LIMITS[name].check(name, value) for name, value in values.items()
+                   if value is not None and name != "stop"}
+        if values.get("stop") is not None:
+            checked["stop"] = _stop_strings(values["stop"])
+        return cls(**checked)
 
     def validated(self) -> "SamplingParams":
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is not None or field.name != "seed":
-                LIMITS[field.name].check(field.name, value)
+        for name, limit in LIMITS.items():
+            value = getattr(self, name)
+            if value is not None or name != "seed":
+                limit.check(name, value)
+        _stop_strings(self.stop)
         return self
+
+
+def _stop_strings(value) -> tuple[str, ...]:
+    """A stop string, or a list of up to 4, as a tuple; anything else is an `InvalidSampling`."""
+    stops = (value,) if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise InvalidSampling("stop", f"stop must be a string or a list of up to 4 non-empty strings, got {value!r:.80}")
+    return tuple(stops)
 
 
 class Draws:
