@@ -40,16 +40,22 @@ def test_serves_on_localhost_with_demo_model(app):
 
 
 def test_one_users_stop_does_not_stop_another_users_reply(app):
+    """A reply that only Stop can end (ENDLESS) keeps growing after another session's Stop, then ends
+    at its own session's Stop."""
     client, _, port = app
     other = gradio_client.Client(f"http://127.0.0.1:{port}/", verbose=False)  # another browser session
-    params = {**PARAMS, "max_new_tokens": 300, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
-              "repetition_penalty": 1.3}
-    job = client.submit("Tell me everything", [], *params.values(), api_name="/chat")
-    while len(job.outputs()) < 2 and not job.done():
+    job = client.submit(ENDLESS_MESSAGE, [], *ENDLESS.values(), api_name="/chat")
+    deadline = time.time() + 60
+    while len(job.outputs()) < 2 and time.time() < deadline:
         time.sleep(0.05)
     other.predict(api_name="/stop")
-    _, history, status = job.result(timeout=120)
-    assert "cancelled" not in status and text_of(history[-1])
+    seen = len(job.outputs())
+    while len(job.outputs()) < seen + 3 and time.time() < deadline and not job.done():
+        time.sleep(0.05)
+    assert not job.done() and len(job.outputs()) >= seen + 3  # still streaming after the other's Stop
+    client.predict(api_name="/stop")
+    _, history, status = job.result(timeout=30)
+    assert "ended: cancelled" in status and text_of(history[-1])
 
 
 def test_multi_turn_chat_streams(app):
