@@ -137,9 +137,27 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import launch
+    """`python -m app.cli` or `python launch.py chat`, with the app's options: the chat tool, then the chat."""
+    from studio.compose import build, check_report, make_plan, parse_args
 
-    return launch.main(["chat", *(sys.argv[1:] if argv is None else argv)])
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        plan = make_plan(args)
+        if args.check:
+            print(check_report(args, plan))
+            return 0
+        _, host = build(args, plan, echo=False, say=_status)
+        try:
+            host.load("chat", _status)
+            return run(TerminalChat(host))
+        finally:
+            host.close()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\n[studio] stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

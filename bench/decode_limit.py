@@ -328,7 +328,7 @@ def one_launch(folder: Path, engines: Path) -> None:
     """One launch through the app's loader, to the end of a first short reply; prints its times as JSON."""
     from engine_builder.build import EngineOptions, StartupReport
     from engine_builder.cache import EngineCache
-    from pipeline.engines import load_language_model
+    from studio.backends import load_language_model
 
     t0 = time.perf_counter()
     report_ = StartupReport()

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import report  # noqa: E402
 from engine_builder.build import EngineOptions, StartupReport  # noqa: E402
 from engine_builder.cache import EngineCache  # noqa: E402
-from pipeline.engines import sam_engine, vision_encoder  # noqa: E402
+from studio.backends import sam_engine, vision_encoder  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402
 from pipeline.minigpt4.vision import MiniGPT4Vision, VisionConfig  # noqa: E402
 from pipeline.sam.engine import TorchSamEngine  # noqa: E402

@@ -3,7 +3,7 @@
 Writes random-weight checkpoints at real shapes in the real formats (Qwen2.5-7B and Vicuna-7B as
 transformers folders, EVA ViT-g + Q-Former + MiniGPT-4 projection as the three original `.pth` files,
 SAM ViT-H as the official `.pth`), then loads the tools through the app's own loaders
-(`launch.tool_specs`, warm-ups included) with `--quant int4 --gpu-memory 16 --max-batch 1`, twice: the
+(`studio.compose.tool_specs`, warm-ups included) with `--quant int4 --gpu-memory 16 --max-batch 1`, twice: the
 first launch quantizes into the cache, the second loads from it. Reports
 `torch.cuda.max_memory_allocated` after all three are loaded, and each tool's load time and size.
 
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import launch  # noqa: E402
+from studio import compose  # noqa: E402
 from timing import report  # noqa: E402
 from pipeline.llm.checkpoint import write_checkpoint  # noqa: E402
 from pipeline.llm.config import DecoderConfig, config_from_hf  # noqa: E402
@@ -81,26 +81,26 @@ def write_checkpoints(root: Path, smoke: bool, device: str) -> dict[str, Path]:
 
 def launch_all(paths: dict[str, Path], cache: Path, device: str) -> dict:
     os.environ["STUDIO_CACHE"] = str(cache)
-    args = launch.parse_args(["--weights", str(paths["qwen"]), "--sam", str(paths["sam"]),
+    args = compose.parse_args(["--weights", str(paths["qwen"]), "--sam", str(paths["sam"]),
                               "--minigpt4-ckpt", str(paths["vision"] / "prerained_minigpt4_7b.pth"),
                               "--minigpt4-vision", str(paths["vision"]), "--minigpt4-llm", str(paths["vicuna"]),
                               "--quant", "int4", "--gpu-memory", "16", "--max-batch", "1", "--backend", "torch",
                               "--device", device, "--dtype", "bfloat16"])
-    plan = launch.make_plan(args)
-    engines = launch.engine_options(args)
+    plan = compose.make_plan(args)
+    engines = compose.engine_options(args)
     host = ToolHost(torch.device(device), int(16 * GIB), engines.report.say)
-    for spec in launch.tool_specs(args, plan, engines, host):
+    for spec in compose.tool_specs(args, plan, engines, host):
         host.add(spec)
     out: dict = {}
     if device == "cuda":
         out["allocated_before_GiB"] = round(torch.cuda.memory_allocated() / GIB, 2)  # 0: nothing left over
         torch.cuda.reset_peak_memory_stats()
-    for name in launch.TOOLS:
+    for name in compose.TOOLS:
         start = time.perf_counter()
         host.load(name)
         out[f"{name} load_s"] = round(time.perf_counter() - start, 1)
     out["tools"] = host.status()
-    out["all loaded"] = all(host.loaded(n) is not None for n in launch.TOOLS)
+    out["all loaded"] = all(host.loaded(n) is not None for n in compose.TOOLS)
     if device == "cuda":
         out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
         out["allocated_GiB"] = round(torch.cuda.memory_allocated() / GIB, 2)

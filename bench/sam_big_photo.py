@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import report  # noqa: E402
 from app.segment_render import (MASK_COLOUR, mask_png, render_candidates, render_overlay, render_session, shrink,
                                 thumbnail)  # noqa: E402
-from pipeline.engines import sam_engine  # noqa: E402
+from studio.backends import sam_engine  # noqa: E402
 from pipeline.images import fit_for_display, to_device  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam, load_sam  # noqa: E402
 from pipeline.sam.transforms import input_size, preprocess, upscale_masks  # noqa: E402

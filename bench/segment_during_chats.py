@@ -22,10 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch import GIL_SWITCH_S  # noqa: E402
+from studio.compose import GIL_SWITCH_S  # noqa: E402
 from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
 from timing import report  # noqa: E402
-from pipeline.engines import sam_engine  # noqa: E402
+from studio.backends import sam_engine  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402

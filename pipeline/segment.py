@@ -63,7 +63,7 @@ class SegmentStats:
 
 class SegmentPipeline:
     def __init__(self, engine: SamEngine, cache_bytes: int = 512 << 20, is_demo: bool = False):
-        """`engine` runs SAM (see `pipeline.engines.sam_engine`); the pipeline does the rest."""
+        """`engine` runs SAM (see `studio.backends.sam_engine`); the pipeline does the rest."""
         self.engine = engine
         self.is_demo = is_demo
         self.cache_bytes = cache_bytes

@@ -10,7 +10,7 @@ asked.
 
 Sizes: the device memory a load allocated (on a GPU, the allocator's count; on the CPU, the bytes of
 live tensors), measured at each load; before a tool's first load, an estimate from its weight files
-(floats at the width they load in, int8/int4 LLMs at their quantized size: `launch.tool_specs`). A
+(floats at the width they load in, int8/int4 LLMs at their quantized size: `studio.compose.tool_specs`). A
 tool estimated over the budget is still loaded when nothing else is left to unload.
 """
 

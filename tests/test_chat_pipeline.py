@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.chat import ChatPipeline
-from pipeline.engines import load_language_model
+from studio.backends import load_language_model
 from pipeline.errors import UserError
 from pipeline.llm.model import RotaryTables, qwen_logn_scale, qwen_ntk_alpha
 from pipeline.llm.prompt import ChatMLFormat, chat_format, fit_prompt

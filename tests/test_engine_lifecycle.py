@@ -128,12 +128,12 @@ def test_check_reports_backends_and_engine_cache(tmp_path):
 def test_selftest_builds_and_checks_every_engine(tmp_path):
     """The self-test users with TensorRT run, here on ONNX Runtime: one OK line per engine, exit 0."""
     env = {**os.environ, "STUDIO_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run([sys.executable, "-m", "engine_builder.selftest", *ORT], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "studio.selftest", *ORT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = [line.split() for line in done.stdout.splitlines() if line.split()[:1] and line.split()[0] in COMPONENTS]
     assert [(r[0], r[1]) for r in rows] == [(c, "onnxruntime") for c in COMPONENTS]
     assert all("OK" in r for r in rows)
-    done = subprocess.run([sys.executable, "-m", "engine_builder.selftest"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "studio.selftest"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "tensorrt cannot run here: no CUDA GPU" in done.stdout

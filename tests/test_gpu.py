@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU paths are covered by the other tests)", allow_module_level=True)
 
 from pipeline.chat import ChatPipeline  # noqa: E402
-from pipeline.engines import load_language_model, sam_engine, vision_encoder  # noqa: E402
+from studio.backends import load_language_model, sam_engine, vision_encoder  # noqa: E402
 from pipeline.image_chat import ImageChatPipeline  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.demo import demo_model_dir  # noqa: E402

@@ -176,17 +176,19 @@ def test_a_long_history_streams_in_a_bounded_number_of_updates(client):
 
 
 def in_process_app(argv: list[str], monkeypatch, cache):
-    """launch.py's server in this process (tools declared, none loaded), for what a subprocess hides."""
-    import launch
+    """The app's server (`app.server`) in this process (tools declared, none loaded), for what a
+    subprocess hides: (the server module, args, host)."""
+    from app import server
+    from studio import compose
     from pipeline.tools import ToolHost
 
     monkeypatch.setenv("STUDIO_CACHE", str(cache))
-    args = launch.parse_args(["--port", str(free_port()), *argv])
-    plan = launch.make_plan(args)
+    args = compose.parse_args(["--port", str(free_port()), *argv])
+    plan = compose.make_plan(args)
     host = ToolHost(torch.device("cpu"), None, lambda line: None)
-    for spec in launch.tool_specs(args, plan, launch.engine_options(args, echo=False), host):
+    for spec in compose.tool_specs(args, plan, compose.engine_options(args, echo=False), host):
         host.add(spec)
-    return launch, args, host
+    return server, args, host
 
 
 def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache):
@@ -194,8 +196,8 @@ def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache
     keeps at most --max-sessions and drops idle ones."""
     from app.sessions import forget_idle_sessions
 
-    launch, args, host = in_process_app(["--max-sessions", "5"], monkeypatch, studio_cache)
-    app, url = launch.start_server(args, host, ["start-up"], "demo/qwen-v1-tiny")
+    server, args, host = in_process_app(["--max-sessions", "5"], monkeypatch, studio_cache)
+    app, url = server.start_server(args, host, ["start-up"], "demo/qwen-v1-tiny")
     try:
         for _ in range(12):  # each client is a new session
             assert "tools" in json.loads(Client(url, verbose=False).predict(api_name="/engine_status"))
@@ -215,7 +217,7 @@ def test_the_browser_opens_on_the_app_from_a_terminal(monkeypatch, studio_cache,
     with exit status 0 and no traceback."""
     import webbrowser
 
-    launch, args, host = in_process_app(flag, monkeypatch, studio_cache)
+    server, args, host = in_process_app(flag, monkeypatch, studio_cache)
     urls: list[str] = []
     monkeypatch.setattr(webbrowser, "open", urls.append)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
@@ -226,8 +228,8 @@ def test_the_browser_opens_on_the_app_from_a_terminal(monkeypatch, studio_cache,
         if sys._getframe(1).f_code.co_name == "serve":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(launch.time, "sleep", sleep_then_ctrl_c)
-    assert launch.serve(args, host, ["start-up"], "demo/qwen-v1-tiny") == 0
+    monkeypatch.setattr(server.time, "sleep", sleep_then_ctrl_c)
+    assert server.serve(args, host, ["start-up"], "demo/qwen-v1-tiny") == 0
     out = capsys.readouterr().out
     assert "[studio] ready: http://127.0.0.1:" in out and "shutting down" in out
     assert urls == ([f"http://127.0.0.1:{args.port}/"] if opened else [])

@@ -8,13 +8,13 @@ from torch import nn
 
 from engine_builder.build import EngineOptions, StartupReport
 from engine_builder.cache import EngineCache
-from pipeline.engines import choose_quant, load_language_model, weight_bytes
+from studio.backends import choose_quant, load_language_model, weight_bytes
 from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.config import DecoderConfig, config_from_hf
 from pipeline.llm.engine import Prompt
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
 from pipeline.llm.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, quantize_decoder, unpack_int4
-from pipeline.llm.quantized_weights import quantized_decoder
+from studio.quantized_weights import quantized_decoder
 
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,

@@ -71,7 +71,7 @@ def test_encoder_runs_once_per_image(checkpoint, photo):
 def test_the_factory_picks_the_cpu_engine(checkpoint, photo, tmp_path):
     from engine_builder.build import EngineOptions, StartupReport
     from engine_builder.cache import EngineCache
-    from pipeline.engines import sam_engine
+    from studio.backends import sam_engine
 
     seg = SegmentPipeline(sam_engine(load_sam(checkpoint)), is_demo=True)
     assert isinstance(seg.engine, TorchSamEngine) and "torch (CPU)" in seg.description

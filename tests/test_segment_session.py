@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pipeline.engines import sam_engine
+from studio.backends import sam_engine
 from pipeline.errors import UserError
 from pipeline.images import load_image
 from pipeline.sam.model import load_sam

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import launch
+from studio import compose
 from engine_builder.build import StartupReport
 from pipeline.errors import UserError
 from pipeline.llm.sampling import SamplingParams
@@ -108,11 +108,11 @@ def test_the_real_tools_load_on_first_use_and_make_room_for_each_other(studio_ca
     """The app's own loaders (demo models): start-up loads chat only; with a budget that holds two of the
     three tools, using the third unloads the least recently used, which reloads and answers again."""
     monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
-    args = launch.parse_args(["--device", "cpu"])
-    plan = launch.make_plan(args)
-    engines = launch.engine_options(args, echo=False)
+    args = compose.parse_args(["--device", "cpu"])
+    plan = compose.make_plan(args)
+    engines = compose.engine_options(args, echo=False)
     host = ToolHost(torch.device("cpu"), None, engines.report.say)
-    for spec in launch.tool_specs(args, plan, engines, host):
+    for spec in compose.tool_specs(args, plan, engines, host):
         host.add(spec)
     host.load("chat")
     assert host.status()["image chat"] == "not loaded" and host.status()["segment"] == "not loaded"
@@ -175,7 +175,7 @@ def test_sizes_before_a_first_load_count_floats_at_the_loading_width(tmp_path):
         assert loaded_bytes(tmp_path / name, torch.float32) == 250_000 * 4 + 8_000
     (tmp_path / "c.pth").write_bytes(b"\x80" + b"x" * 99)  # a damaged pickle
     assert loaded_bytes(tmp_path / "c.pth", torch.bfloat16) == 100
-    assert launch.weights_size(tmp_path, dtype=torch.bfloat16) == 2 * (250_000 * 2 + 8_000) + 100
+    assert compose.weights_size(tmp_path, dtype=torch.bfloat16) == 2 * (250_000 * 2 + 8_000) + 100
 
 
 class SlowTool:
@@ -196,7 +196,7 @@ def test_a_tool_loading_blocks_no_other_tools_requests_and_loads_once(qwen2_demo
     their time with no load running (the same greedy replies, so the same work); two first requests to
     the loading tool both wait for one load."""
     from pipeline.chat import ChatPipeline
-    from pipeline.engines import load_language_model
+    from studio.backends import load_language_model
 
     host = ToolHost(torch.device("cpu"), None, lambda line: None)
     host.add(ToolSpec("chat", lambda say, free: ChatPipeline(load_language_model(qwen2_demo, "demo/qwen2-tiny"),

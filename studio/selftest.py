@@ -1,7 +1,7 @@
 """Engine self-test: build every engine for the demo models, run it, compare it with the torch backend.
 
-    python -m engine_builder.selftest                        # TensorRT + TensorRT-LLM (needs both, and a GPU)
-    python -m engine_builder.selftest --backend onnxruntime  # ONNX Runtime (runs anywhere; CI runs it)
+    python -m studio.selftest                        # TensorRT + TensorRT-LLM (needs both, and a GPU)
+    python -m studio.selftest --backend onnxruntime  # ONNX Runtime (runs anywhere; CI runs it)
 
 One line per engine: its name, the runtime, the build (or load) time, how far it is from the torch
 backend on the same weights and inputs, and OK or FAIL. Exit code 0 when every line is OK. Engines
@@ -22,7 +22,7 @@ from engine_builder import trtllm
 from engine_builder.build import RUNTIMES, EngineOptions, StartupReport
 from engine_builder.cache import EngineCache
 from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
-from pipeline.engines import load_language_model, sam_engine, vision_encoder
+from studio.backends import load_language_model, sam_engine, vision_encoder
 from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
 from pipeline.llm.engine import Prompt
 from pipeline.llm.sampling import SamplingParams

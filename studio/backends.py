@@ -24,7 +24,7 @@ from pipeline.llm.engine import Prompt, TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.quant import GROUP, MODES, kernel_unavailable, quantized_layers, use_kernels
-from pipeline.llm.quantized_weights import quantized_decoder
+from studio.quantized_weights import quantized_decoder
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.tokenizer import load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
