@@ -15,8 +15,7 @@ from __future__ import annotations
 import sys
 
 from app.server import serve
-from pipeline.errors import UserError
-from studio.compose import TOOLS, build, check_report, make_plan, parse_args
+from studio.compose import TOOLS, build, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,25 +24,18 @@ def main(argv: list[str] | None = None) -> int:
         from app.cli import main as terminal_chat
 
         return terminal_chat(argv[1:])
-    args = parse_args(argv)
-    try:
-        plan = make_plan(args)
-        if args.check:
-            print(check_report(args, plan))
-            return 0
-        engines, host = build(args, plan)
-        for name in (TOOLS if args.preload or args.build_engines else ("chat",)):
-            host.load(name)
-        if args.build_engines:
-            host.close()
-            return 0
-        return serve(args, host, engines.report.lines, host.load("chat").llm.model_id)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\n[studio] stopped", file=sys.stderr)
-        return 130
+    return run(argv, start_app)
+
+
+def start_app(args, plan) -> int:
+    """Load the chat tool (every tool with --preload / --build-engines), then serve until Ctrl+C."""
+    engines, host = build(args, plan)
+    for name in (TOOLS if args.preload or args.build_engines else ("chat",)):
+        host.load(name)
+    if args.build_engines:
+        host.close()
+        return 0
+    return serve(args, host, engines.report.lines, host.load("chat").llm.model_id)
 
 
 if __name__ == "__main__":

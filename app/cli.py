@@ -138,26 +138,21 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.cli` or `python launch.py chat`, with the app's options: the chat tool, then the chat."""
-    from studio.compose import build, check_report, make_plan, parse_args
+    from studio import compose
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    return compose.run(sys.argv[1:] if argv is None else argv, chat_in_terminal)
+
+
+def chat_in_terminal(args, plan) -> int:
+    """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
+    from studio.compose import build
+
+    _, host = build(args, plan, echo=False, say=_status)
     try:
-        plan = make_plan(args)
-        if args.check:
-            print(check_report(args, plan))
-            return 0
-        _, host = build(args, plan, echo=False, say=_status)
-        try:
-            host.load("chat", _status)
-            return run(TerminalChat(host))
-        finally:
-            host.close()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\n[studio] stopped", file=sys.stderr)
-        return 130
+        host.load("chat", _status)
+        return run(TerminalChat(host))
+    finally:
+        host.close()
 
 
 if __name__ == "__main__":

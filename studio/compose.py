@@ -347,3 +347,21 @@ def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable
     for spec in tool_specs(args, plan, engines, host):
         host.add(spec)
     return engines, host
+
+
+def run(argv: list[str], start: Callable[[argparse.Namespace, Plan], int]) -> int:
+    """A front end's `main`: parse the options, plan, answer `--check`, then `start(args, plan)`; a
+    `UserError` ends in one line (exit 2), Ctrl+C quietly (130)."""
+    args = parse_args(argv)
+    try:
+        plan = make_plan(args)
+        if args.check:
+            print(check_report(args, plan))
+            return 0
+        return start(args, plan)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\n[studio] stopped", file=sys.stderr)
+        return 130
