@@ -12,10 +12,11 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from app.server import serve
-from studio.compose import TOOLS, build, run
+from studio.compose import TOOLS, Plan, build, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     return run(argv, start_app)
 
 
-def start_app(args, plan) -> int:
+def start_app(args: argparse.Namespace, plan: Plan) -> int:
     """Load the chat tool (every tool with --preload / --build-engines), then serve until Ctrl+C."""
     engines, host = build(args, plan)
     for name in (TOOLS if args.preload or args.build_engines else ("chat",)):

@@ -10,6 +10,7 @@ Commands: /reset (a new conversation) · /system TEXT (the system prompt; a new 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     return compose.run(sys.argv[1:] if argv is None else argv, chat_in_terminal)
 
 
-def chat_in_terminal(args, plan) -> int:
+def chat_in_terminal(args: argparse.Namespace, plan) -> int:
     """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
     from studio.compose import build
 

@@ -2,7 +2,7 @@
 size estimates, the backends each tool runs on, the shared-LLM rule).
 
 `launch.py` (the browser app) and `app/cli.py` (the terminal chat) both build through `build`; tests
-and benches do too. This package sits above `pipeline/` and `engine_builder/` and below `app/`: nothing
+and benches take the same tool loaders from `tool_specs` (with a host of their own budget). This package sits above `pipeline/` and `engine_builder/` and below `app/`: nothing
 here imports `app`, and nothing imports `launch`.
 """
 
