@@ -29,6 +29,11 @@ def qwen2_demo(studio_cache) -> Path:
     return demo_model_dir("demo/qwen2-tiny", studio_cache)
 
 
+@pytest.fixture(scope="session")
+def llama_demo(studio_cache) -> Path:
+    return demo_model_dir("demo/llama-tiny", studio_cache)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

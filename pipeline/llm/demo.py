@@ -23,7 +23,8 @@ from pipeline.files import atomic_folder
 from pipeline.llm.checkpoint import write_checkpoint_files
 from pipeline.llm.config import DecoderConfig
 from pipeline.llm.model import Decoder
-from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, write_tiktoken_ranks
+from pipeline.llm.tokenizer import (ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, byte_level_alphabet,
+                                    write_tiktoken_ranks)
 
 CORPUS = Path(__file__).resolve().parents[2] / "assets" / "demo_corpus.txt"
 BPE_VOCAB = 640
@@ -54,9 +55,7 @@ def _train_bpe(special_tokens: list[str]):
 
 def _qwen_v1_tokenizer(folder: Path) -> int:
     """Write `qwen.tiktoken`; returns the vocabulary size including Qwen's 208 special tokens."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    unicode_to_byte = {u: b for b, u in bytes_to_unicode().items()}
+    unicode_to_byte = {u: b for b, u in byte_level_alphabet().items()}
     vocab = _train_bpe([]).get_vocab()
     ranks = {bytes(unicode_to_byte[c] for c in piece): rank for piece, rank in vocab.items()}
     write_tiktoken_ranks(folder / "qwen.tiktoken", ranks)

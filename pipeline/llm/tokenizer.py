@@ -148,57 +148,114 @@ class ByteTableTokenizer(Tokenizer):
         return self._eos
 
 
+def byte_level_alphabet() -> dict[int, str]:
+    """Byte-level BPE's byte → character map (GPT-2's): printable Latin-1 bytes stand for themselves, the
+    other 68 are shifted past 255 in byte order, so every vocabulary piece is printable text."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {b: chr(b) for b in keep} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as `tokenizer_config.json` writes it: a string or an AddedToken object."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return data
+
+
+def _chat_template_source(folder: Path, config: dict) -> str | None:
+    """`chat_template.jinja` (newer folders), else the config's template (or its "default" of several)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    source = config.get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    return source if isinstance(source, str) else None
+
+
 class HFTokenizer(ByteTableTokenizer):
-    """Any transformers fast tokenizer with a byte-level (Qwen2/3) or byte-fallback (LLaMA) vocabulary."""
+    """A `tokenizer.json` (the `tokenizers` library, as transformers' fast tokenizers run it) with a
+    byte-level (Qwen2/3) or byte-fallback (LLaMA) vocabulary, its `tokenizer_config.json` special
+    tokens, and its chat template (`pipeline.llm.chat_template`). transformers is not imported: it is
+    the slowest import of a launch."""
 
     def __init__(self, folder: Path):
-        from transformers import AutoTokenizer  # import lazily: transformers is slow to import
+        from tokenizers import Tokenizer as Backend
 
+        folder = Path(folder)
         try:
-            self._tok = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-        except (OSError, ValueError) as e:
-            raise UserError(f"cannot load the tokenizer in {folder}: {e}") from None
-        self.chat_template = self._tok.chat_template
-        self.bos_id = self._tok.bos_token_id
-        self._bytes = self._byte_table()
-        eos = self._tok.eos_token_id
+            spec = (folder / "tokenizer.json").read_text(encoding="utf-8")
+            self._tok = Backend.from_str(spec)  # parses special-token spellings: rendered templates
+            self._plain = Backend.from_str(spec)  # keeps them text: user text
+        except Exception as e:  # noqa: BLE001 - the Rust parser's errors are plain Exceptions
+            raise UserError(f"cannot load the tokenizer in {folder}: {str(e).splitlines()[0] if str(e) else e}; "
+                            "re-download tokenizer.json") from None
+        self._plain.encode_special_tokens = True
+        config = _read_json(folder / "tokenizer_config.json")
+        named = {key: _token_text(config.get(key)) for key in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        named = {key: text for key, text in named.items() if text is not None}
+        extra = [t for t in map(_token_text, config.get("additional_special_tokens") or []) if t is not None]
+        added = self._tok.get_added_tokens_decoder()
+        self._added = {t.content: i for i, t in added.items()}
+        self._specials = {i for i, t in added.items() if t.special} | \
+            {i for i in map(self._tok.token_to_id, [*named.values(), *extra]) if i is not None}
+        self.bos_id = self._tok.token_to_id(named["bos_token"]) if "bos_token" in named else None
+        eos = self._tok.token_to_id(named["eos_token"]) if "eos_token" in named else None
         self._eos = ({eos} if eos is not None else set()) | generation_eos_ids(folder)
+        self._bytes = self._byte_table(json.loads(spec).get("decoder") or {})
+        source = _chat_template_source(folder, config)
+        self.chat_template = source
+        self._template = None
+        if source is not None:
+            from pipeline.llm.chat_template import ChatTemplate
 
-    def _byte_table(self) -> list[bytes]:
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
+            self._template = ChatTemplate(source, named | {"additional_special_tokens": extra})
 
-        decoder = json.loads(self._tok.backend_tokenizer.to_str()).get("decoder") or {}
-        kinds = {d["type"] for d in decoder.get("decoders", [decoder])}
-        pieces = self._tok.convert_ids_to_tokens(list(range(len(self._tok))))
-        specials = set(self._tok.all_special_tokens) | set(self._tok.get_added_vocab())
+    def _byte_table(self, decoder: dict) -> list[bytes]:
+        kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+        pieces = {i: p for p, i in self._tok.get_vocab(with_added_tokens=True).items()}
+        size = max(pieces, default=-1) + 1
         if "ByteLevel" in kinds:
-            unicode_to_byte = {u: b for b, u in bytes_to_unicode().items()}
-            return [p.encode() if p in specials else bytes(unicode_to_byte[c] for c in p) for p in pieces]
-        if "ByteFallback" in kinds:
-            return [piece_bytes(p, p in specials, len(p) == 6 and p.startswith("<0x") and p.endswith(">"))
-                    for p in pieces]
-        raise UserError(f"unsupported tokenizer decoder {sorted(kinds)}: need byte-level or byte-fallback BPE")
+            char_to_byte = {c: b for b, c in byte_level_alphabet().items()}
+
+            def to_bytes(i: int, piece: str) -> bytes:
+                if i in self._specials or piece in self._added:
+                    return piece.encode()
+                return bytes(char_to_byte[c] for c in piece) if all(c in char_to_byte for c in piece) else piece.encode()
+        elif "ByteFallback" in kinds:
+            def to_bytes(i: int, piece: str) -> bytes:
+                byte = len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+                return piece_bytes(piece, i in self._specials, byte)
+        else:
+            raise UserError(f"unsupported tokenizer decoder {sorted(map(str, kinds))}: need byte-level or "
+                            "byte-fallback BPE")
+        return [to_bytes(i, pieces[i]) if i in pieces else b"" for i in range(size)]
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def special_id(self, token: str) -> int | None:
-        return self._tok.get_added_vocab().get(token)
+        return self._added.get(token)
 
     @property
     def special_ids(self) -> set[int]:
-        marked = {i for i, t in self._tok.added_tokens_decoder.items() if t.special}
-        return marked | set(self._tok.all_special_ids)
+        return set(self._specials)
 
     def render_chat_template(self, messages: list[dict]) -> list[int]:
-        """The checkpoint's own chat template, rendered by transformers and tokenized with special
-        tokens parsed (as transformers does, so a user typing `<|im_end|>` here types a special)."""
-        try:  # transformers renders it in a sandboxed Jinja environment: a template cannot run code
-            text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # noqa: BLE001 - a broken or hostile template in the model folder
-            raise UserError(f"the model's chat template (tokenizer_config.json) failed: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else 'no details'}"[:300]) from None
-        return self._tok.encode(text, add_special_tokens=False)
+        """The checkpoint's own chat template, tokenized with special tokens parsed (as transformers
+        does, so a user typing `<|im_end|>` here types a special)."""
+        if self._template is None:
+            raise UserError("this model has no chat template")
+        return self._tok.encode(self._template.render(messages), add_special_tokens=False).ids
 
 
 class SentencePieceTokenizer(ByteTableTokenizer):
