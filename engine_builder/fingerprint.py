@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
+
+from tqdm.auto import tqdm
 
 from pipeline.files import atomic_write
 
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors")
 MEMO = "fingerprints.json"
+READ_BYTES = 64 << 20  # per read while hashing: the bar moves every few tens of milliseconds
 
 
 def weight_files(sources: list[Path]) -> list[Path]:
@@ -29,6 +34,20 @@ def weight_files(sources: list[Path]) -> list[Path]:
     return files
 
 
+def _stamp(path: Path) -> list[int]:
+    stat = path.resolve().stat()
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
+
+
+def _sha256(path: Path, progress: Callable[[int], object]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            digest.update(block)
+            progress(len(block))
+    return digest.hexdigest()
+
+
 def fingerprint(sources: list[Path], memo_dir: Path) -> str:
     """One digest of all weight files behind `sources` (contents only: a moved copy matches)."""
     memo_path = Path(memo_dir) / MEMO
@@ -36,16 +55,15 @@ def fingerprint(sources: list[Path], memo_dir: Path) -> str:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):
         memo = {}
-    total, changed = hashlib.sha256(), False
-    for path in weight_files(sources):
-        stat = path.resolve().stat()
-        stamp = [stat.st_size, stat.st_mtime_ns, stat.st_ino]
-        entry = memo.get(str(path.resolve()))
-        if entry is None or entry["stamp"] != stamp:
-            with open(path, "rb") as f:
-                entry = {"stamp": stamp, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
-            memo[str(path.resolve())], changed = entry, True
-        total.update(entry["sha256"].encode())
-    if changed:
+    stamps = {path: _stamp(path) for path in weight_files(sources)}
+    new = [path for path, stamp in stamps.items() if memo.get(str(path.resolve()), {}).get("stamp") != stamp]
+    with tqdm(total=sum(stamps[p][0] for p in new), desc="fingerprinting weights (once per file)", unit="B",
+              unit_scale=True, file=sys.stderr, disable=not new) as bar:
+        for path in new:
+            memo[str(path.resolve())] = {"stamp": stamps[path], "sha256": _sha256(path, bar.update)}
+    total = hashlib.sha256()
+    for path in stamps:
+        total.update(memo[str(path.resolve())]["sha256"].encode())
+    if new:
         atomic_write(memo_path, json.dumps(memo, indent=1))
     return total.hexdigest()[:32]

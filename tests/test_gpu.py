@@ -170,7 +170,8 @@ def test_lowbit_kernels_match_the_dequantizing_reference(mode):
     from pipeline.llm.quant import QuantLinear
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    for n_in, n_out in ((3584, 4608), (18944, 3584)):  # Qwen2.5-7B's qkv and down projections
+    for n_in, n_out in ((3584, 4608), (18944, 3584), (896, 1152)):  # Qwen2.5-7B's qkv and down; 0.5B's qkv
+        # (not a multiple of the 256-row tile)
         linear = torch.nn.Linear(n_in, n_out, bias=True, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             linear.weight.normal_(0, 0.02, generator=g)
@@ -182,7 +183,8 @@ def test_lowbit_kernels_match_the_dequantizing_reference(mode):
             x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
             expected = torch.nn.functional.linear(x, reference, linear.bias).float()
             configs = [lowbit.Config(32, 2, split) for split in (1, 4)] + [None]
-            configs += [lowbit.Config(64, 2, split, kernel="gemv") for split in (1, 4)]  # one row: CUDA cores
+            configs += [lowbit.Config(bn, st, split, kernel="gemv") for bn, st in ((64, 2), (256, 1))
+                        for split in (1, 4)]  # one row: CUDA cores
             for config in configs:
                 err = ((layer.kernel(x, config).float() - expected).norm() / expected.norm()).item()
                 assert err < 1e-2, (mode, n_in, batch, config, err)
