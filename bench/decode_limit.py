@@ -29,7 +29,6 @@ import copy
 import dataclasses
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -306,14 +305,22 @@ def launch_part(res: dict, layers: int) -> None:
         del sd
         _qwen2_tokenizer(folder)  # a small real tokenizer: the app's loader needs one
         triton_cache = Path(tmp) / "triton"
+        # Python's bytecode cache, as an installed package has it (pip compiles on install; this machine's
+        # site-packages is read-only, so without a prefix every process compiled torch & co. again).
+        pycache = {"PYTHONPYCACHEPREFIX": str(Path(tmp) / "pycache")}
+        here = Path(__file__).resolve().parent
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
+                        "import decode_limit, studio.backends, pipeline.llm.chat_template, tokenizers"],
+                       env={**os.environ, **pycache}, timeout=300)
         times = {}
         for attempt in ("first", "second", "quantized_on_disk"):
             if attempt == "quantized_on_disk":
                 (EngineCache(engines).root / "kernels" / TunedConfigs.file_name(torch.device("cuda"))).unlink()
                 triton_cache = Path(tmp) / "triton-empty"
-            env = {**os.environ, "TRITON_CACHE_DIR": str(triton_cache)}
+            env = {**os.environ, **pycache, "TRITON_CACHE_DIR": str(triton_cache)}
             done = subprocess.run([sys.executable, __file__, "--parts", "one_launch", "--folder", str(folder),
-                                   "--engines", str(engines)], env=env, capture_output=True, text=True, timeout=300)
+                                   "--engines", str(engines), "--spawned", str(time.time())],
+                                  env=env, capture_output=True, text=True, timeout=300)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode or not lines:
                 times[attempt] = {"failed": done.stderr[-2000:]}
@@ -324,23 +331,27 @@ def launch_part(res: dict, layers: int) -> None:
         report(OUT_NAME, res)
 
 
-def one_launch(folder: Path, engines: Path) -> None:
-    """One launch through the app's loader, to the end of a first short reply; prints its times as JSON."""
+def one_launch(folder: Path, engines: Path, spawned: float) -> None:
+    """One launch through the app's loader, to the end of a first short reply; prints its times as JSON:
+    from the start of the load (`ready_s`), from the process's start (`process_ready_s`: Python, torch and
+    the app's imports too), and from the moment the quantized weights are on disk, with each log line's
+    time."""
     from engine_builder.build import EngineOptions, StartupReport
     from engine_builder.cache import EngineCache
     from studio.backends import load_language_model
 
     t0 = time.perf_counter()
-    report_ = StartupReport()
-    lm = load_language_model(folder, "qwen25-7b-random", device="cuda", dtype=torch.bfloat16, max_context=4096,
-                             quant="int4", engines=EngineOptions(EngineCache(engines), report_))
+    report_, stamps = StartupReport(), []
+    with report_.listening(lambda line: stamps.append((round(time.perf_counter() - t0, 2), line))):
+        lm = load_language_model(folder, "qwen25-7b-random", device="cuda", dtype=torch.bfloat16, max_context=4096,
+                                 quant="int4", engines=EngineOptions(EngineCache(engines), report_))
     with torch.inference_mode():
         ids = tuple(i % lm.tokenizer.vocab_size for i in random_prompt(2, 64))  # the small tokenizer's ids
         lm.engine.submit(Prompt(ids), dataclasses.replace(UI_DEFAULT, max_new_tokens=8), set()).wait()
     ready = time.perf_counter() - t0
-    times = {"ready_s": round(ready, 1), "log": report_.lines}
-    if quantized := [float(m.group(1)) for line in report_.lines if (m := re.search(r"made and cached in ([\d.]+) s", line))]:
-        times |= {"quantize_s": quantized[0], "ready_after_quantization_s": round(ready - quantized[0], 1)}
+    times = {"ready_s": round(ready, 1), "process_ready_s": round(time.time() - spawned, 1), "log": stamps}
+    if on_disk := [at for at, line in stamps if "made and cached" in line]:
+        times |= {"quantized_on_disk_at_s": on_disk[0], "ready_after_quantization_s": round(ready - on_disk[0], 1)}
     lm.engine.close()
     print(json.dumps(times), flush=True)
 
@@ -353,9 +364,10 @@ def main() -> None:
     ap.add_argument("--out", default=OUT_NAME, help="the JSON's name under $OUT")
     ap.add_argument("--folder", type=Path, help="one_launch: the checkpoint (launch's own subprocesses)")
     ap.add_argument("--engines", type=Path, help="one_launch: the engine cache")
+    ap.add_argument("--spawned", type=float, help="one_launch: when its process was started (time.time())")
     args = ap.parse_args()
     if args.parts == "one_launch":
-        return one_launch(args.folder, args.engines)
+        return one_launch(args.folder, args.engines, args.spawned)
     OUT_NAME = args.out
     parts = args.parts.split(",")
     res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,

@@ -53,6 +53,7 @@ except ImportError:  # CPU-only installs: the caller's reference path is used
 
 GROUP = 128  # int4 inputs per group (one scale and zero); a chunk is 64 bytes of a row: one group, or 64 int8
 BLOCK_M = 16  # activation rows per program: tl.dot's smallest tile, so batches 1–16 cost one pass
+MAX_SPLIT = 8  # programs sharing an output tile along the inputs, at most (`_finish` adds their partials)
 TILE = 256  # weight rows stored together: a chunk of 256 rows is 16 KB of contiguous bytes (`kernel_bytes`)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -109,9 +110,10 @@ if triton is not None:
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                for k in range(SPLIT_K):  # in split order: the same sum on every run
-                    acc += tl.load(part_ptr + (k * BLOCK_M + rows[None, :]) * N + rv[:, None], mask=n_all, other=0.0,
-                                   cache_modifier=".cg")
+                for k in tl.static_range(8):  # MAX_SPLIT, unrolled: the loads go out together, not one round
+                    # trip after another; added in split order, so every run gives the same sum
+                    acc += tl.load(part_ptr + (k * BLOCK_M + rows[None, :]) * N + rv[:, None],
+                                   mask=n_all & ((rows[None, :] * 0 + k) < SPLIT_K), other=0.0, cache_modifier=".cg")
                 tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call: no fill launch
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -297,7 +299,7 @@ def default_config(bits: int, out_features: int, in_features: int, rows: int, pr
     tiles = -(-out_features // 64)
     chunks = in_features // (GROUP if bits == 4 else 64)
     split = 1
-    while tiles * split < 2 * processors and chunks // (split * 2) >= 8:
+    while tiles * split < 2 * processors and chunks // (split * 2) >= 8 and split < MAX_SPLIT:
         split *= 2
     return Config(block_n=64, steps=1, split_k=split)
 
@@ -316,6 +318,7 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
     n_out = n // 2 if gated else n
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     split = config.split_k if m <= BLOCK_M else 1
+    assert split <= MAX_SPLIT, config
     gemv = config.kernel == "gemv" and m == 1
     block_m = 1 if gemv else BLOCK_M if m <= BLOCK_M else 64
     tiles = triton.cdiv(n, config.block_n)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
+from plugins import topk_sampling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +134,9 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], seen: Tensor, colum
     uniform, temperature, top_k, top_p, penalty = columns
     if all(p.temperature == 0 and p.repetition_penalty == 1.0 for p in params):
         return logits.argmax(-1)
+    ks = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
+    if topk_sampling.applies(ks, [p.temperature for p in params], logits.device):
+        return topk_sampling.sample_top_k(logits, seen, columns)  # two kernels instead of about twenty
     logits = logits.float()
     if any(p.repetition_penalty != 1.0 for p in params):
         penalty = penalty[:, None]
@@ -141,7 +145,6 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], seen: Tensor, colum
     if all(p.temperature == 0 for p in params):
         return greedy
     logits = logits / torch.where(temperature > 0, temperature, 1.0)[:, None]
-    ks = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
     if all(ks):
         # Every row keeps at most max(k) tokens: sort only those (topk returns them in order), not
         # the whole vocabulary (152k entries for Qwen) as a row without top-k needs.
