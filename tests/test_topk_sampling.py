@@ -20,7 +20,7 @@ kinds = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty
          SamplingParams(temperature=0, top_k=20, repetition_penalty=1.3),  # greedy after the penalty
          SamplingParams(temperature=1.3, top_p=0.95, top_k=32, repetition_penalty=1.0)]
 params = [kinds[i % 3] for i in range(6)]
-logits = (torch.randn(6, vocab) * 3).to(torch.bfloat16)
+logits = torch.randn(6, vocab) * 3  # fp32: no ties, whose order torch.topk leaves open (ours: the lower id first)
 logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie: the lower id wins, as argmax has it
 seen = torch.rand(6, vocab) < 0.05
 logits[4] -= 20  # all negative: the penalty multiplies them (dividing would keep the seen one best)
