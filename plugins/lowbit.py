@@ -19,7 +19,9 @@ then an int→float conversion at 16 per SM per clock, per row of the batch) fal
 - **One row (the single chat) also has a CUDA-core GEMV** (`_gemv_kernel`): at batch 1 the tensor
   cores would multiply 15 rows of padding, and the layout change into their operands costs more
   instructions than the product. Its dequantization is two instructions per weight (an AND-OR into
-  an fp32 mantissa, then the FMA), with the known offset taken out once per word.
+  an fp32 mantissa, then the FMA); the known offset and the zero point come out once per row and
+  chunk. It is bound by instructions, not memory: its loads alone read at 0.97 of copy bandwidth
+  (H100, 2026-11-24), the whole kernel at up to 0.63.
 - Launch shapes (kernel, tile, loop step, split) are timed per GPU and layer shape
   (`plugins/lowbit_tuning.py`): whichever kernel is fastest for a shape and batch runs it.
 
