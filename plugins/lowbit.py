@@ -75,9 +75,14 @@ class Config:
 
 if triton is not None:
     @triton.jit
+    def _chunk_count(K, BITS: tl.constexpr):
+        """Chunks along the inputs: 64 bytes of every row, 128 int4 or 64 int8 inputs."""
+        return K // (128 if BITS == 4 else 64)
+
+    @triton.jit
     def _chunks(pid_k, K, BITS: tl.constexpr, STEPS: tl.constexpr, SPLIT_K):
-        """The chunks (64 bytes of every row: 128 int4 or 64 int8 inputs) program `pid_k` of a split covers."""
-        chunks = K // (128 if BITS == 4 else 64)
+        """The chunks program `pid_k` of a split covers."""
+        chunks = _chunk_count(K, BITS)
         per_split = tl.cdiv(tl.cdiv(chunks, SPLIT_K), STEPS) * STEPS
         first = pid_k * per_split
         return first, tl.minimum(first + per_split, chunks)
@@ -85,8 +90,7 @@ if triton is not None:
     @triton.jit
     def _row_chunk(rn, c, K, BITS: tl.constexpr):
         """Where row `rn`'s chunk `c` starts, in 64-byte units of the tiled layout (`kernel_bytes`)."""
-        chunks = K // (128 if BITS == 4 else 64)
-        return ((rn // 256) * chunks + c) * 256 + rn % 256
+        return ((rn // 256) * _chunk_count(K, BITS) + c) * 256 + rn % 256
 
     @triton.jit
     def _rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):

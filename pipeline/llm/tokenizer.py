@@ -211,7 +211,8 @@ class HFTokenizer(ByteTableTokenizer):
         self.bos_id = self._tok.token_to_id(named["bos_token"]) if "bos_token" in named else None
         eos = self._tok.token_to_id(named["eos_token"]) if "eos_token" in named else None
         self._eos = ({eos} if eos is not None else set()) | generation_eos_ids(folder)
-        self._bytes = self._byte_table(json.loads(spec).get("decoder") or {})
+        decoder = self._tok.decoder
+        self._bytes = self._byte_table(json.loads(decoder.__getstate__()) if decoder is not None else {})
         source = _chat_template_source(folder, config)
         self.chat_template = source
         self._template = None
