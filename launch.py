@@ -30,13 +30,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def start_app(args: argparse.Namespace, plan: Plan) -> int:
     """Load the chat tool (every tool with --preload / --build-engines), then serve until Ctrl+C."""
-    engines, host = build(args, plan)
+    service = build(args, plan)
     for name in (TOOLS if args.preload or args.build_engines else ("chat",)):
-        host.load(name)
+        service.load(name)
     if args.build_engines:
-        host.close()
+        service.close()
         return 0
-    return serve(args, host, engines.report.lines, host.load("chat").llm.model_id)
+    return serve(args, service)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The Chat tab: wiring between Gradio components and `ChatPipeline` (no model logic here)."""
+"""The Chat tab: wiring between Gradio components and the studio service (no request rules here)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.conversation import CancelFlags, plain_history, sampling_controls, start_turn, stream_turn, wire_stop
+from app.conversation import SLIDERS, sampling_controls, stream_turn, wire_stop
 from app.conversation_files import read_conversation, to_json, to_markdown
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from pipeline.errors import UserError
-from pipeline.tools import ToolHost
+from pipeline.service import CHAT, StudioService, plain_messages
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 PRESETS = {  # system prompts people reach for, one click away
@@ -27,7 +27,7 @@ PRESETS = {  # system prompts people reach for, one click away
 
 def last_turn(history: list) -> tuple[list[dict], str]:
     """(the history before the last user message, that message), for regenerate and edit."""
-    history = plain_history(history)
+    history = plain_messages(history)
     while history and history[-1]["role"] == "assistant":
         history.pop()
     if not history or history[-1]["role"] != "user":
@@ -35,24 +35,18 @@ def last_turn(history: list) -> tuple[list[dict], str]:
     return history[:-1], history[-1]["content"]
 
 
-def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None:
+def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) -> None:
     """`storage_secret` encrypts the conversation kept in the browser's localStorage, so a reload or
     an app restart does not lose it (the secret must outlive the process for the latter)."""
-    flags = CancelFlags()
 
     @shown_to_user
     def respond(message: str, history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
                 repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
         """Stream a reply to `message`; yields (textbox, chat history, status). Seed -1 = random."""
-        params, history = start_turn(message, history, (temperature, top_p, top_k, repetition_penalty,
-                                                        max_new_tokens, seed))
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise UserError(f"system_prompt must be text, got {system_prompt!r:.60}")
-        system = [{"role": "system", "content": system_prompt}] if system_prompt and system_prompt.strip() else []
-        messages = system + history + [{"role": "user", "content": message}]
-        yield from stream_turn(tools, "chat", lambda chat, cancel, session: chat.stream(messages, params, cancel,
-                                                                                        session),
-                               history, message, flags, request)
+        turn = service.chat_turn(plain_messages(history, "history") + [{"role": "user", "content": message}],
+                                 dict(zip(SLIDERS, (temperature, top_p, top_k, repetition_penalty, max_new_tokens,
+                                                    seed))), system=system_prompt, tool=CHAT)
+        yield from stream_turn(service, turn, request)
 
     @shown_to_user
     def regenerate(history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
@@ -70,7 +64,7 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
 
     @shown_to_user
     def export(history: list, system_prompt: str, kind: str) -> str:
-        history = plain_history(history)
+        history = plain_messages(history)
         if not history:
             raise UserError("nothing to export yet: the conversation is empty")
         text = to_json(history, system_prompt) if kind == "json" else to_markdown(history, system_prompt)
@@ -124,7 +118,7 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
     download_on_click(export_json, lambda h, s: export(h, s, "json"), [chatbot, system_prompt], "chat-export-json")
     download_on_click(export_md, lambda h, s: export(h, s, "md"), [chatbot, system_prompt], "chat-export-md")
 
-    wire_stop(stop, flags, status, "stop")
+    wire_stop(stop, service, CHAT, "stop")
     clear.click(lambda: ([], "", ""), None, [chatbot, message, status], api_visibility="private").then(**keep)
     app.load(lambda history: history, saved, chatbot, api_visibility="private")
 
@@ -135,8 +129,7 @@ def build_chat_tab(tools: ToolHost, app: gr.Blocks, storage_secret: str) -> None
         """API: stream a reply to `message` after `history` (a list of {role, content} with text content, or
         the Chatbot's own messages); yields (cleared textbox, history with the growing answer, status).
         Seed -1 = random. /stop stops this session's replies."""
-        for _, new_history, line in respond(message, history, system_prompt, temperature, top_p, top_k,
-                                            repetition_penalty, max_new_tokens, seed, request):
-            yield "", (new_history if isinstance(new_history, list) else history or []), line  # loading: no new history
+        yield from respond(message, history, system_prompt, temperature, top_p, top_k, repetition_penalty,
+                           max_new_tokens, seed, request)
 
     gr.api(chat, api_name="chat", concurrency_limit=None)

@@ -18,25 +18,25 @@ import threading
 from collections.abc import Iterator
 
 from pipeline.errors import UserError
-from pipeline.llm.language_model import ChatEvent
+from pipeline.images import load_image
 from pipeline.llm.sampling import SamplingParams
+from pipeline.service import StudioService, Update
 
 HELP = "commands: /reset · /system TEXT · /image PATH · /set SETTING VALUE (e.g. /set temperature 0) · /exit"
 
 
 class TerminalChat:
-    """One conversation's state and the command handling; `tools` is the app's `ToolHost`."""
+    """One conversation's state and the command handling, over the studio service."""
 
-    def __init__(self, tools, system: str = "You are a helpful assistant.", params: SamplingParams | None = None):
-        self.tools, self.system, self.params = tools, system, params or SamplingParams()
+    def __init__(self, service: StudioService, system: str = "You are a helpful assistant.",
+                 params: SamplingParams | None = None):
+        self.service, self.system, self.params = service, system, params or SamplingParams()
         self.history: list[dict] = []
         self.image = None  # the decoded picture of an image conversation
-        self.session = "cli"
         self.cancel = threading.Event()
 
     def reset(self) -> None:
         self.history, self.image = [], None
-        self.session = f"cli-{id(self.history)}"
 
     def command(self, line: str) -> str | None:
         """Handle a /command; the line to show, or None for /exit."""
@@ -54,8 +54,6 @@ class TerminalChat:
             self.reset()
             return "(system prompt set; new conversation)"
         if name == "/image":
-            from pipeline.images import load_image
-
             if not arg:
                 raise UserError("/image needs a path: /image photo.jpg")
             image = load_image(arg)
@@ -70,28 +68,19 @@ class TerminalChat:
                 number = json.loads(value.strip())  # as the API's JSON would carry it: 3, 0.7, null
             except ValueError:
                 number = value.strip()
-            values = {**dataclasses.asdict(self.params), setting: number}
-            self.params = SamplingParams.from_values(**values)
+            self.params = SamplingParams.from_values(**{**dataclasses.asdict(self.params), setting: number})
             return f"({setting} = {getattr(self.params, setting)})"
         return f"(unknown command {name}; {HELP})"
 
-    def reply(self, message: str) -> Iterator[ChatEvent]:
+    def reply(self, message: str) -> Iterator[Update]:
         """Stream the answer to `message`; the turn joins the history once it ends (stopped ones too)."""
         self.cancel = threading.Event()
         turn = self.history + [{"role": "user", "content": message}]
+        request = self.service.chat_turn(turn, dataclasses.asdict(self.params), system=self.system, image=self.image)
         answer = ""
-        if self.image is not None:
-            with self.tools.using("image chat", _status) as pipeline:
-                events = pipeline.stream(self.image, turn, self.params, self.cancel, self.session)
-                for event in events:
-                    answer += event.text
-                    yield event
-        else:
-            system = [{"role": "system", "content": self.system}] if self.system else []
-            with self.tools.using("chat", _status) as pipeline:
-                for event in pipeline.stream(system + turn, self.params, self.cancel, self.session):
-                    answer += event.text
-                    yield event
+        for update in self.service.reply("cli", request, self.cancel):
+            answer += update.text
+            yield update
         self.history = turn + [{"role": "assistant", "content": answer}]
 
 
@@ -123,12 +112,14 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
                 print(said, file=stdout, flush=True)
                 continue
             try:
-                for event in chat.reply(line):
-                    if event.notice:
-                        print(f"\n[{event.notice}]", file=sys.stderr, flush=True)
-                    print(event.text, end="", file=stdout, flush=True)
-                    if event.stats is not None:
-                        print(f"\n({event.stats.summary()})", file=sys.stderr, flush=True)
+                for update in chat.reply(line):
+                    if update.notice:
+                        print(f"\n[{update.notice}]", file=sys.stderr, flush=True)
+                    print(update.text, end="", file=stdout, flush=True)
+                    if update.stats is not None:
+                        print(f"\n({update.status})", file=sys.stderr, flush=True)
+                    elif not update.text and update.status.startswith("Loading"):
+                        _status(update.status)
             except KeyboardInterrupt:  # Ctrl+C stops the reply, not the program
                 chat.cancel.set()
                 print("\n(stopped)", file=sys.stderr, flush=True)
@@ -148,12 +139,12 @@ def chat_in_terminal(args: argparse.Namespace, plan) -> int:
     """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
     from studio.compose import build
 
-    _, host = build(args, plan, echo=False, say=_status)
+    service = build(args, plan, echo=False, say=_status)
     try:
-        host.load("chat", _status)
-        return run(TerminalChat(host))
+        service.load("chat", _status)
+        return run(TerminalChat(service))
     finally:
-        host.close()
+        service.close()
 
 
 if __name__ == "__main__":

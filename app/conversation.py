@@ -1,72 +1,29 @@
-"""What the Chat and Image-chat tabs share: sampling controls, one streamed turn, per-session Stop."""
+"""What the Chat and Image-chat tabs share: sampling controls, one streamed turn, Stop.
+
+Request rules (checks, routing, limits, Stop) are the service's (`pipeline.service`); this module
+only turns its updates into Gradio's outputs.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import gradio as gr
 
 from app.errors import shown_to_user
-from app.tool_loading import loading_updates
-from pipeline.errors import UserError
-from pipeline.llm.language_model import ChatEvent
 from pipeline.llm.sampling import LIMITS, SamplingParams
-from pipeline.tools import ToolHost
-
-STOPPED = "Stopped: the reply so far is kept."
-
-
-def text_of(content) -> str:
-    """Gradio 6 hands message content over as a list of parts; keep the text ones."""
-    if isinstance(content, str):
-        return content
-    parts = content if isinstance(content, list) else [content]
-    return "".join(p.get("text", "") if isinstance(p, dict) else str(p) for p in parts)
-
+from pipeline.service import ChatTurn, StudioService
 
 UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page
-MAX_IN_FLIGHT = 2  # replies one browser session (or API client session) may have running or queued
-
-
-class CancelFlags:
-    """Each session's replies in flight, with their Stop flags: Stop ends every reply of that session
-    only, including one still waiting for its tool to load or for a place in the batch, and a session
-    cannot queue more than MAX_IN_FLIGHT replies (one client queueing 200 chats would starve the rest)."""
-
-    def __init__(self):
-        self._flags: dict[str, list[threading.Event]] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def running(self, session: str) -> Iterator[threading.Event]:
-        flag = threading.Event()
-        with self._lock:
-            flags = self._flags.setdefault(session, [])
-            if len(flags) >= MAX_IN_FLIGHT:
-                raise UserError(f"this session already has {len(flags)} replies in progress: wait for them, "
-                                f"or press Stop")
-            flags.append(flag)
-        try:
-            yield flag
-        finally:
-            with self._lock:
-                flags.remove(flag)
-                if not flags:
-                    del self._flags[session]
-
-    def cancel(self, session: str) -> None:
-        with self._lock:
-            for flag in self._flags.get(session, []):
-                flag.set()
-
-
 SLIDERS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")  # controls' order
 UI_MAX = {"max_new_tokens": 4096}  # a slider's usable span; typing a larger value in its box still works
+
+
+def client_of(request: gr.Request | None) -> str:
+    """The service's client for a browser session (or a `gradio_client`)."""
+    return f"ui:{request.session_hash if request is not None else ''}"
 
 
 def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
@@ -83,73 +40,29 @@ def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
         return sliders + [gr.Number(-1, precision=0, label="Seed (-1 = random)", elem_id=f"{tab}-seed")]
 
 
-def plain_history(history) -> list[dict]:
-    """The history as {role, content: text} messages, whether content is text (API clients) or a list of
-    parts (Gradio's Chatbot); anything else is a `UserError` saying what was expected."""
-    if history is None:
-        return []
-    if not isinstance(history, list):
-        raise UserError(f"history must be a list of {{role, content}} messages, got {type(history).__name__}")
-    out = []
-    for i, m in enumerate(history):
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
-            raise UserError(f"history[{i}] must be {{'role': 'user' or 'assistant', 'content': text}}, got {m!r:.80}")
-        out.append({"role": m["role"], "content": text_of(m.get("content", ""))})
-    return out
-
-
 @shown_to_user
-def start_turn(message, history, sampling) -> tuple[SamplingParams, list[dict]]:
-    """Validated parameters (a seed below 0 is the UI's "random") and the history as plain dicts."""
-    values = dict(zip(SLIDERS, sampling))
-    if isinstance(values.get("seed"), (int, float)) and values["seed"] < 0:
-        values["seed"] = None
-    params = SamplingParams.from_values(**values)
-    if not isinstance(message, str) or not message.strip():
-        raise UserError("the message is empty: type something to send")
-    return params, plain_history(history)
+def stream_turn(service: StudioService, turn: ChatTurn, request: gr.Request) -> Iterator[tuple[str, list[dict], str]]:
+    """The service's reply to `turn` as (cleared textbox, history with the growing answer, status)."""
+    history = [m for m in turn.messages if m["role"] != "system"] + [{"role": "assistant", "content": ""}]
+    notices: list[str] = []
+    shown = 0.0  # when the page was last updated
+    for update in service.reply(client_of(request), turn):
+        if update.notice:
+            notices.append(update.notice)
+            gr.Warning(update.notice)
+        history[-1]["content"] += update.text
+        # Each update sends the whole history: at most one per UPDATE_EVERY_S, so a long
+        # conversation streams as fast as a short one (the last update always goes out).
+        if update.stats is None and update.notice is None and time.monotonic() - shown < UPDATE_EVERY_S:
+            continue
+        shown = time.monotonic()
+        yield "", history, " · ".join(notices + [update.status])
 
 
-def stats_line(stats, context: int = 0) -> str:
-    """The reply's statistics line, marked when the user stopped it."""
-    line = stats.summary(context)
-    return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
+def wire_stop(stop: gr.Button, service: StudioService, tool: str, api_name: str):
+    """Stop ends this session's replies of `tool`: the engine drops them at its next step, and each
+    reply's last update (the text so far, "Stopped: …" and its statistics) still reaches the page."""
+    def stop_replies(request: gr.Request) -> None:
+        service.stop(client_of(request), tool)
 
-
-@shown_to_user
-def stream_turn(tools: ToolHost, name: str, reply: Callable[[Any, threading.Event, str], Iterator[ChatEvent]],
-                history: list[dict], message: str, flags: CancelFlags, request: gr.Request
-                ) -> Iterator[tuple[str, list[dict], str]]:
-    """Run one reply of tool `name`, yielding (cleared textbox, history with the growing answer, status
-    line); first, while the tool loads, its progress. `reply(pipeline, cancel, session)` gets the
-    loaded pipeline, the session's Stop flag (set from the start, so a Stop during the load or the
-    queueing counts) and the session name the engine keys its cached turns by."""
-    session = request.session_hash or ""
-    with flags.running(session) as cancel:
-        yield from loading_updates(tools, name, 3)
-        history = history + [{"role": "user", "content": message}, {"role": "assistant", "content": ""}]
-        notices: list[str] = []
-        shown = 0.0  # when the page was last updated
-        with tools.using(name) as pipeline:
-            for event in reply(pipeline, cancel, f"{name.replace(' ', '-')}:{session}"):
-                if event.notice:
-                    notices.append(event.notice)
-                    gr.Warning(event.notice)
-                history[-1]["content"] += event.text
-                # Each update sends the whole history: at most one per UPDATE_EVERY_S, so a long
-                # conversation streams as fast as a short one (the last update always goes out).
-                if event.stats is None and event.notice is None and time.monotonic() - shown < UPDATE_EVERY_S:
-                    continue
-                shown = time.monotonic()
-                status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
-                yield "", history, " · ".join(notices + [status])
-
-
-def wire_stop(stop: gr.Button, flags: CancelFlags, status: gr.Markdown, api_name: str):
-    """Stop sets the session's flag: the engine drops the reply at its next step and the reply's
-    last update (the text so far, "ended: cancelled") still reaches the page."""
-    def stop_reply(request: gr.Request) -> str:
-        flags.cancel(request.session_hash or "")
-        return STOPPED
-
-    return stop.click(stop_reply, None, status, api_name=api_name)
+    return stop.click(stop_replies, None, None, api_name=api_name)

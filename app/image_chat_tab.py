@@ -8,11 +8,9 @@ from collections.abc import Callable, Iterator
 import gradio as gr
 from gradio.data_classes import FileData
 
-from app.conversation import CancelFlags, sampling_controls, start_turn, stream_turn, wire_stop
+from app.conversation import SLIDERS, sampling_controls, stream_turn, wire_stop
 from app.errors import shown_to_user
-from pipeline.errors import UserError
-from pipeline.images import load_image
-from pipeline.tools import ToolHost
+from pipeline.service import IMAGE_CHAT, StudioService, plain_messages
 
 
 @dataclasses.dataclass
@@ -26,22 +24,15 @@ class ImageChatTab:
     outputs: list
 
 
-def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> ImageChatTab:
-    flags = CancelFlags()
-
+def build_image_chat_tab(service: StudioService, examples: list[str]) -> ImageChatTab:
     @shown_to_user
     def respond(image: str | None, message: str, history: list, temperature: float, top_p: float, top_k: int,
                 repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
         """Stream an answer about `image` (a file); yields (textbox, history, status). Seed -1 = random."""
-        params, history = start_turn(message, history, (temperature, top_p, top_k, repetition_penalty,
-                                                        max_new_tokens, seed))
-        if not image:
-            raise UserError("upload an image first: image chat talks about one picture")
-        pixels = load_image(image)
-        messages = history + [{"role": "user", "content": message}]
-        yield from stream_turn(tools, "image chat",
-                               lambda chat, cancel, session: chat.stream(pixels, messages, params, cancel, session),
-                               history, message, flags, request)
+        turn = service.chat_turn(plain_messages(history, "history") + [{"role": "user", "content": message}],
+                                 dict(zip(SLIDERS, (temperature, top_p, top_k, repetition_penalty, max_new_tokens,
+                                                    seed))), tool=IMAGE_CHAT, image=image)
+        yield from stream_turn(service, turn, request)
 
     with gr.Row():
         with gr.Column(scale=2):
@@ -63,7 +54,7 @@ def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> ImageChatTab:
     outputs = [message, chatbot, status]
     message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
     send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)
-    wire_stop(stop, flags, status, "image_chat_stop")
+    wire_stop(stop, service, IMAGE_CHAT, "image_chat_stop")
     fresh = dict(fn=lambda: ([], ""), inputs=None, outputs=[chatbot, status], api_visibility="private")
     restart.click(**fresh)
     image.change(**fresh)
@@ -77,7 +68,7 @@ def build_image_chat_tab(tools: ToolHost, examples: list[str]) -> ImageChatTab:
         path = image["path"] if isinstance(image, dict) else image.path if image is not None else None
         for _, new_history, line in respond(path, message, history, temperature, top_p, top_k, repetition_penalty,
                                             max_new_tokens, seed, request):
-            yield (new_history if isinstance(new_history, list) else history or []), line  # loading: no new history
+            yield new_history, line
 
     gr.api(image_chat, api_name="image_chat", concurrency_limit=None)
     return ImageChatTab(image, message, respond, inputs, outputs)

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API (`/v1`), served beside the UI by the same process and port.
 
 Scripts and other apps speak this protocol (Ollama, LM Studio, vLLM and TensorRT-LLM's server all
-offer it). Requests go through the same tools and engines as the browser, so API and UI users share
-the GPU's batch fairly. A request whose last user message carries an `image_url` part goes to image
-chat; everything else to chat. Errors come in OpenAI's shape with the right status and the parameter
-named; a client that disconnects mid-stream cancels its generation at the engine's next step.
+offer it). This module only translates: requests go to the studio service (`pipeline.service`), the
+one place their rules live, so API and UI users get the same checks and share the GPU's batch
+fairly. A request with an `image_url` part, or for the `minigpt4` model, goes to image chat. A
+client is its `user` field, else its address: each has the service's limit of replies in flight
+(429 past it). Errors come in OpenAI's shape with the right status and the parameter named; a
+client that disconnects mid-stream cancels its generation at the engine's next step.
 """
 
 from __future__ import annotations
@@ -18,18 +20,14 @@ import secrets
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import numpy as np
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pipeline.errors import UserError
-from pipeline.images import load_image, masked_crop
-from pipeline.llm.language_model import ChatEvent
-from pipeline.llm.sampling import InvalidSampling, SamplingParams
-from pipeline.tools import ToolHost
+from pipeline.service import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService
 
 IMAGE_MODEL = "minigpt4"
 MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not
@@ -51,14 +49,13 @@ class ApiError(Exception):
 
 @dataclasses.dataclass
 class ChatRequest:
+    """What the HTTP side keeps of a request: the model asked for, the service's checked turn, and how to answer."""
+
     model: str
-    messages: list[dict]  # {"role", "content": text}
-    image: bytes | None  # the image of an image-chat request (encoded file bytes)
-    mask: bytes | None  # extension: a mask of the image (PNG, white = the object) to ask about that object only
-    params: SamplingParams
+    turn: ChatTurn
     stream: bool
     include_usage: bool
-    pixels: np.ndarray | None = None  # the decoded picture (`request_image`), once checked
+    client: str
 
 
 def _whole(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -93,38 +90,30 @@ def _image_bytes(url: object, allow_files: bool) -> bytes:
     raise ApiError(400, "image_url must be a data: URL (this server fetches nothing from the network)", "messages")
 
 
-def _messages(raw: object, allow_files: bool) -> tuple[list[dict], bytes | None]:
+def _messages(raw: object, allow_files: bool) -> tuple[object, bytes | None]:
+    """The messages with image parts taken out (their text parts stay for the service to check), and
+    the image's bytes."""
     if not isinstance(raw, list) or not raw:
         raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
     messages, image = [], None
     for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant"):
-            raise ApiError(400, f"messages[{i}] needs a role of system, user or assistant", "messages")
-        content = m.get("content")
-        if isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            parts = []
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
             for part in content:
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text" and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-                elif kind == "image_url" and m["role"] == "user":
+                if kind == "image_url" and m.get("role") == "user":
                     image = _image_bytes((part.get("image_url") or {}).get("url"), allow_files)
-                else:
+                elif kind != "text" or not isinstance(part.get("text"), str):
                     raise ApiError(400, f"messages[{i}] has a content part this server does not take: "
                                         f"{str(part)[:80]}", "messages")
-            text = "".join(parts)
-        else:
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", "messages")
-        messages.append({"role": m["role"], "content": text})
-    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
-        raise ApiError(400, "the last message must be the user's, with text", "messages")
+            m = {**m, "content": [p for p in content if p.get("type") == "text"]}
+        messages.append(m)
     return messages, image
 
 
-def parse_request(body: object, models: list[str], allow_files: bool) -> ChatRequest:
-    """A validated chat request, or `ApiError` naming what is wrong."""
+def parse_request(body: object, models: list[str], allow_files: bool, service: StudioService,
+                  address: str) -> ChatRequest:
+    """A request checked by the service, or `ApiError` naming what is wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
     model = body.get("model")
@@ -133,64 +122,45 @@ def parse_request(body: object, models: list[str], allow_files: bool) -> ChatReq
                        "model_not_found")
     if _whole(body, "n", 1, 1, 1) != 1:
         raise ApiError(400, "n must be 1", "n")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, f"user must be a string, got {user!r:.40}", "user")
     messages, image = _messages(body.get("messages"), allow_files)
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    try:  # the one check of sampling values (`SamplingParams.from_values`); absent ones keep the UI's defaults
-        params = SamplingParams.from_values(max_new_tokens=body.get(max_name), **{
-            name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop")})
-    except InvalidSampling as e:
-        param = max_name if e.param == "max_new_tokens" else e.param
-        raise ApiError(400, str(e).replace("max_new_tokens", param), param) from None
+    mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
+    sampling = {"max_new_tokens": body.get(max_name),
+                **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed",
+                                                     "stop")}}
+    try:  # absent values keep the UI's defaults
+        turn = service.chat_turn(messages, sampling, tool=IMAGE_CHAT if model == IMAGE_MODEL or image else CHAT,
+                                 image=image, mask=mask)
+    except UserError as e:
+        param = {"max_new_tokens": max_name, "image": "messages", None: None}.get(e.param, e.param)
+        raise ApiError(400, str(e).replace("max_new_tokens", max_name), param) from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options") or {}
-    if image is not None and model != IMAGE_MODEL:
-        model = IMAGE_MODEL  # an image routes the request to image chat
-    mask = body.get("mask")
-    if mask is not None:
-        if image is None:
-            raise ApiError(400, "mask needs an image_url part in the last user message", "mask")
-        mask = _image_bytes(mask, allow_files)
-    return ChatRequest(model, messages, image, mask, params, stream,
-                       bool(isinstance(options, dict) and options.get("include_usage")))
-
-
-def request_image(req: ChatRequest) -> np.ndarray:
-    """The picture image chat is asked about: the image, or with a mask, the masked object's crop."""
-    pixels = load_image(req.image)
-    if req.mask is None:
-        return pixels
-    return masked_crop(pixels, load_image(req.mask).max(axis=2) > 127)
-
-
-def _events(tools: ToolHost, req: ChatRequest, cancel: threading.Event, session: str) -> Iterator[ChatEvent]:
-    """The reply's events from the right tool, held busy while it runs."""
-    if req.pixels is not None:
-        with tools.using("image chat") as pipeline:
-            messages = [m for m in req.messages if m["role"] != "system"]
-            yield from pipeline.stream(req.pixels, messages, req.params, cancel, session)
-    else:
-        with tools.using("chat") as pipeline:
-            yield from pipeline.stream(req.messages, req.params, cancel, session)
+    return ChatRequest(IMAGE_MODEL if turn.tool == IMAGE_CHAT else model, turn, stream,
+                       bool(isinstance(options, dict) and options.get("include_usage")), f"api:{user or address}")
 
 
 class Reply:
     """One request's reply produced on a worker thread; the HTTP side reads `pieces` and can cancel."""
 
-    def __init__(self, tools: ToolHost, req: ChatRequest):
+    def __init__(self, service: StudioService, req: ChatRequest):
         self.req, self.cancel = req, threading.Event()
         self.pieces: queue.SimpleQueue = queue.SimpleQueue()  # str, then ("end", stats or exception)
         self.stats = None
-        threading.Thread(target=self._run, args=(tools,), daemon=True, name="openai-reply").start()
+        threading.Thread(target=self._run, args=(service,), daemon=True, name="openai-reply").start()
 
-    def _run(self, tools: ToolHost) -> None:
+    def _run(self, service: StudioService) -> None:
         try:
-            for event in _events(tools, self.req, self.cancel, f"api:{secrets.token_hex(8)}"):
-                if event.text:
-                    self.pieces.put(event.text)
-                if event.stats is not None:
-                    self.stats = event.stats
+            for update in service.reply(self.req.client, self.req.turn, self.cancel):
+                if update.text:
+                    self.pieces.put(update.text)
+                if update.stats is not None:
+                    self.stats = update.stats
             self.pieces.put(("end", None))
         except BaseException as e:  # noqa: BLE001 - handed to the HTTP side
             self.pieces.put(("end", e))
@@ -209,8 +179,10 @@ class Reply:
 def _user_error(e: BaseException) -> ApiError:
     if isinstance(e, ApiError):
         return e
+    if isinstance(e, Busy):
+        return ApiError(429, str(e), code="too_many_requests")
     if isinstance(e, UserError):
-        return ApiError(400, str(e))
+        return ApiError(400, str(e), e.param)
     return ApiError(500, f"the server failed: {type(e).__name__}")
 
 
@@ -226,7 +198,7 @@ async def _next(reply: Reply, request: Request):
             await asyncio.sleep(0.005)
 
 
-def build_router(tools: ToolHost, chat_model: str, api_key: str | None, allow_files: bool) -> APIRouter:
+def build_router(service: StudioService, chat_model: str, api_key: str | None, allow_files: bool) -> APIRouter:
     """`/v1/models` and `/v1/chat/completions`; `api_key` None: no key asked for (loopback only)."""
     router = APIRouter(prefix="/v1")
     models = [chat_model, IMAGE_MODEL]
@@ -259,15 +231,10 @@ def build_router(tools: ToolHost, chat_model: str, api_key: str | None, allow_fi
                 body = json.loads(raw)
             except ValueError as e:
                 raise ApiError(400, f"the body is not valid JSON: {e}") from None
-            req = parse_request(body, models, allow_files)
-            if req.image is not None:
-                try:  # a broken image or mask is a 400 now, not a failed stream later
-                    req.pixels = request_image(req)
-                except UserError as e:
-                    raise ApiError(400, f"the image_url image: {e}", "mask" if req.mask else "messages") from None
+            req = parse_request(body, models, allow_files, service, request.client.host if request.client else "")
         except (ApiError, UserError) as e:
             return _user_error(e).response()
-        reply = Reply(tools, req)
+        reply = Reply(service, req)
         ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if req.stream:
             return StreamingResponse(_sse(reply, request, ident, created), media_type="text/event-stream")
@@ -313,5 +280,5 @@ async def _sse(reply: Reply, request: Request, ident: str, created: int) -> Asyn
         reply.cancel.set()
 
 
-def mount(app: FastAPI, tools: ToolHost, chat_model: str, api_key: str | None, allow_files: bool) -> None:
-    app.include_router(build_router(tools, chat_model, api_key, allow_files))
+def mount(app: FastAPI, service: StudioService, chat_model: str, api_key: str | None, allow_files: bool) -> None:
+    app.include_router(build_router(service, chat_model, api_key, allow_files))

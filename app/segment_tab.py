@@ -1,31 +1,26 @@
-"""The Segment tab: clicks and boxes on an image → SAM masks. Wiring only: prompting is
-`pipeline.segment_session.SegmentSession`, drawing `app.segment_render`. Each browser session keeps
+"""The Segment tab: clicks and boxes on an image → SAM masks. Wiring only: requests go through the
+studio service, prompting is `pipeline.segment_session.SegmentSession`, drawing `app.segment_render`. Each browser session keeps
 its own `SegmentSession` (and so its own statistics) in `gr.State`."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
-import threading
 from collections.abc import Callable, Iterator
 
 import gradio as gr
 import numpy as np
-import torch
 from gradio.data_classes import FileData
 
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
-from app.tool_loading import loading_updates
 from app.segment_render import (mask_png, png_bytes, render_candidates, render_everything, render_session, status_line,
                                 thumbnail)
 from pipeline.errors import UserError
-from pipeline.images import fit_for_display, load_image, masked_crop, to_device
-from pipeline.segment import SegmentStats
+from pipeline.images import fit_for_display, load_image, masked_crop
 from pipeline.segment_session import SegmentSession
-from pipeline.tools import ToolHost
+from pipeline.service import SEGMENT, StudioService
 
 POSITIVE, NEGATIVE = "Object (+)", "Background (−)"
 POINTS, BOX = "Points", "Box (two clicks: opposite corners)"
@@ -37,31 +32,6 @@ class TabState:
     display: np.ndarray = dataclasses.field(repr=False)  # the image at browser size, drawn on every click
     scale: float  # displayed pixels per original pixel
     small: np.ndarray = dataclasses.field(repr=False)  # the candidates' thumbnail copy
-
-
-class DeviceCopies:
-    """Display copies kept where SAM runs, for the most recently clicked images, so a click copies
-    nothing in. Bounded: a thousand open sessions must not hold 5.8 MB of GPU memory each; an image
-    not held is uploaded again on its next click (~0.5 ms). Keyed by the image's content key (the
-    copies are only read), so two users on one photo share one."""
-
-    def __init__(self, limit: int = 8):
-        self.limit = limit
-        self._copies: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, t: TabState, device: torch.device) -> torch.Tensor:
-        key = (t.session.handle.key, t.display.shape, str(device))
-        with self._lock:
-            if key not in self._copies:
-                self._copies[key] = to_device(t.display, device)
-                while len(self._copies) > self.limit:
-                    self._copies.popitem(last=False)
-            self._copies.move_to_end(key)
-            return self._copies[key]
-
-
-DISPLAY_COPIES = DeviceCopies()
 
 
 def _write_png(data: bytes) -> str:
@@ -76,8 +46,7 @@ def _render(t: TabState):
     """(display image, state, gallery, download button, status) for the session's current state. The
     full-size mask PNG is made only when the user downloads (a 12 MP one costs ~0.15 s, not per click)."""
     s = t.session
-    device = s.pipeline.engine.device
-    return (render_session(s, DISPLAY_COPIES.get(t, device), t.scale, device), t, render_candidates(s, t.small),
+    return (render_session(s, s.display_copy(t.display), t.scale, s.device), t, render_candidates(s, t.small),
             gr.Button(interactive=s.prediction is not None), status_line(s))
 
 
@@ -92,17 +61,13 @@ class SelectionQuestion:
     selection: Callable
 
 
-def build_segment_tab(tools: ToolHost, examples: list[str]) -> SelectionQuestion:
+def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQuestion:
     @contextlib.contextmanager
     def session_of(t: TabState | None, missing: str) -> Iterator[SegmentSession]:
-        """The user's session on the loaded SAM (loaded again, and the image re-encoded, if the memory
-        budget unloaded it since), held busy while the block runs."""
         if t is None:
             raise UserError(missing)
-        with tools.using("segment") as seg:
-            if t.session.pipeline is not seg:
-                t.session.rebind(seg)
-            yield t.session
+        with service.segmenting(t.session) as session:
+            yield session
 
     @shown_to_user
     def _step(t: TabState | None, missing: str, action: Callable[[SegmentSession], None]) -> tuple:
@@ -117,10 +82,12 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> SelectionQuestion
             yield _empty()
             return
         image = load_image(path)
-        yield from loading_updates(tools, "segment", 5)
-        with tools.using("segment") as seg:
-            display, scale = fit_for_display(image, device=seg.engine.device)
-            yield _render(TabState(SegmentSession(seg, image, display.shape[:2]), display, scale, thumbnail(display)))
+        for line in service.loading(SEGMENT):
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), line
+        session = service.segment_session(image)
+        display, scale = fit_for_display(image, device=session.device)  # resized where SAM runs
+        session.shown = display.shape[:2]  # masks come at the size the browser shows
+        yield _render(TabState(session, display, scale, thumbnail(display)))
 
     def on_click(t: TabState | None, label: str, mode: str, multimask: bool, evt: gr.SelectData):
         def click(s: SegmentSession) -> None:
@@ -212,24 +179,18 @@ def build_segment_tab(tools: ToolHost, examples: list[str]) -> SelectionQuestion
         (JSON [x0, y0, x1, y1]) on `image`. Returns the best mask as a PNG of the image's size, and
         JSON with all scores and what this call cost: whether the image's embedding came from the
         cache, encoder and decoder milliseconds."""
-        stats = SegmentStats()
         try:
             pts = json.loads(points or "[]")
             box_value = json.loads(box) if box else None
         except json.JSONDecodeError as e:
             raise UserError(f"points/box are not valid JSON: {e}") from None
-        if not isinstance(pts, list) or any(not isinstance(p, list) or len(p) != 3 for p in pts):
-            raise UserError("points must be JSON like [[x, y, 1], [x, y, 0]]")
         if image is None:
             raise UserError("send an image first, then points or a box on it")
-        pixels = load_image(image["path"] if isinstance(image, dict) else image.path)
-        with tools.using("segment") as seg:
-            handle = seg.set_image(pixels, stats)
-            result = seg.predict(handle, [p[:2] for p in pts], [p[2] for p in pts], box_value, None, multimask, stats)
-        best = int(np.argmax(result.scores))
-        info = {"scores": result.scores.tolist(), "best": best, "cached": stats.encoder_runs == 0,
-                "encoder_ms": stats.last_encoder_ms, "decoder_ms": stats.last_decoder_ms}
-        return FileData(path=_write_png(mask_png(result.masks[best]))), json.dumps(info)
+        session = service.segment(image["path"] if isinstance(image, dict) else image.path, pts, box_value, multimask)
+        info = {"scores": session.prediction.scores.tolist(), "best": session.chosen,
+                "cached": session.stats.encoder_runs == 0, "encoder_ms": session.stats.last_encoder_ms,
+                "decoder_ms": session.stats.last_decoder_ms}
+        return FileData(path=_write_png(mask_png(session.mask))), json.dumps(info)
 
     gr.api(segment, api_name="segment")
     return SelectionQuestion(ask, question, state, selection)

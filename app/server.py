@@ -7,11 +7,12 @@ import sys
 import time
 
 from pipeline.errors import UserError
+from pipeline.service import StudioService
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def start_server(args: argparse.Namespace, host, startup: list[str], chat_model: str):
+def start_server(args: argparse.Namespace, service: StudioService):
     """The UI and the OpenAI-compatible API on one port, serving in the background: (app, url)."""
     import secrets
 
@@ -31,25 +32,25 @@ def start_server(args: argparse.Namespace, host, startup: list[str], chat_model:
         api_key = secrets.token_urlsafe(24)
         print(f"[studio] the API is reachable from other machines: its key is {api_key} "
               f"(Authorization: Bearer …; set your own with --api-key)", flush=True)
-    app = build_app(host, startup, args.keep_files).queue(default_concurrency_limit=1)
+    app = build_app(service, args.keep_files).queue(default_concurrency_limit=1)
     server, local_url, share_url = app.launch(server_name=args.host, server_port=args.port, share=args.share,
                                               auth=auth, show_error=True, prevent_thread_lock=True, quiet=True,
                                               max_file_size=args.max_upload,
                                               state_session_capacity=args.max_sessions)
-    mount(server, host, chat_model, api_key, args.allow_file_urls)
+    mount(server, service, service.chat_model(), api_key, args.allow_file_urls)
     url = share_url or local_url
     print(f"[studio] ready: {url} (OpenAI-compatible API at {local_url.rstrip('/')}/v1) · Ctrl+C to stop", flush=True)
     return app, url
 
 
-def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -> int:
+def serve(args: argparse.Namespace, service: StudioService) -> int:
     """`start_server`, then: the browser opened when run from a terminal; idle sessions dropped every
     minute; Ctrl+C shuts down cleanly (engines stopped, caches untouched)."""
     import webbrowser
 
     from app.sessions import forget_idle_sessions
 
-    app, url = start_server(args, host, startup, chat_model)
+    app, url = start_server(args, service)
     if not args.no_browser and sys.stdout.isatty():
         webbrowser.open(url)
     swept = time.monotonic()
@@ -63,5 +64,5 @@ def serve(args: argparse.Namespace, host, startup: list[str], chat_model: str) -
         print("\n[studio] shutting down…", flush=True)
     finally:
         app.close()
-        host.close()
+        service.close()
     return 0

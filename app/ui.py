@@ -15,7 +15,7 @@ from app.image_chat_tab import build_image_chat_tab
 from app.segment_tab import build_segment_tab
 from pipeline.files import atomic_write
 from pipeline.models import cache_dir
-from pipeline.tools import ToolHost
+from pipeline.service import CHAT, IMAGE_CHAT, SEGMENT, StudioService
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples"
 
@@ -44,46 +44,47 @@ def browser_storage_secret() -> str:
     return path.read_text().strip()
 
 
-def tools_line(tools: ToolHost) -> str:
+def tools_line(service: StudioService) -> str:
     """One line per tool: what it is when loaded, else whether it is waiting for its first use."""
-    lines = []
-    for name, state in tools.status().items():
-        pipeline = tools.loaded(name)
-        lines.append(f"- **{name}**: {state}" + (f" · {pipeline.description}" if pipeline is not None else ""))
-    return "\n".join(lines)
+    return "\n".join(f"- **{name}**: {state}" + (f" · {description}" if description else "")
+                     for name, (state, description) in service.tools().items())
 
 
-def build_app(tools: ToolHost, startup: list[str], keep_files_s: int = KEEP_FILES_S) -> gr.Blocks:
-    """`startup`: what start-up chose and did (backends and why, engines built or loaded, with times);
-    it keeps growing as tools load on first use. Uploads and files made for download are deleted
+def startup_lines(service: StudioService) -> str:
+    return "\n".join(f"- {line}" for line in service.startup)
+
+
+def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Blocks:
+    """The UI over `service`, whose start-up report (backends and why, engines built or loaded, with
+    times) keeps growing as tools load on first use. Uploads and files made for download are deleted
     `keep_files_s` after they were made."""
     downloads.KEEP_FILES_S = keep_files_s
     sweep = max(1, min(600, keep_files_s // 2))
     with gr.Blocks(title="AI Studio", delete_cache=(sweep, keep_files_s)) as demo:
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
-        if tools.spec("chat").is_demo:
+        if service.is_demo(CHAT):
             gr.Markdown(DEMO_WARNING)
-        banner = gr.Markdown(tools_line(tools), elem_id="tools-status")
+        banner = gr.Markdown(tools_line(service), elem_id="tools-status")
         with gr.Accordion("Start-up: what runs where, and why", open=False):
-            report = gr.Markdown("\n".join(f"- {line}" for line in startup), elem_id="startup-report")
+            report = gr.Markdown(startup_lines(service), elem_id="startup-report")
         with gr.Tabs() as tabs:
             with gr.Tab("Chat", id="chat"):
-                build_chat_tab(tools, demo, browser_storage_secret())
+                build_chat_tab(service, demo, browser_storage_secret())
             with gr.Tab("Image chat", id="image-chat"):
-                if tools.spec("image chat").is_demo:
+                if service.is_demo(IMAGE_CHAT):
                     gr.Markdown(MINIGPT4_DEMO_WARNING)
-                image_chat = build_image_chat_tab(tools, example_images())
+                image_chat = build_image_chat_tab(service, example_images())
             with gr.Tab("Segment", id="segment"):
-                if tools.spec("segment").is_demo:
+                if service.is_demo(SEGMENT):
                     gr.Markdown(SAM_DEMO_WARNING)
-                ask = build_segment_tab(tools, example_images())
+                ask = build_segment_tab(service, example_images())
         # "Ask about this": the selected object (a masked crop) and the question go to image chat, which answers
         ask.button.click(lambda t, q: (*ask.selection(t, q), gr.Tabs(selected="image-chat")), [ask.state, ask.question],
                          [image_chat.image, image_chat.message, tabs], api_visibility="private").success(
             image_chat.respond, image_chat.inputs, image_chat.outputs, api_visibility="private", concurrency_limit=None)
 
         def refresh() -> tuple[str, str]:
-            return tools_line(tools), "\n".join(f"- {line}" for line in startup)
+            return tools_line(service), startup_lines(service)
 
         gr.Timer(3).tick(refresh, None, [banner, report], api_visibility="private", queue=False)
         demo.load(refresh, None, [banner, report], api_visibility="private", queue=False)
@@ -93,12 +94,7 @@ def build_app(tools: ToolHost, startup: list[str], keep_files_s: int = KEEP_FILE
             queued, batch size, cache rows, decode steps so far, prompt tokens prefilled and found in the
             cache; {"loaded": false} while the tool is not loaded), "tools": each tool's state and size,
             and "startup": the start-up report's lines."""
-            def llm_status(name: str) -> dict:
-                pipeline = tools.loaded(name)
-                return pipeline.llm.engine.status() if pipeline is not None else {"loaded": False}
-
-            return json.dumps({"chat": llm_status("chat"), "image_chat": llm_status("image chat"),
-                               "tools": tools.status(), "startup": startup})
+            return json.dumps(service.status())
 
         gr.api(engine_status, api_name="engine_status")
     return demo

@@ -53,6 +53,10 @@ class ImageChatPipeline:
         if self.owns_llm:
             self.llm.close()
 
+    def held_bytes(self) -> int:
+        """Device memory in the cached image embeddings: it counts in the memory budget."""
+        return sum(t.nbytes for t in list(self._cache.values()))  # no lock: an encode holds it
+
     def preprocess(self, image: np.ndarray) -> torch.Tensor:
         """BLIP-2's evaluation transform: bicubic resize to the square input, CLIP mean/std."""
         size = self.encoder.config.img_size

@@ -25,6 +25,8 @@ from pipeline.images import content_key, to_device
 from pipeline.sam.engine import SamEngine
 from pipeline.sam.transforms import input_size, preprocess, resize_longest, upscale_masks
 
+DISPLAY_COPIES = 8  # display copies kept on the GPU: a thousand open sessions must not hold 5.8 MB each
+
 
 @dataclasses.dataclass(frozen=True)
 class ImageHandle:
@@ -68,6 +70,7 @@ class SegmentPipeline:
         self.is_demo = is_demo
         self.cache_bytes = cache_bytes
         self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
+        self._display: collections.OrderedDict[tuple, torch.Tensor] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.everything_grid = 32 if self.engine.device.type == "cuda" else 12
         c = self.engine.config
@@ -80,6 +83,26 @@ class SegmentPipeline:
         with self._lock:
             self.engine = None
             self._cache.clear()
+            self._display.clear()
+
+    def held_bytes(self) -> int:
+        """Device memory in this pipeline's caches (embeddings, display copies): it counts in the
+        memory budget on top of what the load measured."""
+        # no lock: an encode holds it for a while, and a copy of the values is taken atomically
+        return sum(t.nbytes for t in [*self._cache.values(), *self._display.values()])
+
+    def display_copy(self, handle: ImageHandle, display: np.ndarray) -> torch.Tensor:
+        """The UI's display copy of `handle`'s image on the engine's device, kept for the most recently
+        used DISPLAY_COPIES images so a click copies nothing in; another is uploaded again on its
+        next click (~0.5 ms). Keyed by content: two users on one photo share one copy."""
+        key = (handle.key, display.shape)
+        with self._lock:
+            if key not in self._display:
+                self._display[key] = to_device(display, self.engine.device)
+                while len(self._display) > DISPLAY_COPIES:
+                    self._display.popitem(last=False)
+            self._display.move_to_end(key)
+            return self._display[key]
 
     @property
     def closed(self) -> bool:

@@ -11,11 +11,14 @@ nothing. The session's `SegmentStats` count only this user's work.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from pipeline.errors import UserError
-from pipeline.segment import AutoMask, ImageHandle, Prediction, SegmentPipeline, SegmentStats, check_point
+from pipeline.segment import (AutoMask, ImageHandle, Prediction, SegmentPipeline, SegmentStats, check_point,
+                              check_prompts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +81,22 @@ class SegmentSession:
         box = (min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1))
         self._step(dataclasses.replace(self.prompts, box=box), multimask)
         self.corner = None
+
+    def prompt(self, points: Sequence[Sequence[float]], labels: Sequence[int], box: Sequence[float] | None,
+               multimask: bool = True) -> None:
+        """Prompts given all at once (an API request): the points with their labels and/or a box,
+        in place of the session's earlier ones."""
+        check_prompts(points, labels, box, self.handle.size)  # none at all is an error here, not a clear
+        self._step(Prompts(tuple(tuple(p) for p in points), tuple(labels), tuple(box) if box is not None else None),
+                   multimask)
+
+    def display_copy(self, display: np.ndarray) -> torch.Tensor:
+        """`display` (the UI's copy of this image) where SAM runs, kept there by the pipeline."""
+        return self.pipeline.display_copy(self.handle, display)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipeline.engine.device
 
     def undo(self, multimask: bool = True) -> None:
         """Drop a half-drawn box, else the last point or box (masks predicted again from what is left)."""

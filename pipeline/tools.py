@@ -189,7 +189,9 @@ class ToolHost:
         return [n for n, s in self._slots.items() if name in self._with_needs(n)[1:] and s.pipeline is not None]
 
     def _in_use(self) -> int:
-        return sum(s.size or 0 for s in self._slots.values() if s.pipeline is not None)
+        """The loaded tools' measured sizes, plus what their caches hold now (`held_bytes`)."""
+        return sum((s.size or 0) + (s.pipeline.held_bytes() if hasattr(s.pipeline, "held_bytes") else 0)
+                   for s in self._slots.values() if s.pipeline is not None)
 
     def _ensure(self, name: str, say: Say | None) -> Any:
         """The loaded pipeline of `name`, loading it (and what it needs) first if it is not; called

@@ -328,10 +328,12 @@ def check_report(args: argparse.Namespace, plan: Plan) -> str:
 
 
 def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable[[str], None] | None = None):
-    """The tool host for `plan`, with every tool added (none loaded yet): (engine options, host).
-    `echo`: the start-up report prints its lines (the browser app); `say`: where lines go instead."""
+    """The studio service for `plan`, every tool added to its host (none loaded yet), its start-up
+    report the engines' report. `echo`: the report prints its lines (the browser app); `say`: where
+    lines go instead."""
     import torch
 
+    from pipeline.service import StudioService
     from pipeline.tools import GIB, ToolHost, default_budget
 
     engines = engine_options(args, echo=echo)
@@ -346,7 +348,7 @@ def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable
                              "one is unloaded to make room" if budget else "none on the CPU; tools load on first use"))
     for spec in tool_specs(args, plan, engines, host):
         host.add(spec)
-    return engines, host
+    return StudioService(host, engines.report.lines)
 
 
 def run(argv: list[str], start: Callable[[argparse.Namespace, Plan], int]) -> int:

@@ -62,17 +62,26 @@ def test_prompt_fitting_renders_a_long_history_a_few_times_not_once_per_turn(qwe
     assert len(render(history[-(kept + 2):])) > 300
 
 
-def test_a_session_cannot_queue_more_than_two_replies(running_app):
+def test_a_session_cannot_queue_more_than_its_limit_of_replies(running_app):
+    """The service's per-client limit (`MAX_IN_FLIGHT`): the fifth reply of one browser session is
+    refused while four run; Stop then ends the four (endless: greedy, 1500 tokens)."""
+    from pipeline.service import MAX_IN_FLIGHT
+
     client = Client(running_app[0], verbose=False)
-    jobs = [client.submit("Write a long essay", [], "", 1.5, 1.0, 0, 1.0, 1500, 20 + i, api_name="/chat")
-            for i in range(3)]
-    errors = []
+    jobs = [client.submit("Write a long essay", [], "", 0, 1.0, 0, 1.0, 1500, -1, api_name="/chat")
+            for i in range(MAX_IN_FLIGHT + 1)]
+    deadline = time.time() + 60
+    while not any(job.done() for job in jobs) and time.time() < deadline:
+        time.sleep(0.05)
+    client.predict(api_name="/stop")
+    errors, stopped = [], 0
     for job in jobs:
         try:
-            job.result(timeout=120)
+            stopped += "Stopped" in job.result(timeout=60)[2]
         except AppError as e:
             errors.append(str(e))
-    assert len(errors) == 1 and "already has 2 replies in progress" in errors[0], errors
+    assert len(errors) == 1 and f"already has {MAX_IN_FLIGHT} replies in progress" in errors[0], errors
+    assert stopped == MAX_IN_FLIGHT
 
 
 def test_stop_while_the_tool_is_still_loading_stops_the_reply(running_app):
@@ -177,10 +186,11 @@ def test_a_long_history_streams_in_a_bounded_number_of_updates(client):
 
 def in_process_app(argv: list[str], monkeypatch, cache):
     """The app's server (`app.server`) in this process (tools declared, none loaded), for what a
-    subprocess hides: (the server module, args, host)."""
+    subprocess hides: (the server module, args, service)."""
     from app import server
-    from studio import compose
+    from pipeline.service import StudioService
     from pipeline.tools import ToolHost
+    from studio import compose
 
     monkeypatch.setenv("STUDIO_CACHE", str(cache))
     args = compose.parse_args(["--port", str(free_port()), *argv])
@@ -188,7 +198,7 @@ def in_process_app(argv: list[str], monkeypatch, cache):
     host = ToolHost(torch.device("cpu"), None, lambda line: None)
     for spec in compose.tool_specs(args, plan, compose.engine_options(args, echo=False), host):
         host.add(spec)
-    return server, args, host
+    return server, args, StudioService(host, ["start-up"])
 
 
 def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache):
@@ -196,8 +206,8 @@ def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache
     keeps at most --max-sessions and drops idle ones."""
     from app.sessions import forget_idle_sessions
 
-    server, args, host = in_process_app(["--max-sessions", "5"], monkeypatch, studio_cache)
-    app, url = server.start_server(args, host, ["start-up"], "demo/qwen-v1-tiny")
+    server, args, service = in_process_app(["--max-sessions", "5"], monkeypatch, studio_cache)
+    app, url = server.start_server(args, service)
     try:
         for _ in range(12):  # each client is a new session
             assert "tools" in json.loads(Client(url, verbose=False).predict(api_name="/engine_status"))
@@ -217,7 +227,7 @@ def test_the_browser_opens_on_the_app_from_a_terminal(monkeypatch, studio_cache,
     with exit status 0 and no traceback."""
     import webbrowser
 
-    server, args, host = in_process_app(flag, monkeypatch, studio_cache)
+    server, args, service = in_process_app(flag, monkeypatch, studio_cache)
     urls: list[str] = []
     monkeypatch.setattr(webbrowser, "open", urls.append)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
@@ -229,7 +239,7 @@ def test_the_browser_opens_on_the_app_from_a_terminal(monkeypatch, studio_cache,
             raise KeyboardInterrupt
 
     monkeypatch.setattr(server.time, "sleep", sleep_then_ctrl_c)
-    assert server.serve(args, host, ["start-up"], "demo/qwen-v1-tiny") == 0
+    assert server.serve(args, service) == 0
     out = capsys.readouterr().out
     assert "[studio] ready: http://127.0.0.1:" in out and "shutting down" in out
     assert urls == ([f"http://127.0.0.1:{args.port}/"] if opened else [])

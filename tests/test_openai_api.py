@@ -127,7 +127,7 @@ def test_a_dropped_streaming_client_stops_its_generation(api):
 
 def test_an_api_key_is_required_when_set():
     app = FastAPI()
-    app.include_router(build_router(tools=None, chat_model=CHAT, api_key="s3cret", allow_files=False))
+    app.include_router(build_router(service=None, chat_model=CHAT, api_key="s3cret", allow_files=False))
     client = TestClient(app)
     refused = client.get("/v1/models")
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
@@ -246,3 +246,29 @@ def test_stop_strings_end_the_reply_before_them(api):
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**ask, stop=stop, stream=True)
               if c.choices]
     assert "".join(pieces) == expected
+
+
+def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
+    """The service's per-client limit holds for API clients too (a client is its `user`, else its
+    address): the fifth endless reply of one user is refused with 429, another user is served, and
+    closing the streams ends the four."""
+    from pipeline.service import MAX_IN_FLIGHT
+
+    client, url = api
+    endless = dict(model=CHAT, messages=[{"role": "user", "content": "Write a very long story"}], max_tokens=4000,
+                   temperature=0, extra_body={"repetition_penalty": 1.0}, user="alice")
+    streams = [client.chat.completions.create(**endless, stream=True) for _ in range(MAX_IN_FLIGHT)]
+    for stream in streams:  # the role chunk, then text: each reply is running
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(**endless)
+    assert f"already has {MAX_IN_FLIGHT} replies in progress" in caught.value.body["message"]
+    other = client.chat.completions.create(**{**endless, "user": "bob", "max_tokens": 2})
+    assert other.choices[0].message.content is not None
+    for stream in streams:
+        stream.close()
+    deadline = time.time() + 30
+    while engine_status(url)["chat"]["running"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine_status(url)["chat"]["running"] == 0

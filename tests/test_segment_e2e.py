@@ -62,7 +62,7 @@ def test_bad_inputs_get_clear_messages_and_the_app_keeps_serving(client, tmp_pat
         (str(huge), "[[1, 1, 1]]", "", "too large"),
         (PHOTO, "[[5000, 10, 1]]", "", "outside the 960×540 image"),
         (PHOTO, "[]", "", "add a point"),
-        (PHOTO, "[[1, 2]]", "", "points must be JSON"),
+        (PHOTO, "[[1, 2]]", "", "points must be a list like"),
         (PHOTO, "not json", "", "not valid JSON"),
         (PHOTO, "[]", "[500, 10, 100, 50]", "x0 < x1"),
     ]

@@ -160,23 +160,23 @@ def test_masks_come_at_the_shown_size_and_full_size_for_download(seg):
     assert [m.mask.shape for m in session.everything()][:1] in ([], [shown])
 
 
-def test_display_copies_on_the_device_are_shared_by_image_and_bounded(seg):
-    """The Segment tab keeps display copies where SAM runs for the last few images only (a thousand
-    sessions must not hold one each); two sessions on one photo share a copy."""
+def test_display_copies_on_the_device_are_shared_by_image_bounded_and_counted(seg):
+    """The pipeline keeps display copies where SAM runs for the last few images only (a thousand
+    sessions must not hold one each); two sessions on one photo share a copy; they count in the
+    memory budget (`held_bytes`) and go with an unload."""
     import torch
 
-    from app.segment_render import thumbnail
-    from app.segment_tab import DeviceCopies, TabState
+    from pipeline import segment
 
     rng = np.random.default_rng(3)
-    images = [rng.integers(0, 255, (60, 80, 3), dtype=np.uint8) for _ in range(3)]
-    tabs = [TabState(SegmentSession(seg, image), image, 1.0, thumbnail(image)) for image in images]
-    twin = TabState(SegmentSession(seg, images[0].copy()), images[0].copy(), 1.0, thumbnail(images[0]))
-    copies = DeviceCopies(limit=2)
-    first = copies.get(tabs[0], torch.device("cpu"))
-    assert copies.get(twin, torch.device("cpu")) is first  # same pixels: one copy
-    copies.get(tabs[1], torch.device("cpu"))
-    copies.get(tabs[2], torch.device("cpu"))  # the least recently used (image 0) goes
-    assert len(copies._copies) == 2 and all(key[0] != tabs[0].session.handle.key for key in copies._copies)
-    again = copies.get(tabs[0], torch.device("cpu"))
+    images = [rng.integers(0, 255, (60, 80, 3), dtype=np.uint8) for _ in range(segment.DISPLAY_COPIES + 1)]
+    sessions = [SegmentSession(seg, image) for image in images]
+    before = seg.held_bytes()
+    first = sessions[0].display_copy(images[0])
+    assert SegmentSession(seg, images[0].copy()).display_copy(images[0].copy()) is first  # same pixels: one copy
+    assert seg.held_bytes() == before + first.nbytes
+    for session, image in zip(sessions[1:], images[1:]):  # the least recently used (image 0) goes
+        session.display_copy(image)
+    assert len(seg._display) == segment.DISPLAY_COPIES and all(key[0] != sessions[0].handle.key for key in seg._display)
+    again = sessions[0].display_copy(images[0])
     assert again is not first and torch.equal(again, torch.from_numpy(images[0]))

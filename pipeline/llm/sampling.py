@@ -47,8 +47,7 @@ class InvalidSampling(UserError):
     """A sampling value out of its `LIMITS`; `param` names it (the OpenAI API reports it)."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 LIMITS = {
@@ -75,8 +74,11 @@ class SamplingParams:
 
     @classmethod
     def from_values(cls, **values) -> "SamplingParams":
-        """The one check every front end's sampling values go through (values of None keep the default):
+        """The one check every front end's sampling values go through (values of None keep the default,
+        a seed of -1 is random):
         the same out-of-range value gets the same message from the UI, the API and the terminal chat."""
+        if values.get("seed") == -1:  # the UI's "random" (its seed box shows -1)
+            values = {**values, "seed": None}
         unknown = set(values) - set(LIMITS) - {"stop"}
         if unknown:
             raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of {', '.join(LIMITS)}, stop")

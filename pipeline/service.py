@@ -1,0 +1,293 @@
+"""StudioService: the one way a request is served, under every front end.
+
+The Gradio handlers, `/v1`, `/segment` and the terminal chat only translate their protocol into
+these calls and back. Every rule about a request lives here, once, so the front ends cannot
+disagree: which messages are well formed, the sampling limits (`SamplingParams.from_values`), which
+tool answers, loading that tool with progress, how many replies one client may have in flight, Stop,
+and the statistics line. Status is asked of the service, never dug out of the pipelines.
+
+A client is whoever the front end says sends the request: a browser session, an API user, the
+terminal. Its replies are keyed by (client, tool), so Stop in one tab never stops another tab's reply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import UserError
+from pipeline.images import load_image, masked_crop
+from pipeline.llm.engine import GenerationStats
+from pipeline.llm.prompt import ROLES
+from pipeline.llm.sampling import SamplingParams
+from pipeline.segment_session import SegmentSession
+from pipeline.tools import ToolHost
+
+CHAT, IMAGE_CHAT, SEGMENT = "chat", "image chat", "segment"
+MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
+STOPPED = "Stopped: the reply so far is kept."
+ImageSource = str | bytes | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """A checked request for a reply: the tool that answers, plain {role, content} messages ending
+    with the user's, the sampling parameters, and the picture for image chat."""
+
+    tool: str
+    messages: tuple[dict, ...]
+    params: SamplingParams
+    image: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass
+class Update:
+    """One step of a reply as a front end shows it: more `text`, the `status` line (loading progress,
+    "generating…", then the statistics), a `notice` to show once, and the statistics at the end."""
+
+    text: str = ""
+    status: str = ""
+    notice: str | None = None
+    stats: GenerationStats | None = None
+
+
+def text_of(content: object) -> str:
+    """A message's text, whether it is a string or a list of parts (OpenAI's and Gradio's
+    {"type": "text", "text": …}); other parts carry no text."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    parts = content if isinstance(content, list) else [content]
+    return "".join(p.get("text") or "" if isinstance(p, dict) else p if isinstance(p, str) else "" for p in parts)
+
+
+def plain_messages(raw: object, name: str = "messages") -> list[dict]:
+    """`raw` as {role, content: text} messages; anything else is a `UserError` naming `name` (the
+    front end's word for them: the UI's API says "history")."""
+    if raw is None:
+        return []
+    if not isinstance(raw, (list, tuple)):
+        raise UserError(f"{name} must be a list of {{role, content}}, got {type(raw).__name__}", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise UserError(f"{name}[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': text}}, "
+                            f"got {m!r:.80}", "messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list, dict)):
+            raise UserError(f"{name}[{i}].content must be text or a list of parts", "messages")
+        out.append({"role": m["role"], "content": text_of(content)})
+    return out
+
+
+def stats_line(stats: GenerationStats, context: int = 0) -> str:
+    """The reply's statistics line, marked when the user stopped it."""
+    line = stats.summary(context)
+    return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
+
+
+class Busy(UserError):
+    """A client already has its limit of replies in flight (the API answers 429)."""
+
+
+class InFlight:
+    """Each client's replies running or queued, with their Stop flags."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._flags: dict[str, list[tuple[str, threading.Event]]] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self, client: str, tool: str, cancel: threading.Event) -> Iterator[threading.Event]:
+        entry = (tool, cancel)
+        with self._lock:
+            flags = self._flags.setdefault(client, [])
+            if len(flags) >= self.limit:
+                raise Busy(f"this client already has {len(flags)} replies in progress: wait for one to "
+                           f"finish, or stop it")
+            flags.append(entry)
+        try:
+            yield cancel
+        finally:
+            with self._lock:
+                flags.remove(entry)
+                if not flags:
+                    del self._flags[client]
+
+    def cancel(self, client: str, tool: str | None) -> int:
+        with self._lock:
+            hit = [flag for t, flag in self._flags.get(client, []) if tool is None or t == tool]
+        for flag in hit:
+            flag.set()
+        return len(hit)
+
+
+class StudioService:
+    """Chat, image chat and segmentation over one `ToolHost`, with status and Stop; see the module docstring."""
+
+    def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT):
+        """`startup`: the start-up report's lines (it keeps growing as tools load)."""
+        self.host = host
+        self.startup = startup if startup is not None else []
+        self._in_flight = InFlight(max_in_flight)
+
+    # ---- chat and image chat ------------------------------------------------------------------
+
+    def chat_turn(self, messages: object, sampling: Mapping[str, Any] | None = None, *, system: object = None,
+                  tool: str | None = None, image: ImageSource | None = None,
+                  mask: ImageSource | None = None) -> ChatTurn:
+        """A checked request, or a `UserError` naming what is wrong. `system`: a system prompt to put
+        first (blank: none). `tool` None: image chat when there is an image, else chat. `mask` (white =
+        the object) asks image chat about that object only."""
+        params = SamplingParams.from_values(**(sampling or {}))
+        if system is not None and not isinstance(system, str):
+            raise UserError(f"system_prompt must be text, got {system!r:.60}", "messages")
+        messages = [{"role": "system", "content": system}, *plain_messages(messages)] if system else messages
+        if isinstance(image, (str, bytes)) and not image:  # an empty upload field
+            image = None
+        plain = [m for m in plain_messages(messages) if m["role"] != "system" or m["content"].strip()]
+        if not plain or plain[-1]["role"] != "user" or not plain[-1]["content"].strip():
+            raise UserError("the message is empty: the last message must be the user's, with text", "messages")
+        tool = tool or (IMAGE_CHAT if image is not None else CHAT)
+        if tool not in (CHAT, IMAGE_CHAT):
+            raise UserError(f"there is no chat tool {tool!r}: use {CHAT!r} or {IMAGE_CHAT!r}", "model")
+        pixels = None
+        if tool == IMAGE_CHAT:
+            if image is None:
+                raise UserError("upload an image first: image chat talks about one picture", "image")
+            pixels = self._picture(image, mask)
+            plain = [m for m in plain if m["role"] != "system"]  # MiniGPT-4's template has its own
+        elif mask is not None:
+            raise UserError("a mask needs an image to ask about", "mask")
+        return ChatTurn(tool, tuple(plain), params, pixels)
+
+    @staticmethod
+    def _picture(image: ImageSource, mask: ImageSource | None) -> np.ndarray:
+        try:
+            pixels = load_image(image)
+        except UserError as e:
+            raise UserError(f"the image: {e}", "image") from None
+        if mask is None:
+            return pixels
+        try:
+            return masked_crop(pixels, load_image(mask).max(axis=2) > 127)
+        except UserError as e:
+            raise UserError(f"the mask: {e}", "mask") from None
+
+    def reply(self, client: str, turn: ChatTurn, cancel: threading.Event | None = None) -> Iterator[Update]:
+        """Stream the reply to `turn` for `client`: the tool's load progress first if it is not loaded,
+        then the text, then the statistics. `cancel` (or `stop(client, tool)`) ends it early, keeping
+        what was said, whether it is loading, queued or generating."""
+        with self._in_flight.running(client, turn.tool, cancel or threading.Event()) as flag:
+            for line in self.loading(turn.tool):
+                yield Update(status=line)
+            with self.host.using(turn.tool) as pipeline:
+                session = f"{turn.tool.replace(' ', '-')}:{client}"  # a placement hint: the cache finds turns by content
+                if turn.tool == IMAGE_CHAT:
+                    events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session)
+                else:
+                    events = pipeline.stream(turn.messages, turn.params, flag, session)
+                for event in events:
+                    status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
+                    yield Update(event.text, status, event.notice, event.stats)
+
+    def stop(self, client: str, tool: str | None = None) -> int:
+        """Stop `client`'s replies (of `tool`, else all); how many were stopped."""
+        return self._in_flight.cancel(client, tool)
+
+    # ---- segmentation -------------------------------------------------------------------------
+
+    def segment_session(self, image: ImageSource) -> SegmentSession:
+        """A prompting session on `image` (encoded now, unless cached), masks at the image's size
+        until its `shown` size is set."""
+        pixels = load_image(image)
+        with self.host.using(SEGMENT) as seg:
+            return SegmentSession(seg, pixels)
+
+    @contextlib.contextmanager
+    def segmenting(self, session: SegmentSession) -> Iterator[SegmentSession]:
+        """`session` on the loaded SAM (loaded again, and the image re-encoded, if the memory budget
+        unloaded it since), held busy while the block runs."""
+        with self.host.using(SEGMENT) as seg:
+            if session.pipeline is not seg:
+                session.rebind(seg)
+            yield session
+
+    def segment(self, image: ImageSource, points: Sequence[Sequence[float]], box: Sequence[float] | None,
+                multimask: bool = True) -> SegmentSession:
+        """One request's masks: `points` as [x, y, label] (label 1 object, 0 background) and/or a `box`."""
+        if not isinstance(points, (list, tuple)) or any(not isinstance(p, (list, tuple)) or len(p) != 3
+                                                         for p in points):
+            raise UserError("points must be a list like [[x, y, 1], [x, y, 0]] (label 1 object, 0 background)",
+                            "points")
+        session = self.segment_session(image)
+        with self.segmenting(session):
+            session.prompt([p[:2] for p in points], [p[2] for p in points], box, multimask)
+        return session
+
+    # ---- loading and status -------------------------------------------------------------------
+
+    def loading(self, tool: str) -> Iterator[str]:
+        """While `tool` loads (first use, or after the memory budget unloaded it), one line per
+        progress step; nothing when it is loaded. Raises what the load raised."""
+        if self.host.loaded(tool) is not None:
+            return
+        lines: queue.SimpleQueue = queue.SimpleQueue()
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                self.host.load(tool, lines.put)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the request's thread below
+                failed.append(e)
+            finally:
+                lines.put(None)
+
+        threading.Thread(target=load, name=f"load-{tool}", daemon=True).start()
+        yield f"Loading {tool} (first use, or unloaded to make room)…"
+        while (line := lines.get()) is not None:
+            yield f"Loading {tool}: {line}"
+        if failed:
+            raise failed[0]
+
+    def load(self, tool: str, say: Callable[[str], None] | None = None) -> None:
+        """Load `tool` now (start-up, `--preload`, `--build-engines`), its progress to `say` too."""
+        self.host.load(tool, say)
+
+    def is_demo(self, tool: str) -> bool:
+        return self.host.spec(tool).is_demo
+
+    def tools(self) -> dict[str, tuple[str, str | None]]:
+        """Per tool: (state, description when loaded)."""
+        out = {}
+        for name, state in self.host.status().items():
+            pipeline = self.host.loaded(name)
+            out[name] = (state, pipeline.description if pipeline is not None else None)
+        return out
+
+    def status(self) -> dict:
+        """What each LLM engine is doing ("chat", "image_chat": requests running and queued, decode
+        steps, prompt tokens prefilled and found in the cache; {"loaded": false} when not loaded),
+        each tool's state and size ("tools"), and the start-up report ("startup")."""
+        def engine(tool: str) -> dict:
+            pipeline = self.host.loaded(tool)
+            return pipeline.llm.engine.status() if pipeline is not None else {"loaded": False}
+
+        return {"chat": engine(CHAT), "image_chat": engine(IMAGE_CHAT), "tools": self.host.status(),
+                "startup": list(self.startup)}
+
+    def chat_model(self) -> str:
+        """The chat tool's model id (loading it if needed): what `/v1/models` lists."""
+        with self.host.using(CHAT) as chat:
+            return chat.llm.model_id
+
+    def close(self) -> None:
+        self.host.close()
