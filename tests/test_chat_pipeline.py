@@ -148,7 +148,7 @@ def test_cancel_stops_mid_reply_and_keeps_the_text(pipeline):
             cancel.set()
         stats = event.stats or stats
     assert stats.finish_reason == "cancelled" and 0 < stats.new_tokens < 300
-    assert "".join(texts) and not pipeline.llm.engine._active  # the engine dropped it
+    assert "".join(texts) and not pipeline.llm.engine.scheduler.running  # the engine dropped it
 
 
 def test_abandoned_stream_frees_the_engine(pipeline):
@@ -156,10 +156,10 @@ def test_abandoned_stream_frees_the_engine(pipeline):
     next(events)
     events.close()  # what a closed browser tab or a dropped API client does to the reply
     for _ in range(200):
-        if not pipeline.llm.engine._active:
+        if not pipeline.llm.engine.scheduler.running:
             break
         time.sleep(0.01)
-    assert not pipeline.llm.engine._active
+    assert not pipeline.llm.engine.scheduler.running
 
 
 def test_reply_fills_context_with_notice(qwen_v1_demo):

@@ -163,9 +163,9 @@ def test_abandoned_stream_is_cancelled_and_the_engine_goes_idle(engine):
     next(iter(stream))
     stream.cancel()
     deadline = time.time() + 10
-    while engine._active and time.time() < deadline:
+    while engine.scheduler.running and time.time() < deadline:
         time.sleep(0.01)
-    assert not engine._active and stream.wait().finish_reason == "cancelled"
+    assert not engine.scheduler.running and stream.wait().finish_reason == "cancelled"
 
 
 def test_batched_draws_follow_each_rows_own_parameters():

@@ -5,17 +5,17 @@ query embeddings), `SamplingParams`, stop ids and optionally a session name; the
 `TokenStream` of token ids that they iterate, and can cancel, from any thread. Everything above
 this seam (prompt formats, context fitting, UTF-8-safe text) is the same for every backend.
 
-`TorchLLMEngine` works like a serving engine (vLLM, TensorRT-LLM's executor): one engine thread
-owns the decoder, the KV cache (one row per sequence), the rotary tables and the CUDA graphs, and
-runs continuous batching. New requests are prefilled and join the running batch; every decode step
-advances all running requests together, each at its own position with its own sampling parameters
-and random stream; finished or cancelled requests leave at once. Running requests always occupy
-cache rows 0..B-1 (rows are swapped when one joins or leaves), so a step reads the cache as a plain
-view. A row keeps its tokens after a reply, and a new request runs in the idle row that shares the
-longest prefix with it, found by content (token ids, and image slots by the image's hash), so a
-conversation's next turn prefills only what is new whoever sends it: the UI, an API client that
-resends the whole conversation, the terminal chat. A session name only breaks ties. Idle rows are
-reclaimed least recently used.
+`TorchLLMEngine` works like a serving engine (vLLM, TensorRT-LLM's executor): one engine thread runs
+continuous batching over three parts, each testable alone: the `Scheduler` (which requests wait and
+which run, in cache rows 0..B-1), `CacheRows` (the static KV cache and what each row holds, found
+by content through block hashes: token ids, and image slots by the image's hash) and the
+`ModelRunner` (the decoder, its rotary tables, CUDA graphs and the next-token draw). New requests
+are prefilled and join the running batch; every decode step advances all running requests
+together, each at its own position with its own sampling parameters and random stream; finished or
+cancelled requests leave at once. A row keeps its tokens after a reply, and a new request runs in
+the idle row holding the longest prefix of it, so a conversation's next turn prefills only what is
+new whoever sends it: the UI, an API client that resends the whole conversation, the terminal
+chat. A session name only breaks ties. Idle rows are reclaimed least recently used.
 """
 
 from __future__ import annotations
@@ -24,22 +24,18 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipeline.cuda_graphs import CapturedCall
 from pipeline.errors import UserError
-from pipeline.llm.model import Decode, Decoder, KVCache, Prefill, RotaryTables
-from pipeline.llm.sampling import COLUMNS, Draws, SamplingParams, sample, sampling_columns
-
-GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
-# Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
-# turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+from pipeline.llm.cache_rows import CacheRows
+from pipeline.llm.model import Decoder
+from pipeline.llm.model_runner import ModelRunner
+from pipeline.llm.sampling import Draws, SamplingParams
+from pipeline.llm.scheduler import Request, Scheduler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,54 +163,14 @@ class LLMEngine(Protocol):
 
 
 @dataclasses.dataclass
-class _Request:
-    prompt: Prompt
-    params: SamplingParams
-    stop_ids: set[int]
-    session: str | None
-    stream: TokenStream
-    draws: Draws
-    submitted: float
-    row: int = -1
-    position: int = 0  # where the next fed token goes in the cache
-    table: int = 0  # rotary table (Qwen v1 dynamic NTK)
-    last_token: int = 0
-    first_token_at: float = 0.0
-
-
-@dataclasses.dataclass
-class _Row:
-    """What a cache row holds: the signature of the tokens in it, and whose session put them there (a hint)."""
-
-    session: str | None = None
-    held: list = dataclasses.field(default_factory=list)
-    table: int = 0
-    last_used: float = 0.0
-    written: int = 0  # positions written so far, a step in flight included (what a move must copy)
-
-
-@dataclasses.dataclass
 class _Step:
     """A launched decode step: who ran in it, the drawn tokens (on the device and, once `copied`
     is done, on the host), and the logits where a request keeps them."""
 
-    requests: list[_Request]
+    requests: list[Request]
     drawn: Tensor
     logits: Tensor | None
     copied: tuple[Tensor, "torch.cuda.Event | None"]
-
-
-def common_prefix(a: Sequence, b: Sequence) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 class TorchLLMEngine:
@@ -232,42 +188,27 @@ class TorchLLMEngine:
         c = model.config
         if context > c.max_position_embeddings:
             raise UserError(f"context {context} exceeds the model's {c.max_position_embeddings} positions")
-        weight = model.embed.weight
-        self.model, self.context, self.vocab_size, self.max_batch = model, context, vocab_size, max_batch
-        self.device, self.hidden_size = weight.device, c.hidden_size
+        self.context, self.vocab_size, self.max_batch = context, vocab_size, max_batch
+        self.device, self.hidden_size = model.embed.weight.device, c.hidden_size
         rows = max(rows or 2 * max_batch, max_batch)
-        self.scratch = context  # padding rows of a bucketed step write here, a position no sequence uses
-        self.cache = KVCache(c, rows, context + 1, weight.dtype, self.device)
-        self.rope = RotaryTables(c, context + 1, self.device)
-        self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=self.device)  # repetition penalty
-        self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self._graphs: dict[tuple[int, int], CapturedCall] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
-        # Per-step inputs go up in one pinned, non-blocking copy each, so the host never waits for
-        # the GPU before the one synchronisation per step (reading the drawn tokens).
-        pinned = self.device.type == "cuda"
-        # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
-        self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pinned)
-        self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
-        self._draw_host = torch.zeros(2, len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
-        self._draw_dev = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=self.device)
-        self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pinned)
-        self._flip = self._flip_columns = 0
+        self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs)
+        self.rows = CacheRows(c, rows, context + 1, vocab_size, model.embed.weight.dtype, self.device)
+        self.scheduler = Scheduler(max_batch, self.rows)
         self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
-        # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
-        # behind decode steps already launched.
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._rows = [_Row() for _ in range(rows)]
-        self._active: list[_Request] = []  # _active[i] runs in cache row i
-        self._waiting: list[_Request] = []
-        self._wake = threading.Condition()
-        self._closed = False
         self.steps = 0  # decode steps run (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
                             f"{rows} cache rows of {context} tokens")
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def model(self) -> Decoder:
+        return self.runner.model
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.runner.use_cuda_graphs
 
     # ---- the seam ----------------------------------------------------------------------------
 
@@ -280,60 +221,43 @@ class TorchLLMEngine:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
         stream = TokenStream(cancel, keep_logits)
         stream.stats.prompt_tokens = len(prompt)
-        request = _Request(prompt, params, set(stop_ids), session, stream, Draws(params.seed), time.perf_counter())
-        with self._wake:
-            if self._closed:
-                raise UserError("the language model was unloaded; reload the page")
-            self._waiting.append(request)
-            self._wake.notify()
+        self.scheduler.add(Request(prompt, params, set(stop_ids), session, stream, Draws(params.seed),
+                                   time.perf_counter()))
         return stream
 
     def status(self) -> dict[str, int]:
         """What the engine is doing now (for the UI and tests): requests running and queued, and so on."""
-        return {"running": len(self._active), "queued": len(self._waiting), "max_batch": self.max_batch,
-                "cache_rows": len(self._rows), "decode_steps": self.steps, "prefilled_tokens": self.prefilled_tokens,
+        return {**self.scheduler.status(), "decode_steps": self.steps, "prefilled_tokens": self.prefilled_tokens,
                 "reused_tokens": self.reused_tokens}
 
     def close(self) -> None:
         """Stop the engine thread (queued and running requests end "cancelled") and let go of the model,
         its cache and its graphs, so an unloaded tool's memory is freed."""
-        with self._wake:
-            self._closed = True
-            self._wake.notify()
+        self.scheduler.close()
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
-            self._graphs.clear()
-            self.model = self.cache = self.rope = self.seen = self._pending = None
+            self.runner.close()
+            self.rows.kv = self.rows.seen = self._pending = None
 
     # ---- the engine thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
-        if self._stream is not None:
-            torch.cuda.set_stream(self._stream)  # the current stream is per thread: this one's only
-            self._stream.wait_stream(torch.cuda.default_stream(self.device))  # the cache's zeros are made
+        self.runner.enter_thread()
+        running = self.scheduler.running
         with torch.inference_mode():
-            while True:
-                with self._wake:
-                    while not self._closed and not self._waiting and not self._active:
-                        self._wake.wait()
-                    if self._closed:
-                        break
-                    room = self.max_batch - len(self._active)
-                    joining, self._waiting = self._waiting[:room], self._waiting[room:]
-                if joining or any(r.stream.cancelled for r in self._active):
-                    self._guarded(list(self._active), self._drain)  # the batch changes: settle the step in flight
+            while (joining := self.scheduler.next_joining()) is not None:
+                if joining or any(r.stream.cancelled for r in running):
+                    self._guarded(list(running), self._drain)  # the batch changes: settle the step in flight
                     for request in joining:
                         self._guarded([request], self._admit, request)
-                    self._leave_cancelled()
-                if self._active:
-                    self._guarded(list(self._active), self._decode_step)
-                else:
-                    self._guarded([], self._drain)
+                    for r in [r for r in running if r.stream.cancelled]:
+                        self._finish(r, r.stream.reason)
+                self._guarded(list(running), self._decode_step if running else self._drain)
             self._pending = None
-            for request in self._active + self._waiting:
+            for request in self.scheduler.drop_all():
                 self._finish(request, "cancelled")
 
-    def _guarded(self, requests: list[_Request], fn, *args) -> None:
+    def _guarded(self, requests: list[Request], fn, *args) -> None:
         """Run `fn`; if it fails, the requests involved end with the error and the engine carries on."""
         try:
             fn(*args)
@@ -346,98 +270,58 @@ class TorchLLMEngine:
                 request.stream.deliver(e)
                 self._finish(request, "error")
 
-    def _admit(self, request: _Request) -> None:
+    def _admit(self, request: Request) -> None:
         """Prefill a new request in a row (reusing the longest cached prefix of its tokens) and emit its first token."""
         if request.stream.cancelled:
             self._finish(request, request.stream.reason)
             return
         prompt, sig = request.prompt, request.prompt.signature()
-        request.table = self.rope.table_for(len(prompt))
-        row_index, reused = self._claim_row(request, sig)
-        row = self._rows[row_index]
-        request.row = row_index
-        self._active.append(request)
-        reused = min(reused, len(sig) - 1)  # the last token must run for its logits
-        row.session, row.held, row.table = request.session, sig[:reused], request.table
+        request.table = self.runner.rope.table_for(len(prompt))
+        reused = min(self.scheduler.place(request, sig), len(sig) - 1)  # the last token must run for its logits
+        row = request.row
+        self.rows.hold(row, sig[:reused], request.table, request.session)
         self.prefilled_tokens += len(sig) - reused
         self.reused_tokens += reused
-        logits = self._prefill(prompt, row_index, reused, request.table)
-        row.held = sig
-        request.position = row.written = len(sig)
+        logits = self.runner.prefill(self.rows.kv, prompt, row, reused, request.table)
+        self.rows.hold(row, sig, request.table, request.session)
+        request.position = self.rows[row].written = len(sig)
         request.stream.stats.cached_tokens = reused
-        self.seen[row_index] = False
+        seen = self.rows.seen
+        seen[row] = False
         if not prompt.slots:  # as transformers does: the prompt's own ids count for the penalty
-            self.seen[row_index, torch.tensor(prompt.ids, device=self.device)] = True
-        drawn = self._draw([request], logits[None], row_index)
+            seen[row, torch.tensor(prompt.ids, device=self.device)] = True
+        drawn = self._draw([request], logits[None], row)
         self._deliver(request, drawn.tolist()[0], logits)
-
-    def _prefill(self, prompt: Prompt, row: int, start: int, table: int) -> Tensor:
-        ids = torch.tensor([prompt.ids[start:]], dtype=torch.long, device=self.device)
-        embeds = None
-        if prompt.slots:
-            if self._stream is not None:  # the embeddings were made on another thread's stream
-                self._stream.wait_stream(torch.cuda.default_stream(self.device))
-                for values in prompt.embeds:
-                    values.record_stream(self._stream)
-            embeds = self.model.embed(ids)
-            for (slot, length), values in zip(prompt.slots, prompt.embeds):
-                lo, hi = max(slot, start), slot + length
-                if lo < hi:
-                    embeds[0, lo - start:hi - start] = values[lo - slot:].to(embeds.device, embeds.dtype)
-        with sdpa_kernel(PREFILL_ATTENTION):
-            out = self.model(self.cache, self.rope, Prefill(row, start, table), tokens=ids, embeds=embeds)
-        return out[0, -1, :self.vocab_size]
 
     def _decode_step(self) -> None:
         """Launch a decode step for every running request, then read the previous step's tokens
         while the GPU works on this one. While the batch stays the same, a step's inputs (the tokens
         just drawn, positions one further) are made on the GPU, so the host never stalls it."""
-        active = list(self._active)
-        n = len(active)
-        bucket = _pow2_at_least(n)
+        active = list(self.scheduler.running)
         chained = self._pending is not None and self._pending.requests == active
-        if chained:
-            self._packed[0, :n].copy_(self._pending.drawn)
-            self._packed[1, :n] += 1
-        else:
-            pad = bucket - n
-            host = self._step_host.numpy()
-            host[0, :bucket] = [r.last_token for r in active] + [0] * pad
-            host[1, :bucket] = [r.position for r in active] + [self.scratch] * pad
-            host[2, :bucket] = [r.table for r in active] + [0] * pad
-            self._packed[:, :bucket].copy_(self._step_host[:, :bucket], non_blocking=True)
-        kv_len = min(-(-(max(r.position for r in active) + 1) // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + 1)
-        logits = self._decode(bucket, kv_len, self._packed[:, :bucket])[:n, :self.vocab_size]
+        inputs = None if chained else ([r.last_token for r in active], [r.position for r in active],
+                                       [r.table for r in active])
+        logits = self.runner.decode(self.rows.kv, len(active), inputs, self._pending.drawn if chained else None,
+                                    max(r.position for r in active) + 1)
         self.steps += 1
         for r in active:
             r.position += 1
-            self._rows[r.row].written = r.position
+            self.rows[r.row].written = r.position
         drawn = self._draw(active, logits, 0)
         kept = logits.clone() if any(r.stream.logits is not None for r in active) else None  # graphs reuse theirs
-        launched = _Step(active, drawn, kept, self._tokens_to_host(drawn))
+        launched = _Step(active, drawn, kept, self.runner.to_host(drawn))
         previous, self._pending = self._pending, launched
         if previous is not None:
             self._read(previous)
-        if self._active != active:  # some finished: settle this step before the batch changes
+        if self.scheduler.running != active:  # some finished: settle this step before the batch changes
             self._drain()
-
-    def _tokens_to_host(self, drawn: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-        """Start copying the drawn tokens to the host; the event marks when they are there."""
-        self._flip ^= 1
-        host = self._drawn_host[self._flip, :len(drawn)]
-        host.copy_(drawn, non_blocking=True)
-        if self.device.type != "cuda":
-            return host, None
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
 
     def _drain(self) -> None:
         if self._pending is not None:
             step, self._pending = self._pending, None
             self._read(step)
 
-    def _read(self, step: "_Step") -> None:
+    def _read(self, step: _Step) -> None:
         """Hand out a finished step's tokens to the requests still running."""
         host, done = step.copied
         if done is not None:
@@ -449,42 +333,17 @@ class TorchLLMEngine:
             if r.stream.cancelled:
                 self._finish(r, r.stream.reason)
                 continue
-            self._rows[r.row].held.append(r.last_token)
+            self.rows.append(r.row, r.last_token)
             self._deliver(r, token, row_logits)
 
-    def _decode(self, bucket: int, kv_len: int, packed: Tensor) -> Tensor:
-        """Logits [bucket, vocab] for one decode step; `packed` [3, bucket] holds the tokens,
-        positions and rotary tables of rows 0..bucket-1."""
-        def step(inputs: Tensor) -> Tensor:
-            return self.model(self.cache, self.rope, Decode(inputs[1], inputs[2], kv_len), tokens=inputs[0, :, None])[:, -1]
-
-        if not self.use_cuda_graphs:
-            return step(packed)
-        key = (bucket, kv_len)
-        if key not in self._graphs:
-            self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
-        graph = self._graphs[key]
-        graph.inputs[0].copy_(packed)
-        return graph.replay()
-
-    def _draw(self, requests: list[_Request], logits: Tensor, first_row: int) -> Tensor:
+    def _draw(self, requests: list[Request], logits: Tensor, first_row: int) -> Tensor:
         """Each request's next token (on the device) from its logits row; the requests run in the
         consecutive cache rows from `first_row`."""
-        n = len(requests)
-        params = [r.params for r in requests]
         uniforms = [r.draws.next() for r in requests]  # drawn every step, so a request's stream never shifts
-        columns = self._draw_dev[:, :n]
-        if any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
-            self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
-            host = self._draw_host[self._flip_columns]
-            host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
-            columns.copy_(host[:, :n], non_blocking=True)
-        seen = self.seen[first_row:first_row + n]
-        drawn = sample(logits, params, seen, columns)
-        seen.scatter_(1, drawn[:, None], True)
-        return drawn
+        return self.runner.draw([r.params for r in requests], uniforms, logits,
+                                self.rows.seen[first_row:first_row + len(requests)])
 
-    def _deliver(self, r: _Request, token: int, logits: Tensor | None) -> None:
+    def _deliver(self, r: Request, token: int, logits: Tensor | None) -> None:
         """Hand `token` to its request, or end the request (a stop id, its length, the context end)."""
         stats = r.stream.stats
         now = time.perf_counter()
@@ -502,54 +361,11 @@ class TorchLLMEngine:
         r.stream.deliver(token)
         if stats.new_tokens >= r.params.max_new_tokens:
             self._finish(r, "length")
-        elif len(self._rows[r.row].held) + 1 >= self.context:
+        elif len(self.rows[r.row].held) + 1 >= self.context:
             self._finish(r, "context")
 
-    def _leave_cancelled(self) -> None:
-        for r in [r for r in self._active if r.stream.cancelled]:
-            self._finish(r, r.stream.reason)
-
-    def _finish(self, request: _Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: str) -> None:
         """End a request: its stream closes; its row, holding its tokens for whoever continues them, leaves
         the running block."""
         request.stream.end(reason)
-        if request.row < 0 or request not in self._active:
-            return
-        last = len(self._active) - 1
-        i = request.row
-        if reason == "error":  # what the row holds is unknown
-            self._rows[i] = _Row()
-        self._rows[i].last_used = time.perf_counter()
-        self._swap(i, last)
-        moved = self._active[last]
-        self._active[i], moved.row = moved, i
-        self._active.pop()
-        request.row = -1
-
-    def _claim_row(self, request: _Request, sig: list) -> tuple[int, int]:
-        """The row a joining request runs in, moved to just after the running ones, and how many of its
-        first positions that row already holds. Rows are found by content: the idle row sharing the
-        longest prefix with the prompt (the request's own session's row first among equals), else an
-        empty row, else the least recently used idle row (evicted)."""
-        first_idle = len(self._active)
-        idle = range(first_idle, len(self._rows))
-
-        def shared(i: int) -> int:
-            row = self._rows[i]
-            return common_prefix(row.held, sig) if row.table == request.table else 0
-
-        held = {i: shared(i) for i in idle}
-        best = max(idle, key=lambda i: (held[i], request.session is not None and self._rows[i].session == request.session))
-        if held[best] == 0:
-            empty = [i for i in idle if not self._rows[i].held]
-            best = (empty or [min(idle, key=lambda i: self._rows[i].last_used)])[0]
-            self._rows[best] = _Row()
-        self._swap(best, first_idle)
-        return first_idle, held[best]
-
-    def _swap(self, a: int, b: int) -> None:
-        if a == b:
-            return
-        self.cache.swap_rows(a, b, max(self._rows[a].written, self._rows[b].written))
-        self.seen[[a, b]] = self.seen[[b, a]]
-        self._rows[a], self._rows[b] = self._rows[b], self._rows[a]
+        self.scheduler.leave(request, error=reason == "error")

@@ -1,0 +1,138 @@
+"""ModelRunner: runs the decoder for the engine: prefills, decode steps as CUDA graphs, the next-token draw.
+
+It owns the model, the rotary tables, the captured graphs and the pinned buffers that carry a step's
+inputs up and its tokens down, so the engine thread's host work never waits for the GPU except where
+it reads the drawn tokens (once per step, one step behind). It knows nothing of requests or rows'
+contents: it is handed row numbers, positions and sampling parameters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pipeline.cuda_graphs import CapturedCall
+from pipeline.llm.model import Decode, Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.sampling import COLUMNS, SamplingParams, sample, sampling_columns
+
+if TYPE_CHECKING:
+    from pipeline.llm.engine import Prompt
+
+GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
+# Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
+# turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class ModelRunner:
+    def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int,
+                 use_cuda_graphs: bool | None = None):
+        """`context` positions per row, plus one scratch position that padding rows of a bucketed step write."""
+        self.model, self.vocab_size = model, vocab_size
+        self.device = model.embed.weight.device
+        self.scratch = context
+        self.rope = RotaryTables(model.config, context + 1, self.device)
+        self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self._graphs: dict[tuple[int, int], CapturedCall] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
+        pinned = self.device.type == "cuda"
+        # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
+        self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pinned)
+        self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
+        self._draw_host = torch.zeros(2, len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
+        self._draw_dev = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=self.device)
+        self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pinned)
+        self._flip = self._flip_columns = 0
+        # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
+        # behind decode steps already launched.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def enter_thread(self) -> None:
+        """Make this runner's stream current on the calling thread (the engine's), after the cache's zeros."""
+        if self._stream is not None:
+            torch.cuda.set_stream(self._stream)  # the current stream is per thread: this one's only
+            self._stream.wait_stream(torch.cuda.default_stream(self.device))
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self.model = self.rope = None
+
+    def prefill(self, cache: KVCache, prompt: Prompt, row: int, start: int, table: int) -> Tensor:
+        """Write `prompt`'s positions from `start` into cache row `row`; the last position's logits."""
+        ids = torch.tensor([prompt.ids[start:]], dtype=torch.long, device=self.device)
+        embeds = None
+        if prompt.slots:
+            if self._stream is not None:  # the embeddings were made on another thread's stream
+                self._stream.wait_stream(torch.cuda.default_stream(self.device))
+                for values in prompt.embeds:
+                    values.record_stream(self._stream)
+            embeds = self.model.embed(ids)
+            for (slot, length), values in zip(prompt.slots, prompt.embeds):
+                lo, hi = max(slot, start), slot + length
+                if lo < hi:
+                    embeds[0, lo - start:hi - start] = values[lo - slot:].to(embeds.device, embeds.dtype)
+        with sdpa_kernel(PREFILL_ATTENTION):
+            out = self.model(cache, self.rope, Prefill(row, start, table), tokens=ids, embeds=embeds)
+        return out[0, -1, :self.vocab_size]
+
+    def decode(self, cache: KVCache, n: int, rows: tuple[list[int], list[int], list[int]] | None,
+               chained: Tensor | None, kv_len: int) -> Tensor:
+        """Logits [n, vocab] for one decode step of rows 0..n-1. Their inputs are `rows` (tokens,
+        positions, rotary tables) when the batch changed, else `chained`: the tokens the previous
+        step drew, each row one position further, made on the GPU so the host never stalls it."""
+        bucket = pow2_at_least(n)
+        if rows is None:
+            self._packed[0, :n].copy_(chained)
+            self._packed[1, :n] += 1
+        else:
+            pad = bucket - n
+            host = self._step_host.numpy()
+            for line, values, fill in zip(host, rows, (0, self.scratch, 0)):
+                line[:bucket] = list(values) + [fill] * pad
+            self._packed[:, :bucket].copy_(self._step_host[:, :bucket], non_blocking=True)
+        kv_len = min(-(-kv_len // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + 1)
+        packed = self._packed[:, :bucket]
+
+        def step(inputs: Tensor) -> Tensor:
+            return self.model(cache, self.rope, Decode(inputs[1], inputs[2], kv_len), tokens=inputs[0, :, None])[:, -1]
+
+        if not self.use_cuda_graphs:
+            return step(packed)[:n, :self.vocab_size]
+        key = (bucket, kv_len)
+        if key not in self._graphs:
+            self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
+        graph = self._graphs[key]
+        graph.inputs[0].copy_(packed)
+        return graph.replay()[:n, :self.vocab_size]
+
+    def draw(self, params: list[SamplingParams], uniforms: list[float], logits: Tensor, seen: Tensor) -> Tensor:
+        """Each row's next token (on the device) from its logits, parameters, uniform number and
+        repetition mask `seen` (updated with the drawn tokens)."""
+        n = len(params)
+        columns = self._draw_dev[:, :n]
+        if any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
+            self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
+            host = self._draw_host[self._flip_columns]
+            host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
+            columns.copy_(host[:, :n], non_blocking=True)
+        drawn = sample(logits, params, seen, columns)
+        seen.scatter_(1, drawn[:, None], True)
+        return drawn
+
+    def to_host(self, drawn: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Start copying the drawn tokens to the host; the event marks when they are there."""
+        self._flip ^= 1
+        host = self._drawn_host[self._flip, :len(drawn)]
+        host.copy_(drawn, non_blocking=True)
+        if self.device.type != "cuda":
+            return host, None
+        done = torch.cuda.Event()
+        done.record()
+        return host, done

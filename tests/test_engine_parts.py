@@ -1,0 +1,136 @@
+"""The LLM engine's parts, each alone: `CacheRows` (prefixes found by content through block hashes),
+the `Scheduler` (admission, rows 0..B-1) and the `ModelRunner` (prefill and decode steps match the
+model's own forward pass)."""
+
+import threading
+
+import torch
+
+from pipeline.llm import cache_rows as cache_rows_module
+from pipeline.llm.cache_rows import BLOCK, CacheRows
+from pipeline.llm.checkpoint import load_decoder
+from pipeline.llm.config import DecoderConfig
+from pipeline.llm.engine import Prompt, TokenStream
+from pipeline.llm.model import Prefill
+from pipeline.llm.model_runner import ModelRunner
+from pipeline.llm.sampling import Draws, SamplingParams
+from pipeline.llm.scheduler import Request, Scheduler
+
+CONFIG = DecoderConfig("qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=8, max_position_embeddings=256)
+
+
+def rows_of(n: int = 4) -> CacheRows:
+    return CacheRows(CONFIG, n, 129, CONFIG.vocab_size, torch.float32, torch.device("cpu"))
+
+
+def test_a_prompt_finds_the_row_holding_its_longest_prefix_by_content():
+    rows = rows_of()
+    conversation = list(range(3, 3 + 3 * BLOCK + 5))  # three whole blocks and a partial one
+    other = [7] * (2 * BLOCK)
+    rows.hold(2, conversation, 0, "alice")
+    rows.hold(3, other, 0, "bob")
+    row, held = rows.claim(conversation + [50, 51], 0, session=None, first_idle=0)
+    assert held == len(conversation) and rows[row].held == conversation  # the partial block counted exactly
+    assert row == 0  # moved to the first idle row
+    # another client's prompt with the same content finds it too; a different first block finds nothing
+    assert rows.claim(other[:BLOCK + 3] + [1], 0, session="carol", first_idle=1)[1] == BLOCK + 3
+    assert rows.claim([9] * 40, 0, session=None, first_idle=2)[1] == 0
+
+
+def test_an_image_slot_matches_only_the_same_image_and_a_rotary_table_only_itself():
+    rows = rows_of()
+    with_cat = [1, 2] + [("cat-hash", i) for i in range(BLOCK * 2)] + [5, 6]
+    rows.hold(3, with_cat, 0, None)
+    with_dog = [1, 2] + [("dog-hash", i) for i in range(BLOCK * 2)] + [5, 6]
+    assert rows.claim(with_dog, 0, None, first_idle=0)[1] == 2  # only the text before the image
+    rows.hold(0, [], 0, None)
+    rows.hold(3, with_cat, 1, None)  # written with another rotary table: its entries differ
+    assert rows.claim(with_cat, 0, None, first_idle=0)[1] == 0
+
+
+def test_a_hash_collision_costs_a_prefill_never_wrong_tokens(monkeypatch):
+    rows = rows_of()
+    rows.hold(1, list(range(BLOCK * 2)), 0, None)
+    monkeypatch.setattr(cache_rows_module, "block_hashes", lambda sig: [1, 2][:len(sig) // BLOCK])
+    rows.hold(2, list(range(100, 100 + BLOCK * 2)), 0, None)  # the same (colliding) hashes
+    _, held = rows.claim(list(range(100, 100 + BLOCK * 2)) + [3], 0, None, first_idle=0)
+    assert held == BLOCK * 2  # checked position by position: the right row, not the colliding one
+    _, held = rows.claim(list(range(200, 200 + BLOCK * 2)), 0, None, first_idle=0)
+    assert held == 0  # the colliding row was found by hash, and refused by its tokens
+
+
+def test_tokens_fed_back_are_indexed_block_by_block_and_the_least_recent_idle_row_is_evicted():
+    rows = rows_of(2)
+    rows.hold(0, list(range(BLOCK - 1)), 0, None)
+    rows.append(0, 99)  # the first block is now whole: indexed
+    assert rows[0].hashes == cache_rows_module.block_hashes(rows[0].held) and len(rows[0].hashes) == 1
+    assert rows.claim(list(range(BLOCK - 1)) + [99, 4], 0, None, first_idle=0)[1] == BLOCK
+    rows.hold(1, [8] * BLOCK, 0, None)
+    rows.release(1)
+    rows.release(0)  # row 0 used last: row 1 is the older
+    row, held = rows.claim([5] * 20, 0, None, first_idle=0)
+    assert held == 0 and rows[row].held == [] and rows.claim([8] * BLOCK, 0, None, first_idle=1)[1] == 0
+
+
+def request(length: int) -> Request:
+    return Request(Prompt(tuple(range(3, 3 + length))), SamplingParams(), set(), None, TokenStream(None, False),
+                   Draws(0), 0.0)
+
+
+def test_the_scheduler_admits_up_to_its_batch_and_keeps_running_requests_in_the_first_rows():
+    rows = rows_of(4)
+    scheduler = Scheduler(2, rows)
+    requests = [request(5 + i) for i in range(3)]
+    for r in requests:
+        scheduler.add(r)
+    joining = scheduler.next_joining()
+    assert joining == requests[:2] and scheduler.waiting == requests[2:]
+    for r in joining:
+        scheduler.place(r, list(r.prompt.ids))
+        rows.hold(r.row, list(r.prompt.ids), 0, None)
+    assert [r.row for r in scheduler.running] == [0, 1]
+    scheduler.leave(requests[0], error=False)
+    assert requests[1].row == 0 and requests[0].row == -1 and scheduler.running == [requests[1]]
+    assert rows[1].held == list(requests[0].prompt.ids)  # the finished request's row keeps its tokens
+    assert scheduler.next_joining() == requests[2:]  # room for one more
+    scheduler.leave(requests[1], error=True)
+    assert rows[0].held == []  # an error leaves the row unknown: forgotten
+    done = threading.Event()
+    threading.Thread(target=lambda: (scheduler.next_joining() is None) and done.set()).start()
+    scheduler.close()
+    assert done.wait(5)
+
+
+def test_the_model_runners_decode_steps_continue_its_prefill_like_one_forward_pass(qwen2_demo):
+    model = load_decoder(qwen2_demo)
+    vocab = model.config.vocab_size
+    runner = ModelRunner(model, 64, vocab, max_batch=2, use_cuda_graphs=False)
+    cache = rows_of_model(model)
+    ids = [5, 9, 14, 3, 7, 22]
+    with torch.inference_mode():
+        full = model_logits(model, ids)
+        first = runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=1, start=0, table=0)
+        assert torch.allclose(first, full[3], atol=1e-4)
+        runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=0, start=0, table=0)
+        step = runner.decode(cache.kv, 2, ([ids[4], ids[4]], [4, 4], [0, 0]), None, 5)
+        assert torch.allclose(step[0], full[4], atol=1e-4) and torch.allclose(step[1], full[4], atol=1e-4)
+        chained = runner.decode(cache.kv, 2, None, torch.tensor([ids[5], ids[5]]), 6)  # positions one further
+        assert torch.allclose(chained[1], full[5], atol=1e-4)
+        drawn = runner.draw([SamplingParams(temperature=0, repetition_penalty=1.0)] * 2, [0.5, 0.5], chained,
+                            cache.seen[:2])
+        assert drawn.tolist() == [int(full[5].argmax())] * 2 and cache.seen[0, drawn[0]]
+
+
+def rows_of_model(model) -> CacheRows:
+    return CacheRows(model.config, 2, 65, model.config.vocab_size, torch.float32, torch.device("cpu"))
+
+
+def model_logits(model, ids: list[int]) -> list[torch.Tensor]:
+    """The model's last-position logits for each prefix of `ids`, each one forward pass over a fresh cache."""
+    rope = ModelRunner(model, 64, model.config.vocab_size, max_batch=1, use_cuda_graphs=False).rope
+    out = []
+    for n in range(1, len(ids) + 1):
+        cache = CacheRows(model.config, 1, 65, model.config.vocab_size, torch.float32, torch.device("cpu"))
+        out.append(model(cache.kv, rope, Prefill(0, 0, 0), tokens=torch.tensor([ids[:n]]))[0, -1, :model.config.vocab_size])
+    return out
