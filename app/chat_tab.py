@@ -12,7 +12,7 @@ from app.conversation_files import read_conversation, to_json, to_markdown
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from pipeline.errors import UserError
-from pipeline.service import CHAT, StudioService, plain_messages
+from pipeline.service.studio import CHAT, StudioService, plain_messages
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 PRESETS = {  # system prompts people reach for, one click away

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pipeline.errors import UserError
 from pipeline.images import load_image
 from pipeline.llm.sampling import SamplingParams
-from pipeline.service import StudioService, Update
+from pipeline.service.studio import StudioService, Update
 
 HELP = "commands: /reset · /system TEXT · /image PATH · /set SETTING VALUE (e.g. /set temperature 0) · /exit"
 

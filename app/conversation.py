@@ -14,7 +14,7 @@ import gradio as gr
 
 from app.errors import shown_to_user
 from pipeline.llm.sampling import LIMITS, SamplingParams
-from pipeline.service import ChatTurn, StudioService
+from pipeline.service.studio import ChatTurn, StudioService
 
 UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page
 SLIDERS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")  # controls' order

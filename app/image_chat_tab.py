@@ -10,7 +10,7 @@ from gradio.data_classes import FileData
 
 from app.conversation import SLIDERS, sampling_controls, stream_turn, wire_stop
 from app.errors import shown_to_user
-from pipeline.service import IMAGE_CHAT, StudioService, plain_messages
+from pipeline.service.studio import IMAGE_CHAT, StudioService, plain_messages
 
 
 @dataclasses.dataclass

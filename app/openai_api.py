@@ -27,7 +27,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pipeline.errors import UserError
-from pipeline.service import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService
+from pipeline.service.studio import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService
 
 IMAGE_MODEL = "minigpt4"
 MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from pipeline.images import fit_for_display, to_device, to_host
-from pipeline.segment import AutoMask
-from pipeline.segment_session import SegmentSession
+from pipeline.pipelines.segment import AutoMask
+from pipeline.pipelines.segment_session import SegmentSession
 
 MASK_COLOUR = np.array([30, 144, 255], dtype=np.float32)
 EVERYTHING_COLOURS = np.random.default_rng(7).integers(40, 255, (256, 3)).astype(np.float32)

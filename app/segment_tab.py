@@ -1,5 +1,5 @@
 """The Segment tab: clicks and boxes on an image → SAM masks. Wiring only: requests go through the
-studio service, prompting is `pipeline.segment_session.SegmentSession`, drawing `app.segment_render`. Each browser session keeps
+studio service, prompting is `pipeline.pipelines.segment_session.SegmentSession`, drawing `app.segment_render`. Each browser session keeps
 its own `SegmentSession` (and so its own statistics) in `gr.State`."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from app.segment_render import (mask_png, png_bytes, render_candidates, render_e
                                 thumbnail)
 from pipeline.errors import UserError
 from pipeline.images import fit_for_display, load_image, masked_crop
-from pipeline.segment_session import SegmentSession
-from pipeline.service import SEGMENT, StudioService
+from pipeline.pipelines.segment_session import SegmentSession
+from pipeline.service.studio import SEGMENT, StudioService
 
 POSITIVE, NEGATIVE = "Object (+)", "Background (−)"
 POINTS, BOX = "Points", "Box (two clicks: opposite corners)"

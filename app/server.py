@@ -7,7 +7,7 @@ import sys
 import time
 
 from pipeline.errors import UserError
-from pipeline.service import StudioService
+from pipeline.service.studio import StudioService
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

@@ -15,7 +15,7 @@ from app.image_chat_tab import build_image_chat_tab
 from app.segment_tab import build_segment_tab
 from pipeline.files import atomic_write
 from pipeline.models import cache_dir
-from pipeline.service import CHAT, IMAGE_CHAT, SEGMENT, StudioService
+from pipeline.service.studio import CHAT, IMAGE_CHAT, SEGMENT, StudioService
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples"
 

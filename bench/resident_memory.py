@@ -35,7 +35,7 @@ from pipeline.llm.model import Decoder  # noqa: E402
 from pipeline.minigpt4.vision import TINY, VisionConfig  # noqa: E402
 from pipeline.minigpt4.weights import build_demo  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
-from pipeline.tools import GIB, ToolHost  # noqa: E402
+from pipeline.service.tools import GIB, ToolHost  # noqa: E402
 from pipeline.weights_io import write_weight_file  # noqa: E402
 
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,

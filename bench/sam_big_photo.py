@@ -30,8 +30,8 @@ from studio.backends import sam_engine  # noqa: E402
 from pipeline.images import fit_for_display, to_device  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam, load_sam  # noqa: E402
 from pipeline.sam.transforms import input_size, preprocess, upscale_masks  # noqa: E402
-from pipeline.segment import SegmentPipeline  # noqa: E402
-from pipeline.segment_session import SegmentSession  # noqa: E402
+from pipeline.pipelines.segment import SegmentPipeline  # noqa: E402
+from pipeline.pipelines.segment_session import SegmentSession  # noqa: E402
 from pipeline.weights_io import write_weight_file  # noqa: E402
 
 POINT = [[2000.0, 1500.0]]

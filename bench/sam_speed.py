@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import cuda_ms  # noqa: E402
 from studio.backends import sam_engine  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam, load_sam  # noqa: E402
-from pipeline.segment import SegmentPipeline, SegmentStats  # noqa: E402
+from pipeline.pipelines.segment import SegmentPipeline, SegmentStats  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 

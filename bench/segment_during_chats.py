@@ -30,7 +30,7 @@ from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
-from pipeline.segment import SegmentPipeline  # noqa: E402
+from pipeline.pipelines.segment import SegmentPipeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -243,17 +243,17 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
     import numpy as np
     import torch
 
-    from pipeline.chat import ChatPipeline
+    from pipeline.pipelines.chat import ChatPipeline
     from studio.backends import load_language_model, sam_engine, vision_encoder
-    from pipeline.image_chat import ImageChatPipeline
+    from pipeline.pipelines.image_chat import ImageChatPipeline
     from pipeline.llm.sampling import SamplingParams
     from pipeline.minigpt4.weights import load_vision_folder
     from pipeline.models import cache_dir, locate, resolve
     from pipeline.sam.model import load_sam
     from pipeline.sam.weights import DEMO as SAM_DEMO
     from pipeline.sam.weights import locate_sam, resolve_sam
-    from pipeline.segment import SegmentPipeline
-    from pipeline.tools import ToolSpec
+    from pipeline.pipelines.segment import SegmentPipeline
+    from pipeline.service.tools import ToolSpec
 
     dtype = getattr(torch, plan.dtype)
     remote = plan.backends["chat"].backend == "remote"
@@ -333,8 +333,8 @@ def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable
     lines go instead."""
     import torch
 
-    from pipeline.service import StudioService
-    from pipeline.tools import GIB, ToolHost, default_budget
+    from pipeline.service.studio import StudioService
+    from pipeline.service.tools import GIB, ToolHost, default_budget
 
     engines = engine_options(args, echo=echo)
     say = say or engines.report.say

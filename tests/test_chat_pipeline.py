@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from pipeline.chat import ChatPipeline
+from pipeline.pipelines.chat import ChatPipeline
 from studio.backends import load_language_model
 from pipeline.errors import UserError
 from pipeline.llm.model import RotaryTables, qwen_logn_scale, qwen_ntk_alpha

@@ -13,9 +13,9 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (the CPU paths are covered by the other tests)", allow_module_level=True)
 
-from pipeline.chat import ChatPipeline  # noqa: E402
+from pipeline.pipelines.chat import ChatPipeline  # noqa: E402
 from studio.backends import load_language_model, sam_engine, vision_encoder  # noqa: E402
-from pipeline.image_chat import ImageChatPipeline  # noqa: E402
+from pipeline.pipelines.image_chat import ImageChatPipeline  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.demo import demo_model_dir  # noqa: E402
 from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
@@ -26,7 +26,7 @@ from pipeline.sam.model import load_sam  # noqa: E402
 from pipeline.sam.weights import resolve_sam  # noqa: E402
 from pipeline.sam.engine import GraphedSamEngine, TorchSamEngine  # noqa: E402
 from pipeline.sam.transforms import preprocess, resize_longest  # noqa: E402
-from pipeline.segment import SegmentPipeline, SegmentStats  # noqa: E402
+from pipeline.pipelines.segment import SegmentPipeline, SegmentStats  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=300, temperature=0, repetition_penalty=1.0)
 

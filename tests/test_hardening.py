@@ -65,7 +65,7 @@ def test_prompt_fitting_renders_a_long_history_a_few_times_not_once_per_turn(qwe
 def test_a_session_cannot_queue_more_than_its_limit_of_replies(running_app):
     """The service's per-client limit (`MAX_IN_FLIGHT`): the fifth reply of one browser session is
     refused while four run; Stop then ends the four (endless: greedy, 1500 tokens)."""
-    from pipeline.service import MAX_IN_FLIGHT
+    from pipeline.service.studio import MAX_IN_FLIGHT
 
     client = Client(running_app[0], verbose=False)
     jobs = [client.submit("Write a long essay", [], "", 0, 1.0, 0, 1.0, 1500, -1, api_name="/chat")
@@ -188,8 +188,8 @@ def in_process_app(argv: list[str], monkeypatch, cache):
     """The app's server (`app.server`) in this process (tools declared, none loaded), for what a
     subprocess hides: (the server module, args, service)."""
     from app import server
-    from pipeline.service import StudioService
-    from pipeline.tools import ToolHost
+    from pipeline.service.studio import StudioService
+    from pipeline.service.tools import ToolHost
     from studio import compose
 
     monkeypatch.setenv("STUDIO_CACHE", str(cache))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.errors import UserError
-from pipeline.image_chat import ImageChatPipeline
+from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.images import load_image
 from pipeline.llm.demo import demo_model_dir
 from pipeline.llm.sampling import SamplingParams

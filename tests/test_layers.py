@@ -86,3 +86,21 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, cycles
+
+
+PIPELINE_LAYERS = {"service": 3, "pipelines": 2, "llm": 1, "sam": 1, "minigpt4": 1, "models": 1}  # anything else: helpers (0)
+
+
+def test_inside_pipeline_each_layer_imports_only_those_below_it():
+    """The service over the pipelines over the model code and engines over the shared helpers."""
+    def layer(module: str) -> int:
+        parts = module.split(".")
+        return PIPELINE_LAYERS.get(parts[1], 0) if len(parts) > 1 else 0
+
+    wrong = []
+    for path in sorted((ROOT / "pipeline").rglob("*.py")):
+        own = module_name(path)
+        for name, _ in imports(path):
+            if name.startswith("pipeline.") and layer(name) > layer(own):
+                wrong.append(f"{own} imports {name}")
+    assert not wrong, "\n".join(wrong)

@@ -252,7 +252,7 @@ def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
     """The service's per-client limit holds for API clients too (a client is its `user`, else its
     address): the fifth endless reply of one user is refused with 429, another user is served, and
     closing the streams ends the four."""
-    from pipeline.service import MAX_IN_FLIGHT
+    from pipeline.service.studio import MAX_IN_FLIGHT
 
     client, url = api
     endless = dict(model=CHAT, messages=[{"role": "user", "content": "Write a very long story"}], max_tokens=4000,

@@ -15,8 +15,8 @@ from pipeline.sam.engine import TorchSamEngine
 from pipeline.sam.model import load_sam
 from pipeline.sam.transforms import input_size, preprocess
 from pipeline.sam.weights import resolve_sam
-from pipeline.segment import SegmentPipeline, SegmentStats
-from pipeline.segment_session import SegmentSession
+from pipeline.pipelines.segment import SegmentPipeline, SegmentStats
+from pipeline.pipelines.segment_session import SegmentSession
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_sam_names_resolve(tmp_path, checkpoint):
 
 
 def test_box_nms_and_mask_boxes():
-    from pipeline.segment import box_nms, mask_boxes
+    from pipeline.pipelines.segment import box_nms, mask_boxes
 
     boxes = torch.tensor([[0, 0, 10, 10], [1, 1, 10, 10], [20, 20, 30, 30], [0, 0, 10, 9]])
     keep = box_nms(boxes, torch.tensor([0.5, 0.9, 0.8, 0.7]), threshold=0.7)

@@ -8,8 +8,8 @@ from pipeline.errors import UserError
 from pipeline.images import load_image
 from pipeline.sam.model import load_sam
 from pipeline.sam.weights import resolve_sam
-from pipeline.segment import SegmentPipeline
-from pipeline.segment_session import Prompts, SegmentSession
+from pipeline.pipelines.segment import SegmentPipeline
+from pipeline.pipelines.segment_session import Prompts, SegmentSession
 
 
 class RecordingPipeline(SegmentPipeline):
@@ -166,7 +166,7 @@ def test_display_copies_on_the_device_are_shared_by_image_bounded_and_counted(se
     memory budget (`held_bytes`) and go with an unload."""
     import torch
 
-    from pipeline import segment
+    from pipeline.pipelines import segment
 
     rng = np.random.default_rng(3)
     images = [rng.integers(0, 255, (60, 80, 3), dtype=np.uint8) for _ in range(segment.DISPLAY_COPIES + 1)]

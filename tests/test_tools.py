@@ -13,7 +13,7 @@ from studio import compose
 from engine_builder.build import StartupReport
 from pipeline.errors import UserError
 from pipeline.llm.sampling import SamplingParams
-from pipeline.tools import ToolHost, ToolSpec
+from pipeline.service.tools import ToolHost, ToolSpec
 
 MIB = 2**20
 
@@ -195,7 +195,7 @@ def test_a_tool_loading_blocks_no_other_tools_requests_and_loads_once(qwen2_demo
     """While a tool takes 5 s to load, five chat replies started during the load finish within 0.5 s of
     their time with no load running (the same greedy replies, so the same work); two first requests to
     the loading tool both wait for one load."""
-    from pipeline.chat import ChatPipeline
+    from pipeline.pipelines.chat import ChatPipeline
     from studio.backends import load_language_model
 
     host = ToolHost(torch.device("cpu"), None, lambda line: None)

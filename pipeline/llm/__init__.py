@@ -1,1 +1,2 @@
-"""The LLM core: one config-driven decoder, its loaders, tokenizers and the generation loop."""
+"""The LLM model code and its engine: one config-driven decoder, its checkpoints, tokenizers and prompt
+formats, and the torch engine that batches requests (scheduler, cache rows, model runner)."""

@@ -1,1 +1,1 @@
-"""SAM (Segment Anything): model parts named after the paper, and their checkpoints."""
+"""SAM (Segment Anything): model parts named after the paper, their checkpoints, and the engine that runs them."""

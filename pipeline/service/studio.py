@@ -26,8 +26,8 @@ from pipeline.images import load_image, masked_crop
 from pipeline.llm.engine import GenerationStats
 from pipeline.llm.prompt import ROLES
 from pipeline.llm.sampling import SamplingParams
-from pipeline.segment_session import SegmentSession
-from pipeline.tools import ToolHost
+from pipeline.pipelines.segment_session import SegmentSession
+from pipeline.service.tools import ToolHost
 
 CHAT, IMAGE_CHAT, SEGMENT = "chat", "image chat", "segment"
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pipeline.errors import UserError
-from pipeline.segment import (AutoMask, ImageHandle, Prediction, SegmentPipeline, SegmentStats, check_point,
+from pipeline.pipelines.segment import (AutoMask, ImageHandle, Prediction, SegmentPipeline, SegmentStats, check_point,
                               check_prompts)
 
 
