@@ -38,7 +38,7 @@ def test_chat_on_gpu_graphs_match_eager(studio_cache, name):
     pipe = ChatPipeline(llm)
     engine = llm.engine
     assert engine.use_cuda_graphs
-    prompt = pipe.format.render([{"role": "user", "content": "Hello 你好"}])
+    prompt = pipe.llm.format.render([{"role": "user", "content": "Hello 你好"}])
     graphed = list(engine.submit(prompt, GREEDY, set()))  # crosses a 256-token bucket
     eager_engine = TorchLLMEngine(engine.model, 1024, llm.tokenizer.vocab_size, use_cuda_graphs=False)
     eager = list(eager_engine.submit(prompt, GREEDY, set()))

@@ -10,11 +10,12 @@ is set, or when the caller stops listening (a closed tab, a dropped API client).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from pipeline.llm.engine import GenerationStats, LLMEngine, Prompt
-from pipeline.llm.prompt import PromptFormat, fit_prompt
+from pipeline.llm.prompt import PromptFormat, chat_format, fit_prompt
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.streaming import TextStream
 from pipeline.llm.tokenizer import Tokenizer
@@ -38,6 +39,24 @@ class LanguageModel:
     @property
     def context(self) -> int:
         return self.engine.context
+
+    @functools.cached_property
+    def format(self) -> PromptFormat:
+        """The model's own chat format: its checkpoint's chat template, else ChatML."""
+        return chat_format(self.tokenizer)
+
+    def check_chat(self) -> None:
+        """Raise `UserError` now, at load, if this model has no chat format (a base LLaMA)."""
+        self.format
+
+    def status(self) -> dict:
+        """What the engine is doing now (for `/engine_status`)."""
+        return self.engine.status()
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
+             session: str | None = None) -> Iterator[ChatEvent]:
+        """Reply to `messages` in the model's own chat format; see `reply`."""
+        return self.reply(self.format, messages, params, cancel, session)
 
     def reply(self, fmt: PromptFormat, messages: Sequence[dict], params: SamplingParams,
               cancel: threading.Event | None = None, session: str | None = None,

@@ -3,7 +3,7 @@
 stay local.
 
 The remote server applies the chat template and tokenizes, so this works at the level of messages:
-`RemoteLanguageModel.reply` has `LanguageModel.reply`'s signature and yields the same `ChatEvent`s,
+`RemoteLanguageModel.chat` has `LanguageModel.chat`'s signature and yields the same `ChatEvent`s,
 so the chat pipeline, the UI and the API treat it like a local model. Stop (the cancel flag) closes
 the HTTP stream, which a serving engine takes as a cancelled request; remote errors become one-line
 `UserError`s naming the server.
@@ -15,7 +15,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import httpx
 
@@ -27,36 +27,26 @@ from pipeline.llm.sampling import SamplingParams
 CONNECT_TIMEOUT_S = 10
 
 
-class RemoteEngine:
-    """What `/engine_status` shows for a remote model: requests in flight here, replies done."""
-
-    def __init__(self, url: str):
-        self.url, self.description = url, f"remote OpenAI-compatible server at {url}"
-        self.running = self.finished = 0
-        self._lock = threading.Lock()
-
-    def status(self) -> dict[str, int | str]:
-        with self._lock:
-            return {"remote": self.url, "running": self.running, "finished": self.finished}
-
-    def count(self, delta: int) -> None:
-        with self._lock:
-            self.running += delta
-            self.finished += delta < 0
-
-    def close(self) -> None:
-        """Nothing to free: the model lives on the server."""
-
-
 class RemoteLanguageModel:
-    tokenizer = None  # the server tokenizes
+    """`LanguageModel`'s chat over HTTP: the server applies the chat template and tokenizes."""
 
     def __init__(self, url: str, model: str | None = None, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model_id = model or self._first_model()
-        self.engine = RemoteEngine(self.url)
         self.description = f"{self.model_id} on {self.url} (remote)"
+        self.running = self.finished = 0
+        self._lock = threading.Lock()
+
+    def status(self) -> dict[str, int | str]:
+        """What `/engine_status` shows for a remote model: requests in flight here, replies done."""
+        with self._lock:
+            return {"remote": self.url, "running": self.running, "finished": self.finished}
+
+    def _count(self, delta: int) -> None:
+        with self._lock:
+            self.running += delta
+            self.finished += delta < 0
 
     def _first_model(self) -> str:
         try:
@@ -74,11 +64,14 @@ class RemoteLanguageModel:
         return 0  # unknown here: the server fits the prompt
 
     def close(self) -> None:
-        self.engine.close()
+        """Nothing to free: the model lives on the server."""
 
-    def reply(self, fmt, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
-              session: str | None = None, fill: Callable | None = None) -> Iterator[ChatEvent]:
-        """`LanguageModel.reply` over HTTP (`fmt`, `session` and `fill` are the server's business)."""
+    def check_chat(self) -> None:
+        """The server applies its own chat template: nothing to check here."""
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
+             session: str | None = None) -> Iterator[ChatEvent]:
+        """`LanguageModel.chat` over HTTP (the prompt format and `session` are the server's business)."""
         params = params.validated()
         body = {"model": self.model_id, "messages": list(messages), "stream": True,
                 "stream_options": {"include_usage": True}, "max_tokens": params.max_new_tokens,
@@ -93,7 +86,7 @@ class RemoteLanguageModel:
         stats, start = GenerationStats(), time.perf_counter()
         client = httpx.Client(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
         reader = threading.Thread(target=self._read, args=(client, body, pieces), daemon=True, name="remote-llm")
-        self.engine.count(+1)
+        self._count(+1)
         reader.start()
         try:
             while True:
@@ -123,7 +116,7 @@ class RemoteLanguageModel:
                     break
         finally:  # Stop, an error or a caller that stopped listening: closing the stream cancels it remotely
             client.close()
-            self.engine.count(-1)
+            self._count(-1)
         stats.decode_s = max(time.perf_counter() - start - stats.time_to_first_token_s, 0.0)
         stats.finish_reason = stats.finish_reason or "stop"
         yield ChatEvent(stats=stats)

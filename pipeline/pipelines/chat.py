@@ -6,16 +6,14 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from pipeline.llm.language_model import ChatEvent, LanguageModel
-from pipeline.llm.prompt import chat_format
 from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.sampling import SamplingParams
 
 
 class ChatPipeline:
     def __init__(self, llm: LanguageModel | RemoteLanguageModel, is_demo: bool = False):
+        llm.check_chat()  # a model with no chat format is refused at load, not at the first message
         self.llm = llm
-        # a remote model (`RemoteLanguageModel`) has no tokenizer here: its server formats the prompt
-        self.format = chat_format(llm.tokenizer) if llm.tokenizer is not None else None
         self.is_demo = is_demo
         self.description = llm.description
 
@@ -25,6 +23,7 @@ class ChatPipeline:
 
     def stream(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
                session: str | None = None) -> Iterator[ChatEvent]:
-        """Reply to `messages` (the last one the user's), streamed; see `LanguageModel.reply`.
+        """Reply to `messages` (the last one the user's) in the model's chat format, streamed; see
+        `LanguageModel.reply`.
         `session` names the conversation, so its next turn prefills only what is new."""
-        return self.llm.reply(self.format, messages, params, cancel, session)
+        return self.llm.chat(messages, params, cancel, session)

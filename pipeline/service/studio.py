@@ -279,7 +279,7 @@ class StudioService:
         each tool's state and size ("tools"), and the start-up report ("startup")."""
         def engine(tool: str) -> dict:
             pipeline = self.host.loaded(tool)
-            return pipeline.llm.engine.status() if pipeline is not None else {"loaded": False}
+            return pipeline.llm.status() if pipeline is not None else {"loaded": False}
 
         return {"chat": engine(CHAT), "image_chat": engine(IMAGE_CHAT), "tools": self.host.status(),
                 "startup": list(self.startup)}
