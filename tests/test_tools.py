@@ -196,6 +196,7 @@ def test_a_tool_loading_blocks_no_other_tools_requests_and_loads_once(qwen2_demo
     their time with no load running (the same greedy replies, so the same work); two first requests to
     the loading tool both wait for one load."""
     from pipeline.pipelines.chat import ChatPipeline
+    from pipeline.service.studio import StudioService
     from studio.backends import load_language_model
 
     host = ToolHost(torch.device("cpu"), None, lambda line: None)
@@ -203,15 +204,16 @@ def test_a_tool_loading_blocks_no_other_tools_requests_and_loads_once(qwen2_demo
                                                             is_demo=True), estimate=0))
     host.add(ToolSpec("slow", lambda say, free: SlowTool(5.0), estimate=0))
     host.load("chat")
-    params = SamplingParams(max_new_tokens=48, temperature=0, repetition_penalty=1.0)
+    service = StudioService(host)  # the path every front end's request takes
+    sampling = dict(max_new_tokens=48, temperature=0, repetition_penalty=1.0)
 
     def five_replies() -> tuple[float, list[str]]:
         texts: list[str] = [""] * 5
 
         def reply(i: int) -> None:
-            with host.using("chat") as chat:
-                for event in chat.stream([{"role": "user", "content": f"question {i}"}], params):
-                    texts[i] += event.text
+            turn = service.chat_turn([{"role": "user", "content": f"question {i}"}], sampling)
+            for update in service.reply(f"client-{i}", turn):
+                texts[i] += update.text
         start = time.perf_counter()
         threads = [threading.Thread(target=reply, args=(i,)) for i in range(5)]
         for t in threads:
