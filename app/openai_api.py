@@ -4,8 +4,8 @@ Scripts and other apps speak this protocol (Ollama, LM Studio, vLLM and TensorRT
 offer it). This module only translates: requests go to the studio service (`pipeline.service`), the
 one place their rules live, so API and UI users get the same checks and share the GPU's batch
 fairly. A request with an `image_url` part, or for the `minigpt4` model, goes to image chat. A
-client is its `user` field, else its address: each has the service's limit of replies in flight
-(429 past it). Errors come in OpenAI's shape with the right status and the parameter named; a
+client is its `user` field: each user has the service's limit of replies in flight (429 past it);
+a request without one stands alone. Errors come in OpenAI's shape with the right status and the parameter named; a
 client that disconnects mid-stream cancels its generation at the engine's next step.
 """
 
@@ -111,8 +111,7 @@ def _messages(raw: object, allow_files: bool) -> tuple[object, bytes | None]:
     return messages, image
 
 
-def parse_request(body: object, models: list[str], allow_files: bool, service: StudioService,
-                  address: str) -> ChatRequest:
+def parse_request(body: object, models: list[str], allow_files: bool, service: StudioService) -> ChatRequest:
     """A request checked by the service, or `ApiError` naming what is wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
@@ -141,8 +140,11 @@ def parse_request(body: object, models: list[str], allow_files: bool, service: S
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
     options = body.get("stream_options") or {}
+    # A client is its `user`: requests without one stand alone (scripts and apps on this machine all
+    # share one address, and one's 8 parallel requests must not refuse another's).
     return ChatRequest(IMAGE_MODEL if turn.tool == IMAGE_CHAT else model, turn, stream,
-                       bool(isinstance(options, dict) and options.get("include_usage")), f"api:{user or address}")
+                       bool(isinstance(options, dict) and options.get("include_usage")),
+                       f"api:user:{user}" if user else f"api:request:{secrets.token_hex(8)}")
 
 
 class Reply:
@@ -231,7 +233,7 @@ def build_router(service: StudioService, chat_model: str, api_key: str | None, a
                 body = json.loads(raw)
             except ValueError as e:
                 raise ApiError(400, f"the body is not valid JSON: {e}") from None
-            req = parse_request(body, models, allow_files, service, request.client.host if request.client else "")
+            req = parse_request(body, models, allow_files, service)
         except (ApiError, UserError) as e:
             return _user_error(e).response()
         reply = Reply(service, req)

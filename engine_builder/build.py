@@ -1,9 +1,11 @@
 """Building, or loading from the cache, the engines of one network on one runtime, with progress.
 
 Each runtime that turns ONNX graphs into engines (ONNX Runtime, TensorRT) is one `Runtime` entry;
-`build_engines` exports a graph only when its engine is missing or stale, shows a progress bar in
-the terminal while it builds, and reports one line per engine ("built in 4.1 s (not built yet)" or
-"loaded from cache in 0.02 s") that the terminal and the UI's start-up status both show.
+`build_engines` exports a graph only when its engine is missing or stale (never after a failed build
+of the same key), shows a progress bar in the terminal while it builds, checks a new engine against
+torch on probe inputs (`engine_check`), and reports one line per engine ("built in 4.1 s, verified
+(…)" or "loaded from cache in 0.02 s, verified (…)") that the terminal and the UI's start-up status
+both show; a refused engine is reported with the check and its numbers, and the tool runs on torch.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
 from torch import nn
 from tqdm import tqdm
 
 from engine_builder import onnxruntime_backend, tensorrt_backend
-from engine_builder.cache import EngineBuildError, EngineCache, EngineKey
+from engine_builder.cache import EngineBuildError, EngineCache, EngineKey, Verdict
+from engine_builder.engine_check import check_engine
 from engine_builder.fingerprint import fingerprint
 from engine_builder.onnx_export import GraphSpec, export_onnx
 from engine_builder.vision_engines import Session
@@ -35,6 +39,7 @@ class Runtime:
     precision: Callable[[str], str]  # the app's dtype → the precision its engines run in
     build: Callable[[Path, Path, GraphSpec, str], None]  # (onnx graph, engine folder, spec, precision)
     load: Callable[[Path], Session]
+    typed_graphs: bool = False  # the graph carries the engine's precision (a strongly typed builder)
 
 
 RUNTIMES = {
@@ -43,7 +48,7 @@ RUNTIMES = {
                            onnxruntime_backend.build, onnxruntime_backend.OrtSession),
     "tensorrt": Runtime("tensorrt", tensorrt_backend.unavailable, tensorrt_backend.version,
                         tensorrt_backend.device_name, tensorrt_backend.precision,
-                        tensorrt_backend.build, tensorrt_backend.TrtSession),
+                        tensorrt_backend.build, tensorrt_backend.TrtSession, typed_graphs=True),
 }
 
 
@@ -95,9 +100,7 @@ def engine_status(graphs: tuple[GraphSpec, ...], sources: list[Path], runtime: s
     rt = RUNTIMES[runtime]
     if (why := rt.unavailable()) is not None:
         return [f"{runtime} cannot run here: {why}"]
-    return [f"{key.component}: " + ("cached in " + str(cache.folder(key)) if (why := cache.status(key)) is None
-                                    else f"will be built ({why})")
-            for key in engine_keys(graphs, sources, rt, dtype, cache)]
+    return [f"{key.component}: {cache.status(key)}" for key in engine_keys(graphs, sources, rt, dtype, cache)]
 
 
 def build_engines(tool: str, graphs: tuple[GraphSpec, ...], module: nn.Module, sources: list[Path], runtime: str,
@@ -117,15 +120,21 @@ def build_engines(tool: str, graphs: tuple[GraphSpec, ...], module: nn.Module, s
                 onnx_path = Path(tmp) / "graph.onnx"
                 bar.set_postfix_str("exporting ONNX")
                 _quiet_exporter_logs()
-                export_onnx(graph, module, onnx_path)
+                export_onnx(graph, module, onnx_path,
+                            getattr(torch, key.precision) if rt.typed_graphs else torch.float32)
                 bar.update()
                 bar.set_postfix_str(f"building with {rt.name}")
                 rt.build(onnx_path, folder, graph, key.precision)
                 bar.update()
 
-        session, cached = options.cache.get(key, build, rt.load)
+        def verify(session: Session, graph: GraphSpec = graph, key: EngineKey = key, label: str = label) -> Verdict:
+            options.report.say(f"{label}: checking it against torch on probe inputs")
+            return check_engine(graph, module, session, key.precision)
+
+        session, cached = options.cache.get(key, build, rt.load, verify)
         options.report.say(f"{label}: " + (f"built in {cached.seconds:.1f} s" if cached.built
-                                           else f"loaded from cache in {cached.seconds:.2f} s"))
+                                           else f"loaded from cache in {cached.seconds:.2f} s")
+                           + f", {cached.verdict.line()}")
         sessions.append(session)
     return sessions
 

@@ -66,10 +66,24 @@ class CachedEngine:
     built: bool  # built now (False: loaded from the cache)
     seconds: float  # the build, or the lookup and checks
     reason: str  # why it was built ("not built yet", "the weights changed", ...) or "cached"
+    verdict: Verdict | None = None  # its check against the torch reference (None: none asked for)
 
 
 class EngineBuildError(RuntimeError):
     """A build or the engine it produced failed; the caller falls back to another backend."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """Whether an engine computed what the torch reference computes on fixed probe inputs: `check` names
+    what was compared, `numbers` what came out against what was allowed."""
+
+    passed: bool
+    check: str
+    numbers: str
+
+    def line(self) -> str:
+        return f"{'verified' if self.passed else 'refused'} ({self.check}: {self.numbers})"
 
 
 def _file_sha256(path: Path) -> str:
@@ -110,8 +124,33 @@ def _check(folder: Path, key: EngineKey) -> str | None:
     return None
 
 
+def _files_digest(meta: dict) -> str:
+    """One hash of an engine's files (their checksums): a verdict holds for exactly these files."""
+    files = meta.get("files", {})
+    return hashlib.sha256("|".join(f"{n}:{files[n]['sha256']}" for n in sorted(files)).encode()).hexdigest()
+
+
+def _read_meta(folder: Path) -> dict:
+    return json.loads((folder / META).read_text())
+
+
+def _verdict_of(folder: Path) -> Verdict | None:
+    """The recorded verdict, if it was reached on the files now there."""
+    meta = _read_meta(folder)
+    recorded = meta.get("verdict")
+    if not recorded or recorded.get("files") != _files_digest(meta):
+        return None
+    return Verdict(recorded["passed"], recorded["check"], recorded["numbers"])
+
+
 class EngineCache:
-    """Engines under one directory (`--engine-dir`); `rebuild=True` (`--rebuild`) ignores what is there."""
+    """Engines under one directory (`--engine-dir`); `rebuild=True` (`--rebuild`) ignores what is there,
+    recorded failures and verdicts included.
+
+    Nothing is trusted until it proves itself: with a `verify`, an engine is checked against the torch
+    reference after it is built (and whenever its files changed since its verdict), and the verdict is
+    kept in its metadata. A refused engine is never loaded again, and a failed build is not retried,
+    until `--rebuild` or a change of key (new weights, builder version, device): both are remembered."""
 
     def __init__(self, root: Path, rebuild: bool = False):
         self.root = Path(root)
@@ -120,16 +159,36 @@ class EngineCache:
     def folder(self, key: EngineKey) -> Path:
         return self.root / key.slot()
 
-    def status(self, key: EngineKey) -> str | None:
-        """Without building: None if a matching engine is cached, else why it would be built."""
-        return "--rebuild" if self.rebuild else _check(self.folder(key), key)
+    def status(self, key: EngineKey) -> str:
+        """Without building, for `--check`: what a launch would do with this engine, and its verdict."""
+        if self.rebuild:
+            return "will be built (--rebuild)"
+        if (failed := self._failure(key)) is not None:
+            return f"its build failed ({failed}): not retried until --rebuild"
+        folder = self.folder(key)
+        if (why := _check(folder, key)) is not None:
+            return f"will be built ({why})"
+        verdict = _verdict_of(folder)
+        return f"cached in {folder}" + (f", {verdict.line()}" if verdict else ", not verified yet")
 
-    def get(self, key: EngineKey, build: Callable[[Path, str], None],
-            load: Callable[[Path], T]) -> tuple[T, CachedEngine]:
+    def _failure_path(self, key: EngineKey) -> Path:
+        return self.root / f"{key.slot()}.failed.json"
+
+    def _failure(self, key: EngineKey) -> str | None:
+        """Why the last build for exactly this key failed, if it did."""
+        try:
+            record = json.loads(self._failure_path(key).read_text())
+        except (OSError, ValueError):
+            return None
+        return record.get("reason") if record.get("key") == json.loads(json.dumps(dataclasses.asdict(key))) else None
+
+    def get(self, key: EngineKey, build: Callable[[Path, str], None], load: Callable[[Path], T],
+            verify: Callable[[T], Verdict] | None = None) -> tuple[T, CachedEngine]:
         """Load the cached engine for `key`, building it first when missing, stale or damaged.
 
-        `build(folder, reason)` writes the engine files into an empty folder; `load(folder)` opens them. An
-        engine that fails to load is rebuilt once; if the fresh one fails too, `EngineBuildError`.
+        `build(folder, reason)` writes the engine files into an empty folder; `load(folder)` opens them;
+        `verify(engine)` checks it against the torch reference. An engine that fails to load is rebuilt
+        once; if the fresh one fails too, or is refused, or the build fails, `EngineBuildError`.
         """
         folder = self.folder(key)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -138,19 +197,51 @@ class EngineCache:
             for leftover in self.root.glob(folder.name + ".*"):  # temporary folders of killed builds
                 if leftover.is_dir():
                     shutil.rmtree(leftover, ignore_errors=True)
+            if not self.rebuild and (failed := self._failure(key)) is not None:
+                raise EngineBuildError(f"its build failed before ({failed}); not retried until --rebuild")
             reason = "--rebuild" if self.rebuild else _check(folder, key)
             if reason is None:
+                earlier = _verdict_of(folder) if verify is not None else None
+                if earlier is not None and not earlier.passed:
+                    raise EngineBuildError(f"{earlier.line()}; not used until --rebuild")
                 try:
-                    return load(folder), CachedEngine(folder, False, time.perf_counter() - start, "cached")
+                    engine = load(folder)
                 except Exception as e:  # noqa: BLE001: any load failure means the engine is unusable
                     reason = f"the cached engine failed to load ({type(e).__name__}: {e})"
-            self._build(folder, key, lambda tmp: build(tmp, reason))
+                else:
+                    verdict = self._trust(folder, engine, verify)
+                    return engine, CachedEngine(folder, False, time.perf_counter() - start, "cached", verdict)
             try:
-                engine = load(folder)
-            except Exception as e:
-                shutil.rmtree(folder, ignore_errors=True)
-                raise EngineBuildError(f"the freshly built engine failed to load: {type(e).__name__}: {e}") from e
-            return engine, CachedEngine(folder, True, time.perf_counter() - start, reason)
+                self._build(folder, key, lambda tmp: build(tmp, reason))
+                try:
+                    engine = load(folder)
+                except Exception as e:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    raise EngineBuildError(f"the freshly built engine failed to load: {type(e).__name__}: {e}") from e
+            except EngineBuildError as e:
+                atomic_write(self._failure_path(key), json.dumps({"key": dataclasses.asdict(key), "reason": str(e),
+                                                                  "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+                raise
+            self._failure_path(key).unlink(missing_ok=True)
+            verdict = self._trust(folder, engine, verify)
+            return engine, CachedEngine(folder, True, time.perf_counter() - start, reason, verdict)
+
+    @staticmethod
+    def _trust(folder: Path, engine: T, verify: Callable[[T], Verdict] | None) -> Verdict | None:
+        """The engine's verdict: the recorded one if it was reached on these files, else a new check,
+        recorded. Raises `EngineBuildError` for a refused engine."""
+        if verify is None:
+            return None
+        verdict = _verdict_of(folder)
+        if verdict is None:
+            verdict = verify(engine)
+            meta = _read_meta(folder)
+            meta["verdict"] = {**dataclasses.asdict(verdict), "files": _files_digest(meta),
+                               "at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            atomic_write(folder / META, json.dumps(meta, indent=1))
+        if not verdict.passed:
+            raise EngineBuildError(f"{verdict.line()}; not used until --rebuild")
+        return verdict
 
     @staticmethod
     def _build(folder: Path, key: EngineKey, build: Callable[[Path], None]) -> None:

@@ -3,10 +3,11 @@
 Three graphs: SAM's image encoder (pixels → embedding), SAM's prompt encoder + mask decoder with the
 inputs of the official SAM ONNX decoder (labelled points with a dynamic count and batch, an optional
 previous mask switched by `has_mask_input`), and MiniGPT-4's vision side (EVA ViT-g + Q-Former +
-projection → the LLM's 32 query embeddings). Each is exported in float32 from a CPU copy of the
-module: TensorRT chooses fp16/bf16 per layer itself, and float32 graphs are what ONNX Runtime's CPU
-provider runs. Opset 18 (the exporter's own) has LayerNormalization, which TensorRT maps to its
-normalization layer and can keep in float32 under fp16.
+projection → the LLM's 32 query embeddings). Each is exported from a CPU copy of the module: in
+float32 for ONNX Runtime, and for TensorRT in the engine's own precision (fp16/bf16), because its
+networks are strongly typed (TensorRT 11 has no other kind): the graph's dtypes decide each layer's
+precision, and the normalisation layers sit in float32 islands (Casts around them). Inputs and
+outputs stay float32 in every graph.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.minigpt4.vision import VisionConfig
+from pipeline.sam.image_encoder import LayerNorm2d
 from pipeline.sam.model import Sam, SamConfig
 
 OPSET = 18
@@ -114,11 +116,50 @@ def minigpt4_graph(c: VisionConfig) -> GraphSpec:
         TensorSpec("pixels", torch.float32, ((1, 3, size, size),) * 3),), ("query_embeddings",))
 
 
-def export_onnx(spec: GraphSpec, module: nn.Module, path: Path) -> None:
-    """Export `spec.make(module)` (a float32 CPU copy) to `path`; weights go to `path` + ".data" beside
-    it, so graphs of any size (SAM ViT-H is 2.5 GB in float32) stay under protobuf's 2 GB limit."""
+class Float32Island(nn.Module):
+    """A normalisation layer computed in float32 inside a half-precision graph: the Casts around it are
+    what a strongly typed TensorRT network reads as "keep this in float32" (LayerNorm's variance would
+    overflow or lose its small terms in fp16)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm.float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.norm(x.float()).to(x.dtype)
+
+
+class TypedGraph(nn.Module):
+    """`inner` in `dtype`, with float32 inputs and outputs, so every runtime feeds and reads the engine alike."""
+
+    def __init__(self, inner: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.inner, self.dtype = inner, dtype
+
+    def forward(self, *inputs: Tensor):
+        out = self.inner(*(x.to(self.dtype) if x.is_floating_point() else x for x in inputs))
+        return tuple(y.float() for y in out) if isinstance(out, tuple) else out.float()
+
+
+def typed(wrapper: nn.Module, dtype: torch.dtype) -> TypedGraph:
+    """`wrapper` as a `dtype` graph: weights in `dtype`, normalisation layers in float32 islands (for
+    float32, the graph as it is)."""
+    if dtype == torch.float32:
+        return TypedGraph(wrapper, dtype)
+    norms = [(parent, name) for parent in wrapper.modules() for name, child in parent.named_children()
+             if isinstance(child, (nn.LayerNorm, LayerNorm2d))]
+    wrapper = wrapper.to(dtype)
+    for parent, name in norms:
+        setattr(parent, name, Float32Island(getattr(parent, name)))
+    return TypedGraph(wrapper, dtype)
+
+
+def export_onnx(spec: GraphSpec, module: nn.Module, path: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Export `spec.make(module)` (a CPU copy) to `path`, as a `dtype` graph (`typed`) with float32
+    inputs and outputs; weights go to `path` + ".data" beside it, so graphs of any size (SAM ViT-H is
+    2.5 GB in float32) stay under protobuf's 2 GB limit."""
     with torch.device("cpu"):
-        wrapper = spec.make(copy.deepcopy(module).float().cpu().eval())
+        wrapper = typed(spec.make(copy.deepcopy(module).float().cpu().eval()), dtype)
     examples = tuple(t.example() for t in spec.inputs)
     dims = {t.name: {axis: torch.export.Dim(f"{t.name}_{axis}", min=lo, max=hi) for axis, (lo, hi) in t.dynamic.items()}
             or None for t in spec.inputs}
@@ -129,7 +170,8 @@ def export_onnx(spec: GraphSpec, module: nn.Module, path: Path) -> None:
         warnings.simplefilter("ignore")
         program = torch.onnx.export(wrapper, examples, input_names=[t.name for t in spec.inputs],
                                     output_names=list(spec.outputs), opset_version=OPSET, dynamo=True,
-                                    dynamic_shapes=dims, external_data=True, optimize=True, verbose=False)
+                                    dynamic_shapes=(tuple(dims[t.name] for t in spec.inputs),),  # TypedGraph's *inputs
+                                    external_data=True, optimize=True, verbose=False)
         program.save(str(path), external_data=True)
 
 

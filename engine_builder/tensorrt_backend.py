@@ -1,14 +1,16 @@
 """TensorRT as an engine builder, through Polygraphy, and the runner for its engines.
 
-Written against TensorRT 10.x's Python API and Polygraphy 0.49+ (`network_from_onnx_path`,
+Targets TensorRT 10.8+ and 11.x with Polygraphy 0.53.4+ (`network_from_onnx_path(strongly_typed=True)`,
 `CreateConfig`, `Profile`, `engine_bytes_from_network`); imported only when this runtime is chosen.
-TensorRT cannot be installed in our CI or on our GPU machine, so this module has not run: what is
-tested without it is everything around it (the exported graphs, their shape profiles, the cache).
+TensorRT cannot be installed in our CI or on our GPU machine, so this module has not run: it was
+written against those releases' sources, and what is tested without it is everything around it (the
+typed ONNX graphs, their shape profiles, the cache, the check every new engine must pass).
 
-Precision: the engine runs in the app's dtype (fp16 or bf16) except the normalisation layers, which
-are pinned to float32 so LayerNorm's variance cannot overflow or lose its small terms in half
-precision. Softmax is left to TensorRT: its fused attention keeps the softmax in float32 itself, and
-pinning those layers would break the fusion. A timing cache per device makes later builds fast.
+Precision: networks are strongly typed, the only kind TensorRT 11 builds (it removed the fp16/bf16
+builder flags and per-layer precision; 10.x refuses those flags on a strongly typed network). So the
+ONNX graph itself is exported in the engine's precision, with the normalisation layers in float32
+islands (`onnx_export.typed`), and the builder gets no precision flags. Softmax is left to TensorRT's
+fused attention, which keeps it in float32 itself. A timing cache per device makes later builds fast.
 """
 
 from __future__ import annotations
@@ -25,15 +27,35 @@ NAME = "tensorrt"
 ENGINE = "engine.plan"
 
 
+SUPPORTED = ((10, 8), (11, 99))  # TensorRT (major, minor) from, to: strongly typed networks throughout
+POLYGRAPHY_FROM = (0, 53, 4)  # older releases read builder fields TensorRT 11 removed
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
+
+
 def unavailable() -> str | None:
-    """None when TensorRT and a CUDA GPU are both here, else why not."""
+    """None when a supported TensorRT, Polygraphy and a CUDA GPU are all here, else why not."""
     if not torch.cuda.is_available():
         return "no CUDA GPU"
     try:
-        import tensorrt  # noqa: F401
+        import polygraphy
+        import tensorrt
         from polygraphy.backend import trt  # noqa: F401
     except ImportError as e:
         return f"TensorRT does not import ({e}); see requirements-tensorrt.txt"
+    return version_problem(tensorrt.__version__, polygraphy.__version__)
+
+
+def version_problem(tensorrt_version: str, polygraphy_version: str) -> str | None:
+    """Why this TensorRT / Polygraphy pair cannot build our engines, or None."""
+    release = _release(tensorrt_version)[:2]
+    if not SUPPORTED[0] <= release <= SUPPORTED[1]:
+        return (f"TensorRT {tensorrt_version} is installed; the vision builder is written for TensorRT "
+                f"10.8 to 11.x (see requirements-tensorrt.txt)")
+    if _release(polygraphy_version) < POLYGRAPHY_FROM:
+        return f"Polygraphy {polygraphy_version} is installed; TensorRT 11 needs 0.53.4 or later"
     return None
 
 
@@ -52,28 +74,16 @@ def precision(dtype: str) -> str:
     return dtype if dtype in ("float16", "bfloat16") else "float32"
 
 
-def _pin_normalisation_to_float32(network) -> None:
-    import tensorrt as trt
-
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        if layer.type == trt.LayerType.NORMALIZATION:
-            layer.precision = trt.float32
-            layer.set_output_type(0, trt.float32)
-
-
 def build(onnx_path: Path, folder: Path, spec: GraphSpec, precision: str) -> None:
-    """Parse the ONNX graph, build an engine for the spec's shape profile, save it as `engine.plan`."""
+    """Parse the (typed) ONNX graph, build an engine for the spec's shape profile, save it as `engine.plan`."""
     from polygraphy.backend.trt import CreateConfig, Profile, engine_bytes_from_network, network_from_onnx_path
 
-    builder, network, parser = network_from_onnx_path(str(onnx_path))
-    _pin_normalisation_to_float32(network)
+    builder, network, parser = network_from_onnx_path(str(onnx_path), strongly_typed=True)  # the graph's dtypes rule
     profile = Profile()
     for t in spec.inputs:
         profile.add(t.name, min=t.shapes[0], opt=t.shapes[1], max=t.shapes[2])
     timing_cache = str(folder.parent / f"tensorrt-timing-{device_name().replace(' ', '_')}.cache")
-    config = CreateConfig(fp16=precision == "float16", bf16=precision == "bfloat16", profiles=[profile],
-                          precision_constraints="obey", load_timing_cache=timing_cache)
+    config = CreateConfig(profiles=[profile], load_timing_cache=timing_cache)  # no precision flags: see above
     engine = engine_bytes_from_network((builder, network, parser), config=config, save_timing_cache=timing_cache)
     (folder / ENGINE).write_bytes(engine)  # `folder` is the cache's temporary folder: written whole or dropped
 

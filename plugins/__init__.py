@@ -1,2 +1,3 @@
-"""Fused GPU kernels (Triton), one source each: `fused` (the torch path's kernels) and
-`tensorrt_rms_norm` (the same RMSNorm kernel registered as a TensorRT plugin)."""
+"""GPU kernels (Triton), one source each, with a torch reference beside them: `fused` (RMSNorm, add +
+RMSNorm, RoPE, SiLU·up), `lowbit` and `lowbit_tuning` (int8/int4 weight-only products), `topk_sampling`
+and `decode_attention`."""

@@ -177,10 +177,10 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
 
         try:
             engine = load_trtllm_engine(model_dir, model_id, str(dtype).removeprefix("torch."), quant, max_context,
-                                        max_batch, tokenizer.vocab_size, image_queries, engines)
+                                        max_batch, image_queries, engines)
             return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}")
-        except EngineBuildError as e:
-            engines.report.say(f"{model_id}: the TensorRT-LLM engine failed ({e}); running on torch instead")
+        except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
+            engines.report.say(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
     model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines)
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
@@ -205,8 +205,8 @@ def sam_engine(model: Sam, backend: str = "torch", weights: Path | None = None,
                                              engines)
             return SessionSamEngine(model.config, encoder, decoder, f"{backend} engine",
                                     RUNTIMES[backend].precision(dtype))
-        except EngineBuildError as e:
-            engines.report.say(f"segment: the {backend} engine failed ({e}); running on torch instead")
+        except Exception as e:  # noqa: BLE001
+            engines.report.say(f"segment: the {backend} engine failed ({failure(e)}); running on torch instead")
     return torch_sam_engine(model)
 
 
@@ -221,9 +221,16 @@ def vision_encoder(model: MiniGPT4Vision, backend: str = "torch", weights: list[
                                        engines)
             return SessionVisionEncoder(model.config, session, f"{backend} engine", RUNTIMES[backend].precision(dtype),
                                         weight.device, weight.dtype)
-        except EngineBuildError as e:
-            engines.report.say(f"image chat: the {backend} vision engine failed ({e}); running on torch instead")
+        except Exception as e:  # noqa: BLE001
+            engines.report.say(f"image chat: the {backend} vision engine failed ({failure(e)}); running on torch "
+                               f"instead")
     return TorchVisionEncoder(model)
+
+
+def failure(e: Exception) -> str:
+    """How an engine path's failure reads: our own errors as they are, anything else with its type
+    (an API that changed under a new release, a driver error), since those paths cannot all run here."""
+    return str(e) if isinstance(e, EngineBuildError) else f"{type(e).__name__}: {e}"
 
 
 def _dtype_name(module: torch.nn.Module) -> str:

@@ -237,6 +237,9 @@ def llm_size(folder: Path | None, quant: str, dtype) -> int:
     return weights_size(folder, dtype=dtype)
 
 
+IMAGE_QUERIES = 32  # MiniGPT-4's query embeddings per image (BLIP-2's Q-Former, every checkpoint)
+
+
 def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
     """How each tool loads (warm-up included: first kernels and graph captures happen in the load,
     not on a user's first request)."""
@@ -258,6 +261,11 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
     dtype = getattr(torch, plan.dtype)
     remote = plan.backends["chat"].backend == "remote"
     chat_model = None if remote else locate(plan.model_id, args.weights)
+    ckpt, vision_dir, llm_dir, llm_id, image_demo = image_chat_parts(args)
+    # Image chat over the same weights shares the chat's LLM, which then needs room for image
+    # embeddings: a TensorRT-LLM engine is built with a prompt table for them.
+    shared = chat_model is not None and chat_model.path is not None and \
+        Path(llm_dir).resolve() == chat_model.path.resolve()
 
     def load_chat(say, free):
         with engines.report.listening(say):
@@ -270,7 +278,9 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
             model = resolve(plan.model_id, args.weights)
             chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends["chat"].backend,
                                                     plan.device, dtype, args.context, args.max_batch, engines=engines,
-                                                    quant=args.quant, free_bytes=free), is_demo=model.is_demo)
+                                                    quant=args.quant, free_bytes=free,
+                                                    image_queries=IMAGE_QUERIES if shared else 0),
+                               is_demo=model.is_demo)
             warm_up = [{"role": "user", "content": "Hi"}]
             for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now
                 reply = "".join(e.text for e in chat.stream(warm_up, SamplingParams(max_new_tokens=2, temperature=0),
@@ -290,9 +300,6 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
             engines.report.say(f"segment: {segment.description}")
             return segment
 
-    ckpt, vision_dir, llm_dir, llm_id, image_demo = image_chat_parts(args)
-    shared = chat_model is not None and chat_model.path is not None and \
-        Path(llm_dir).resolve() == chat_model.path.resolve()
 
     def load_image_chat(say, free):
         with engines.report.listening(say):

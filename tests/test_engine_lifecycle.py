@@ -53,9 +53,10 @@ def test_engines_are_built_on_the_first_launch_and_loaded_on_the_second(tmp_path
     first, second = runs
     for component in COMPONENTS:
         built = lines_about(first["startup"], component)
-        assert "building (not built yet)" in built[0] and " built in " in built[1], built
+        assert "building (not built yet)" in built[0] and " built in " in built[-1], built
+        assert "checking it against torch" in built[1] and "verified (" in built[-1], built
         loaded = lines_about(second["startup"], component)
-        assert len(loaded) == 1 and "loaded from cache in" in loaded[0], loaded
+        assert len(loaded) == 1 and "loaded from cache in" in loaded[0] and "verified (" in loaded[0], loaded
     assert "segment: onnxruntime (asked for)" in first["startup"]
     for run in runs:  # the same masks and answer as the torch backend
         assert run["answer"] == reference["answer"] and run["answer"]
@@ -123,6 +124,7 @@ def test_check_reports_backends_and_engine_cache(tmp_path):
     assert build_engines(tmp_path, "build", tmp_path / "cache", engines).wait(timeout=300) == 0
     out = check(*ORT)
     assert "image chat engine: minigpt4_vision: cached in" in out and "sam_mask_decoder: cached in" in out
+    assert out.count(", verified (") == 3, out  # each engine's verdict
 
 
 def test_selftest_builds_and_checks_every_engine(tmp_path):

@@ -249,9 +249,9 @@ def test_stop_strings_end_the_reply_before_them(api):
 
 
 def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
-    """The service's per-client limit holds for API clients too (a client is its `user`, else its
-    address): the fifth endless reply of one user is refused with 429, another user is served, and
-    closing the streams ends the four."""
+    """The service's per-client limit holds for API clients too (a client is its `user`): the fifth
+    endless reply of one user is refused with 429, another user and a request without `user` are
+    served, and closing the streams ends the four."""
     from pipeline.service.studio import MAX_IN_FLIGHT
 
     client, url = api
@@ -266,6 +266,8 @@ def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
     assert f"already has {MAX_IN_FLIGHT} replies in progress" in caught.value.body["message"]
     other = client.chat.completions.create(**{**endless, "user": "bob", "max_tokens": 2})
     assert other.choices[0].message.content is not None
+    anonymous = {k: v for k, v in endless.items() if k != "user"}
+    assert client.chat.completions.create(**{**anonymous, "max_tokens": 2}).choices[0].message.content is not None
     for stream in streams:
         stream.close()
     deadline = time.time() + 30

@@ -1,9 +1,11 @@
 """Building a TensorRT-LLM engine from a checkpoint folder (`checkpoint.py` writes it).
 
 The settings are plain data (tested without TensorRT-LLM); `build_engine` hands them to TensorRT-LLM
-v0.21's Python builder, the path `trtllm-build` takes: `PretrainedConfig.from_json_file` → the
-architecture's `from_checkpoint` (which quantizes weight-only int8/int4 itself) → `tensorrt_llm.build`
-→ `Engine.save`, the folder the C++ executor loads. Not run here: TensorRT-LLM cannot be installed.
+1.2's Python builder, the path `trtllm-build` takes: `PretrainedConfig.from_json_file` → the
+architecture's `from_checkpoint` (which quantizes int8 itself and lays out our grouped int4) →
+`tensorrt_llm.builder.build` → `Engine.save`, the folder the C++ executor loads. `BuildConfig` is a
+pydantic model in 1.2 (a dataclass before): it is made from keywords and its plugin settings set by
+attribute, which both kinds take. Not run here: TensorRT-LLM cannot be installed.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ def build_settings(max_batch: int, context: int, image_queries: int = 0) -> dict
 
 
 def build_engine(checkpoint_dir: Path, engine_dir: Path, settings: dict[str, Any]) -> None:
-    import tensorrt_llm
+    from tensorrt_llm.builder import BuildConfig, build
     from tensorrt_llm.models import MODEL_MAP, PretrainedConfig
 
     config = PretrainedConfig.from_json_file(str(Path(checkpoint_dir) / "config.json"))
     model = MODEL_MAP[config.architecture].from_checkpoint(str(checkpoint_dir), config=config)
     fields = {k: v for k, v in settings.items() if k != "plugin_config"}
-    build_config = tensorrt_llm.BuildConfig(**fields)
+    build_config = BuildConfig(**fields)
     for name, value in settings["plugin_config"].items():
         setattr(build_config.plugin_config, name, value)
-    tensorrt_llm.build(model, build_config).save(str(engine_dir))
+    build(model, build_config).save(str(engine_dir))

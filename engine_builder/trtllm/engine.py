@@ -6,8 +6,10 @@ becomes token ids plus a prompt-embedding table for image slots (`prompt_table`)
 a `SamplingConfig`, and the executor's streamed responses the `TokenStream` the pipelines read.
 One thread collects responses for every request and cancels the ones whose stream was cancelled.
 
-Written against TensorRT-LLM v0.21.0 (`tensorrt_llm.bindings.executor`); it cannot be installed
-here, so this module has not run. What it is built on is tested: the checkpoint, the build settings
+Written against TensorRT-LLM 1.2's sources (`tensorrt_llm.bindings.executor`: `Executor`,
+`Request(input_token_ids, max_tokens, *, streaming, sampling_config, stop_words, prompt_tuning_config)`,
+`PromptTuningConfig(embedding_table, input_token_extra_ids)`, unchanged since 0.21); it cannot be
+installed here, so this module has not run. What it is built on is tested: the checkpoint, the build settings
 and the prompt-table layout (tests/test_trtllm_prep.py), and the stream bookkeeping (`_Request`).
 """
 
@@ -31,6 +33,7 @@ from engine_builder.trtllm.checkpoint import DTYPES, engine_context, write_trtll
 from engine_builder.trtllm.prompt_table import prompt_table_input
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import read_config
+from pipeline.llm.config import DecoderConfig
 from pipeline.llm.engine import Prompt, TokenStream
 from pipeline.llm.sampling import SamplingParams
 
@@ -71,12 +74,12 @@ class _Request:
 class TrtLlmEngine:
     """An engine folder (`Engine.save` output) served by TensorRT-LLM's executor."""
 
-    def __init__(self, engine_dir: Path, context: int, vocab_size: int, hidden_size: int, dtype: str,
-                 max_batch: int, description: str):
+    def __init__(self, engine_dir: Path, config: DecoderConfig, context: int, dtype: str, max_batch: int,
+                 description: str):
         from tensorrt_llm.bindings import executor as tx
 
         self._tx = tx
-        self.context, self.vocab_size, self.hidden_size = context, vocab_size, hidden_size
+        self.config, self.context, self.hidden_size = config, context, config.hidden_size
         self.dtype, self.max_batch = DTYPES[dtype], max_batch
         self.description = description
         kv = tx.KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=0.4)
@@ -97,7 +100,7 @@ class TrtLlmEngine:
         if not 0 < len(prompt) < self.context:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
         tx = self._tx
-        table = prompt_table_input(prompt, self.vocab_size, self.dtype)
+        table = prompt_table_input(prompt, self.config, self.dtype)
         greedy = params.temperature == 0
         sampling = tx.SamplingConfig(beam_width=1, top_k=1 if greedy else (params.top_k or None),
                                      top_p=None if greedy else params.top_p,
@@ -156,7 +159,7 @@ class TrtLlmEngine:
 
 
 def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, max_context: int, max_batch: int,
-                       vocab_size: int, image_queries: int, options: EngineOptions) -> TrtLlmEngine:
+                       image_queries: int, options: EngineOptions) -> TrtLlmEngine:
     """The TensorRT-LLM engine for a checkpoint folder, built into the engine cache on first use."""
     if (why := trtllm.unavailable()) is not None:
         raise EngineBuildError(why)
@@ -178,7 +181,7 @@ def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, m
             build_engine(Path(tmp), folder, settings)
 
     def load(folder: Path) -> TrtLlmEngine:
-        return TrtLlmEngine(folder, context, vocab_size, config.hidden_size, dtype, max_batch,
+        return TrtLlmEngine(folder, config, context, dtype, max_batch,
                             f"TensorRT-LLM {tensorrt_llm.__version__} · batch up to {max_batch} · {context} tokens · "
                             f"{dtype}, weights {quant}")
 

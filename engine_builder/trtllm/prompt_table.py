@@ -1,8 +1,10 @@
 """Image features as TensorRT-LLM prompt-table rows (its p-tuning / multimodal convention).
 
 A prompt's slots (MiniGPT-4's 32 query positions per image) go into the engine as token ids past
-the vocabulary: id `vocab_size + r` reads row r of the request's prompt embedding table instead of
-the embedding matrix. Each distinct slot content (an image, by its key) gets its rows once, in order
+the model's vocabulary: id `vocab_size + r` reads row r of the request's prompt embedding table
+instead of the embedding matrix. `vocab_size` is the embedding matrix's row count (the model
+config's), which TensorRT-LLM compares ids against; a tokenizer often has fewer ids (Qwen-7B: 151,851
+of 151,936 rows; the demo LLaMA: 898 of 960), and ids between the two would read padding rows. Each distinct slot content (an image, by its key) gets its rows once, in order
 of first appearance; a slot showing an image again reuses its rows. `extra_ids` mark which image a
 position shows (0 for ordinary tokens), so the KV cache's block reuse never mistakes one image's
 rows for another's that happen to have the same ids.
@@ -16,6 +18,7 @@ import hashlib
 import torch
 from torch import Tensor
 
+from pipeline.llm.config import DecoderConfig
 from pipeline.llm.engine import Prompt
 
 
@@ -31,7 +34,9 @@ def content_id(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1 | 1
 
 
-def prompt_table_input(prompt: Prompt, vocab_size: int, dtype: torch.dtype) -> PromptTableInput:
+def prompt_table_input(prompt: Prompt, config: DecoderConfig, dtype: torch.dtype) -> PromptTableInput:
+    """The executor's inputs for `prompt` on a model of `config` (its embedding's `vocab_size`)."""
+    vocab_size = config.vocab_size
     if not prompt.slots:
         return PromptTableInput(list(prompt.ids), None, None)
     ids, extra = list(prompt.ids), [0] * len(prompt.ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -223,3 +224,25 @@ def convert_qwen_v1_to_hf(src: Path, dst: Path) -> None:
         for name in TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pipeline.llm.checkpoint QWEN_V1_FOLDER OUT_FOLDER`: the Qwen2-format copy that
+    `trtllm-serve`, vLLM and transformers read (the README's multi-GPU recipe)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write a Qwen v1 checkpoint in the Qwen2 transformers format.")
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    args = p.parse_args(argv)
+    try:
+        convert_qwen_v1_to_hf(args.src, args.dst)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

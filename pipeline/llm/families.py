@@ -51,7 +51,7 @@ QWEN_V1_LAYOUT = Layout(
     gate_up=("mlp.w2.weight", "mlp.w1.weight"),
 )
 
-# TensorRT-LLM's checkpoint names (Llama and Qwen2 alike, v0.21 `models/llama/convert.py`, `models/qwen/utils.py`):
+# TensorRT-LLM's checkpoint names (Llama and Qwen2 alike, `models/llama/convert.py`, `models/qwen/utils.py`, 0.21–1.2):
 # q/k/v fused as we fuse them; `mlp.fc` is the gate (the activation applies to it), `mlp.gate` the up projection.
 TRTLLM_LAYOUT = Layout(
     embed="transformer.vocab_embedding.weight", norm="transformer.ln_f.weight", layer="transformer.layers.{}.",
