@@ -126,7 +126,11 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     if mode == "none":
         return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     say = engines.report.say if engines is not None else (lambda line: None)
-    model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
+    try:
+        model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
+    except EngineBuildError as e:  # refused by its check, or its making failed: never used
+        say(f"{model_id}: the {mode} weights cannot be used ({e}); loading the float weights instead")
+        return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     why = kernel_unavailable(model)
     if why is None:
         tuned = TunedConfigs(say)

@@ -172,3 +172,37 @@ def test_auto_picks_what_fits_the_memory():
     mode, why = choose_quant("auto", config, bf16, torch.device("cpu"), None, 8192)
     assert mode == "none" and "CPU" in why
     assert choose_quant("int4", config, bf16, gpu, 40 << 30, 8192) == ("int4", "asked for")
+
+
+def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_used(qwen2_demo, tmp_path):
+    """The trust gate for the weights quantized here: each quantized layer must reproduce the float
+    layer's output on a probe input (stored before quantizing). Stored weights changed under consistent
+    metadata (one layer's nibbles swapped) are refused at the next load, the float weights run instead
+    with a notice naming the check, and the verdict holds until --rebuild."""
+    import json
+
+    from engine_builder.cache import _file_sha256, _stamp
+    from studio.backends import torch_decoder
+
+    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
+    model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)
+    assert how.startswith("int4") and "verified (int4 weights against the float layers" in " ".join(options.report.lines)
+    (folder,) = [p for p in (tmp_path / "engines").glob("llm-int4-*") if p.is_dir()]
+    tensors = safetensors.torch.load_file(folder / "decoder.safetensors")
+    q = tensors["layers.0.mlp.w_down.q"]
+    tensors["layers.0.mlp.w_down.q"] = (q >> 4) | (q << 4)  # the two nibbles of every byte swapped
+    safetensors.torch.save_file(tensors, folder / "decoder.safetensors", metadata={"format": "pt"})
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": _file_sha256(p), "stamp": _stamp(p)}
+                     for p in sorted(folder.iterdir()) if p.name != "meta.json"}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    for _ in range(2):  # the check refuses it; a restart keeps the verdict
+        options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
+        model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)
+        assert how == "float32" and not any(isinstance(m, QuantLinear) for m in model.modules())
+        said = " ".join(options.report.lines)
+        assert "refused (int4 weights against the float layers on probe inputs: int4 layers: worst error" in said
+        assert "layers.0.mlp.w_down" in said and "loading the float weights instead" in said
+    options = EngineOptions(EngineCache(tmp_path / "engines", rebuild=True), StartupReport(echo=False))
+    model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)
+    assert how.startswith("int4") and "verified (" in " ".join(options.report.lines)
