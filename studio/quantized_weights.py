@@ -77,7 +77,8 @@ def check_quantized(model: Decoder, mode: str, probes: dict[str, torch.Tensor]) 
     with torch.inference_mode():
         for name, layer_mode in layer_names(model, mode):
             layer = model.get_submodule(name)
-            got = probe_input(layer.in_features) @ layer.weight_float().float().cpu().T
+            weight = layer.weight_float().float()  # where the layer lives: only the small product moves
+            got = (probe_input(layer.in_features).to(weight.device) @ weight.T).cpu()
             expected = probes[name]
             err = float((got - expected).norm() / expected.norm().clamp(min=1e-12))
             passed &= err <= TOLERANCE[layer_mode]
