@@ -179,16 +179,26 @@ def engine_options(args: argparse.Namespace, echo: bool = True):
 
 
 def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
-    """For `--check`: per tool on an engine backend, whether its engines are cached or will be built."""
+    """For `--check`: per tool on an engine backend (and the chat's quantized weights), whether its
+    engines are cached, and their verdicts, or will be built."""
+    import torch
+
     from engine_builder.build import engine_status
     from engine_builder.onnx_export import minigpt4_graph, sam_graphs
     from pipeline.minigpt4.weights import CHECKPOINT, demo_vision_folder, load_vision_folder
-    from pipeline.models import cache_dir
+    from pipeline.models import cache_dir, locate
     from pipeline.sam.model import variant_of
     from pipeline.sam.weights import locate_sam
     from pipeline.weights_io import read_weight_file
 
     cache, lines = engine_options(args, echo=False).cache, []
+    if args.quant in ("int8", "int4") and plan.backends["chat"].backend == "torch":
+        from studio.quantized_weights import quant_key
+
+        found = locate(plan.model_id, args.weights)
+        if found is not None and found.path is not None and found.path.exists():
+            key = quant_key(found.path, args.quant, getattr(torch, plan.dtype), cache)
+            lines.append(f"chat {args.quant} weights: {cache.status(key)}")
     if (backend := plan.backends["segment"].backend) != "torch":
         path = locate_sam(plan.sam, cache_dir())[0]
         if not path.exists():

@@ -182,6 +182,7 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
     import json
 
     from engine_builder.cache import _file_sha256, _stamp
+    from studio import compose
     from studio.backends import torch_decoder
 
     options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
@@ -203,6 +204,10 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
         said = " ".join(options.report.lines)
         assert "refused (int4 weights against the float layers on probe inputs: int4 layers: worst error" in said
         assert "layers.0.mlp.w_down" in said and "loading the float weights instead" in said
+    args = compose.parse_args(["--device", "cpu", "--dtype", "float32", "--weights", str(qwen2_demo), "--quant",
+                               "int4", "--chat-backend", "torch", "--engine-dir", str(tmp_path / "engines")])
+    (line,) = [line for line in compose.check_engines(args, compose.make_plan(args)) if line.startswith("chat int4")]
+    assert "refused (int4 weights against the float layers" in line, line  # --check shows the verdict
     options = EngineOptions(EngineCache(tmp_path / "engines", rebuild=True), StartupReport(echo=False))
     model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)
     assert how.startswith("int4") and "verified (" in " ".join(options.report.lines)
