@@ -1,5 +1,8 @@
 """The check a built engine must pass before it serves anything: the torch reference on fixed probe inputs.
 
+Vision engines (`check_engine`) are compared output by output; LLM engines (`check_llm`) by their
+greedy tokens against the float torch engine, with image prompts where they take a prompt table.
+
 Why: an engine can load and still compute something else (a builder bug, a precision that does not
 hold, a file changed under consistent metadata). So every engine is run once on seeded probe inputs
 beside the module it was exported from, in float32, and compared output by output: relative error
@@ -18,6 +21,8 @@ from torch import Tensor, nn
 from engine_builder.cache import Verdict
 from engine_builder.onnx_export import GraphSpec, TensorSpec
 from engine_builder.vision_engines import Session
+from pipeline.llm.engine import LLMEngine, Prompt
+from pipeline.llm.sampling import SamplingParams
 
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 8e-2}  # relative error of each output
 MIN_MASK_IOU = {"float32": 0.99, "float16": 0.9, "bfloat16": 0.9}
@@ -68,3 +73,34 @@ def check_engine(spec: GraphSpec, module: nn.Module, session: Session, precision
         passed &= apart >= DISTINCT
         checks.append(f"two images {apart:.2g} apart (≥ {DISTINCT:g})")
     return Verdict(bool(passed), f"{spec.component} against torch on probe inputs", "; ".join(checks))
+
+
+LLM_PROBE_TOKENS = 16  # greedy tokens compared per probe prompt
+MIN_AGREEMENT = {"none": 0.75, "int8": 0.5, "int4": 0.25}  # share of them equal to the float torch engine's
+
+
+def check_llm(engine: LLMEngine, reference: LLMEngine, quant: str, image_queries: int = 0,
+              embed_scale: float = 0.02) -> Verdict:
+    """An LLM engine against the float torch engine on the same weights: greedy tokens of a probe prompt
+    agree at least `MIN_AGREEMENT[quant]` (weight quantization changes some; a wrong engine agrees by
+    chance only), and with `image_queries`, so do two prompts with different random "images" in a
+    prompt-table slot, whose answers must differ from each other where the reference's do (an engine
+    that reads no table answers both alike)."""
+    greedy = SamplingParams(max_new_tokens=LLM_PROBE_TOKENS, temperature=0, repetition_penalty=1.0)
+    prompts = {"text": Prompt(tuple(range(3, 27)))}
+    for seed in (0, 1) if image_queries else ():
+        image = torch.randn(image_queries, reference.hidden_size, generator=torch.Generator().manual_seed(seed))
+        ids = tuple(range(3, 7)) + (0,) * image_queries + tuple(range(7, 15))
+        prompts[f"image {seed}"] = Prompt(ids, ((4, image_queries),), (image * embed_scale,), (f"probe-{seed}",))
+    got = {name: list(engine.submit(p, greedy, set())) for name, p in prompts.items()}
+    want = {name: list(reference.submit(p, greedy, set())) for name, p in prompts.items()}
+    minimum, checks, passed = MIN_AGREEMENT[quant], [], True
+    for name in prompts:
+        agree = sum(a == b for a, b in zip(got[name], want[name])) / LLM_PROBE_TOKENS
+        passed &= agree >= minimum
+        checks.append(f"{name}: greedy agreement {agree:.2f} (≥ {minimum:g})")
+    if image_queries and want["image 0"] != want["image 1"]:
+        differ = got["image 0"] != got["image 1"]
+        passed &= differ
+        checks.append("two images give different answers" if differ else "two images give the same answer")
+    return Verdict(bool(passed), f"LLM ({quant} weights) against the float torch engine", "; ".join(checks))

@@ -180,8 +180,12 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
         from engine_builder.trtllm.engine import load_trtllm_engine
 
         try:
+            def reference() -> TorchLLMEngine:  # the float torch engine on the CPU: no second copy on the GPU
+                return load_language_model(model_dir, model_id, "torch", "cpu", dtype, max_context=256,
+                                           max_batch=1).engine
+
             engine = load_trtllm_engine(model_dir, model_id, str(dtype).removeprefix("torch."), quant, max_context,
-                                        max_batch, image_queries, engines)
+                                        max_batch, image_queries, engines, reference)
             return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}")
         except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
             engines.report.say(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")

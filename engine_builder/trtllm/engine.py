@@ -20,13 +20,15 @@ import datetime
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from engine_builder import trtllm
 from engine_builder.build import EngineOptions
-from engine_builder.cache import EngineBuildError, EngineKey
+from engine_builder.cache import EngineBuildError, EngineKey, Verdict
+from engine_builder.engine_check import check_llm
 from engine_builder.fingerprint import fingerprint
 from engine_builder.trtllm.build import build_engine, build_settings
 from engine_builder.trtllm.checkpoint import DTYPES, engine_context, write_trtllm_checkpoint
@@ -34,7 +36,7 @@ from engine_builder.trtllm.prompt_table import prompt_table_input
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import read_config
 from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine import Prompt, TokenStream
+from pipeline.llm.engine import Prompt, TokenStream, TorchLLMEngine
 from pipeline.llm.sampling import SamplingParams
 
 FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "cancelled",
@@ -159,8 +161,10 @@ class TrtLlmEngine:
 
 
 def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, max_context: int, max_batch: int,
-                       image_queries: int, options: EngineOptions) -> TrtLlmEngine:
-    """The TensorRT-LLM engine for a checkpoint folder, built into the engine cache on first use."""
+                       image_queries: int, options: EngineOptions,
+                       reference: Callable[[], TorchLLMEngine]) -> TrtLlmEngine:
+    """The TensorRT-LLM engine for a checkpoint folder, built into the engine cache on first use and
+    used only once it passes `check_llm` against `reference()` (the float torch engine on the same weights)."""
     if (why := trtllm.unavailable()) is not None:
         raise EngineBuildError(why)
     import tensorrt_llm
@@ -185,7 +189,16 @@ def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, m
                             f"TensorRT-LLM {tensorrt_llm.__version__} · batch up to {max_batch} · {context} tokens · "
                             f"{dtype}, weights {quant}")
 
-    engine, cached = options.cache.get(key, build, load)
+    def verify(engine: TrtLlmEngine) -> Verdict:
+        options.report.say(f"{label}: checking it against the torch engine (float weights)")
+        torch_engine = reference()
+        try:
+            scale = float(torch_engine.model.embed.weight.float().std())  # probe "images" at the embeddings' scale
+            return check_llm(engine, torch_engine, quant, image_queries, scale)
+        finally:
+            torch_engine.close()
+
+    engine, cached = options.cache.get(key, build, load, verify)
     options.report.say(f"{label}: " + (f"built in {cached.seconds:.0f} s" if cached.built
-                                       else f"loaded from cache in {cached.seconds:.1f} s"))
+                                       else f"loaded from cache in {cached.seconds:.1f} s") + f", {cached.verdict.line()}")
     return engine
