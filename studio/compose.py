@@ -185,6 +185,7 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
 
     from engine_builder.build import engine_status
     from engine_builder.onnx_export import minigpt4_graph, sam_graphs
+    from engine_builder.trtllm import unavailable as trtllm_unavailable
     from pipeline.minigpt4.weights import CHECKPOINT, demo_vision_folder, load_vision_folder
     from pipeline.models import cache_dir, locate
     from pipeline.sam.model import variant_of
@@ -192,13 +193,19 @@ def check_engines(args: argparse.Namespace, plan: Plan) -> list[str]:
     from pipeline.weights_io import read_weight_file
 
     cache, lines = engine_options(args, echo=False).cache, []
-    if args.quant in ("int8", "int4") and plan.backends["chat"].backend == "torch":
-        from studio.quantized_weights import quant_key
+    chat = plan.backends["chat"].backend
+    found = locate(plan.model_id, args.weights) if chat in ("torch", "tensorrt") else None
+    if found is not None and found.path is not None and found.path.exists():
+        if chat == "torch" and args.quant in ("int8", "int4"):
+            from studio.quantized_weights import quant_key
 
-        found = locate(plan.model_id, args.weights)
-        if found is not None and found.path is not None and found.path.exists():
             key = quant_key(found.path, args.quant, getattr(torch, plan.dtype), cache)
             lines.append(f"chat {args.quant} weights: {cache.status(key)}")
+        elif chat == "tensorrt" and args.quant != "auto" and trtllm_unavailable() is None:
+            from engine_builder.trtllm.engine import trtllm_key
+
+            key = trtllm_key(found.path, plan.dtype, args.quant, args.context, args.max_batch, 0, cache)[0]
+            lines.append(f"chat TensorRT-LLM engine: {cache.status(key)}")
     if (backend := plan.backends["segment"].backend) != "torch":
         path = locate_sam(plan.sam, cache_dir())[0]
         if not path.exists():

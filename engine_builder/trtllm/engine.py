@@ -27,7 +27,7 @@ import torch
 
 from engine_builder import trtllm
 from engine_builder.build import EngineOptions
-from engine_builder.cache import EngineBuildError, EngineKey, Verdict
+from engine_builder.cache import EngineBuildError, EngineCache, EngineKey, Verdict
 from engine_builder.engine_check import check_llm
 from engine_builder.fingerprint import fingerprint
 from engine_builder.trtllm.build import build_engine, build_settings
@@ -160,6 +160,20 @@ class TrtLlmEngine:
         self.executor.shutdown()
 
 
+def trtllm_key(model_dir: Path, dtype: str, quant: str, max_context: int, max_batch: int, image_queries: int,
+               cache: EngineCache) -> tuple[EngineKey, int, dict]:
+    """The engine's cache key (for a launch and for `--check`), its context and its build settings."""
+    import tensorrt_llm
+
+    context = engine_context(read_config(model_dir), max_context)
+    settings = build_settings(max_batch, context, image_queries)
+    major, minor = torch.cuda.get_device_capability()
+    key = EngineKey("llm", str(Path(model_dir).resolve()), fingerprint([model_dir], cache.root), f"{dtype}+{quant}",
+                    settings, "tensorrt-llm", tensorrt_llm.__version__,
+                    f"{torch.cuda.get_device_name()} (sm_{major}{minor})")
+    return key, context, settings
+
+
 def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, max_context: int, max_batch: int,
                        image_queries: int, options: EngineOptions,
                        reference: Callable[[], TorchLLMEngine]) -> TrtLlmEngine:
@@ -170,12 +184,7 @@ def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, m
     import tensorrt_llm
 
     config = read_config(model_dir)
-    context = engine_context(config, max_context)
-    settings = build_settings(max_batch, context, image_queries)
-    major, minor = torch.cuda.get_device_capability()
-    key = EngineKey("llm", str(Path(model_dir).resolve()), fingerprint([model_dir], options.cache.root),
-                    f"{dtype}+{quant}", settings, "tensorrt-llm", tensorrt_llm.__version__,
-                    f"{torch.cuda.get_device_name()} (sm_{major}{minor})")
+    key, context, settings = trtllm_key(model_dir, dtype, quant, max_context, max_batch, image_queries, options.cache)
     label = f"{model_id}: TensorRT-LLM engine ({dtype}, weights {quant})"
 
     def build(folder: Path, reason: str) -> None:
