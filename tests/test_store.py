@@ -1,0 +1,198 @@
+"""The conversation store (SQLite): conversations per user, newest first, titles, full-text search,
+images stored once, nothing lost when the process is killed, a damaged file set aside, two processes
+on one folder."""
+
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT
+from pipeline.errors import UserError
+from pipeline.service.store import FILE, ConversationStore, title_from
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = ConversationStore(tmp_path)
+    yield s
+    s.close()
+
+
+def test_conversations_are_listed_newest_first_titled_renamed_and_deleted(store):
+    first = store.create("ann", "chat")
+    store.add("ann", first, "user", "How do   tides work?\nAsk me anything.", "demo/qwen2-tiny", {"temperature": 0.7})
+    second = store.create("ann", "chat", title="Recipes")
+    store.add("ann", second, "user", "Soup?")
+    assert [c["id"] for c in store.list("ann")] == [second, first]
+    assert store.list("ann")[1]["title"] == "How do tides work? Ask me anything."  # from the first question
+    store.add("ann", first, "assistant", "The moon.", "demo/qwen2-tiny", {"temperature": 0.7})
+    assert [c["id"] for c in store.list("ann")] == [first, second]  # the latest message moves it up
+    store.rename("ann", first, "  Tides  ")
+    opened = store.open("ann", first)
+    assert opened["title"] == "Tides"
+    assert [(m["role"], m["content"], m["model"], m["sampling"]) for m in opened["messages"]] == [
+        ("user", "How do   tides work?\nAsk me anything.", "demo/qwen2-tiny", {"temperature": 0.7}),
+        ("assistant", "The moon.", "demo/qwen2-tiny", {"temperature": 0.7})]
+    store.delete("ann", second)
+    assert [c["id"] for c in store.list("ann")] == [first]
+    with pytest.raises(UserError, match="empty"):
+        store.rename("ann", first, "   ")
+    assert title_from("word " * 40).endswith("…") and len(title_from("word " * 40)) <= 61
+
+
+def test_search_finds_words_of_old_replies_and_takes_any_text_literally(store):
+    a = store.create("ann", "chat")
+    store.add("ann", a, "user", "Tell me about volcanoes")
+    store.add("ann", a, "assistant", "Magma rises through the crust.")
+    b = store.create("ann", "chat")
+    store.add("ann", b, "user", "Something else entirely")
+    found = store.search("ann", "crust")
+    assert [c["id"] for c in found] == [a] and "[crust]" in found[0]["snippet"]
+    assert store.search("ann", "MAGMA rises") and not store.search("ann", "magma banana")
+    for hostile in ('NEAR("a" OR *', '"', "crust) OR (", "*"):
+        store.search("ann", hostile)  # no FTS syntax error reaches the user
+
+
+def test_one_user_cannot_see_or_touch_anothers_conversations(store):
+    mine = store.create("ann", "chat")
+    store.add("ann", mine, "user", "my secret plan")
+    assert store.list("bob") == [] and store.search("bob", "secret") == []
+    for action in (lambda: store.open("bob", mine), lambda: store.rename("bob", mine, "x"),
+                   lambda: store.delete("bob", mine), lambda: store.add("bob", mine, "user", "hi")):
+        with pytest.raises(UserError, match="no conversation"):
+            action()
+    message = store.open("ann", mine)["messages"][0]["id"]
+    with pytest.raises(UserError, match="no message"):
+        store.update("bob", message, "changed", "complete")
+    assert store.open("ann", mine)["messages"][0]["content"] == "my secret plan"
+
+
+def test_an_image_is_stored_once_and_reopens_with_its_conversation(store):
+    photo = b"\x89PNG fake bytes of a photo"
+    a = store.create("ann", "image chat", image=photo)
+    b = store.create("ann", "image chat", image=photo)
+    with store._lock:
+        assert store._db.execute("SELECT COUNT(*) FROM images").fetchone()[0] == 1
+    assert store.open("ann", a)["image_data"] == photo and store.list("ann")[0]["has_image"]
+    store.delete("ann", a)
+    assert store.open("ann", b)["image_data"] == photo  # still shown by b
+    store.delete("ann", b)
+    with store._lock:
+        assert store._db.execute("SELECT COUNT(*) FROM images").fetchone()[0] == 0
+
+
+def test_a_stopped_reply_is_saved_as_it_stood(store):
+    c = store.create("ann", "chat")
+    store.add("ann", c, "user", "Write a long story")
+    reply = store.add("ann", c, "assistant", "", "demo", None, "streaming")
+    store.update("ann", reply, "Once upon a", "streaming")
+    store.update("ann", reply, "Once upon a time", "cancelled")
+    last = store.open("ann", c)["messages"][-1]
+    assert (last["content"], last["state"]) == ("Once upon a time", "cancelled")
+
+
+def test_export_and_import_round_trip_every_conversation(store, tmp_path):
+    a = store.create("ann", "image chat", system="Be brief.", image=b"photo")
+    store.add("ann", a, "user", "What is this?", "m", {"seed": 1})
+    store.add("ann", a, "assistant", "A cat.", "m", {"seed": 1})
+    other = ConversationStore(tmp_path / "other")
+    try:
+        (new,) = other.import_("bob", store.export("ann", a))
+        copy = other.open("bob", new)
+        assert (copy["tool"], copy["system"], copy["image_data"]) == ("image chat", "Be brief.", b"photo")
+        assert [(m["role"], m["content"], m["sampling"]) for m in copy["messages"]] == [
+            ("user", "What is this?", {"seed": 1}), ("assistant", "A cat.", {"seed": 1})]
+        with pytest.raises(UserError, match="not one this app exported"):
+            other.import_("bob", [{"tool": "email"}])
+    finally:
+        other.close()
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from pipeline.service.store import ConversationStore
+store = ConversationStore({folder!r})
+c = store.create("ann", "chat")
+for i in range(100000):
+    store.add("ann", c, "user" if i % 2 == 0 else "assistant", f"message {{i}} " + "x" * 200)
+    print(i, flush=True)
+"""
+
+
+def test_a_killed_process_loses_no_completed_message(tmp_path):
+    """SIGKILL while messages are being written: after reopening, every message the writer had committed
+    (it prints each one's number after its commit) is there, and the database passes integrity_check."""
+    child = subprocess.Popen([sys.executable, "-c", WRITER.format(root=str(ROOT), folder=str(tmp_path))],
+                             stdout=subprocess.PIPE, text=True)
+    committed = -1
+    deadline = time.time() + 60
+    while committed < 300 and time.time() < deadline:
+        committed = int(child.stdout.readline().split()[0])
+    child.kill()
+    child.wait()
+    with sqlite3.connect(tmp_path / FILE) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    store = ConversationStore(tmp_path)
+    try:
+        (conversation,) = store.list("ann")
+        contents = [m["content"] for m in store.open("ann", conversation["id"])["messages"]]
+        assert len(contents) >= committed + 1 and all(contents[i].startswith(f"message {i} ") for i in range(300))
+        assert store.notice is None
+    finally:
+        store.close()
+
+
+def test_a_damaged_database_is_set_aside_and_a_fresh_one_works(tmp_path):
+    store = ConversationStore(tmp_path)
+    store.add("ann", store.create("ann", "chat"), "user", "hello")
+    store.close()
+    (tmp_path / FILE).write_bytes(b"this is not a database" * 100)
+    store = ConversationStore(tmp_path)
+    try:
+        assert store.notice and "moved aside" in store.notice and "new, empty one" in store.notice
+        assert list(tmp_path.glob("conversations.damaged-*.sqlite3"))
+        assert store.list("ann") == []
+        store.add("ann", store.create("ann", "chat"), "user", "works again")
+        assert store.list("ann")[0]["title"] == "works again"
+    finally:
+        store.close()
+
+
+def test_a_database_from_a_newer_app_is_refused_clearly(tmp_path):
+    with sqlite3.connect(tmp_path / FILE) as db:
+        db.execute("PRAGMA user_version = 99")
+    with pytest.raises(UserError, match="newer version of the app"):
+        ConversationStore(tmp_path)
+
+
+def test_two_processes_share_one_folder(tmp_path):
+    """Two stores (two connections, as two app processes have) write at once: nothing is lost."""
+    stores = [ConversationStore(tmp_path), ConversationStore(tmp_path)]
+    errors = []
+
+    def write(store, user):
+        try:
+            c = store.create(user, "chat")
+            for i in range(50):
+                store.add(user, c, "user", f"{user} {i}")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(s, u)) for s, u in zip(stores, ("ann", "bob"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors
+        for user in ("ann", "bob"):
+            (c,) = stores[0].list(user)
+            assert len(stores[1].open(user, c["id"])["messages"]) == 50
+    finally:
+        for s in stores:
+            s.close()
