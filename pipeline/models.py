@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from pathlib import Path
 
 from pipeline.errors import UserError
@@ -39,6 +40,19 @@ HUB_FILES = ["*.json", "*.safetensors", "*.tiktoken", "tokenizer.model", "merges
 def cache_dir() -> Path:
     """Our own cache (demo models, later engines): $STUDIO_CACHE or ~/.cache/ai-studio."""
     return Path(os.environ.get("STUDIO_CACHE") or Path.home() / ".cache" / "ai-studio")
+
+
+def data_dir() -> Path:
+    """Where the user's own data (conversations) lives, the platform's user data folder: $STUDIO_DATA,
+    else $XDG_DATA_HOME/ai-studio or ~/.local/share/ai-studio (Linux), ~/Library/Application
+    Support/ai-studio (macOS), %APPDATA%\\ai-studio (Windows)."""
+    if os.environ.get("STUDIO_DATA"):
+        return Path(os.environ["STUDIO_DATA"])
+    if sys.platform == "win32":
+        return Path(os.environ.get("APPDATA") or Path.home() / "AppData" / "Roaming") / "ai-studio"
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "ai-studio"
+    return Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "ai-studio"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="LLM weights: int8, int4 (groups of 128) or none (--dtype); auto picks the first that fits "
                         "the GPU memory (float weights on the CPU). Quantized weights are cached after the first launch")
     p.add_argument("--engine-dir", type=Path, help="where built engines are cached (default: <cache>/engines)")
+    p.add_argument("--data-dir", type=Path, help="where conversations are kept (default: the platform's user data "
+                                                   "folder, e.g. ~/.local/share/ai-studio; $STUDIO_DATA)")
     p.add_argument("--rebuild", action="store_true", help="build every engine again instead of loading the cache")
     p.add_argument("--build-engines", action="store_true",
                    help="load every tool (building missing engines), report, and exit without serving")
@@ -357,6 +359,8 @@ def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable
     lines go instead."""
     import torch
 
+    from pipeline.models import data_dir
+    from pipeline.service.store import ConversationStore
     from pipeline.service.studio import StudioService
     from pipeline.service.tools import GIB, ToolHost, default_budget
 
@@ -372,7 +376,9 @@ def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable
                              "one is unloaded to make room" if budget else "none on the CPU; tools load on first use"))
     for spec in tool_specs(args, plan, engines, host):
         host.add(spec)
-    return StudioService(host, engines.report.lines)
+    store = ConversationStore(args.data_dir or data_dir())
+    say(store.notice or f"conversations: {store.path}")
+    return StudioService(host, engines.report.lines, store=store)
 
 
 def run(argv: list[str], start: Callable[[argparse.Namespace, Plan], int]) -> int:

@@ -3,12 +3,15 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Conversations the tests' apps keep go to a temporary folder, never the user's data folder.
+os.environ.setdefault("STUDIO_DATA", tempfile.mkdtemp(prefix="studio-test-data-"))
 sys.path.insert(0, str(ROOT))
 
 from pipeline.llm.demo import demo_model_dir  # noqa: E402
@@ -45,7 +48,8 @@ def launched(log: Path, cache: Path, *args: str):
     """`launch.py ARGS` in a subprocess on a free port with `cache` as its cache: yields (url, log, port)
     once it serves; stopped on exit."""
     port = free_port()
-    env = {**os.environ, "STUDIO_CACHE": str(cache), "GRADIO_ANALYTICS_ENABLED": "False"}
+    env = {**os.environ, "STUDIO_CACHE": str(cache), "STUDIO_DATA": str(cache / "data"),
+           "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), *args],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

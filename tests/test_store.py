@@ -196,3 +196,36 @@ def test_two_processes_share_one_folder(tmp_path):
     finally:
         for s in stores:
             s.close()
+
+
+def test_the_service_saves_each_turn_and_keeps_a_reply_stopped_midway(qwen2_demo, tmp_path):
+    """Through the studio service: the question and the finished reply are written with the model and
+    sampling that made them; a reply whose reader goes away (a closed tab) is kept as it stood, cancelled."""
+    from pipeline.pipelines.chat import ChatPipeline
+    from pipeline.service.studio import Saved, StudioService
+    from pipeline.service.tools import ToolHost, ToolSpec
+    from studio.backends import load_language_model
+    import torch
+
+    host = ToolHost(torch.device("cpu"), None, lambda line: None)
+    host.add(ToolSpec("chat", lambda say, free: ChatPipeline(load_language_model(qwen2_demo, "demo/qwen2-tiny")), 0))
+    service = StudioService(host, store=ConversationStore(tmp_path))
+    try:
+        conversation = service.store.create("ann", "chat")
+        turn = service.chat_turn([{"role": "user", "content": "Hello there"}],
+                                 {"max_new_tokens": 12, "temperature": 0, "repetition_penalty": 1.0})
+        answer = "".join(u.text for u in service.reply("ui:1", turn, saved=Saved("ann", conversation)))
+        endless = service.chat_turn([{"role": "user", "content": "Tell a long story"}],
+                                    {"max_new_tokens": 4000, "temperature": 0, "repetition_penalty": 1.0})
+        updates = service.reply("ui:1", endless, saved=Saved("ann", conversation))
+        partial = "".join(next(u for u in updates if u.text).text for _ in range(1))
+        updates.close()  # the reader went away mid-reply
+        messages = service.store.open("ann", conversation)["messages"]
+        assert [(m["role"], m["state"]) for m in messages] == [("user", "complete"), ("assistant", "complete"),
+                                                               ("user", "complete"), ("assistant", "cancelled")]
+        assert messages[1]["content"] == answer and answer
+        assert messages[1]["model"] == "demo/qwen2-tiny" and messages[1]["sampling"]["max_new_tokens"] == 12
+        assert messages[3]["content"].startswith(partial) and len(messages[3]["content"]) < 4000
+        assert service.store.list("ann")[0]["title"] == "Hello there"
+    finally:
+        service.close()

@@ -277,3 +277,31 @@ class ConversationStore:
                          m.get("state") or "complete")
             ids.append(cid)
         return ids
+
+
+SAVE_EVERY_S = 2.0  # a reply in progress is written at most this often (and when it ends)
+
+
+class ReplyRecord:
+    """One turn being saved: the question at once, the reply as it grows (every `SAVE_EVERY_S`), and its
+    end: "complete", or "cancelled" when stopped, cut off by a closed tab or failed."""
+
+    def __init__(self, store: ConversationStore, user: str, conversation: int, question: str, model: str,
+                 sampling: dict):
+        self.store, self.user = store, user
+        store.add(user, conversation, "user", question, model, sampling)
+        self.message = store.add(user, conversation, "assistant", "", model, sampling, "streaming")
+        self.saved_at = time.monotonic()
+        self.ended = False
+
+    def progress(self, text: str) -> None:
+        if time.monotonic() - self.saved_at >= SAVE_EVERY_S:
+            self.store.update(self.user, self.message, text, "streaming")
+            self.saved_at = time.monotonic()
+
+    def end(self, text: str, finish_reason: str) -> None:
+        """Write the reply as it stands; only the first call counts."""
+        if not self.ended:
+            self.ended = True
+            self.store.update(self.user, self.message, text, "cancelled" if finish_reason in ("cancelled", "error")
+                              else "complete")

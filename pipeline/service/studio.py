@@ -27,6 +27,7 @@ from pipeline.llm.engine import GenerationStats
 from pipeline.llm.prompt import ROLES
 from pipeline.llm.sampling import SamplingParams
 from pipeline.pipelines.segment_session import SegmentSession
+from pipeline.service.store import ConversationStore, ReplyRecord
 from pipeline.service.tools import ToolHost
 
 CHAT, IMAGE_CHAT, SEGMENT = "chat", "image chat", "segment"
@@ -44,6 +45,14 @@ class ChatTurn:
     messages: tuple[dict, ...]
     params: SamplingParams
     image: np.ndarray | None = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Where a reply is kept: `user`'s `conversation` in the service's store."""
+
+    user: str
+    conversation: int
 
 
 @dataclasses.dataclass
@@ -133,9 +142,11 @@ class InFlight:
 class StudioService:
     """Chat, image chat and segmentation over one `ToolHost`, with status and Stop; see the module docstring."""
 
-    def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT):
-        """`startup`: the start-up report's lines (it keeps growing as tools load)."""
-        self.host = host
+    def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
+                 store: ConversationStore | None = None):
+        """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
+        conversations are kept (replies given `saved` go there)."""
+        self.host, self.store = host, store
         self.startup = startup if startup is not None else []
         self._in_flight = InFlight(max_in_flight)
 
@@ -182,10 +193,13 @@ class StudioService:
         except UserError as e:
             raise UserError(f"the mask: {e}", "mask") from None
 
-    def reply(self, client: str, turn: ChatTurn, cancel: threading.Event | None = None) -> Iterator[Update]:
+    def reply(self, client: str, turn: ChatTurn, cancel: threading.Event | None = None,
+              saved: Saved | None = None) -> Iterator[Update]:
         """Stream the reply to `turn` for `client`: the tool's load progress first if it is not loaded,
         then the text, then the statistics. `cancel` (or `stop(client, tool)`) ends it early, keeping
-        what was said, whether it is loading, queued or generating."""
+        what was said, whether it is loading, queued or generating. With `saved`, the question and the
+        reply go into that conversation of the store as they happen (a reply stopped, or whose reader
+        went away, is kept as it stood, marked cancelled)."""
         with self._in_flight.running(client, turn.tool, cancel or threading.Event()) as flag:
             for line in self.loading(turn.tool):
                 yield Update(status=line)
@@ -195,9 +209,23 @@ class StudioService:
                     events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session)
                 else:
                     events = pipeline.stream(turn.messages, turn.params, flag, session)
-                for event in events:
-                    status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
-                    yield Update(event.text, status, event.notice, event.stats)
+                record = None if saved is None else ReplyRecord(
+                    self.store, saved.user, saved.conversation, turn.messages[-1]["content"], pipeline.llm.model_id,
+                    dataclasses.asdict(turn.params))
+                text = ""
+                try:
+                    for event in events:
+                        text += event.text
+                        if record is not None:
+                            if event.stats is not None:
+                                record.end(text, event.stats.finish_reason)
+                            else:
+                                record.progress(text)
+                        status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
+                        yield Update(event.text, status, event.notice, event.stats)
+                finally:  # stopped, failed, or nobody reads any more (a closed tab): kept as it stands
+                    if record is not None:
+                        record.end(text, "cancelled")
 
     def stop(self, client: str, tool: str | None = None) -> int:
         """Stop `client`'s replies (of `tool`, else all); how many were stopped."""
@@ -291,3 +319,5 @@ class StudioService:
 
     def close(self) -> None:
         self.host.close()
+        if self.store is not None:
+            self.store.close()
