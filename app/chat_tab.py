@@ -7,12 +7,12 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.conversation import SLIDERS, sampling_controls, stream_turn, wire_stop
+from app.conversation import SLIDERS, sampling_controls, stream_turn, user_of, wire_stop
 from app.conversation_files import read_conversation, to_json, to_markdown
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from pipeline.errors import UserError
-from pipeline.service.studio import CHAT, StudioService, plain_messages
+from pipeline.service.studio import CHAT, Saved, StudioService, plain_messages
 
 DEFAULT_SYSTEM = "You are a helpful assistant."
 PRESETS = {  # system prompts people reach for, one click away
@@ -39,28 +39,71 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     """`storage_secret` encrypts the conversation kept in the browser's localStorage, so a reload or
     an app restart does not lose it (the secret must outlive the process for the latter)."""
 
+    def reply(message: str, history: list, system_prompt: str, sampling: tuple, request: gr.Request,
+              saved: Saved | None):
+        turn = service.chat_turn(plain_messages(history, "history") + [{"role": "user", "content": message}],
+                                 dict(zip(SLIDERS, sampling)), system=system_prompt, tool=CHAT)
+        yield from stream_turn(service, turn, request, saved)
+
     @shown_to_user
     def respond(message: str, history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
-                repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
-        """Stream a reply to `message`; yields (textbox, chat history, status). Seed -1 = random."""
-        turn = service.chat_turn(plain_messages(history, "history") + [{"role": "user", "content": message}],
-                                 dict(zip(SLIDERS, (temperature, top_p, top_k, repetition_penalty, max_new_tokens,
-                                                    seed))), system=system_prompt, tool=CHAT)
-        yield from stream_turn(service, turn, request)
+                repetition_penalty: float, max_new_tokens: int, seed: int, current: int | None,
+                request: gr.Request):
+        """Stream a reply to `message`, kept in the conversation `current` (a new one if None); yields
+        (textbox, chat history, status, conversation). Seed -1 = random."""
+        user = user_of(request)
+        current = current if current is not None else service.store.create(user, CHAT, system=system_prompt)
+        for out in reply(message, history, system_prompt, (temperature, top_p, top_k, repetition_penalty,
+                                                           max_new_tokens, seed), request, Saved(user, current)):
+            yield *out, current
 
     @shown_to_user
     def regenerate(history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
-                   repetition_penalty: float, max_new_tokens: int, seed: int, request: gr.Request):
+                   repetition_penalty: float, max_new_tokens: int, seed: int, current: int | None,
+                   request: gr.Request):
         """The last reply again (a new draw, unless the seed is fixed): the same message, resent."""
         before, message = last_turn(history)
+        if current is not None:
+            service.store.drop_last_turn(user_of(request), current)
         yield from respond(message, before, system_prompt, temperature, top_p, top_k, repetition_penalty,
-                           max_new_tokens, seed, request)
+                           max_new_tokens, seed, current, request)
 
     @shown_to_user
-    def edit_last(history: list) -> tuple[str, list[dict], str]:
+    def edit_last(history: list, current: int | None, request: gr.Request) -> tuple[str, list[dict], str]:
         """The last message back in the textbox to edit and resend; it and its reply leave the chat."""
         before, message = last_turn(history)
+        if current is not None:
+            service.store.drop_last_turn(user_of(request), current)
         return message, before, "Editing your last message: change it and press Enter."
+
+    def listing(query: str, current: int | None, request: gr.Request) -> gr.Radio:
+        """The sidebar: this user's chats, newest first, or those whose messages hold every word of `query`."""
+        user = user_of(request)
+        found = service.store.search(user, query) if query and query.strip() else service.store.list(user, CHAT)
+        return gr.Radio(choices=[(c["title"] or "New conversation", c["id"]) for c in found if c["tool"] == CHAT],
+                        value=current)
+
+    @shown_to_user
+    def open_conversation(conversation: int | None, request: gr.Request):
+        """(history, conversation, system prompt, title) of a chat picked in the sidebar."""
+        if conversation is None:
+            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        found = service.store.open(user_of(request), conversation)
+        history = [{"role": m["role"], "content": m["content"]} for m in found["messages"] if m["role"] != "system"]
+        return history, conversation, found["system"] or "", found["title"]
+
+    @shown_to_user
+    def rename(conversation: int | None, title: str, request: gr.Request) -> None:
+        if conversation is None:
+            raise UserError("open a conversation first, then rename it")
+        service.store.rename(user_of(request), conversation, title)
+
+    @shown_to_user
+    def delete(conversation: int | None, request: gr.Request):
+        if conversation is None:
+            raise UserError("open a conversation first, then delete it")
+        service.store.delete(user_of(request), conversation)
+        return [], None, "", "Deleted."
 
     @shown_to_user
     def export(history: list, system_prompt: str, kind: str) -> str:
@@ -78,6 +121,14 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         return messages, system if system is not None else system_prompt, f"Imported {len(messages)} messages."
 
     with gr.Row():
+        with gr.Column(scale=1, min_width=200):
+            clear = gr.Button("New chat", variant="secondary")
+            search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id="chat-search")
+            conversations = gr.Radio([], label="Conversations", elem_id="chat-conversations")
+            title = gr.Textbox(label="Title", elem_id="chat-title")
+            with gr.Row():
+                rename_button = gr.Button("Rename", size="sm")
+                delete_button = gr.Button("Delete", size="sm", variant="stop")
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history")
             with gr.Row():
@@ -88,7 +139,6 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                 stop = gr.Button("Stop")
                 regen = gr.Button("Regenerate")
                 edit = gr.Button("Edit last")
-                clear = gr.Button("New chat")
             with gr.Row():
                 export_json = gr.Button("Export JSON", size="sm")
                 export_md = gr.Button("Export Markdown", size="sm")
@@ -102,25 +152,35 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             sampling = sampling_controls("chat")
 
     saved = gr.BrowserState([], storage_key="ai-studio-chat", secret=storage_secret)
-    inputs = [message, chatbot, system_prompt, *sampling]
-    outputs = [message, chatbot, status]
-    keep = dict(fn=lambda history: history, inputs=chatbot, outputs=saved, api_visibility="private")
+    current = gr.BrowserState(None, storage_key="ai-studio-chat-conversation", secret=storage_secret)
+    inputs = [message, chatbot, system_prompt, *sampling, current]
+    outputs = [message, chatbot, status, current]
+    keep = dict(fn=lambda history, conversation: (history, conversation), inputs=[chatbot, current],
+                outputs=[saved, current], api_visibility="private")
+    relist = dict(fn=listing, inputs=[search, current], outputs=conversations, api_visibility="private")
     # No concurrency limit: the engine batches every session's reply (and queues past its batch).
     for event in (message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
                   send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
-                  regen.click(regenerate, [chatbot, system_prompt, *sampling], outputs, api_visibility="private",
-                              concurrency_limit=None),
-                  edit.click(edit_last, chatbot, [message, chatbot, status], api_visibility="private"),
+                  regen.click(regenerate, inputs[1:], outputs, api_visibility="private", concurrency_limit=None),
+                  edit.click(edit_last, [chatbot, current], [message, chatbot, status], api_visibility="private"),
                   importer.upload(import_file, [importer, system_prompt], [chatbot, system_prompt, status],
                                   api_visibility="private")):
-        event.then(**keep)
+        event.then(**keep).then(**relist)
     preset.change(lambda name: PRESETS[name], preset, system_prompt, api_visibility="private")
     download_on_click(export_json, lambda h, s: export(h, s, "json"), [chatbot, system_prompt], "chat-export-json")
     download_on_click(export_md, lambda h, s: export(h, s, "md"), [chatbot, system_prompt], "chat-export-md")
 
     wire_stop(stop, service, CHAT, "stop")
-    clear.click(lambda: ([], "", ""), None, [chatbot, message, status], api_visibility="private").then(**keep)
-    app.load(lambda history: history, saved, chatbot, api_visibility="private")
+    clear.click(lambda: ([], "", "", None, ""), None, [chatbot, message, status, current, title],
+                api_visibility="private").then(**keep).then(**relist)
+    conversations.input(open_conversation, conversations, [chatbot, current, system_prompt, title],
+                        api_visibility="private").then(**keep)
+    search.change(**relist)
+    rename_button.click(rename, [current, title], None, api_visibility="private").then(**relist)
+    delete_button.click(delete, current, [chatbot, current, title, status], api_visibility="private").then(
+        **keep).then(**relist)
+    app.load(lambda history, conversation: (history, conversation), [saved, current], [chatbot, current],
+             api_visibility="private").then(**relist)
 
     def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULT_SYSTEM,
              temperature: float = 0.7, top_p: float = 0.8, top_k: int = 20, repetition_penalty: float = 1.05,
@@ -128,8 +188,9 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
              ) -> Iterator[tuple[str, list[dict], str]]:
         """API: stream a reply to `message` after `history` (a list of {role, content} with text content, or
         the Chatbot's own messages); yields (cleared textbox, history with the growing answer, status).
-        Seed -1 = random. /stop stops this session's replies."""
-        yield from respond(message, history, system_prompt, temperature, top_p, top_k, repetition_penalty,
-                           max_new_tokens, seed, request)
+        Seed -1 = random. /stop stops this session's replies. Nothing is kept in the conversation store."""
+        yield from shown_to_user(reply)(message, history, system_prompt, (temperature, top_p, top_k,
+                                                                          repetition_penalty, max_new_tokens, seed),
+                                        request, None)
 
     gr.api(chat, api_name="chat", concurrency_limit=None)

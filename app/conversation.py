@@ -14,7 +14,7 @@ import gradio as gr
 
 from app.errors import shown_to_user
 from pipeline.llm.sampling import LIMITS, SamplingParams
-from pipeline.service.studio import ChatTurn, StudioService
+from pipeline.service.studio import ChatTurn, Saved, StudioService
 
 UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page
 SLIDERS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")  # controls' order
@@ -40,13 +40,20 @@ def sampling_controls(tab: str, max_new_tokens: int = 512) -> list:
         return sliders + [gr.Number(-1, precision=0, label="Seed (-1 = random)", elem_id=f"{tab}-seed")]
 
 
+def user_of(request: gr.Request | None) -> str:
+    """Whose conversations these are: the signed-in user with `--auth`, else the one local user."""
+    return (request.username if request is not None else None) or "local"
+
+
 @shown_to_user
-def stream_turn(service: StudioService, turn: ChatTurn, request: gr.Request) -> Iterator[tuple[str, list[dict], str]]:
-    """The service's reply to `turn` as (cleared textbox, history with the growing answer, status)."""
+def stream_turn(service: StudioService, turn: ChatTurn, request: gr.Request,
+                saved: Saved | None = None) -> Iterator[tuple[str, list[dict], str]]:
+    """The service's reply to `turn` as (cleared textbox, history with the growing answer, status);
+    kept in the `saved` conversation as it happens."""
     history = [m for m in turn.messages if m["role"] != "system"] + [{"role": "assistant", "content": ""}]
     notices: list[str] = []
     shown = 0.0  # when the page was last updated
-    for update in service.reply(client_of(request), turn):
+    for update in service.reply(client_of(request), turn, saved=saved):
         if update.notice:
             notices.append(update.notice)
             gr.Warning(update.notice)

@@ -44,12 +44,15 @@ def test_chat_streams_survives_reload_and_clears(page):
     page.reload()
     page.get_by_text("Hello from the browser").first.wait_for()  # restored from the browser's storage
 
+    history = page.locator("#chat-history")
     page.get_by_role("button", name="New chat").click()
-    page.get_by_text("Hello from the browser").first.wait_for(state="detached")
+    history.get_by_text("Hello from the browser").first.wait_for(state="detached")
     page.wait_for_timeout(1500)  # the saved copy is updated right after the clear
     page.reload()
     page.wait_for_timeout(1500)
-    assert page.get_by_text("Hello from the browser").count() == 0  # cleared stays cleared
+    assert history.get_by_text("Hello from the browser").count() == 0  # cleared stays cleared
+    # the conversation itself is kept: the sidebar lists it by its first question
+    assert page.locator("#chat-conversations").get_by_text("Hello from the browser").count() == 1
 
 
 def test_stop_keeps_the_partial_reply(page):
@@ -232,3 +235,65 @@ def test_ask_about_the_selected_object(page):
     shown = page.locator("#image-chat-image img").first
     shown.wait_for()
     assert "selection-" in shown.get_attribute("src")  # the masked crop, not the whole photo
+
+
+def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(tmp_path, studio_cache):
+    """Three chats in the sidebar; rename one; search finds a word of an old reply; delete one; after a
+    restart of the app on the same data folder the other two are there, with their messages."""
+    from conftest import launched
+
+    data = ["--data-dir", str(tmp_path / "data"), "--context", "1024"]
+    questions = ["First question about apples", "Second one about bananas", "Third about cherries"]
+    with launched(tmp_path / "first.log", studio_cache, *data) as (url, _, _), \
+            sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        sidebar = page.locator("#chat-conversations")
+        replies = []
+        for i, question in enumerate(questions):
+            if i:
+                page.get_by_role("button", name="New chat").click()
+                page.locator("#chat-history").get_by_text(questions[i - 1]).wait_for(state="detached")
+            send(page, question)
+            page.locator("#chat-status").get_by_text("tok/s").wait_for()
+            replies.append(page.locator("#chat-history [data-testid=bot]").last.inner_text())
+            sidebar.get_by_text(question).wait_for()
+        assert sidebar.locator("label").count() == 3
+
+        sidebar.get_by_text(questions[1]).click()  # open the second, rename it
+        page.locator("#chat-history").get_by_text(questions[1]).wait_for()
+        page.locator("#chat-title textarea, #chat-title input").first.fill("Fruit talk")
+        page.get_by_role("button", name="Rename").click()
+        sidebar.get_by_text("Fruit talk").wait_for()
+
+        word = max("".join(c if c.isalnum() else " " for c in replies[0]).split(), key=len)
+        page.locator("#chat-search textarea, #chat-search input").first.fill(word)
+        if word not in replies[2]:
+            sidebar.get_by_text(questions[2]).wait_for(state="detached")  # the list narrows to the matches
+        assert sidebar.get_by_text(questions[0]).count() == 1  # found by a word of its reply
+        page.locator("#chat-search textarea, #chat-search input").first.fill("")
+        sidebar.get_by_text(questions[2]).wait_for()
+
+        sidebar.get_by_text(questions[2]).click()  # open the third, delete it
+        page.locator("#chat-history").get_by_text(questions[2]).wait_for()
+        page.get_by_role("button", name="Delete").click()
+        sidebar.get_by_text(questions[2]).wait_for(state="detached")
+        assert sidebar.locator("label").count() == 2
+        browser.close()
+
+    with launched(tmp_path / "second.log", studio_cache, *data) as (url, _, _), \
+            sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        page = browser.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        sidebar = page.locator("#chat-conversations")
+        sidebar.get_by_text("Fruit talk").wait_for()
+        assert sidebar.locator("label").count() == 2 and sidebar.get_by_text(questions[0]).count() == 1
+        sidebar.get_by_text(questions[0]).click()
+        history = page.locator("#chat-history")
+        history.get_by_text(questions[0]).wait_for()
+        assert replies[0].strip()[:20] in history.inner_text()  # the reply came back from the store
+        browser.close()

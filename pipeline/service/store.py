@@ -242,6 +242,16 @@ class ConversationStore:
                 raise UserError(f"there is no message {message} of yours")
             db.execute("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message))
 
+    def drop_last_turn(self, user: str, conversation: int) -> None:
+        """Remove the last user message and everything after it (regenerate, edit-and-resend)."""
+        with self._transaction() as db:
+            if not db.execute("SELECT 1 FROM conversations WHERE id = ? AND user = ?", (conversation, user)).fetchone():
+                raise UserError(f"there is no conversation {conversation} of yours")
+            last = db.execute("SELECT MAX(id) FROM messages WHERE conversation = ? AND role = 'user'",
+                              (conversation,)).fetchone()[0]
+            if last is not None:
+                db.execute("DELETE FROM messages WHERE conversation = ? AND id >= ?", (conversation, last))
+
     def _owned_update(self, user: str, conversation: int, sql: str, args: tuple) -> None:
         with self._transaction() as db:
             if not db.execute(sql, args).rowcount:
