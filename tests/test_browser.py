@@ -1,5 +1,6 @@
 """The Chat tab in a real browser (headless Debian Chromium driven by Playwright)."""
 
+import contextlib
 import os
 
 import numpy as np
@@ -17,15 +18,31 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 
 
 @pytest.fixture(scope="module")
-def page(running_app):
-    url, _, _ = running_app
+def browser():
+    """One headless Chromium for the module (Playwright's sync API runs one at a time)."""
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page()
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        yield chromium
+        chromium.close()
+
+
+@contextlib.contextmanager
+def browser_page(browser, url: str):
+    """A page on `url` in a fresh browser context (its own storage, as another browser would have)."""
+    context = browser.new_context()
+    try:
+        page = context.new_page()
         page.set_default_timeout(60_000)
         page.goto(url)
         yield page
-        browser.close()
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, running_app):
+    with browser_page(browser, running_app[0]) as page:
+        yield page
 
 
 def send(page, text: str) -> None:
@@ -237,19 +254,14 @@ def test_ask_about_the_selected_object(page):
     assert "selection-" in shown.get_attribute("src")  # the masked crop, not the whole photo
 
 
-def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(tmp_path, studio_cache):
+def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(browser, tmp_path, studio_cache):
     """Three chats in the sidebar; rename one; search finds a word of an old reply; delete one; after a
     restart of the app on the same data folder the other two are there, with their messages."""
     from conftest import launched
 
     data = ["--data-dir", str(tmp_path / "data"), "--context", "1024"]
     questions = ["First question about apples", "Second one about bananas", "Third about cherries"]
-    with launched(tmp_path / "first.log", studio_cache, *data) as (url, _, _), \
-            sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page()
-        page.set_default_timeout(60_000)
-        page.goto(url)
+    with launched(tmp_path / "first.log", studio_cache, *data) as (url, _, _), browser_page(browser, url) as page:
         sidebar = page.locator("#chat-conversations")
         replies = []
         for i, question in enumerate(questions):
@@ -281,14 +293,8 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(t
         page.get_by_role("button", name="Delete").click()
         sidebar.get_by_text(questions[2]).wait_for(state="detached")
         assert sidebar.locator("label").count() == 2
-        browser.close()
 
-    with launched(tmp_path / "second.log", studio_cache, *data) as (url, _, _), \
-            sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        page = browser.new_page()
-        page.set_default_timeout(60_000)
-        page.goto(url)
+    with launched(tmp_path / "second.log", studio_cache, *data) as (url, _, _), browser_page(browser, url) as page:
         sidebar = page.locator("#chat-conversations")
         sidebar.get_by_text("Fruit talk").wait_for()
         assert sidebar.locator("label").count() == 2 and sidebar.get_by_text(questions[0]).count() == 1
@@ -296,4 +302,3 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(t
         history = page.locator("#chat-history")
         history.get_by_text(questions[0]).wait_for()
         assert replies[0].strip()[:20] in history.inner_text()  # the reply came back from the store
-        browser.close()
