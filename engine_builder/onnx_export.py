@@ -159,7 +159,7 @@ def export_onnx(spec: GraphSpec, module: nn.Module, path: Path, dtype: torch.dty
     inputs and outputs; weights go to `path` + ".data" beside it, so graphs of any size (SAM ViT-H is
     2.5 GB in float32) stay under protobuf's 2 GB limit."""
     with torch.device("cpu"):
-        wrapper = typed(spec.make(copy.deepcopy(module).float().cpu().eval()), dtype)
+        wrapper = typed(copy.deepcopy(spec.make(module)).float().cpu().eval(), dtype)  # only this graph's parts
     examples = tuple(t.example() for t in spec.inputs)
     dims = {t.name: {axis: torch.export.Dim(f"{t.name}_{axis}", min=lo, max=hi) for axis, (lo, hi) in t.dynamic.items()}
             or None for t in spec.inputs}

@@ -202,7 +202,7 @@ class ConversationStore:
 
     def search(self, user: str, text: str) -> list[dict[str, Any]]:
         """`user`'s conversations holding every word of `text` in a message, newest first, with a snippet."""
-        words = [w for w in "".join(c if c.isalnum() else " " for c in text).split()]
+        words = "".join(c if c.isalnum() else " " for c in text).split()
         if not words:
             return []
         query = " ".join(f'"{w}"' for w in words)  # each word a quoted term: no FTS syntax from users
