@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import gradio as gr
 
 from app.conversation import SLIDERS, sampling_controls, stream_turn, user_of, wire_stop
-from app.conversation_files import read_conversation, to_json, to_markdown
+from app.conversation_files import to_json, to_markdown
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
+from app.sidebar import NO_CONVERSATION, Sidebar, history_of
 from pipeline.errors import UserError
 from pipeline.service.studio import CHAT, Saved, StudioService, plain_messages
 
@@ -36,8 +36,8 @@ def last_turn(history: list) -> tuple[list[dict], str]:
 
 
 def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) -> None:
-    """`storage_secret` encrypts the conversation kept in the browser's localStorage, so a reload or
-    an app restart does not lose it (the secret must outlive the process for the latter)."""
+    """`storage_secret` encrypts which conversation is open, kept in the browser's localStorage so a
+    reload reopens it (the conversations themselves are in the store)."""
 
     def reply(message: str, history: list, system_prompt: str, sampling: tuple, request: gr.Request,
               saved: Saved | None):
@@ -47,63 +47,35 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
 
     @shown_to_user
     def respond(message: str, history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
-                repetition_penalty: float, max_new_tokens: int, seed: int, current: int | None,
+                repetition_penalty: float, max_new_tokens: int, seed: int, current: int,
                 request: gr.Request):
-        """Stream a reply to `message`, kept in the conversation `current` (a new one if None); yields
+        """Stream a reply to `message`, kept in the conversation `current` (a new one if none is open); yields
         (textbox, chat history, status, conversation). Seed -1 = random."""
         user = user_of(request)
-        current = current if current is not None else service.store.create(user, CHAT, system=system_prompt)
+        if current == NO_CONVERSATION:
+            current = service.store.create(user, CHAT, system=system_prompt)
         for out in reply(message, history, system_prompt, (temperature, top_p, top_k, repetition_penalty,
                                                            max_new_tokens, seed), request, Saved(user, current)):
             yield *out, current
 
     @shown_to_user
     def regenerate(history: list, system_prompt: str, temperature: float, top_p: float, top_k: int,
-                   repetition_penalty: float, max_new_tokens: int, seed: int, current: int | None,
+                   repetition_penalty: float, max_new_tokens: int, seed: int, current: int,
                    request: gr.Request):
         """The last reply again (a new draw, unless the seed is fixed): the same message, resent."""
         before, message = last_turn(history)
-        if current is not None:
+        if current != NO_CONVERSATION:
             service.store.drop_last_turn(user_of(request), current)
         yield from respond(message, before, system_prompt, temperature, top_p, top_k, repetition_penalty,
                            max_new_tokens, seed, current, request)
 
     @shown_to_user
-    def edit_last(history: list, current: int | None, request: gr.Request) -> tuple[str, list[dict], str]:
+    def edit_last(history: list, current: int, request: gr.Request) -> tuple[str, list[dict], str]:
         """The last message back in the textbox to edit and resend; it and its reply leave the chat."""
         before, message = last_turn(history)
-        if current is not None:
+        if current != NO_CONVERSATION:
             service.store.drop_last_turn(user_of(request), current)
         return message, before, "Editing your last message: change it and press Enter."
-
-    def listing(query: str, current: int | None, request: gr.Request) -> gr.Radio:
-        """The sidebar: this user's chats, newest first, or those whose messages hold every word of `query`."""
-        user = user_of(request)
-        found = service.store.search(user, query) if query and query.strip() else service.store.list(user, CHAT)
-        return gr.Radio(choices=[(c["title"] or "New conversation", c["id"]) for c in found if c["tool"] == CHAT],
-                        value=current)
-
-    @shown_to_user
-    def open_conversation(conversation: int | None, request: gr.Request):
-        """(history, conversation, system prompt, title) of a chat picked in the sidebar."""
-        if conversation is None:
-            return gr.skip(), gr.skip(), gr.skip(), gr.skip()
-        found = service.store.open(user_of(request), conversation)
-        history = [{"role": m["role"], "content": m["content"]} for m in found["messages"] if m["role"] != "system"]
-        return history, conversation, found["system"] or "", found["title"]
-
-    @shown_to_user
-    def rename(conversation: int | None, title: str, request: gr.Request) -> None:
-        if conversation is None:
-            raise UserError("open a conversation first, then rename it")
-        service.store.rename(user_of(request), conversation, title)
-
-    @shown_to_user
-    def delete(conversation: int | None, request: gr.Request):
-        if conversation is None:
-            raise UserError("open a conversation first, then delete it")
-        service.store.delete(user_of(request), conversation)
-        return [], None, "", "Deleted."
 
     @shown_to_user
     def export(history: list, system_prompt: str, kind: str) -> str:
@@ -113,22 +85,9 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         text = to_json(history, system_prompt) if kind == "json" else to_markdown(history, system_prompt)
         return write_download(text.encode(), "conversation-", f".{kind if kind == 'json' else 'md'}")
 
-    @shown_to_user
-    def import_file(path: str | None, system_prompt: str) -> tuple[list[dict], str, str]:
-        if not path:
-            raise UserError("choose a conversation file (.json or .md) to import")
-        messages, system = read_conversation(Path(path).read_bytes(), Path(path).name)
-        return messages, system if system is not None else system_prompt, f"Imported {len(messages)} messages."
-
     with gr.Row():
         with gr.Column(scale=1, min_width=200):
-            clear = gr.Button("New chat", variant="secondary")
-            search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id="chat-search")
-            conversations = gr.Radio([], label="Conversations", elem_id="chat-conversations")
-            title = gr.Textbox(label="Title", elem_id="chat-title")
-            with gr.Row():
-                rename_button = gr.Button("Rename", size="sm")
-                delete_button = gr.Button("Delete", size="sm", variant="stop")
+            sidebar = Sidebar(CHAT, "chat", storage_secret)
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history")
             with gr.Row():
@@ -142,8 +101,6 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             with gr.Row():
                 export_json = gr.Button("Export JSON", size="sm")
                 export_md = gr.Button("Export Markdown", size="sm")
-                importer = gr.UploadButton("Import conversation", file_types=[".json", ".md"], size="sm",
-                                           elem_id="chat-import")
             status = gr.Markdown("", elem_id="chat-status")
         with gr.Column(scale=2):
             preset = gr.Dropdown(list(PRESETS), value="Helpful assistant", label="System prompt preset",
@@ -151,36 +108,22 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             system_prompt = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=3, elem_id="chat-system")
             sampling = sampling_controls("chat")
 
-    saved = gr.BrowserState([], storage_key="ai-studio-chat", secret=storage_secret)
-    current = gr.BrowserState(None, storage_key="ai-studio-chat-conversation", secret=storage_secret)
+    current = sidebar.current
+    sidebar.wire(service, app, [chatbot, system_prompt],
+                 lambda found: (history_of(found), found["system"] if found["system"] is not None else gr.skip()),
+                 lambda: ([], gr.skip()), status)
     inputs = [message, chatbot, system_prompt, *sampling, current]
     outputs = [message, chatbot, status, current]
-    keep = dict(fn=lambda history, conversation: (history, conversation), inputs=[chatbot, current],
-                outputs=[saved, current], api_visibility="private")
-    relist = dict(fn=listing, inputs=[search, current], outputs=conversations, api_visibility="private")
     # No concurrency limit: the engine batches every session's reply (and queues past its batch).
     for event in (message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
                   send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
-                  regen.click(regenerate, inputs[1:], outputs, api_visibility="private", concurrency_limit=None),
-                  edit.click(edit_last, [chatbot, current], [message, chatbot, status], api_visibility="private"),
-                  importer.upload(import_file, [importer, system_prompt], [chatbot, system_prompt, status],
-                                  api_visibility="private")):
-        event.then(**keep).then(**relist)
+                  regen.click(regenerate, inputs[1:], outputs, api_visibility="private", concurrency_limit=None)):
+        event.then(**sidebar.relist)
+    edit.click(edit_last, [chatbot, current], [message, chatbot, status], api_visibility="private")
     preset.change(lambda name: PRESETS[name], preset, system_prompt, api_visibility="private")
     download_on_click(export_json, lambda h, s: export(h, s, "json"), [chatbot, system_prompt], "chat-export-json")
     download_on_click(export_md, lambda h, s: export(h, s, "md"), [chatbot, system_prompt], "chat-export-md")
-
     wire_stop(stop, service, CHAT, "stop")
-    clear.click(lambda: ([], "", "", None, ""), None, [chatbot, message, status, current, title],
-                api_visibility="private").then(**keep).then(**relist)
-    conversations.input(open_conversation, conversations, [chatbot, current, system_prompt, title],
-                        api_visibility="private").then(**keep)
-    search.change(**relist)
-    rename_button.click(rename, [current, title], None, api_visibility="private").then(**relist)
-    delete_button.click(delete, current, [chatbot, current, title, status], api_visibility="private").then(
-        **keep).then(**relist)
-    app.load(lambda history, conversation: (history, conversation), [saved, current], [chatbot, current],
-             api_visibility="private").then(**relist)
 
     def chat(message: str, history: list[dict] | None = None, system_prompt: str = DEFAULT_SYSTEM,
              temperature: float = 0.7, top_p: float = 0.8, top_k: int = 20, repetition_penalty: float = 1.05,

@@ -3,6 +3,7 @@ people, and read back too), so a conversation can be kept, shared and continued 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -67,3 +68,25 @@ def _from_markdown(text: str, name: str) -> tuple[list[dict], str | None]:
         else:
             messages.append({"role": role, "content": body})
     return messages, system
+
+
+ARCHIVE = "ai-studio-conversations"
+
+
+def to_archive(conversations: list[dict]) -> str:
+    """Conversations as the conversation store exports them (images as hex), one JSON file."""
+    return json.dumps({"format": ARCHIVE, "version": 1, "conversations": conversations}, ensure_ascii=False, indent=1)
+
+
+def read_conversations(data: bytes, name: str) -> list[dict]:
+    """What a file holds, as the store imports it: an archive's conversations, or one chat conversation
+    from a file `to_json` or `to_markdown` wrote."""
+    if name.lower().endswith(".json"):  # an archive holds images: only the upload limit bounds it
+        with contextlib.suppress(ValueError):
+            found = json.loads(data)
+            if isinstance(found, dict) and found.get("format") == ARCHIVE:
+                if not isinstance(found.get("conversations"), list):
+                    raise UserError(f"{name} is an archive without its list of conversations")
+                return found["conversations"]
+    messages, system = read_conversation(data, name)
+    return [{"tool": "chat", "title": "", "system": system, "messages": messages}]

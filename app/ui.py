@@ -13,6 +13,7 @@ from app.chat_tab import build_chat_tab
 from app.downloads import KEEP_FILES_S
 from app.image_chat_tab import build_image_chat_tab
 from app.segment_tab import build_segment_tab
+from app.sidebar import NO_CONVERSATION
 from pipeline.files import atomic_write
 from pipeline.models import cache_dir
 from pipeline.service.studio import CHAT, IMAGE_CHAT, SEGMENT, StudioService
@@ -68,19 +69,21 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
         with gr.Accordion("Start-up: what runs where, and why", open=False):
             report = gr.Markdown(startup_lines(service), elem_id="startup-report")
         with gr.Tabs() as tabs:
+            secret = browser_storage_secret()
             with gr.Tab("Chat", id="chat"):
-                build_chat_tab(service, demo, browser_storage_secret())
+                build_chat_tab(service, demo, secret)
             with gr.Tab("Image chat", id="image-chat"):
                 if service.is_demo(IMAGE_CHAT):
                     gr.Markdown(MINIGPT4_DEMO_WARNING)
-                image_chat = build_image_chat_tab(service, example_images())
+                image_chat = build_image_chat_tab(service, demo, example_images(), secret)
             with gr.Tab("Segment", id="segment"):
                 if service.is_demo(SEGMENT):
                     gr.Markdown(SAM_DEMO_WARNING)
                 ask = build_segment_tab(service, example_images())
         # "Ask about this": the selected object (a masked crop) and the question go to image chat, which answers
-        ask.button.click(lambda t, q: (*ask.selection(t, q), gr.Tabs(selected="image-chat")), [ask.state, ask.question],
-                         [image_chat.image, image_chat.message, tabs], api_visibility="private").success(
+        ask.button.click(lambda t, q: (*ask.selection(t, q), gr.Tabs(selected="image-chat"), [], NO_CONVERSATION),
+                         [ask.state, ask.question], [image_chat.image, image_chat.message, tabs, *image_chat.fresh],
+                         api_visibility="private").success(
             image_chat.respond, image_chat.inputs, image_chat.outputs, api_visibility="private", concurrency_limit=None)
 
         def refresh() -> tuple[str, str]:

@@ -57,14 +57,14 @@ def test_chat_streams_survives_reload_and_clears(page):
     assert page.get_by_text("Hello from the browser").count() >= 1
     assert page.get_by_text("random weights").count() >= 1  # the demo banner
 
-    page.wait_for_timeout(1500)  # the browser's copy is saved right after the reply ends
+    page.wait_for_timeout(1500)  # which conversation is open is kept in the browser right after the reply
     page.reload()
-    page.get_by_text("Hello from the browser").first.wait_for()  # restored from the browser's storage
+    page.locator("#chat-history").get_by_text("Hello from the browser").wait_for()  # reopened from the store
 
     history = page.locator("#chat-history")
     page.get_by_role("button", name="New chat").click()
     history.get_by_text("Hello from the browser").first.wait_for(state="detached")
-    page.wait_for_timeout(1500)  # the saved copy is updated right after the clear
+    page.wait_for_timeout(1500)  # "no conversation open" is kept right after the clear
     page.reload()
     page.wait_for_timeout(1500)
     assert history.get_by_text("Hello from the browser").count() == 0  # cleared stays cleared
@@ -138,7 +138,9 @@ def test_image_chat_tab_two_turns_and_restart(page):
     assert page.get_by_text("What is unusual here?").count() >= 1
     assert page.locator("#image-chat-image img").count() >= 1  # the image stays beside the conversation
     page.get_by_role("button", name="Restart conversation").click()
-    page.get_by_text("What is unusual here?").first.wait_for(state="detached")
+    page.locator("#image-chat-history").get_by_text("What is unusual here?").wait_for(state="detached")
+    # the conversation is kept: the sidebar lists it by its first question
+    page.locator("#image-chat-conversations").get_by_text("What is unusual here?").wait_for()
 
 
 def _chat_texts(page) -> list[str]:
@@ -294,6 +296,14 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         sidebar.get_by_text(questions[2]).wait_for(state="detached")
         assert sidebar.locator("label").count() == 2
 
+        page.get_by_role("tab", name="Image chat").click()  # an image-chat conversation keeps its picture
+        page.locator("#image-chat-image input[type=file]").set_input_files("assets/examples/fruit_bowl.jpg")
+        box = page.get_by_placeholder("Ask about the image, Enter to send")
+        box.fill("What fruit is in the bowl?")
+        box.press("Enter")
+        page.locator("#image-chat-status").get_by_text("tok/s").wait_for()
+        page.locator("#image-chat-conversations").get_by_text("What fruit is in the bowl?").wait_for()
+
     with launched(tmp_path / "second.log", studio_cache, *data) as (url, _, _), browser_page(browser, url) as page:
         sidebar = page.locator("#chat-conversations")
         sidebar.get_by_text("Fruit talk").wait_for()
@@ -302,3 +312,11 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         history = page.locator("#chat-history")
         history.get_by_text(questions[0]).wait_for()
         assert replies[0].strip()[:20] in history.inner_text()  # the reply came back from the store
+
+        page.get_by_role("tab", name="Image chat").click()
+        page.locator("#image-chat-conversations").get_by_text("What fruit is in the bowl?").click()
+        shown = page.locator("#image-chat-image img").first
+        shown.wait_for()
+        assert "conversation-image-" in shown.get_attribute("src")  # the stored picture, back beside its messages
+        page.get_by_text("What fruit is in the bowl?").nth(1).wait_for()
+        assert page.locator("#image-chat-history [data-testid=bot]").count() == 1

@@ -1,0 +1,141 @@
+"""The conversation sidebar of the Chat and Image-chat tabs: the user's conversations from the store,
+newest first, with new, open, rename, delete, search, export and import. Wiring only: the store's
+queries decide whose conversations these are, so a forged id opens nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import gradio as gr
+from PIL import Image
+
+from app.conversation import user_of
+from app.conversation_files import read_conversations, to_archive
+from app.downloads import download_on_click, write_download
+from app.errors import shown_to_user
+from pipeline.errors import UserError
+from pipeline.service.studio import StudioService
+
+NEW_TITLE = "New conversation"
+NO_CONVERSATION = -1  # `current` when none is open (the browser keeps no falsy value); ids start at 1
+
+
+def history_of(found: dict) -> list[dict]:
+    """A stored conversation's messages as the Chatbot shows them."""
+    return [{"role": m["role"], "content": m["content"]} for m in found["messages"] if m["role"] != "system"]
+
+
+def image_file(data: bytes) -> str:
+    """A stored picture as a file the page can show, named with its format's extension."""
+    try:
+        kind = (Image.open(io.BytesIO(data)).format or "png").lower()
+    except Exception:  # noqa: BLE001 - shown as stored; the image chat will say what is wrong with it
+        kind = "bin"
+    return write_download(data, "conversation-image-", f".{kind}")
+
+
+class Sidebar:
+    """The sidebar's components (`current`: the open conversation's id, kept in the browser), made in
+    the column being built, then wired once the tab's own components exist."""
+
+    def __init__(self, tool: str, prefix: str, secret: str):
+        """`tool`'s sidebar; element ids start with `prefix`."""
+        self.tool, self.prefix = tool, prefix
+        self.new = gr.Button("New chat" if tool == "chat" else "New conversation", variant="secondary")
+        self.search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id=f"{prefix}-search")
+        self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations")
+        self.title = gr.Textbox(label="Title", elem_id=f"{prefix}-title")
+        with gr.Row():
+            self.rename = gr.Button("Rename", size="sm")
+            self.delete = gr.Button("Delete", size="sm", variant="stop")
+        with gr.Row():
+            self.export_all = gr.Button("Export all", size="sm")
+            self.importer = gr.UploadButton("Import conversation", file_types=[".json", ".md"], size="sm",
+                                            elem_id=f"{prefix}-import")
+        self.current = gr.BrowserState(NO_CONVERSATION, storage_key=f"ai-studio-{prefix}-conversation",
+                                       secret=secret)
+        self.relist: dict = {}  # event arguments that refresh the list (`event.then(**sidebar.relist)`), once wired
+
+    def wire(self, service: StudioService, page: gr.Blocks, view: list, show: Callable[[dict], tuple],
+             empty: Callable[[], tuple], status: gr.Markdown) -> None:
+        """`view`: the components that show a conversation, `show(found)` their values for a stored one,
+        `empty()` theirs for a new one; `status`: where the sidebar's messages go."""
+        tool, current, title = self.tool, self.current, self.title
+        store = service.store
+
+        def listing(query: str, current: int, request: gr.Request) -> gr.Radio:
+            """This user's conversations of `tool`, newest first, or those whose messages hold every word of `query`."""
+            user = user_of(request)
+            found = store.search(user, query) if query and query.strip() else store.list(user, tool)
+            return gr.Radio(choices=[(c["title"] or NEW_TITLE, c["id"]) for c in found if c["tool"] == tool],
+                            value=current if current != NO_CONVERSATION else None)
+
+        def opened(conversation: int, request: gr.Request) -> tuple:
+            found = store.open(user_of(request), conversation)
+            return *show(found), conversation, found["title"]
+
+        @shown_to_user
+        def open_conversation(conversation: int | None, request: gr.Request) -> tuple:
+            if conversation is None:  # the list's choice cleared
+                return (gr.skip(),) * (len(view) + 2)
+            return opened(conversation, request)
+
+        def reopen(conversation: int, request: gr.Request) -> tuple:
+            """At page load: the conversation this browser had open, if it is still there (and this user's)."""
+            if conversation != NO_CONVERSATION:
+                try:
+                    return opened(conversation, request)
+                except UserError:
+                    pass
+            return *empty(), NO_CONVERSATION, ""
+
+        @shown_to_user
+        def rename(conversation: int, title: str, request: gr.Request) -> None:
+            if conversation == NO_CONVERSATION:
+                raise UserError("open a conversation first, then rename it")
+            store.rename(user_of(request), conversation, title)
+
+        @shown_to_user
+        def delete(conversation: int, request: gr.Request) -> tuple:
+            if conversation == NO_CONVERSATION:
+                raise UserError("open a conversation first, then delete it")
+            store.delete(user_of(request), conversation)
+            return *empty(), NO_CONVERSATION, "", "Deleted."
+
+        @shown_to_user
+        def export_all(request: gr.Request) -> str:
+            conversations = store.export(user_of(request))
+            if not conversations:
+                raise UserError("there are no conversations to export yet")
+            return write_download(to_archive(conversations).encode(), "conversations-", ".json")
+
+        @shown_to_user
+        def import_file(path: str | None, request: gr.Request) -> tuple:
+            """A file of conversations (an archive, or one chat) into the store; the last one here opens."""
+            if not path:
+                raise UserError("choose a conversation file (.json or .md) to import")
+            found = read_conversations(Path(path).read_bytes(), Path(path).name)
+            ids = store.import_(user_of(request), found)
+            here = [i for i, c in zip(ids, found) if c.get("tool") == tool]
+            line = (f"Imported {len(found[0]['messages'])} messages." if len(found) == 1 and here else
+                    f"Imported {len(ids)} conversations" + (f" ({len(ids) - len(here)} listed in the other tab)."
+                                                            if len(here) < len(ids) else "."))
+            if not here:
+                return (gr.skip(),) * (len(view) + 2) + (line,)
+            return *opened(here[-1], request), line
+
+        self.relist = relist = dict(fn=listing, inputs=[self.search, current], outputs=self.conversations,
+                                    api_visibility="private")
+        private = dict(api_visibility="private")
+        self.new.click(lambda: (*empty(), NO_CONVERSATION, "", ""), None, [*view, current, title, status],
+                       **private).then(**relist)
+        self.conversations.input(open_conversation, [self.conversations], [*view, current, title], **private)
+        self.search.change(**relist)
+        self.rename.click(rename, [current, title], None, **private).success(**relist)
+        self.delete.click(delete, [current], [*view, current, title, status], **private).success(**relist)
+        download_on_click(self.export_all, export_all, None, f"{self.prefix}-export-all")
+        self.importer.upload(import_file, [self.importer], [*view, current, title, status], **private).success(**relist)
+        page.load(reopen, [current], [*view, current, title], **private).then(**relist)
