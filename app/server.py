@@ -20,11 +20,12 @@ def start_server(args: argparse.Namespace, service: StudioService):
     from app.ui import build_app
 
     auth = None
-    if args.auth is not None:
-        user, _, password = args.auth.partition(":")
-        if not user or not password:
+    if args.auth:
+        auth = [entry.partition(":")[::2] for entry in args.auth]
+        if not all(user and password for user, password in auth):
             raise UserError("--auth must look like user:password, both non-empty")
-        auth = (user, password)
+        if len({user for user, _ in auth}) < len(auth):
+            raise UserError("--auth names a user twice")
     if args.max_sessions < 1 or args.session_idle < 1:
         raise UserError("--max-sessions and --session-idle must be at least 1")
     api_key = args.api_key

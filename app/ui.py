@@ -65,6 +65,8 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
         if service.is_demo(CHAT):
             gr.Markdown(DEMO_WARNING)
+        if service.store.notice:  # a damaged conversation database was set aside
+            gr.Markdown(f"**Conversations:** {service.store.notice}", elem_id="store-notice")
         banner = gr.Markdown(tools_line(service), elem_id="tools-status")
         with gr.Accordion("Start-up: what runs where, and why", open=False):
             report = gr.Markdown(startup_lines(service), elem_id="startup-report")

@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "dropped first; ~180 KB each; default 1000)")
     p.add_argument("--session-idle", type=int, default=3600, metavar="SECONDS",
                    help="drop a session's server-side state after this long unused (default 3600)")
-    p.add_argument("--auth", help="user:password required to open the app")
+    p.add_argument("--auth", action="append", metavar="USER:PASSWORD",
+                   help="require signing in; give it once per user (each sees only their own conversations)")
     p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
     return p.parse_args(argv)
 

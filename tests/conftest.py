@@ -6,6 +6,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -43,10 +44,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class App(NamedTuple):
+    url: str
+    log: Path
+    port: int
+    process: subprocess.Popen
+
+
 @contextlib.contextmanager
 def launched(log: Path, cache: Path, *args: str):
-    """`launch.py ARGS` in a subprocess on a free port with `cache` as its cache: yields (url, log, port)
-    once it serves; stopped on exit."""
+    """`launch.py ARGS` in a subprocess on a free port with `cache` as its cache: yields App(url, log,
+    port, process) once it serves; stopped on exit (if still running)."""
     port = free_port()
     env = {**os.environ, "STUDIO_CACHE": str(cache), "STUDIO_DATA": str(cache / "data"),
            "GRADIO_ANALYTICS_ENABLED": "False"}
@@ -60,15 +68,16 @@ def launched(log: Path, cache: Path, *args: str):
             pytest.fail(f"launch.py did not come up:\n{log.read_text()}")
         time.sleep(0.5)
     try:
-        yield f"http://127.0.0.1:{port}/", log, port
+        yield App(f"http://127.0.0.1:{port}/", log, port, proc)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
 def running_app(tmp_path_factory):
-    """The app as users start it (demo models, `--backend auto`, fresh cache): yields (url, log, port)."""
+    """The app as users start it (demo models, `--backend auto`, fresh cache): yields App(url, log, port, process)."""
     with launched(tmp_path_factory.mktemp("app") / "launch.log", tmp_path_factory.mktemp("cache"),
                   "--context", "4096") as app:
         yield app

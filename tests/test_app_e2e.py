@@ -17,7 +17,7 @@ PARAMS = dict(system_prompt="You are a helpful assistant.", temperature=0.7, top
 
 @pytest.fixture(scope="module")
 def app(running_app):
-    url, log, port = running_app
+    url, log, port, _ = running_app
     return gradio_client.Client(url, verbose=False), log, port
 
 

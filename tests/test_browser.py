@@ -263,7 +263,7 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
 
     data = ["--data-dir", str(tmp_path / "data"), "--context", "1024"]
     questions = ["First question about apples", "Second one about bananas", "Third about cherries"]
-    with launched(tmp_path / "first.log", studio_cache, *data) as (url, _, _), browser_page(browser, url) as page:
+    with launched(tmp_path / "first.log", studio_cache, *data) as (url, *_), browser_page(browser, url) as page:
         sidebar = page.locator("#chat-conversations")
         replies = []
         for i, question in enumerate(questions):
@@ -304,7 +304,7 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         page.locator("#image-chat-status").get_by_text("tok/s").wait_for()
         page.locator("#image-chat-conversations").get_by_text("What fruit is in the bowl?").wait_for()
 
-    with launched(tmp_path / "second.log", studio_cache, *data) as (url, _, _), browser_page(browser, url) as page:
+    with launched(tmp_path / "second.log", studio_cache, *data) as (url, *_), browser_page(browser, url) as page:
         sidebar = page.locator("#chat-conversations")
         sidebar.get_by_text("Fruit talk").wait_for()
         assert sidebar.locator("label").count() == 2 and sidebar.get_by_text(questions[0]).count() == 1
@@ -320,3 +320,105 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         assert "conversation-image-" in shown.get_attribute("src")  # the stored picture, back beside its messages
         page.get_by_text("What fruit is in the bowl?").nth(1).wait_for()
         assert page.locator("#image-chat-history [data-testid=bot]").count() == 1
+
+
+def _sign_in(page, user: str, password: str) -> None:
+    page.get_by_label("username").fill(user)
+    page.get_by_label("password").fill(password)
+    page.get_by_role("button", name="Login").click()
+    page.locator("#chat-conversations").wait_for()
+
+
+def test_two_signed_in_users_never_see_each_others_conversations(browser, tmp_path, studio_cache):
+    """With --auth for two users, each in their own browser: neither lists nor finds the other's chats
+    (the store's queries name the user; tests/test_store.py forges ids against open, rename and delete)."""
+    from conftest import launched
+
+    users = {"alice": "apple-pie", "bob": "banana-split"}
+    auth = [arg for user, password in users.items() for arg in ("--auth", f"{user}:{password}")]
+    with launched(tmp_path / "auth.log", studio_cache, "--data-dir", str(tmp_path / "data"), "--context", "1024",
+                  *auth) as app, browser_page(browser, app.url) as alice, browser_page(browser, app.url) as bob:
+        for page, user in ((alice, "alice"), (bob, "bob")):
+            _sign_in(page, user, users[user])
+            send(page, f"Secret plans of {user} zanzibar")
+            page.locator("#chat-status").get_by_text("tok/s").wait_for()
+            page.locator("#chat-conversations").get_by_text(f"Secret plans of {user}").wait_for()
+        for page, other in ((alice, "bob"), (bob, "alice")):
+            page.reload()
+            sidebar = page.locator("#chat-conversations")
+            sidebar.locator("label").first.wait_for()
+            assert sidebar.locator("label").count() == 1 and sidebar.get_by_text(f"of {other}").count() == 0
+            page.locator("#chat-search textarea, #chat-search input").first.fill("zanzibar")  # in both users' chats
+            page.wait_for_timeout(1000)
+            assert sidebar.get_by_text(f"of {other}").count() == 0 and sidebar.locator("label").count() == 1
+
+
+def test_a_killed_server_keeps_every_completed_message(browser, tmp_path, studio_cache):
+    """SIGKILL while a reply streams: after a restart the finished turn is whole, the question being
+    answered is there with the reply as last saved, and SQLite's integrity check passes."""
+    import signal
+    import sqlite3
+    import time
+
+    from conftest import launched
+
+    data = tmp_path / "data"
+
+    def set_controls(page, **values) -> None:
+        for name, value in values.items():
+            box = page.locator(f"#chat-{name.replace('_', '-')} input[type=number]")
+            box.fill(str(value))
+            box.press("Enter")
+
+    def reply_saved_midway() -> bool:
+        with contextlib.closing(sqlite3.connect(data / "conversations.sqlite3")) as db:
+            return db.execute("SELECT COUNT(*) FROM messages WHERE state = 'streaming' AND content != ''"
+                              ).fetchone()[0] > 0
+
+    with launched(tmp_path / "killed.log", studio_cache, "--data-dir", str(data), "--context", "4096") as app, \
+            browser_page(browser, app.url) as page:
+        set_controls(page, seed=23, max_new_tokens=12)  # seed 23: the demo's second reply runs 702 tokens
+        send(page, "A finished question")
+        page.locator("#chat-status").get_by_text("tok/s").wait_for()
+        finished = page.locator("#chat-history [data-testid=bot]").last.inner_text().strip()
+        set_controls(page, max_new_tokens=3500, temperature=1.5, top_p=1, top_k=0)
+        send(page, "An unfinished question")
+        page.locator("#chat-status").get_by_text("generating").wait_for()
+        deadline = time.monotonic() + 60
+        while not reply_saved_midway():  # a reply in progress is saved every 2 s
+            assert time.monotonic() < deadline and "tok/s" not in page.locator("#chat-status").inner_text(), \
+                f"the reply ended before it was saved midway: {page.locator('#chat-status').inner_text()}"
+            time.sleep(0.05)
+        app.process.send_signal(signal.SIGKILL)
+        app.process.wait(timeout=30)
+
+    with sqlite3.connect(data / "conversations.sqlite3") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        rows = db.execute("SELECT role, content, state FROM messages ORDER BY id").fetchall()
+    assert rows[:3] == [("user", "A finished question", "complete"), ("assistant", finished, "complete"),
+                        ("user", "An unfinished question", "complete")]
+    assert rows[3][0] == "assistant" and rows[3][2] == "streaming" and rows[3][1]  # the reply as last saved
+
+    with launched(tmp_path / "after.log", studio_cache, "--data-dir", str(data)) as app, \
+            browser_page(browser, app.url) as page:
+        page.locator("#chat-conversations").get_by_text("A finished question").click()
+        history = page.locator("#chat-history")
+        history.get_by_text("An unfinished question").wait_for()
+        assert finished[:20] in history.inner_text()
+
+
+def test_a_damaged_database_is_set_aside_with_a_notice_and_the_app_works(browser, tmp_path, studio_cache):
+    from conftest import launched
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "conversations.sqlite3").write_bytes(b"this is not a database" * 100)
+    with launched(tmp_path / "damaged.log", studio_cache, "--data-dir", str(data), "--context", "1024") as app, \
+            browser_page(browser, app.url) as page:
+        notice = page.locator("#store-notice")
+        notice.get_by_text("could not be read").wait_for()
+        assert "conversations.damaged-" in notice.inner_text()
+        send(page, "Does it still work?")
+        page.locator("#chat-status").get_by_text("tok/s").wait_for()
+        page.locator("#chat-conversations").get_by_text("Does it still work?").wait_for()
+    assert len(list(data.glob("conversations.damaged-*.sqlite3"))) == 1

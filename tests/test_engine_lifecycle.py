@@ -43,12 +43,12 @@ def lines_about(report: list[str], component: str) -> list[str]:
 
 def test_engines_are_built_on_the_first_launch_and_loaded_on_the_second(tmp_path):
     cache, engines = tmp_path / "cache", tmp_path / "engines"
-    with launched(tmp_path / "torch.log", cache, "--backend", "torch") as (url, _, _):
+    with launched(tmp_path / "torch.log", cache, "--backend", "torch") as (url, *_):
         reference = answers(url)
     assert not any("engine (" in line for line in reference["startup"])
     runs = []
     for name in ("first", "second"):
-        with launched(tmp_path / f"{name}.log", cache, *ORT, "--engine-dir", str(engines)) as (url, log, _):
+        with launched(tmp_path / f"{name}.log", cache, *ORT, "--engine-dir", str(engines)) as (url, log, *_):
             runs.append(answers(url))
     first, second = runs
     for component in COMPONENTS:

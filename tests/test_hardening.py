@@ -153,7 +153,7 @@ def test_uploads_over_the_limit_are_refused_and_files_are_deleted_after_keep_fil
     gradio_files = tmp_path / "gradio"
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(gradio_files))  # this app's files only
     with launched(tmp_path / "launch.log", studio_cache, "--context", "2048", "--max-upload", "1mb",
-                  "--keep-files", "2") as (url, _, _):
+                  "--keep-files", "2") as (url, _, *_):
         client = Client(url, verbose=False)
         from gradio_client import handle_file
 

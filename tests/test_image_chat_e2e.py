@@ -14,7 +14,7 @@ SAMPLING = (0.7, 0.9, 40, 1.05, 24, 5)  # temperature, top-p, top-k, repetition 
 
 @pytest.fixture(scope="module")
 def client(running_app):
-    url, _, _ = running_app
+    url = running_app.url
     return gradio_client.Client(url, verbose=False)
 
 

@@ -16,7 +16,7 @@ def engine(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def second_app(running_app, tmp_path_factory):
-    first, _, _ = running_app
+    first = running_app.url
     with launched(tmp_path_factory.mktemp("second") / "launch.log", tmp_path_factory.mktemp("cache2"),
                   "--llm-endpoint", first + "v1", "--context", "2048") as app:
         yield app

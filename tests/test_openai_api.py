@@ -23,7 +23,7 @@ CHAT = "demo/qwen-v1-tiny"
 
 @pytest.fixture(scope="module")
 def api(running_app):
-    url, _, _ = running_app
+    url = running_app.url
     return openai.OpenAI(base_url=url + "v1", api_key="unused", max_retries=0, timeout=120), url
 
 

@@ -14,7 +14,7 @@ PHOTO = "assets/examples/street.jpg"  # 960×540
 
 @pytest.fixture(scope="module")
 def client(running_app):
-    url, _, _ = running_app
+    url = running_app.url
     return gradio_client.Client(url, verbose=False)
 
 
