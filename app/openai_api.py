@@ -111,10 +111,11 @@ def _messages(raw: object, allow_files: bool) -> tuple[object, bytes | None]:
     return messages, image
 
 
-def parse_request(body: object, models: list[str], allow_files: bool, service: StudioService) -> ChatRequest:
+def parse_request(body: object, allow_files: bool, service: StudioService) -> ChatRequest:
     """A request checked by the service, or `ApiError` naming what is wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    models = [*service.chat_models(), IMAGE_MODEL]
     model = body.get("model")
     if not isinstance(model, str) or model not in models:
         raise ApiError(404, f"model {model!r} does not exist here: use one of {', '.join(models)}", "model",
@@ -132,7 +133,7 @@ def parse_request(body: object, models: list[str], allow_files: bool, service: S
                                                      "stop")}}
     try:  # absent values keep the UI's defaults
         turn = service.chat_turn(messages, sampling, tool=IMAGE_CHAT if model == IMAGE_MODEL or image else CHAT,
-                                 image=image, mask=mask)
+                                 image=image, mask=mask, model=model)
     except UserError as e:
         param = {"max_new_tokens": max_name, "image": "messages", None: None}.get(e.param, e.param)
         raise ApiError(400, str(e).replace("max_new_tokens", max_name), param) from None
@@ -200,10 +201,9 @@ async def _next(reply: Reply, request: Request):
             await asyncio.sleep(0.005)
 
 
-def build_router(service: StudioService, chat_model: str, api_key: str | None, allow_files: bool) -> APIRouter:
+def build_router(service: StudioService, api_key: str | None, allow_files: bool) -> APIRouter:
     """`/v1/models` and `/v1/chat/completions`; `api_key` None: no key asked for (loopback only)."""
     router = APIRouter(prefix="/v1")
-    models = [chat_model, IMAGE_MODEL]
 
     def check_key(request: Request) -> None:
         if api_key is None:
@@ -220,7 +220,7 @@ def build_router(service: StudioService, chat_model: str, api_key: str | None, a
             return e.response()
         now = int(time.time())
         return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "ai-studio"}
-                                           for m in models]}
+                                           for m in [*service.chat_models(), IMAGE_MODEL]]}
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -233,7 +233,7 @@ def build_router(service: StudioService, chat_model: str, api_key: str | None, a
                 body = json.loads(raw)
             except ValueError as e:
                 raise ApiError(400, f"the body is not valid JSON: {e}") from None
-            req = parse_request(body, models, allow_files, service)
+            req = parse_request(body, allow_files, service)
         except (ApiError, UserError) as e:
             return _user_error(e).response()
         reply = Reply(service, req)
@@ -282,5 +282,5 @@ async def _sse(reply: Reply, request: Request, ident: str, created: int) -> Asyn
         reply.cancel.set()
 
 
-def mount(app: FastAPI, service: StudioService, chat_model: str, api_key: str | None, allow_files: bool) -> None:
-    app.include_router(build_router(service, chat_model, api_key, allow_files))
+def mount(app: FastAPI, service: StudioService, api_key: str | None, allow_files: bool) -> None:
+    app.include_router(build_router(service, api_key, allow_files))

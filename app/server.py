@@ -38,7 +38,7 @@ def start_server(args: argparse.Namespace, service: StudioService):
                                               auth=auth, show_error=True, prevent_thread_lock=True, quiet=True,
                                               max_file_size=args.max_upload,
                                               state_session_capacity=args.max_sessions)
-    mount(server, service, service.chat_model(), api_key, args.allow_file_urls)
+    mount(server, service, api_key, args.allow_file_urls)
     url = share_url or local_url
     print(f"[studio] ready: {url} (OpenAI-compatible API at {local_url.rstrip('/')}/v1) · Ctrl+C to stop", flush=True)
     return app, url

@@ -12,6 +12,7 @@ from app import downloads
 from app.chat_tab import build_chat_tab
 from app.downloads import KEEP_FILES_S
 from app.image_chat_tab import build_image_chat_tab
+from app.models_tab import build_models_tab
 from app.segment_tab import build_segment_tab
 from app.sidebar import NO_CONVERSATION
 from pipeline.files import atomic_write
@@ -82,6 +83,9 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
                 if service.is_demo(SEGMENT):
                     gr.Markdown(SAM_DEMO_WARNING)
                 ask = build_segment_tab(service, example_images())
+            if service.catalog is not None:
+                with gr.Tab("Models", id="models") as models_tab:
+                    models_tab.select(**build_models_tab(service))
         # "Ask about this": the selected object (a masked crop) and the question go to image chat, which answers
         ask.button.click(lambda t, q: (*ask.selection(t, q), gr.Tabs(selected="image-chat"), [], NO_CONVERSATION),
                          [ask.state, ask.question], [image_chat.image, image_chat.message, tabs, *image_chat.fresh],

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), demo/qwen-v1-tiny, "
                                                    "demo/qwen2-tiny, a folder, or auto")
     p.add_argument("--weights", type=Path, help="local folder with the model's config, tokenizer and weights")
+    p.add_argument("--models-dir", type=Path, help="a folder of models (model folders, SAM .pth files) the Models "
+                                                     "tab lists and switches to, beside the Hugging Face cache")
     p.add_argument("--llm-endpoint", metavar="URL", help="chat through this OpenAI-compatible server's /v1 (vLLM, "
                    "trtllm-serve, another AI Studio) instead of a local model; image chat and segment stay local")
     p.add_argument("--llm-model", help="the model to ask for at --llm-endpoint (default: the first it lists)")
@@ -348,10 +350,26 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
                      is_demo=plan.sam == SAM_DEMO)]
 
 
+def models_line(args: argparse.Namespace, plan: Plan) -> str:
+    """For `--check`: the models found on this machine (the Models tab's list, in one line)."""
+    import torch
+
+    from pipeline.service.tools import ToolHost, default_budget, size_text
+    from studio.model_catalog import ModelCatalog
+
+    device = torch.device(plan.device)
+    budget = int(args.gpu_memory * 2**30) if args.gpu_memory else default_budget(device)
+    entries = ModelCatalog(args, plan, engine_options(args, echo=False), ToolHost(device, budget, print),
+                           print).find()
+    return f"models found ({len(entries)}): " + ", ".join(
+        f"{e.id} [{e.kind}, {size_text(e.disk_bytes)}" + ({True: ", fits", False: ", too big for the budget",
+                                                                  None: ""}[e.fits(budget)]) + "]" for e in entries)
+
+
 def check_report(args: argparse.Namespace, plan: Plan) -> str:
-    """For `--check`: what would run where, and why."""
+    """For `--check`: what would run where, and why, and the models found."""
     return "\n".join([f"AI Studio would run {plan.model_id} on {plan.device}/{plan.dtype}"]
-                     + [f"  - {n}" for n in plan.notes + check_engines(args, plan)])
+                     + [f"  - {n}" for n in plan.notes + check_engines(args, plan) + [models_line(args, plan)]])
 
 
 def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable[[str], None] | None = None):
@@ -364,6 +382,7 @@ def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable
     from pipeline.service.store import ConversationStore
     from pipeline.service.studio import StudioService
     from pipeline.service.tools import GIB, ToolHost, default_budget
+    from studio.model_catalog import ModelCatalog
 
     engines = engine_options(args, echo=echo)
     say = say or engines.report.say
@@ -379,7 +398,7 @@ def build(args: argparse.Namespace, plan: Plan, echo: bool = True, say: Callable
         host.add(spec)
     store = ConversationStore(args.data_dir or data_dir())
     say(store.notice or f"conversations: {store.path}")
-    return StudioService(host, engines.report.lines, store=store)
+    return StudioService(host, engines.report.lines, store=store, catalog=ModelCatalog(args, plan, engines, host, say))
 
 
 def run(argv: list[str], start: Callable[[argparse.Namespace, Plan], int]) -> int:

@@ -35,9 +35,16 @@ def image_url(name: str = "shapes.jpg") -> str:
     return "data:image/jpeg;base64," + base64.b64encode((ROOT / "assets/examples" / name).read_bytes()).decode()
 
 
-def test_models_are_listed(api):
+def test_models_are_listed_and_requests_route_by_model(api):
+    """The running chat model first, then every chat model it can switch to, then image chat; a request
+    naming another one switches chat to it (as the Models tab does), and naming the first switches back."""
     client, _ = api
-    assert [m.id for m in client.models.list()] == [CHAT, "minigpt4"]
+    listed = [m.id for m in client.models.list()]
+    assert listed[0] == CHAT and listed[-1] == "minigpt4" and "demo/qwen2-tiny" in listed
+    for model in ("demo/qwen2-tiny", CHAT):
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert reply.model == model and reply.choices[0].message.content
+        assert client.models.list().data[0].id == model  # now the running one
 
 
 def test_a_chat_completion_streams_with_usage(api):
@@ -126,8 +133,12 @@ def test_a_dropped_streaming_client_stops_its_generation(api):
 
 
 def test_an_api_key_is_required_when_set():
+    class Service:  # /v1/models asks only this
+        def chat_models(self) -> list[str]:
+            return [CHAT]
+
     app = FastAPI()
-    app.include_router(build_router(service=None, chat_model=CHAT, api_key="s3cret", allow_files=False))
+    app.include_router(build_router(service=Service(), api_key="s3cret", allow_files=False))
     client = TestClient(app)
     refused = client.get("/v1/models")
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"

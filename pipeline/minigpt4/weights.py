@@ -185,3 +185,11 @@ def demo_vision_dir(cache_dir: Path, llm_width: int) -> Path:
             if not done.is_file():
                 build_demo(folder, llm_width)  # writes CHECKPOINT last
     return folder
+
+
+def projection_width(minigpt4_ckpt: Path) -> int:
+    """The width of the embeddings MiniGPT-4's `llama_proj` makes: the LLM it feeds must take that width."""
+    state = read_weight_file(minigpt4_ckpt, "MiniGPT-4 checkpoint", keep=lambda k: k == "llama_proj.weight")
+    if "llama_proj.weight" not in state:
+        raise UserError(f"{minigpt4_ckpt} holds no llama_proj.weight: it is not a MiniGPT-4 checkpoint")
+    return int(state["llama_proj.weight"].shape[0])

@@ -17,7 +17,7 @@ import dataclasses
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -28,11 +28,12 @@ from pipeline.llm.prompt import ROLES
 from pipeline.llm.sampling import SamplingParams
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.service.store import ConversationStore, ReplyRecord
-from pipeline.service.tools import ToolHost
+from pipeline.service.tools import ToolHost, ToolSpec
 
 CHAT, IMAGE_CHAT, SEGMENT = "chat", "image chat", "segment"
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
 STOPPED = "Stopped: the reply so far is kept."
+SWITCH_ATTEMPTS = 3  # a request naming a model retries this often when others switch the chat model under it
 ImageSource = str | bytes | np.ndarray
 
 
@@ -45,6 +46,7 @@ class ChatTurn:
     messages: tuple[dict, ...]
     params: SamplingParams
     image: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    model: str | None = None  # the chat model asked for (switched to first if another runs); None: the one running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,25 +141,38 @@ class InFlight:
         return len(hit)
 
 
+class Catalog(Protocol):
+    """The models a tool can switch to (`studio.model_catalog.ModelCatalog`, made by the composition root)."""
+
+    def current(self, tool: str) -> str: ...
+
+    def servable(self) -> list[str]: ...
+
+    def specs_for(self, tool: str, model_id: str) -> list[ToolSpec]: ...
+
+
 class StudioService:
     """Chat, image chat and segmentation over one `ToolHost`, with status and Stop; see the module docstring."""
 
     def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
-                 store: ConversationStore | None = None):
+                 store: ConversationStore | None = None, catalog: Catalog | None = None):
         """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
-        conversations are kept (replies given `saved` go there)."""
-        self.host, self.store = host, store
+        conversations are kept (replies given `saved` go there); `catalog`: the models that can be
+        switched to (none: each tool keeps the model it started with)."""
+        self.host, self.store, self.catalog = host, store, catalog
         self.startup = startup if startup is not None else []
         self._in_flight = InFlight(max_in_flight)
+        self._switching = threading.Lock()  # one model switch at a time
 
     # ---- chat and image chat ------------------------------------------------------------------
 
     def chat_turn(self, messages: object, sampling: Mapping[str, Any] | None = None, *, system: object = None,
                   tool: str | None = None, image: ImageSource | None = None,
-                  mask: ImageSource | None = None) -> ChatTurn:
+                  mask: ImageSource | None = None, model: str | None = None) -> ChatTurn:
         """A checked request, or a `UserError` naming what is wrong. `system`: a system prompt to put
         first (blank: none). `tool` None: image chat when there is an image, else chat. `mask` (white =
-        the object) asks image chat about that object only."""
+        the object) asks image chat about that object only. `model`: the chat model to answer (one of
+        `chat_models()`; another one than runs now is switched to, as the Models tab does)."""
         params = SamplingParams.from_values(**(sampling or {}))
         if system is not None and not isinstance(system, str):
             raise UserError(f"system_prompt must be text, got {system!r:.60}", "messages")
@@ -178,7 +193,12 @@ class StudioService:
             plain = [m for m in plain if m["role"] != "system"]  # MiniGPT-4's template has its own
         elif mask is not None:
             raise UserError("a mask needs an image to ask about", "mask")
-        return ChatTurn(tool, tuple(plain), params, pixels)
+        if tool == IMAGE_CHAT or model not in self._switchable():
+            model = None
+        return ChatTurn(tool, tuple(plain), params, pixels, model)
+
+    def _switchable(self) -> list[str]:
+        return self.catalog.servable() if self.catalog is not None else []
 
     @staticmethod
     def _picture(image: ImageSource, mask: ImageSource | None) -> np.ndarray:
@@ -201,31 +221,43 @@ class StudioService:
         reply go into that conversation of the store as they happen (a reply stopped, or whose reader
         went away, is kept as it stood, marked cancelled)."""
         with self._in_flight.running(client, turn.tool, cancel or threading.Event()) as flag:
-            for line in self.loading(turn.tool):
-                yield Update(status=line)
-            with self.host.using(turn.tool) as pipeline:
-                session = f"{turn.tool.replace(' ', '-')}:{client}"  # a placement hint: the cache finds turns by content
-                if turn.tool == IMAGE_CHAT:
-                    events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session)
-                else:
-                    events = pipeline.stream(turn.messages, turn.params, flag, session)
-                record = None if saved is None else ReplyRecord(
-                    self.store, saved.user, saved.conversation, turn.messages[-1]["content"], pipeline.llm.model_id,
-                    dataclasses.asdict(turn.params))
-                text = ""
-                try:
-                    for event in events:
-                        text += event.text
-                        if record is not None:
-                            if event.stats is not None:
-                                record.end(text, event.stats.finish_reason)
-                            else:
-                                record.progress(text)
-                        status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
-                        yield Update(event.text, status, event.notice, event.stats)
-                finally:  # stopped, failed, or nobody reads any more (a closed tab): kept as it stands
-                    if record is not None:
-                        record.end(text, "cancelled")
+            for _ in range(SWITCH_ATTEMPTS):
+                if turn.model is not None and turn.model != self.catalog.current(CHAT):
+                    for line in self.switch(CHAT, turn.model):
+                        yield Update(status=line)
+                for line in self.loading(turn.tool):
+                    yield Update(status=line)
+                with self.host.using(turn.tool) as pipeline:
+                    if turn.model is None or pipeline.llm.model_id == turn.model:
+                        yield from self._stream(pipeline, client, turn, flag, saved)
+                        return
+            raise UserError(f"other requests switched the chat model away from {turn.model} meanwhile: send it "
+                            f"again", "model")
+
+    def _stream(self, pipeline: Any, client: str, turn: ChatTurn, flag: threading.Event,
+                saved: Saved | None) -> Iterator[Update]:
+        session = f"{turn.tool.replace(' ', '-')}:{client}"  # a placement hint: the cache finds turns by content
+        if turn.tool == IMAGE_CHAT:
+            events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session)
+        else:
+            events = pipeline.stream(turn.messages, turn.params, flag, session)
+        record = None if saved is None else ReplyRecord(
+            self.store, saved.user, saved.conversation, turn.messages[-1]["content"], pipeline.llm.model_id,
+            dataclasses.asdict(turn.params))
+        text = ""
+        try:
+            for event in events:
+                text += event.text
+                if record is not None:
+                    if event.stats is not None:
+                        record.end(text, event.stats.finish_reason)
+                    else:
+                        record.progress(text)
+                status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
+                yield Update(event.text, status, event.notice, event.stats)
+        finally:  # stopped, failed, or nobody reads any more (a closed tab): kept as it stands
+            if record is not None:
+                record.end(text, "cancelled")
 
     def stop(self, client: str, tool: str | None = None) -> int:
         """Stop `client`'s replies (of `tool`, else all); how many were stopped."""
@@ -260,6 +292,28 @@ class StudioService:
         with self.segmenting(session):
             session.prompt([p[:2] for p in points], [p[2] for p in points], box, multimask)
         return session
+
+    # ---- models -------------------------------------------------------------------------------
+
+    def switch(self, tool: str, model_id: str) -> Iterator[str]:
+        """Switch `tool` to `model_id` through the tool host, and load it: one line per step. Requests in
+        flight finish on the old model; every later one (from any session) gets the new one."""
+        if self.catalog is None:
+            raise UserError("this app was started without a model catalog: restart it with the model you want")
+        with self._switching:
+            old = self.catalog.current(tool)
+            if model_id != old:
+                self.host.replace(self.catalog.specs_for(tool, model_id), f"switched to {model_id}")
+                self.startup.append(f"{tool}: switched from {old} to {model_id}")
+                yield f"Switching {tool} from {old} to {model_id}…"
+        yield from self.loading(tool)
+        yield f"{tool} now runs {model_id}."
+
+    def chat_models(self) -> list[str]:
+        """The chat models requests may name (`/v1/models`): the one loaded first, then those it can switch to."""
+        others = self._switchable()
+        current = self.catalog.current(CHAT) if others else self.chat_model()  # remote: its own id
+        return [current] + [m for m in others if m != current]
 
     # ---- loading and status -------------------------------------------------------------------
 

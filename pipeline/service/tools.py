@@ -75,7 +75,7 @@ class ToolSpec:
     is_demo: bool = False
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: a replaced slot is told apart from its successor
 class _Slot:
     spec: ToolSpec
     pipeline: Any = None
@@ -93,6 +93,7 @@ class ToolHost:
         self.device, self.budget, self.say = device, budget, say
         self.measure = measure or device_bytes(device)
         self._slots: dict[str, _Slot] = {}
+        self._retiring: list[_Slot] = []  # replaced while requests still used them: closed when the last ends
         self._lock = threading.RLock()  # bookkeeping only: never held during a load
         self._loading = threading.Lock()  # one load (and its memory measurement) at a time
 
@@ -118,22 +119,47 @@ class ToolHost:
     def using(self, name: str, say: Say | None = None) -> Iterator[Any]:
         """The tool's pipeline, loaded if needed (progress to `say` too); the tool, and the tools it
         needs, count as busy until the block ends, so they are not unloaded under a request."""
-        names = self._with_needs(name)
         while True:
             pipeline = self._ensure(name, say)
-            with self._lock:  # still loaded (an unload may have come between): hold it busy
-                if all(self._slots[n].pipeline is not None for n in names) and self._slots[name].pipeline is pipeline:
-                    for n in names:
-                        self._slots[n].busy += 1
-                        self._slots[n].last_used = time.monotonic()
+            with self._lock:  # still loaded (an unload or a switch may have come between): hold it busy
+                slots = [self._slots[n] for n in self._with_needs(name)]
+                if all(s.pipeline is not None for s in slots) and slots[0].pipeline is pipeline:
+                    for slot in slots:
+                        slot.busy += 1
+                        slot.last_used = time.monotonic()
                     break
         try:
             yield pipeline
         finally:
-            with self._lock:
-                for n in names:
-                    self._slots[n].busy -= 1
-                    self._slots[n].last_used = time.monotonic()
+            with self._lock:  # the slots held, even if a switch has replaced them since
+                for slot in slots:
+                    slot.busy -= 1
+                    slot.last_used = time.monotonic()
+                    if not slot.busy and slot in self._retiring:
+                        self._retire(slot)
+
+    def replace(self, specs: list[ToolSpec], why: str) -> None:
+        """Tools loaded from now on by `specs` (a model switch): each replaced tool that is loaded is
+        unloaded, at once when idle, else when the last request using it ends (requests in flight
+        finish on the old model). Replace a tool's dependents with it (their pipelines hold it)."""
+        with self._lock:
+            for spec in specs:
+                old = self._slots[spec.name]
+                self._slots[spec.name] = _Slot(spec, loads=old.loads)
+                if old.pipeline is None:
+                    continue
+                self._retiring.append(old)
+                if not old.busy:
+                    self._retire(old)
+                else:
+                    self.say(f"{spec.name}: the {old.busy} request(s) in progress finish on the old model ({why})")
+
+    def _retire(self, slot: _Slot) -> None:
+        self._retiring.remove(slot)
+        slot.pipeline.close()
+        slot.pipeline = None
+        self._free()
+        self.say(f"unloaded the old {slot.spec.name} ({size_text(slot.size)}): replaced")
 
     def load(self, name: str, say: Say | None = None) -> Any:
         """Load `name` now (start-up, `--preload`), without holding it busy."""
@@ -166,7 +192,7 @@ class ToolHost:
     def close(self) -> None:
         """Unload every tool, their memory given back now (engines hold reference cycles)."""
         with self._lock:
-            for slot in self._slots.values():
+            for slot in [*self._slots.values(), *self._retiring]:
                 if slot.pipeline is not None:
                     slot.pipeline.close()
                     slot.pipeline = None
@@ -189,9 +215,10 @@ class ToolHost:
         return [n for n, s in self._slots.items() if name in self._with_needs(n)[1:] and s.pipeline is not None]
 
     def _in_use(self) -> int:
-        """The loaded tools' measured sizes, plus what their caches hold now (`held_bytes`)."""
+        """The loaded tools' measured sizes (replaced ones still finishing requests too), plus what their
+        caches hold now (`held_bytes`)."""
         return sum((s.size or 0) + (s.pipeline.held_bytes() if hasattr(s.pipeline, "held_bytes") else 0)
-                   for s in self._slots.values() if s.pipeline is not None)
+                   for s in [*self._slots.values(), *self._retiring] if s.pipeline is not None)
 
     def _ensure(self, name: str, say: Say | None) -> Any:
         """The loaded pipeline of `name`, loading it (and what it needs) first if it is not; called
@@ -247,8 +274,9 @@ class ToolHost:
                     if s.pipeline is not None and n not in keep and not s.busy
                     and not any(self._slots[d].busy for d in self._dependents(n))]
             if not idle:
-                held = ", ".join(f"{n} {size_text(s.size)}" + (" in use" if s.busy else "")
-                                 for n, s in self._slots.items() if s.pipeline is not None)
+                held = ", ".join([f"{n} {size_text(s.size)}" + (" in use" if s.busy else "")
+                                  for n, s in self._slots.items() if s.pipeline is not None] +
+                                 [f"the old {s.spec.name} {size_text(s.size)} finishing requests" for s in self._retiring])
                 if self._slots[name].pipeline is not None:  # loaded, and over: say so, keep serving
                     tell(f"over the {size_text(self.budget)} budget ({held}): nothing idle to unload")
                     return

@@ -1,0 +1,136 @@
+"""The Models tab: the models on this machine, switching a tool to one, downloading from the hub,
+deleting (after asking). Wiring only: finding, switching, downloading and deleting are the catalog's
+and the service's."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+import gradio as gr
+
+from app.errors import shown_to_user
+from pipeline.service.studio import CHAT, IMAGE_CHAT, SEGMENT, StudioService
+from pipeline.service.tools import size_text
+
+COLUMNS = ["Model", "Kind", "Family", "Parameters", "On disk", "Runs as", "GPU memory", "Fits", "Where", "In use by"]
+SWITCHES = ((CHAT, "Chat model"), (IMAGE_CHAT, "Image-chat LLM"), (SEGMENT, "Segment (SAM)"))
+
+
+def in_background(work: Callable[[Callable[[str], None]], str]) -> Iterator[str]:
+    """Run `work(say)` in a thread; yield each line it says as it says it, then what it returns (or raise
+    what it raised)."""
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(work(lines.put))
+        except BaseException as e:  # noqa: BLE001 - raised again in the request's thread
+            outcome.append(e)
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=run, daemon=True).start()
+    while (line := lines.get()) is not None:
+        yield line
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    yield outcome[0]
+
+
+def build_models_tab(service: StudioService) -> dict:
+    """The tab's components; returns the event arguments that refresh its lists (on opening the tab)."""
+    catalog = service.catalog
+    downloads: dict[str, threading.Event] = {}  # a session's download in progress, to cancel
+
+    def table() -> list[list]:
+        budget = service.host.budget
+        using = {tool: catalog.current(tool) for tool, _ in SWITCHES}
+        rows = []
+        for e in catalog.find():
+            fits = e.fits(budget)
+            rows.append([e.id, e.kind, e.family, f"{e.params / 1e9:.2f} B" if e.params else "",
+                         size_text(e.disk_bytes), e.precision,
+                         size_text(e.gpu_bytes) if e.gpu_bytes is not None else "",
+                         "no limit" if fits is None else "yes" if fits else f"no ({size_text(budget)} budget)",
+                         e.source, ", ".join(t for t, m in using.items() if m in (e.id, str(e.path))) or ""])
+        return rows
+
+    def refresh() -> tuple:
+        entries = catalog.find()
+        pickers = [gr.Dropdown(choices=[e.id for e in entries if tool in e.tools], value=catalog.current(tool))
+                   for tool, _ in SWITCHES]
+        deletable = [e.id for e in entries if e.source in ("Hugging Face cache", "models folder", "cache",
+                                                             "local file")]
+        return table(), *pickers, gr.Dropdown(choices=deletable, value=None)
+
+    def switcher(tool: str) -> Callable:
+        @shown_to_user
+        def switch(model_id: str | None) -> Iterator[str]:
+            if not model_id:
+                raise gr.Error(f"pick the {tool} model to switch to")
+            said: list[str] = []
+            for line in service.switch(tool, model_id):
+                said.append(line)
+                yield "\n\n".join(said)
+        return switch
+
+
+    @shown_to_user
+    def download(repo_id: str, request: gr.Request) -> Iterator[str]:
+        cancel = downloads[request.session_hash] = threading.Event()
+        try:
+            for line in in_background(lambda say: catalog.download(repo_id, say, cancel)):
+                yield f"{(repo_id or '').strip()}: {line}"
+        finally:
+            downloads.pop(request.session_hash, None)
+        yield f"Downloaded {repo_id.strip()}: it is listed above, ready to switch to."
+
+    def cancel_download(request: gr.Request) -> None:
+        if request.session_hash in downloads:
+            downloads[request.session_hash].set()
+
+    @shown_to_user
+    def ask_delete(model_id: str | None) -> tuple:
+        if not model_id:
+            raise gr.Error("pick the model to delete")
+        return catalog.delete_plan(model_id)[1], gr.Button(visible=True)
+
+    @shown_to_user
+    def delete(model_id: str) -> tuple:
+        return catalog.delete(model_id), gr.Button(visible=False)
+
+    gr.Markdown("Models on this machine: the Hugging Face cache, `--models-dir`, our cache and the weights "
+                "behind cached engines. A switch loads the new model now; replies already streaming finish "
+                "on the old one.")
+    models = gr.Dataframe(headers=COLUMNS, value=table, interactive=False, elem_id="models-table", wrap=True)
+    status = gr.Markdown("", elem_id="models-status")
+    pickers, buttons = [], []
+    with gr.Row():
+        for tool, label in SWITCHES:
+            with gr.Column(min_width=220):
+                pickers.append(gr.Dropdown([], label=label, elem_id=f"models-{tool.replace(' ', '-')}"))
+                buttons.append(gr.Button(f"Switch {tool}", size="sm"))
+    with gr.Row():
+        with gr.Column():
+            repo = gr.Textbox(label="Download from the Hugging Face hub", placeholder="Qwen/Qwen2.5-0.5B-Instruct",
+                              elem_id="models-download-id")
+            with gr.Row():
+                fetch = gr.Button("Download", size="sm")
+                cancel = gr.Button("Cancel download", size="sm")
+        with gr.Column():
+            doomed = gr.Dropdown([], label="Delete a downloaded model", elem_id="models-delete")
+            ask = gr.Button("Delete…", size="sm", variant="stop")
+            confirm = gr.Button("Yes, delete its files", size="sm", variant="stop", visible=False)
+    outputs = [models, *pickers, doomed]
+    relist = dict(fn=refresh, inputs=None, outputs=outputs, api_visibility="private")
+    for (tool, _), picker, button in zip(SWITCHES, pickers, buttons):
+        button.click(switcher(tool), picker, status, api_visibility="private", concurrency_limit=None).then(**relist)
+    fetch.click(download, repo, status, api_visibility="private", concurrency_limit=None).then(**relist)
+    cancel.click(cancel_download, None, None, api_visibility="private")
+    ask.click(ask_delete, doomed, [status, confirm], api_visibility="private")
+    confirm.click(delete, doomed, [status, confirm], api_visibility="private").then(**relist)
+    doomed.input(lambda: gr.Button(visible=False), None, confirm, api_visibility="private")
+    return relist
