@@ -2,8 +2,9 @@
 
 `snapshot_download(tqdm_class=…)` creates its byte bars from the class given. A plain `tqdm` subclass
 (not huggingface_hub's, which would hide itself away from a terminal) writes nowhere, and on each update
-reports the bytes of every file so far, at most every `EVERY_S`; it also raises `DownloadCancelled`
-there when the user cancelled, which leaves the partial file in place for the next download to resume.
+(the client reads 10 MB at a time) reports the bytes of every file so far, at most every `EVERY_S`; it
+also raises `DownloadCancelled` there when the user cancelled: the files already complete stay in the
+cache, and the file in progress is dropped (huggingface_hub 1.x+ downloads each to a fresh temporary file).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ EVERY_S = 0.5
 
 
 class DownloadCancelled(Exception):
-    """The user pressed Cancel: the part downloaded is kept, and the next download resumes from it."""
+    """The user pressed Cancel."""
 
 
 def size_text(n: float) -> str:

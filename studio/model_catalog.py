@@ -242,7 +242,8 @@ class ModelCatalog:
 
     def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path:
         """Fetch `repo_id`'s config, tokenizer and weights into the Hugging Face cache with huggingface_hub's
-        client (an interrupted download resumes from what it has); progress to `say`."""
+        client, progress to `say`. A connection dropped mid-file resumes from the bytes it has (HTTP
+        Range); after a cancel or a failure, the files already complete are kept and not fetched again."""
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (GatedRepoError, HFValidationError, RepositoryNotFoundError,
                                             RevisionNotFoundError)
@@ -264,12 +265,12 @@ class ModelCatalog:
             raise UserError(f"{repo_id} is gated: accept its terms on huggingface.co and sign in with "
                             f"`hf auth login`") from None
         except DownloadCancelled:
-            raise UserError(f"the download of {repo_id} was cancelled; what arrived is kept, and downloading "
-                            f"it again resumes there") from None
+            raise UserError(f"the download of {repo_id} was cancelled; the files already complete are kept, "
+                            f"and downloading it again fetches only the rest") from None
         except Exception as e:  # offline, disk full, a dropped connection retried too often
             first = str(e).splitlines()[0] if str(e) else "no details"
             raise UserError(f"could not download {repo_id} ({type(e).__name__}: {first[:200]}); downloading "
-                            f"it again resumes where it stopped") from None
+                            f"it again fetches only the files still missing") from None
         if not (path / "config.json").is_file():
             raise UserError(f"{repo_id} has no config.json: it is not a model this app can run")
         return path

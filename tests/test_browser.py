@@ -422,3 +422,90 @@ def test_a_damaged_database_is_set_aside_with_a_notice_and_the_app_works(browser
         page.locator("#chat-status").get_by_text("tok/s").wait_for()
         page.locator("#chat-conversations").get_by_text("Does it still work?").wait_for()
     assert len(list(data.glob("conversations.damaged-*.sqlite3"))) == 1
+
+
+def _pick(page, elem_id: str, option: str) -> None:
+    page.locator(f"#{elem_id} input").click()
+    page.get_by_role("option", name=option, exact=True).click()
+
+
+def test_models_tab_switches_the_chat_model_downloads_and_deletes(browser, tmp_path, studio_cache, monkeypatch):
+    """Switch chat from demo/qwen-v1-tiny to demo/qwen2-tiny while another session's reply streams: that
+    reply finishes on the old model, the other session's banner shows the new one and its next reply
+    comes from it (the store records which model answered each). Then a download from a local hub
+    (huggingface_hub's client, HF_ENDPOINT): a bad id's one-line message, progress, a connection dropped
+    mid-file resumed from the bytes it had, Cancel, and deleting a download after confirming."""
+    import shutil
+    import sqlite3
+
+    from conftest import launched
+    from hub_server import serving
+
+    from pipeline.llm.demo import demo_model_dir
+
+    repo = tmp_path / "repo"
+    shutil.copytree(demo_model_dir("demo/qwen2-tiny", studio_cache), repo)
+    (repo / "extra.safetensors").write_bytes(os.urandom(24 << 20))  # the client reports every 10 MB it reads
+    data, hub_cache = tmp_path / "data", tmp_path / "hf-cache"
+    repos = {"studio-test/qwen2-tiny": repo, "studio-test/cancelled": repo}
+    with serving(repos, delay_s=0.003, drop_once=("extra.safetensors",)) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
+        with launched(tmp_path / "models.log", studio_cache, "--data-dir", str(data), "--context", "4096") as app, \
+                browser_page(browser, app.url) as admin, browser_page(browser, app.url) as other:
+            admin.get_by_role("tab", name="Models").click()
+            admin.locator("#models-table span", has_text="demo/qwen2-tiny").first.wait_for()
+            _pick(admin, "models-chat", "demo/qwen2-tiny")
+
+            for name, value in (("seed", 38), ("max_new_tokens", 3500), ("temperature", 1.5), ("top_p", 1),
+                                ("top_k", 0)):  # seed 38: the demo's reply runs 1,252 tokens
+                box = other.locator(f"#chat-{name.replace('_', '-')} input[type=number]")
+                box.fill(str(value))
+                box.press("Enter")
+            send(other, "Tell me a long story")
+            other.locator("#chat-status").get_by_text("generating").wait_for()
+            admin.get_by_role("button", name="Switch chat").click()
+            admin.locator("#models-status").get_by_text("chat now runs demo/qwen2-tiny").wait_for()
+            assert "tok/s" not in other.locator("#chat-status").inner_text(), "the reply ended before the switch"
+            other.locator("#chat-status").get_by_text("tok/s").wait_for()
+            other.locator("#tools-status").get_by_text("demo/qwen2-tiny").wait_for()  # told within its refresh
+            other.locator("#chat-max-new-tokens input[type=number]").fill("12")
+            other.locator("#chat-max-new-tokens input[type=number]").press("Enter")
+            send(other, "And now?")
+            other.locator("#chat-history").get_by_text("And now?").wait_for()
+            other.locator("#chat-status").get_by_text("generating").wait_for(state="detached")
+            other.locator("#chat-status").get_by_text("tok/s").wait_for()
+            with contextlib.closing(sqlite3.connect(data / "conversations.sqlite3")) as db:
+                answered = db.execute("SELECT model, state FROM messages WHERE role = 'assistant' ORDER BY id").fetchall()
+            assert answered == [("demo/qwen-v1-tiny", "complete"), ("demo/qwen2-tiny", "complete")]
+
+            status, box = admin.locator("#models-status"), admin.locator("#models-download-id textarea, "
+                                                                         "#models-download-id input").first
+            box.fill("nobody/nothing")
+            admin.get_by_role("button", name="Download", exact=True).click()
+            admin.get_by_text("there is no model nobody/nothing on the hub").first.wait_for()
+            box.fill("studio-test/qwen2-tiny")  # its weights' connection drops halfway, once
+            admin.get_by_role("button", name="Download", exact=True).click()
+            status.get_by_text("downloaded").wait_for()  # progress shown (bytes, percent, speed)
+            status.get_by_text("Downloaded studio-test/qwen2-tiny").wait_for()
+            admin.locator("#models-table span", has_text="studio-test/qwen2-tiny").first.wait_for()
+            gets = [wanted for name, wanted in hub.ranges if name == "extra.safetensors"]
+            assert gets[0] is None and len(gets) == 2 and int(gets[1].removeprefix("bytes=").split("-")[0]) > 0, gets
+            blob = next(p for p in (hub_cache / "models--studio-test--qwen2-tiny" / "blobs").iterdir()
+                        if p.stat().st_size == 24 << 20)
+            assert blob.read_bytes() == (repo / "extra.safetensors").read_bytes()  # resumed, and whole
+
+            box.fill("studio-test/cancelled")
+            admin.get_by_role("button", name="Download", exact=True).click()
+            status.get_by_text("studio-test/cancelled: downloaded").wait_for()
+            admin.get_by_role("button", name="Cancel download").click()
+            admin.get_by_text("the download of studio-test/cancelled was cancelled").first.wait_for()
+
+            _pick(admin, "models-delete", "studio-test/qwen2-tiny")
+            admin.get_by_role("button", name="Delete…").click()
+            status.get_by_text("Delete studio-test/qwen2-tiny").wait_for()  # asked first
+            assert (hub_cache / "models--studio-test--qwen2-tiny").exists()
+            admin.get_by_role("button", name="Yes, delete its files").click()
+            status.get_by_text("Deleted studio-test/qwen2-tiny.").wait_for()
+            admin.locator("#models-table span", has_text="studio-test/qwen2-tiny").first.wait_for(state="detached")
+            assert not list((hub_cache / "models--studio-test--qwen2-tiny").glob("blobs/*"))

@@ -236,3 +236,23 @@ def test_a_tool_loading_blocks_no_other_tools_requests_and_loads_once(qwen2_demo
     assert texts == expected and all(expected)
     assert during <= alone + 0.5, (during, alone)
     assert SlowTool.loads == 1 and host.loads("slow") == 1 and got[0] is got[1]
+
+
+def test_a_replaced_tool_serves_requests_in_flight_then_closes_and_its_dependents_follow():
+    """A model switch: the request holding the old chat keeps it until it ends; every later request
+    gets the new one; image chat (which needs chat) is replaced with it; the old one is closed and no
+    longer counted in the budget once its last request ends."""
+    host, lines = host_with({"chat": 16, "image chat": 8}, budget_mib=100, needs={"image chat": ("chat",)})
+    with host.using("image chat"):
+        pass
+    with host.using("chat") as old:
+        host.replace([ToolSpec("chat", lambda say, free: Holder(24), estimate=24 * MIB),
+                      ToolSpec("image chat", lambda say, free: Holder(8), estimate=8 * MIB, needs=("chat",))],
+                     "switched to another model")
+        assert not old.closed and host.loaded("chat") is None  # still this request's; not the host's any more
+        assert any("request(s) in progress finish on the old model" in line for line in lines)
+        with host.using("chat") as new:
+            assert new is not old and new.weights.numel() == 24 * MIB
+            assert host._in_use() >= 40 * MIB  # both counted while the old one finishes
+    assert old.closed and host._in_use() < 40 * MIB
+    assert host.loaded("image chat") is None  # its old pipeline held the old chat: replaced too
