@@ -4,7 +4,6 @@ queries decide whose conversations these are, so a forged id opens nothing."""
 
 from __future__ import annotations
 
-import dataclasses
 import io
 from collections.abc import Callable
 from pathlib import Path

@@ -82,7 +82,7 @@ class ModelCatalog:
 
     def find(self) -> list[ModelEntry]:
         """Every model found, LLMs first, each once (by folder)."""
-        from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
+        from pipeline.llm.demo import DEMO_MODELS
         from pipeline.models import cache_dir
         from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 

@@ -188,17 +188,11 @@ def in_process_app(argv: list[str], monkeypatch, cache):
     """The app's server (`app.server`) in this process (tools declared, none loaded), for what a
     subprocess hides: (the server module, args, service)."""
     from app import server
-    from pipeline.service.studio import StudioService
-    from pipeline.service.tools import ToolHost
     from studio import compose
 
     monkeypatch.setenv("STUDIO_CACHE", str(cache))
     args = compose.parse_args(["--port", str(free_port()), *argv])
-    plan = compose.make_plan(args)
-    host = ToolHost(torch.device("cpu"), None, lambda line: None)
-    for spec in compose.tool_specs(args, plan, compose.engine_options(args, echo=False), host):
-        host.add(spec)
-    return server, args, StudioService(host, ["start-up"])
+    return server, args, compose.build(args, compose.make_plan(args), echo=False, say=lambda line: None)
 
 
 def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache):
