@@ -51,6 +51,7 @@ class Sidebar:
             self.rename = gr.Button("Rename", size="sm")
             self.delete = gr.Button("Delete", size="sm", variant="stop")
         with gr.Row():
+            self.export_one = gr.Button("Export this", size="sm")
             self.export_all = gr.Button("Export all", size="sm")
             self.importer = gr.UploadButton("Import conversation", file_types=[".json", ".md"], size="sm",
                                             elem_id=f"{prefix}-import")
@@ -105,11 +106,17 @@ class Sidebar:
             return *empty(), NO_CONVERSATION, "", "Deleted."
 
         @shown_to_user
-        def export_all(request: gr.Request) -> str:
-            conversations = store.export(user_of(request))
+        def export(conversation: int | None, request: gr.Request) -> str:
+            """One conversation (with its picture), or all of this user's when `conversation` is None."""
+            if conversation == NO_CONVERSATION:
+                raise UserError("open a conversation first, then export it")
+            conversations = store.export(user_of(request), conversation)
             if not conversations:
                 raise UserError("there are no conversations to export yet")
             return write_download(to_archive(conversations).encode(), "conversations-", ".json")
+
+        def export_all(request: gr.Request) -> str:
+            return export(None, request)
 
         @shown_to_user
         def import_file(path: str | None, request: gr.Request) -> tuple:
@@ -135,6 +142,7 @@ class Sidebar:
         self.search.change(**relist)
         self.rename.click(rename, [current, title], None, **private).success(**relist)
         self.delete.click(delete, [current], [*view, current, title, status], **private).success(**relist)
+        download_on_click(self.export_one, export, [current], f"{self.prefix}-export-one")
         download_on_click(self.export_all, export_all, None, f"{self.prefix}-export-all")
         self.importer.upload(import_file, [self.importer], [*view, current, title, status], **private).success(**relist)
         page.load(reopen, [current], [*view, current, title], **private).then(**relist)

@@ -321,6 +321,21 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         page.get_by_text("What fruit is in the bowl?").nth(1).wait_for()
         assert page.locator("#image-chat-history [data-testid=bot]").count() == 1
 
+        with page.expect_download() as download:  # all of them, pictures included, and back in again
+            page.locator("#image-chat-export-all-button, button:has-text('Export all')").last.click()
+        archive = tmp_path / "all.json"
+        download.value.save_as(archive)
+        exported = __import__("json").loads(archive.read_text())["conversations"]
+        assert sorted(c["tool"] for c in exported) == ["chat", "chat", "image chat"]
+        assert next(c for c in exported if c["tool"] == "image chat")["image"] == \
+            open("assets/examples/fruit_bowl.jpg", "rb").read().hex()
+        with page.expect_file_chooser() as chooser:
+            page.get_by_role("button", name="Import conversation").last.click()
+        chooser.value.set_files(str(archive))
+        page.locator("#image-chat-status").get_by_text("Imported 3 conversations (2 listed in the other tab).") \
+            .wait_for()
+        page.locator("#image-chat-conversations label").nth(1).wait_for()  # the picture's conversation, twice now
+
 
 def _sign_in(page, user: str, password: str) -> None:
     page.get_by_label("username").fill(user)
