@@ -26,6 +26,7 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.openai_fields import refused_field
 from pipeline.errors import UserError
 from pipeline.service.studio import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService
 
@@ -107,6 +108,8 @@ def _messages(raw: object, allow_files: bool) -> tuple[object, bytes | None]:
                     raise ApiError(400, f"messages[{i}] has a content part this server does not take: "
                                         f"{str(part)[:80]}", "messages")
             m = {**m, "content": [p for p in content if p.get("type") == "text"]}
+        if isinstance(m, dict) and m.get("role") == "developer":  # OpenAI's newer name for the system role
+            m = {**m, "role": "system"}
         messages.append(m)
     return messages, image
 
@@ -115,6 +118,8 @@ def parse_request(body: object, allow_files: bool, service: StudioService) -> Ch
     """A request checked by the service, or `ApiError` naming what is wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
+    if refused := refused_field(body):
+        raise ApiError(400, refused[1], refused[0])
     models = [*service.chat_models(), IMAGE_MODEL]
     model = body.get("model")
     if not isinstance(model, str) or model not in models:

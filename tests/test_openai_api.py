@@ -285,3 +285,38 @@ def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
     while engine_status(url)["chat"]["running"] and time.time() < deadline:
         time.sleep(0.05)
     assert engine_status(url)["chat"]["running"] == 0
+
+
+ASKING = {  # for each field the table refuses, a value that asks for something
+    "service_tier": "flex", "store": True, "metadata": {"run": "7"}, "presence_penalty": 0.5,
+    "frequency_penalty": 0.5, "logprobs": True, "top_logprobs": 3, "logit_bias": {"11": 5},
+    "response_format": {"type": "json_object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "required", "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
+    "web_search_options": {},
+}
+
+
+def test_every_field_is_in_the_table_and_each_refused_one_gets_a_400_naming_it(api):
+    """The README's copy of the table is the code's; each refused field (with a value that asks for
+    something) and an unknown one get a 400 naming them; neutral values and the developer role pass."""
+    import httpx
+
+    from app.openai_fields import CHAT_FIELDS, REFUSED, fields_markdown
+
+    assert fields_markdown() in (ROOT / "README.md").read_text()
+    _, url = api
+    refused = [f.name for f in CHAT_FIELDS if f.status == REFUSED]
+    assert sorted(refused) == sorted(ASKING)
+    base = {"model": CHAT, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for name, value in [*ASKING.items(), ("temperatur", 0.5)]:
+        answer = httpx.post(url + "v1/chat/completions", json={**base, name: value}, timeout=60)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["param"] == name and name in error["message"], (name, error)
+    neutral = {"logprobs": False, "presence_penalty": 0, "tools": [], "response_format": {"type": "text"},
+               "store": False, "tool_choice": "auto", "parallel_tool_calls": True, "prompt_cache_key": "k"}
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    answer = httpx.post(url + "v1/chat/completions", json={**base, **neutral, "messages": messages}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] is not None
