@@ -135,7 +135,7 @@ def parse_request(body: object, allow_files: bool, service: StudioService) -> Ch
     mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
     sampling = {"max_new_tokens": body.get(max_name),
                 **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed",
-                                                     "stop")}}
+                                                     "stop", "presence_penalty", "frequency_penalty")}}
     try:  # absent values keep the UI's defaults
         turn = service.chat_turn(messages, sampling, tool=IMAGE_CHAT if model == IMAGE_MODEL or image else CHAT,
                                  image=image, mask=mask, model=model)

@@ -118,7 +118,7 @@ def test_the_model_runners_decode_steps_continue_its_prefill_like_one_forward_pa
         chained = runner.decode(cache.kv, 2, None, torch.tensor([ids[5], ids[5]]), 6)  # positions one further
         assert torch.allclose(chained[1], full[5], atol=1e-4)
         drawn = runner.draw([SamplingParams(temperature=0, repetition_penalty=1.0)] * 2, [0.5, 0.5], chained,
-                            cache.seen[:2])
+                            cache.seen[:2], cache.counts[:2])
         assert drawn.tolist() == [int(full[5].argmax())] * 2 and cache.seen[0, drawn[0]]
 
 

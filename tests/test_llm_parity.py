@@ -89,7 +89,7 @@ def test_greedy_tokens_match_transformers_for_32_steps(hf_checkpoint):
     ours = list(engine.submit(Prompt(tuple(prompt[0].tolist())),
                               SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.3), stop_ids=set()))
     engine.close()
-    assert ours == ref
+    assert ours == ref, (ours, ref, plain, other)
     if not model.config.tie_word_embeddings:  # a tied random model echoes its own input token forever
         assert len(set(ours)) > 3  # a real sequence, not one token repeated
 
@@ -144,3 +144,48 @@ def test_qwen_v1_converts_to_qwen2_format(tmp_path, qwen_v1_demo):
     with torch.inference_mode():
         ref = ref_model(ids).logits
     assert rel_err(our_logits(qwen_v1_demo, ids), ref) <= 1e-4
+
+
+class OpenAIPenalties:
+    """The reference: OpenAI's presence and frequency penalties as their documentation states them,
+    token by token over the tokens generated so far (the prompt's do not count), as a transformers
+    logits processor."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids.tolist()):
+            generated = ids[self.prompt_len:]
+            for token in set(generated):
+                scores[row, token] -= generated.count(token) * self.frequency + self.presence
+        return scores
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.8, 0.0), (0.0, 0.6), (1.5, -0.4)])
+def test_presence_and_frequency_penalties_match_a_reference_over_32_greedy_steps(hf_checkpoint, presence, frequency):
+    kind, model, folder = hf_checkpoint
+    if kind != "qwen2":
+        pytest.skip("one model is enough: the penalties do not depend on the architecture")
+    prompt = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                             pad_token_id=0, logits_processor=[OpenAIPenalties(12, presence, frequency)])[0, 12:].tolist()
+        plain = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, 12:].tolist()
+    assert ref != plain  # the penalties change this reply
+    engine = TorchLLMEngine(load_decoder(folder), context=64, vocab_size=320, max_batch=2)
+    params = SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.0, presence_penalty=presence,
+                            frequency_penalty=frequency)
+    penalized = engine.submit(Prompt(tuple(prompt[0].tolist())), params, stop_ids=set())
+    alone = engine.submit(Prompt(tuple(prompt[0].tolist()) + (7,)), SamplingParams(
+        max_new_tokens=32, temperature=0, repetition_penalty=1.0), stop_ids=set())  # a row without, beside it
+    ours, other = list(penalized), list(alone)
+    engine.close()
+    assert ours == ref
+    engine = TorchLLMEngine(load_decoder(folder), context=64, vocab_size=320, max_batch=2)
+    by_itself = list(engine.submit(Prompt(tuple(prompt[0].tolist()) + (7,)), SamplingParams(
+        max_new_tokens=32, temperature=0, repetition_penalty=1.0), stop_ids=set()))
+    engine.close()
+    assert other == by_itself  # the row beside it is unchanged

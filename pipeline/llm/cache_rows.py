@@ -57,12 +57,14 @@ class Row:
 
 
 class CacheRows:
-    """The KV cache, the repetition-penalty masks (`seen`, one per row) and the rows' contents."""
+    """The KV cache, the penalties' per-row state (`seen`: the repetition mask, prompt included;
+    `counts`: how often the reply used each token) and the rows' contents."""
 
     def __init__(self, config: DecoderConfig, rows: int, positions: int, vocab_size: int, dtype: torch.dtype,
                  device: torch.device):
         self.kv = KVCache(config, rows, positions, dtype, device)
         self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
         self.rows = [Row() for _ in range(rows)]
         self._index: dict[int, set[Row]] = {}  # block hash → the rows holding that block (at that place)
 
@@ -136,11 +138,12 @@ class CacheRows:
         return first_idle, held
 
     def swap(self, a: int, b: int) -> None:
-        """Exchange two rows: their cache entries, penalty masks and contents."""
+        """Exchange two rows: their cache entries, penalty state and contents."""
         if a == b:
             return
         self.kv.swap_rows(a, b, max(self.rows[a].written, self.rows[b].written))
         self.seen[[a, b]] = self.seen[[b, a]]
+        self.counts[[a, b]] = self.counts[[b, a]]
         self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
 
     def release(self, i: int) -> None:

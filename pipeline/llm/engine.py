@@ -34,7 +34,7 @@ from pipeline.errors import UserError
 from pipeline.llm.cache_rows import CacheRows
 from pipeline.llm.model import Decoder
 from pipeline.llm.model_runner import ModelRunner
-from pipeline.llm.sampling import Draws, SamplingParams
+from pipeline.llm.sampling import Draws, SamplingParams, counts_penalized
 from pipeline.llm.scheduler import Request, Scheduler
 
 
@@ -237,7 +237,7 @@ class TorchLLMEngine:
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.runner.close()
-            self.rows.kv = self.rows.seen = self._pending = None
+            self.rows.kv = self.rows.seen = self.rows.counts = self._pending = None
 
     # ---- the engine thread -------------------------------------------------------------------
 
@@ -288,6 +288,8 @@ class TorchLLMEngine:
         request.stream.stats.cached_tokens = reused
         seen = self.rows.seen
         seen[row] = False
+        if counts_penalized([request.params]):
+            self.rows.counts[row] = 0
         if not prompt.slots:  # as transformers does: the prompt's own ids count for the penalty
             seen[row, torch.tensor(prompt.ids, device=self.device)] = True
         drawn = self._draw([request], logits[None], row)
@@ -340,8 +342,9 @@ class TorchLLMEngine:
         """Each request's next token (on the device) from its logits row; the requests run in the
         consecutive cache rows from `first_row`."""
         uniforms = [r.draws.next() for r in requests]  # drawn every step, so a request's stream never shifts
-        return self.runner.draw([r.params for r in requests], uniforms, logits,
-                                self.rows.seen[first_row:first_row + len(requests)])
+        rows = slice(first_row, first_row + len(requests))
+        return self.runner.draw([r.params for r in requests], uniforms, logits, self.rows.seen[rows],
+                                self.rows.counts[rows])
 
     def _deliver(self, r: Request, token: int, logits: Tensor | None) -> None:
         """Hand `token` to its request, or end the request (a stop id, its length, the context end)."""

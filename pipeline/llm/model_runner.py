@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.model import Decode, Decoder, KVCache, Prefill, RotaryTables
-from pipeline.llm.sampling import COLUMNS, SamplingParams, sample, sampling_columns
+from pipeline.llm.sampling import COLUMNS, SamplingParams, counts_penalized, sample, sampling_columns
 
 if TYPE_CHECKING:
     from pipeline.llm.engine import Prompt
@@ -48,6 +48,7 @@ class ModelRunner:
         self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
         self._draw_host = torch.zeros(2, len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
         self._draw_dev = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=self.device)
+        self._ones = torch.ones(max_batch, 1, dtype=torch.float32, device=self.device)
         self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pinned)
         self._flip = self._flip_columns = 0
         # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
@@ -112,18 +113,23 @@ class ModelRunner:
         graph.inputs[0].copy_(packed)
         return graph.replay()[:n, :self.vocab_size]
 
-    def draw(self, params: list[SamplingParams], uniforms: list[float], logits: Tensor, seen: Tensor) -> Tensor:
-        """Each row's next token (on the device) from its logits, parameters, uniform number and
-        repetition mask `seen` (updated with the drawn tokens)."""
+    def draw(self, params: list[SamplingParams], uniforms: list[float], logits: Tensor, seen: Tensor,
+             counts: Tensor) -> Tensor:
+        """Each row's next token (on the device) from its logits, parameters, uniform number, repetition
+        mask `seen` and its reply's token `counts` (both updated with the drawn tokens; the counts only
+        while a row of the batch uses them: a row's are reset when its request starts)."""
         n = len(params)
         columns = self._draw_dev[:, :n]
-        if any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
+        penalized = counts_penalized(params)
+        if penalized or any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
             self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
             host = self._draw_host[self._flip_columns]
             host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
             columns.copy_(host[:, :n], non_blocking=True)
-        drawn = sample(logits, params, seen, columns)
+        drawn = sample(logits, params, seen, columns, counts)
         seen.scatter_(1, drawn[:, None], True)
+        if penalized:
+            counts.scatter_add_(1, drawn[:, None], self._ones[:n])
         return drawn
 
     def to_host(self, drawn: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:

@@ -79,6 +79,9 @@ class RemoteLanguageModel:
                 "repetition_penalty": params.repetition_penalty}
         if params.seed is not None:
             body["seed"] = params.seed
+        for name in ("presence_penalty", "frequency_penalty"):  # sent only when asked for: the server owns them
+            if getattr(params, name):
+                body[name] = getattr(params, name)
         if params.stop:
             body["stop"] = list(params.stop)
         cancel = cancel or threading.Event()

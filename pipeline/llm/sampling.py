@@ -56,6 +56,8 @@ LIMITS = {
     "top_p": Limit(0, 1, low_open=True),
     "top_k": Limit(0, 1000, whole=True),
     "repetition_penalty": Limit(0.5, 3),
+    "presence_penalty": Limit(-2, 2),
+    "frequency_penalty": Limit(-2, 2),
     "seed": Limit(0, 2**63 - 1, whole=True),
 }
 
@@ -69,6 +71,8 @@ class SamplingParams:
     top_p: float = 0.8
     top_k: int = 20
     repetition_penalty: float = 1.05
+    presence_penalty: float = 0.0  # OpenAI's: minus this from each token the reply has used
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the reply has used it
     seed: int | None = None
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings (an API client's `stop`)
 
@@ -115,25 +119,38 @@ class Draws:
         return self._rng.random()
 
 
-COLUMNS = ("uniform", "temperature", "top_k", "top_p", "repetition_penalty")
+COLUMNS = ("uniform", "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")
 
 
 def sampling_columns(params: Sequence[SamplingParams], uniforms: Sequence[float], vocab: int) -> list[list[float]]:
     """The per-row numbers `sample` reads, one list per entry of COLUMNS (top-k 0 = off)."""
     return [list(uniforms), [p.temperature for p in params],
             [p.top_k if 0 < p.top_k < vocab else 0 for p in params], [p.top_p for p in params],
-            [p.repetition_penalty for p in params]]
+            [p.repetition_penalty for p in params], [p.presence_penalty for p in params],
+            [p.frequency_penalty for p in params]]
 
 
-def sample(logits: Tensor, params: Sequence[SamplingParams], seen: Tensor, columns: Tensor) -> Tensor:
+def counts_penalized(params: Sequence[SamplingParams]) -> bool:
+    """Whether any row needs the counts of its reply's tokens (rows without these penalties pay nothing)."""
+    return any(p.presence_penalty or p.frequency_penalty for p in params)
+
+
+def sample(logits: Tensor, params: Sequence[SamplingParams], seen: Tensor, columns: Tensor,
+           counts: Tensor | None = None) -> Tensor:
     """Token ids [B] from `logits` [B, vocab]; row i uses `params[i]`, the repetition mask `seen[i]`
-    (bool [vocab]) and column i of `columns` [5, B] (see `sampling_columns`, on the logits' device).
+    (bool [vocab]), how often its reply has used each token `counts[i]` (float [vocab], read only when
+    a row has a presence or frequency penalty) and column i of `columns` [7, B] (see
+    `sampling_columns`, on the logits' device).
 
-    Order as in transformers: repetition penalty, temperature, top-k, top-p. `params` only decides
-    which steps the batch needs at all; the numbers come from `columns`, so a caller can upload
+    Order: OpenAI's presence and frequency penalties (as vLLM applies them, on the reply's tokens
+    only), then as in transformers: repetition penalty, temperature, top-k, top-p. `params` only
+    decides which steps the batch needs at all; the numbers come from `columns`, so a caller can upload
     them without waiting for the GPU. Returns a tensor on the logits' device.
     """
-    uniform, temperature, top_k, top_p, penalty = columns
+    uniform, temperature, top_k, top_p, penalty, presence, frequency = columns
+    if counts_penalized(params):
+        logits = logits.float() - frequency[:, None] * counts - presence[:, None] * (counts > 0)
     if all(p.temperature == 0 and p.repetition_penalty == 1.0 for p in params):
         return logits.argmax(-1)
     ks = [p.top_k if 0 < p.top_k < logits.shape[-1] else 0 for p in params]
