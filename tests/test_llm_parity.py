@@ -89,7 +89,7 @@ def test_greedy_tokens_match_transformers_for_32_steps(hf_checkpoint):
     ours = list(engine.submit(Prompt(tuple(prompt[0].tolist())),
                               SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.3), stop_ids=set()))
     engine.close()
-    assert ours == ref, (ours, ref, plain, other)
+    assert ours == ref
     if not model.config.tie_word_embeddings:  # a tied random model echoes its own input token forever
         assert len(set(ours)) > 3  # a real sequence, not one token repeated
 
