@@ -4,40 +4,18 @@ and the service's."""
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable, Iterator
 
 import gradio as gr
 
 from app.errors import shown_to_user
+from pipeline.progress import lines_of
 from pipeline.service.studio import CHAT, IMAGE_CHAT, SEGMENT, StudioService
 from pipeline.service.tools import size_text
 
 COLUMNS = ["Model", "Kind", "Family", "Parameters", "On disk", "Runs as", "GPU memory", "Fits", "Where", "In use by"]
 SWITCHES = ((CHAT, "Chat model"), (IMAGE_CHAT, "Image-chat LLM"), (SEGMENT, "Segment (SAM)"))
-
-
-def in_background(work: Callable[[Callable[[str], None]], str]) -> Iterator[str]:
-    """Run `work(say)` in a thread; yield each line it says as it says it, then what it returns (or raise
-    what it raised)."""
-    lines: queue.SimpleQueue = queue.SimpleQueue()
-    outcome: list = []
-
-    def run() -> None:
-        try:
-            outcome.append(work(lines.put))
-        except BaseException as e:  # noqa: BLE001 - raised again in the request's thread
-            outcome.append(e)
-        finally:
-            lines.put(None)
-
-    threading.Thread(target=run, daemon=True).start()
-    while (line := lines.get()) is not None:
-        yield line
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    yield outcome[0]
 
 
 def build_models_tab(service: StudioService) -> dict:
@@ -82,7 +60,7 @@ def build_models_tab(service: StudioService) -> dict:
     def download(repo_id: str, request: gr.Request) -> Iterator[str]:
         cancel = downloads[request.session_hash] = threading.Event()
         try:
-            for line in in_background(lambda say: catalog.download(repo_id, say, cancel)):
+            for line in lines_of(lambda say: catalog.download(repo_id, say, cancel), "download"):
                 yield f"{(repo_id or '').strip()}: {line}"
         finally:
             downloads.pop(request.session_hash, None)

@@ -120,9 +120,9 @@ def parse_request(body: object, allow_files: bool, service: StudioService) -> Ch
         raise ApiError(400, "the body must be a JSON object")
     if refused := refused_field(body):
         raise ApiError(400, refused[1], refused[0])
-    models = [*service.chat_models(), IMAGE_MODEL]
     model = body.get("model")
-    if not isinstance(model, str) or model not in models:
+    if not isinstance(model, str) or not (model == IMAGE_MODEL or service.serves(model)):
+        models = [*service.chat_models(), IMAGE_MODEL]
         raise ApiError(404, f"model {model!r} does not exist here: use one of {', '.join(models)}", "model",
                        "model_not_found")
     if _whole(body, "n", 1, 1, 1) != 1:

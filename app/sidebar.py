@@ -36,6 +36,12 @@ def image_file(data: bytes) -> str:
     return write_download(data, "conversation-image-", f".{kind}")
 
 
+def needs_one(conversation: int | None, action: str) -> None:
+    """A `UserError` when no conversation is open for `action` to act on."""
+    if conversation == NO_CONVERSATION:
+        raise UserError(f"open a conversation first, then {action} it")
+
+
 class Sidebar:
     """The sidebar's components (`current`: the open conversation's id, kept in the browser), made in
     the column being built, then wired once the tab's own components exist."""
@@ -94,22 +100,19 @@ class Sidebar:
 
         @shown_to_user
         def rename(conversation: int, title: str, request: gr.Request) -> None:
-            if conversation == NO_CONVERSATION:
-                raise UserError("open a conversation first, then rename it")
+            needs_one(conversation, "rename")
             store.rename(user_of(request), conversation, title)
 
         @shown_to_user
         def delete(conversation: int, request: gr.Request) -> tuple:
-            if conversation == NO_CONVERSATION:
-                raise UserError("open a conversation first, then delete it")
+            needs_one(conversation, "delete")
             store.delete(user_of(request), conversation)
             return *empty(), NO_CONVERSATION, "", "Deleted."
 
         @shown_to_user
         def export(conversation: int | None, request: gr.Request) -> str:
             """One conversation (with its picture), or all of this user's when `conversation` is None."""
-            if conversation == NO_CONVERSATION:
-                raise UserError("open a conversation first, then export it")
+            needs_one(conversation, "export")
             conversations = store.export(user_of(request), conversation)
             if not conversations:
                 raise UserError("there are no conversations to export yet")

@@ -61,9 +61,12 @@ class ModelCatalog:
 
     # ---- what runs now ------------------------------------------------------------------------
 
-    def current(self, tool: str) -> str:
+    def current(self, tool: str) -> str | None:
+        """The model `tool` runs (None for a chat at --llm-endpoint: that server names it)."""
         from studio.compose import image_chat_parts
 
+        if tool == CHAT and self.plan.backends["chat"].backend == "remote":
+            return None
         if tool in self._chosen:
             return self._chosen[tool]
         if tool == CHAT:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from pipeline.llm.engine import GenerationStats
 from pipeline.llm.prompt import ROLES
 from pipeline.llm.sampling import SamplingParams
 from pipeline.pipelines.segment_session import SegmentSession
+from pipeline.progress import lines_of
 from pipeline.service.store import ConversationStore, ReplyRecord
 from pipeline.service.tools import ToolHost, ToolSpec
 
@@ -144,7 +144,7 @@ class InFlight:
 class Catalog(Protocol):
     """The models a tool can switch to (`studio.model_catalog.ModelCatalog`, made by the composition root)."""
 
-    def current(self, tool: str) -> str: ...
+    def current(self, tool: str) -> str | None: ...
 
     def servable(self) -> list[str]: ...
 
@@ -193,12 +193,26 @@ class StudioService:
             plain = [m for m in plain if m["role"] != "system"]  # MiniGPT-4's template has its own
         elif mask is not None:
             raise UserError("a mask needs an image to ask about", "mask")
-        if tool == IMAGE_CHAT or model not in self._switchable():
+        if tool == IMAGE_CHAT or not self.switches_to(model):
             model = None
         return ChatTurn(tool, tuple(plain), params, pixels, model)
 
     def _switchable(self) -> list[str]:
         return self.catalog.servable() if self.catalog is not None else []
+
+    def switches_to(self, model: str | None) -> bool:
+        """Whether a request naming chat model `model` switches Chat to it first (another one than runs,
+        that can serve). The running model is answered without looking through the models on disk."""
+        return model is not None and model != self.running_chat_model() and model in self._switchable()
+
+    def serves(self, model: str) -> bool:
+        """Whether a request may name chat model `model`: the running one, or one Chat can switch to."""
+        return model == self.running_chat_model() or model in self._switchable()
+
+    def running_chat_model(self) -> str:
+        """The chat model answering now (at --llm-endpoint: the id that server gives)."""
+        current = self.catalog.current(CHAT) if self.catalog is not None else None
+        return current if current is not None else self.chat_model()
 
     @staticmethod
     def _picture(image: ImageSource, mask: ImageSource | None) -> np.ndarray:
@@ -300,20 +314,20 @@ class StudioService:
         flight finish on the old model; every later one (from any session) gets the new one."""
         if self.catalog is None:
             raise UserError("this app was started without a model catalog: restart it with the model you want")
-        with self._switching:
+        with self._switching:  # not held across a yield: a reader that goes away cannot keep it
             old = self.catalog.current(tool)
             if model_id != old:
                 self.host.replace(self.catalog.specs_for(tool, model_id), f"switched to {model_id}")
                 self.startup.append(f"{tool}: switched from {old} to {model_id}")
-                yield f"Switching {tool} from {old} to {model_id}…"
+        if model_id != old:
+            yield f"Switching {tool} from {old} to {model_id}…"
         yield from self.loading(tool)
         yield f"{tool} now runs {model_id}."
 
     def chat_models(self) -> list[str]:
         """The chat models requests may name (`/v1/models`): the one loaded first, then those it can switch to."""
-        others = self._switchable()
-        current = self.catalog.current(CHAT) if others else self.chat_model()  # remote: its own id
-        return [current] + [m for m in others if m != current]
+        current = self.running_chat_model()
+        return [current] + [m for m in self._switchable() if m != current]
 
     # ---- loading and status -------------------------------------------------------------------
 
@@ -322,23 +336,9 @@ class StudioService:
         progress step; nothing when it is loaded. Raises what the load raised."""
         if self.host.loaded(tool) is not None:
             return
-        lines: queue.SimpleQueue = queue.SimpleQueue()
-        failed: list[BaseException] = []
-
-        def load() -> None:
-            try:
-                self.host.load(tool, lines.put)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the request's thread below
-                failed.append(e)
-            finally:
-                lines.put(None)
-
-        threading.Thread(target=load, name=f"load-{tool}", daemon=True).start()
         yield f"Loading {tool} (first use, or unloaded to make room)…"
-        while (line := lines.get()) is not None:
+        for line in lines_of(lambda say: self.host.load(tool, say), f"load-{tool}"):
             yield f"Loading {tool}: {line}"
-        if failed:
-            raise failed[0]
 
     def load(self, tool: str, say: Callable[[str], None] | None = None) -> None:
         """Load `tool` now (start-up, `--preload`, `--build-engines`), its progress to `say` too."""
