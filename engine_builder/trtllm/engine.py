@@ -94,10 +94,14 @@ class TrtLlmEngine:
         self._thread.start()
 
     def submit(self, prompt: Prompt, params: SamplingParams, stop_ids: set[int], session: str | None = None,
-               cancel: threading.Event | None = None, keep_logits: bool = False) -> TokenStream:
-        """`session` is not needed: the executor's KV-cache block reuse finds a conversation's prefix itself."""
+               cancel: threading.Event | None = None, keep_logits: bool = False, grammar: object = None) -> TokenStream:
+        """`session` is not needed: the executor's KV-cache block reuse finds a conversation's prefix itself.
+        Structured outputs and log-probabilities are refused here (not yet wired to the executor's own)."""
         if keep_logits:
             raise UserError("the TensorRT-LLM engine does not return logits; use --backend torch")
+        if grammar is not None or params.logprobs is not None:
+            raise UserError("structured outputs, required tool calls and logprobs run on the torch engine: start "
+                            "the app with --backend torch for them", "response_format" if grammar else "logprobs")
         params = params.validated()
         if not 0 < len(prompt) < self.context:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
@@ -107,7 +111,9 @@ class TrtLlmEngine:
         sampling = tx.SamplingConfig(beam_width=1, top_k=1 if greedy else (params.top_k or None),
                                      top_p=None if greedy else params.top_p,
                                      temperature=None if greedy else params.temperature,
-                                     repetition_penalty=params.repetition_penalty, seed=params.seed)
+                                     repetition_penalty=params.repetition_penalty, seed=params.seed,
+                                     presence_penalty=params.presence_penalty or None,
+                                     frequency_penalty=params.frequency_penalty or None)
         tuning = tx.PromptTuningConfig(table.table, table.extra_ids) if table.table is not None else None
         request = tx.Request(table.ids, min(params.max_new_tokens, self.context - len(prompt)), streaming=True,
                              sampling_config=sampling, stop_words=[[i] for i in sorted(stop_ids)],

@@ -80,6 +80,7 @@ class ChatTemplate:
     """One compiled template; `render` gives the prompt text (special tokens still spelled out)."""
 
     def __init__(self, source: str, special_tokens: dict[str, str]):
+        self._source = source
         try:
             self._template = _environment().from_string(source)
         except jinja2.TemplateError as e:
@@ -87,9 +88,26 @@ class ChatTemplate:
         self._special_tokens = dict(special_tokens)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt text; an assistant message last is continued: the text stops right after its
+        content, with no end of turn (as transformers' `continue_final_message`)."""
+        last = messages[-1] if messages else {}
+        continuing = last.get("role") == "assistant"
         try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=True,
+            text = self._template.render(messages=messages, tools=tools or None, add_generation_prompt=not continuing,
                                          **self._special_tokens)
         except Exception as e:  # noqa: BLE001 - a broken or hostile template in the model folder
             detail = str(e).splitlines()[0] if str(e) else "no details"
             raise UserError(f"the model's chat template failed: {type(e).__name__}: {detail}"[:300]) from None
+        if not continuing:
+            return text
+        content = last.get("content") or ""
+        end = text.rfind(content) if content.strip() else -1
+        if end < 0:
+            raise UserError("the model's chat template does not show the last assistant message, so it cannot be "
+                            "continued", "messages")
+        return text[:end + len(content)]
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template writes a `tools` list into the prompt (Qwen2/2.5/3's do)."""
+        return "tools" in self._source

@@ -29,11 +29,30 @@ from pipeline.llm.tokenizer import (ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, Q
 CORPUS = Path(__file__).resolve().parents[2] / "assets" / "demo_corpus.txt"
 BPE_VOCAB = 640
 SEED = 1234
-CHATML_TEMPLATE = (
-    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+# Qwen2.5's way of writing tools (our own template, the same prompt layout): the functions as JSON in
+# the system turn, calls as <tool_call>{"name", "arguments"}</tool_call>, results as <tool_response>.
+QWEN2_TOOLS_TEMPLATE = (
+    "{% set system = messages[0]['content'] if messages[0]['role'] == 'system' else 'You are a helpful assistant.' %}"
+    "<|im_start|>system\n{{ system }}"
+    "{% if tools %}\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    "XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+    "{% endif %}<|im_end|>\n"
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% elif m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif m['role'] == 'assistant' and m['tool_calls'] %}<|im_start|>assistant\n{{ m['content'] }}"
+    "{% for call in m['tool_calls'] %}{% set call = call['function'] %}"
+    "{% if m['content'] or not loop.first %}\n{% endif %}<tool_call>\n{\"name\": \"{{ call['name'] }}\", "
+    "\"arguments\": {{ call['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+DEMO_VERSION = "2"  # bumped when a demo checkpoint's files change: older builds in the cache are rebuilt
 DEMO_MODELS = ("demo/qwen-v1-tiny", "demo/qwen2-tiny", "demo/llama-tiny")
 
 
@@ -68,7 +87,7 @@ def _qwen2_tokenizer(folder: Path) -> int:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": IM_END, "pad_token": ENDOFTEXT,
-        "model_max_length": 1024, "chat_template": CHATML_TEMPLATE,
+        "model_max_length": 1024, "chat_template": QWEN2_TOOLS_TEMPLATE,
     }, indent=2))
     ids = [tok.token_to_id(t) for t in (IM_END, ENDOFTEXT)]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
@@ -134,6 +153,7 @@ def _build(name: str, folder: Path) -> None:
             logn_attn=qwen_v1, dynamic_ntk=qwen_v1, seq_length=256 if qwen_v1 else 0,
         )
     write_checkpoint_files(folder, config, _random_weights(config), fmt)
+    (folder / "demo_version").write_text(DEMO_VERSION)
 
 
 def demo_model_dir(name: str, cache_dir: Path) -> Path:
@@ -141,11 +161,16 @@ def demo_model_dir(name: str, cache_dir: Path) -> Path:
     if name not in DEMO_MODELS:
         raise KeyError(name)
     folder = Path(cache_dir) / "demo" / name.split("/", 1)[1]
-    if (folder / "config.json").is_file():
+    if _current(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock"):
-        if not (folder / "config.json").is_file():
+        if not _current(folder):
             with atomic_folder(folder) as tmp:
                 _build(name, tmp)
     return folder
+
+
+def _current(folder: Path) -> bool:
+    stamp = folder / "demo_version"
+    return (folder / "config.json").is_file() and stamp.is_file() and stamp.read_text() == DEMO_VERSION

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.cache_rows import CacheRows
+from pipeline.llm.grammar import Grammar, apply_masks, bitmask_words
 from pipeline.llm.model import Decoder
 from pipeline.llm.model_runner import ModelRunner
 from pipeline.llm.sampling import Draws, SamplingParams, counts_penalized
@@ -104,9 +105,11 @@ class TokenStream:
     ends when the request finishes; `stats` then holds its finish reason); `cancel` ends the request
     at the engine's next step. Several threads may cancel; one consumes."""
 
-    def __init__(self, cancel: threading.Event | None, keep_logits: bool):
+    def __init__(self, cancel: threading.Event | None, keep_logits: bool, logprobs: bool = False):
         self.stats = GenerationStats()
         self.logits: list[Tensor] | None = [] if keep_logits else None  # per token, fp32 on the CPU
+        # per token, before it is delivered: (its log-probability, [(id, log-probability)] most likely first)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = [] if logprobs else None
         self._cancel = cancel if cancel is not None else threading.Event()
         self.reason = "cancelled"  # what a cancelled request's finish reason will be
         self._items: queue.SimpleQueue = queue.SimpleQueue()
@@ -151,11 +154,13 @@ class LLMEngine(Protocol):
     """What every LLM backend offers the pipelines."""
 
     context: int  # positions a sequence may use: prompt and reply together
+    vocab_size: int  # the width of the logits (grammars mask this many tokens)
     hidden_size: int  # the width of the embeddings a prompt's slots take
     description: str
 
     def submit(self, prompt: Prompt, params: SamplingParams, stop_ids: set[int], session: str | None = None,
-               cancel: threading.Event | None = None, keep_logits: bool = False) -> TokenStream: ...
+               cancel: threading.Event | None = None, keep_logits: bool = False,
+               grammar: Grammar | None = None) -> TokenStream: ...
 
     def status(self) -> dict[str, int]: ...
 
@@ -165,12 +170,15 @@ class LLMEngine(Protocol):
 @dataclasses.dataclass
 class _Step:
     """A launched decode step: who ran in it, the drawn tokens (on the device and, once `copied`
-    is done, on the host), and the logits where a request keeps them."""
+    is done, on the host, with their log-probabilities where asked for), and the logits where a
+    request keeps them. `consumed`: its tokens have advanced the requests' grammars."""
 
     requests: list[Request]
     drawn: Tensor
     logits: Tensor | None
+    logprobs: Tensor | None
     copied: tuple[Tensor, "torch.cuda.Event | None"]
+    consumed: bool = False
 
 
 class TorchLLMEngine:
@@ -195,6 +203,8 @@ class TorchLLMEngine:
         self.rows = CacheRows(c, rows, context + 1, vocab_size, model.embed.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows)
         self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
+        self._bitmask: Tensor | None = None  # grammar masks on the host, two steps' worth (made at first use)
+        self._flip_mask = 0
         self.steps = 0  # decode steps run (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
@@ -213,16 +223,18 @@ class TorchLLMEngine:
     # ---- the seam ----------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: SamplingParams, stop_ids: set[int], session: str | None = None,
-               cancel: threading.Event | None = None, keep_logits: bool = False) -> TokenStream:
-        """Queue a request; its tokens arrive on the returned stream. Raises `UserError` at once for
-        a prompt that cannot fit."""
+               cancel: threading.Event | None = None, keep_logits: bool = False,
+               grammar: Grammar | None = None) -> TokenStream:
+        """Queue a request; its tokens arrive on the returned stream (with their log-probabilities in
+        `stream.logprobs` where `params.logprobs` asks; only tokens `grammar` allows, given one).
+        Raises `UserError` at once for a prompt that cannot fit."""
         params = params.validated()
         if not 0 < len(prompt) < self.context:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
-        stream = TokenStream(cancel, keep_logits)
+        stream = TokenStream(cancel, keep_logits, params.logprobs is not None)
         stream.stats.prompt_tokens = len(prompt)
         self.scheduler.add(Request(prompt, params, set(stop_ids), session, stream, Draws(params.seed),
-                                   time.perf_counter()))
+                                   time.perf_counter(), grammar))
         return stream
 
     def status(self) -> dict[str, int]:
@@ -292,8 +304,11 @@ class TorchLLMEngine:
             self.rows.counts[row] = 0
         if not prompt.slots:  # as transformers does: the prompt's own ids count for the penalty
             seen[row, torch.tensor(prompt.ids, device=self.device)] = True
-        drawn = self._draw([request], logits[None], row)
-        self._deliver(request, drawn.tolist()[0], logits)
+        drawn, logprobs = self._draw([request], logits[None], row)
+        token = drawn.tolist()[0]
+        if request.grammar is not None:
+            request.grammar.consume(token)
+        self._deliver(request, token, logits, None if logprobs is None else logprobs.cpu()[0])
 
     def _decode_step(self) -> None:
         """Launch a decode step for every running request, then read the previous step's tokens
@@ -309,9 +324,13 @@ class TorchLLMEngine:
         for r in active:
             r.position += 1
             self.rows[r.row].written = r.position
-        drawn = self._draw(active, logits, 0)
+        if self._pending is not None and any(r.grammar is not None for r in active):
+            self._consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
         kept = logits.clone() if any(r.stream.logits is not None for r in active) else None  # graphs reuse theirs
-        launched = _Step(active, drawn, kept, self.runner.to_host(drawn))
+        drawn, logprobs = self._draw(active, logits, 0)
+        if logprobs is not None:
+            logprobs = logprobs.to("cpu", non_blocking=True)  # pinned: ready with the tokens' copy
+        launched = _Step(active, drawn, kept, logprobs, self.runner.to_host(drawn))
         previous, self._pending = self._pending, launched
         if previous is not None:
             self._read(previous)
@@ -323,35 +342,72 @@ class TorchLLMEngine:
             step, self._pending = self._pending, None
             self._read(step)
 
-    def _read(self, step: _Step) -> None:
-        """Hand out a finished step's tokens to the requests still running."""
+    def _consume(self, step: _Step) -> None:
+        """Advance the grammars of a step's requests by the tokens it drew (once per step)."""
+        if step.consumed:
+            return
+        step.consumed = True
         host, done = step.copied
         if done is not None:
             done.synchronize()
+        for r, token in zip(step.requests, host.tolist()):
+            if r.grammar is not None and r.row >= 0 and not r.stream.cancelled:
+                r.grammar.consume(token)
+
+    def _read(self, step: _Step) -> None:
+        """Hand out a finished step's tokens to the requests still running."""
+        self._consume(step)
+        host, _ = step.copied
         rows = step.logits if step.logits is not None else [None] * len(step.requests)
-        for r, token, row_logits in zip(step.requests, host.tolist(), rows):
+        logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.requests)
+        for r, token, row_logits, row_logprobs in zip(step.requests, host.tolist(), rows, logprobs):
             if r.row < 0:  # finished while this step ran
                 continue
             if r.stream.cancelled:
                 self._finish(r, r.stream.reason)
                 continue
             self.rows.append(r.row, r.last_token)
-            self._deliver(r, token, row_logits)
+            self._deliver(r, token, row_logits, row_logprobs)
 
-    def _draw(self, requests: list[Request], logits: Tensor, first_row: int) -> Tensor:
-        """Each request's next token (on the device) from its logits row; the requests run in the
-        consecutive cache rows from `first_row`."""
+    def _draw(self, requests: list[Request], logits: Tensor, first_row: int) -> tuple[Tensor, Tensor | None]:
+        """Each request's next token (on the device) from its logits row, within its grammar if it has
+        one, and where a request asks for them the log-probabilities (`_logprobs`); the requests run
+        in the consecutive cache rows from `first_row`."""
         uniforms = [r.draws.next() for r in requests]  # drawn every step, so a request's stream never shifts
         rows = slice(first_row, first_row + len(requests))
-        return self.runner.draw([r.params for r in requests], uniforms, logits, self.rows.seen[rows],
-                                self.rows.counts[rows])
+        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        # log-softmax of the model's own logits in fp32, before any sampling setting or grammar, as OpenAI reports them
+        logprobs = logits.float().log_softmax(-1) if wanted else None
+        allowed = self._masked(requests, logits) if any(r.grammar is not None for r in requests) else logits
+        drawn = self.runner.draw([r.params for r in requests], uniforms, allowed, self.rows.seen[rows],
+                                 self.rows.counts[rows])
+        return drawn, (_chosen_and_top(logprobs, drawn, max(wanted)) if wanted else None)
 
-    def _deliver(self, r: Request, token: int, logits: Tensor | None) -> None:
+    def _masked(self, requests: list[Request], logits: Tensor) -> Tensor:
+        """`logits` with each constrained row's forbidden tokens at -inf: the masks are made on the
+        host, uploaded in one copy and applied on the device."""
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if self._bitmask is None:
+            self._bitmask = torch.zeros(2, self.max_batch, bitmask_words(self.vocab_size), dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
+        self._flip_mask ^= 1  # the other buffer's upload may still be queued
+        host = self._bitmask[self._flip_mask, :len(constrained)]
+        for j, i in enumerate(constrained):
+            requests[i].grammar.fill(host, j)
+        rows = torch.tensor(constrained, device=self.device)
+        return apply_masks(logits, host.to(self.device, non_blocking=True), rows)
+
+    def _deliver(self, r: Request, token: int, logits: Tensor | None, logprobs: Tensor | None = None) -> None:
         """Hand `token` to its request, or end the request (a stop id, its length, the context end)."""
         stats = r.stream.stats
         now = time.perf_counter()
         if r.stream.logits is not None:
             r.stream.logits.append(logits.float().cpu())
+        if r.stream.logprobs is not None and token not in r.stop_ids:
+            values = logprobs.tolist()
+            k = r.params.logprobs
+            top = [(int(i), v) for v, i in zip(values[1:1 + k], values[(len(values) + 1) // 2:][:k])]
+            r.stream.logprobs.append((values[0], top))
         if not r.first_token_at:
             r.first_token_at = now
             stats.time_to_first_token_s = now - r.submitted
@@ -372,3 +428,13 @@ class TorchLLMEngine:
         the running block."""
         request.stream.end(reason)
         self.scheduler.leave(request, error=reason == "error")
+
+
+def _chosen_and_top(logprobs: Tensor, drawn: Tensor, k: int) -> Tensor:
+    """Per row [the drawn token's log-probability, the k largest log-probabilities, their ids] (ids as
+    floats: exact below 2^24), so one copy brings them to the host."""
+    parts = [logprobs.gather(1, drawn[:, None])]
+    if k:
+        top = logprobs.topk(k, dim=-1)
+        parts += [top.values, top.indices.float()]
+    return torch.cat(parts, dim=1)

@@ -14,11 +14,24 @@ import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from pipeline.llm.engine import GenerationStats, LLMEngine, Prompt
+from pipeline.errors import UserError
+from pipeline.llm.engine import GenerationStats, LLMEngine, Prompt, TokenStream
+from pipeline.llm.grammar import GrammarVocabulary, json_schema_grammar
 from pipeline.llm.prompt import PromptFormat, chat_format, fit_prompt
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.streaming import TextStream
+from pipeline.llm.structure import Structure
 from pipeline.llm.tokenizer import Tokenizer
+from pipeline.llm.tool_calls import CallReader, ToolCall
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """A reply token's bytes and log-probability, and the most likely tokens at its place."""
+
+    token: bytes
+    logprob: float
+    top: list[tuple[bytes, float]]
 
 
 @dataclasses.dataclass
@@ -26,12 +39,15 @@ class ChatEvent:
     text: str = ""
     notice: str | None = None
     stats: GenerationStats | None = None  # set on the last event only
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # completed by this event
+    logprobs: list[TokenLogprob] | None = None  # the tokens read since the last event, where asked for
 
 
 class LanguageModel:
     def __init__(self, tokenizer: Tokenizer, engine: LLMEngine, model_id: str, description: str):
         self.tokenizer, self.engine, self.model_id = tokenizer, engine, model_id
         self.description = description
+        self._vocabularies: dict[frozenset[int], GrammarVocabulary] = {}
 
     def close(self) -> None:
         self.engine.close()
@@ -54,37 +70,84 @@ class LanguageModel:
         return self.engine.status()
 
     def chat(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
-             session: str | None = None) -> Iterator[ChatEvent]:
+             session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
         """Reply to `messages` in the model's own chat format; see `reply`."""
-        return self.reply(self.format, messages, params, cancel, session)
+        return self.reply(self.format, messages, params, cancel, session, structure=structure)
 
     def reply(self, fmt: PromptFormat, messages: Sequence[dict], params: SamplingParams,
               cancel: threading.Event | None = None, session: str | None = None,
-              fill: Callable[[Prompt], Prompt] | None = None) -> Iterator[ChatEvent]:
-        """Reply to `messages` (the last one the user's) in prompt format `fmt`, a few characters at a time.
+              fill: Callable[[Prompt], Prompt] | None = None,
+              structure: Structure = Structure()) -> Iterator[ChatEvent]:
+        """Reply to `messages` in prompt format `fmt`, a few characters at a time (the last message
+        the user's or a tool's; an assistant's is continued).
 
         `fill` completes the prompt's embedding slots (image chat's image); `session` names the
-        conversation so the engine can reuse its earlier turns. Raises `UserError` for bad input or
-        out-of-memory; a set `cancel` ends the reply early, keeping what was said so far.
+        conversation so the engine can reuse its earlier turns; `structure` offers tools and asks
+        for JSON. Raises `UserError` for bad input or out-of-memory; a set `cancel` ends the reply
+        early, keeping what was said so far.
         """
         params = params.validated()
+        calls = fmt.tool_calls
+        uses_tools = structure.offers_tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+        if uses_tools and calls is None:
+            raise UserError("this model's prompt format cannot express tools (LLaMA/Vicuna have none): send no "
+                            "tools or tool messages", "tools")
+        tools = structure.tools if structure.offers_tools else ()
+        if uses_tools:
+            messages = calls.messages(messages, tools)
         reply_room = min(params.max_new_tokens, self.context // 2)
-        prompt, notices = fit_prompt(fmt, messages, self.context - reply_room)
+        prompt, notices = fit_prompt(fmt, messages, self.context - reply_room, tools)
         for notice in notices:
             yield ChatEvent(notice=notice)
         if fill is not None:
             prompt = fill(prompt)
-        stream = self.engine.submit(prompt, params, fmt.stop_ids, session=session, cancel=cancel)
-        text = TextStream(self.tokenizer, (*fmt.stop_strings, *params.stop))
-        started = False
+        if structure.forced:
+            grammar, param = calls.grammar(structure.forced), "tools"
+        elif structure.schema is not None:
+            grammar, param = json_schema_grammar(structure.schema), "response_format"
+        else:
+            grammar = param = None
+        stops = (*fmt.stop_strings, *(calls.stop_strings if tools else ()), *params.stop)
+        reader = calls.reader() if tools else None
+        yield from self._generate(prompt, params, fmt.stop_ids, stops, cancel, session, grammar and (grammar, param),
+                                  reader)
+
+    def complete(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
+                 session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
+        """Continue the plain `text` (no chat format: `/v1/completions`) until an end-of-text id, a stop
+        string or the token limit."""
+        params = params.validated()
+        if structure.tools:
+            raise UserError("a plain completion cannot call tools: use chat completions", "tools")
+        ids = ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []) + self.tokenizer.encode(text)
+        room = self.context - min(params.max_new_tokens, self.context // 2)
+        if not text or len(ids) > room:
+            raise UserError(f"the prompt must be 1 to {room} tokens (this model's context is {self.context}, half "
+                            f"kept for the reply), got {len(ids)}", "prompt")
+        grammar = None if structure.schema is None else (json_schema_grammar(structure.schema), "response_format")
+        yield from self._generate(Prompt(tuple(ids)), params, self.tokenizer.eos_ids, params.stop, cancel, session,
+                                  grammar, None, strip=False)
+
+    def _generate(self, prompt: Prompt, params: SamplingParams, stop_ids: set[int], stop_strings: Sequence[str],
+                  cancel: threading.Event | None, session: str | None, grammar: tuple[str, str] | None,
+                  reader: CallReader | None, strip: bool = True) -> Iterator[ChatEvent]:
+        """Run `prompt` on the engine and turn its tokens into events: UTF-8-safe text cut at the stop
+        strings, read for tool calls by `reader`, with log-probabilities where asked for."""
+        matcher = None if grammar is None else self._vocabulary(stop_ids).grammar(*grammar)
+        stream = self.engine.submit(prompt, params, stop_ids, session=session, cancel=cancel, grammar=matcher)
+        text = TextStream(self.tokenizer, stop_strings)
+        started, received = not strip, 0
         try:
             for token_id in stream:
+                received += 1
                 piece = text.push(token_id)
                 if not started:  # SentencePiece replies start with the space of "▁word"
                     piece = piece.lstrip()
                     started = bool(piece)
-                if piece:
-                    yield ChatEvent(text=piece)
+                event = ChatEvent(logprobs=self._logprobs(stream, received - 1, token_id))
+                event.text, event.tool_calls = reader.push(piece) if reader is not None else (piece, [])
+                if event.text or event.tool_calls or event.logprobs:
+                    yield event
                 if text.stopped:
                     stream.cancel("stop")
                     break
@@ -93,5 +156,27 @@ class LanguageModel:
                 stream.cancel()
         stats = stream.wait()
         tail = text.finish()
-        full = "The reply reached the end of the model's context window." if stats.finish_reason == "context" else None
-        yield ChatEvent(text=tail if started else tail.lstrip(), notice=full, stats=stats)
+        tail = tail if started else tail.lstrip()
+        event = ChatEvent(stats=stats, notice="The reply reached the end of the model's context window."
+                          if stats.finish_reason == "context" else None)
+        if reader is not None:
+            event.text, event.tool_calls = reader.push(tail)
+            more, calls = reader.finish()
+            event.text, event.tool_calls = event.text + more, event.tool_calls + calls
+        else:
+            event.text = tail
+        yield event
+
+    def _logprobs(self, stream: TokenStream, index: int, token_id: int) -> list[TokenLogprob] | None:
+        """The reply's `index`th token as `[TokenLogprob]`, where the request asked for log-probabilities."""
+        if stream.logprobs is None:
+            return None
+        piece, (logprob, top) = self.tokenizer.token_bytes, stream.logprobs[index]
+        return [TokenLogprob(piece(token_id), logprob, [(piece(i), value) for i, value in top])]
+
+    def _vocabulary(self, stop_ids: set[int]) -> GrammarVocabulary:
+        """The grammar library's view of the vocabulary with these end ids (made once per format)."""
+        key = frozenset(stop_ids)
+        if key not in self._vocabularies:
+            self._vocabularies[key] = GrammarVocabulary(self.tokenizer, self.engine.vocab_size, set(stop_ids))
+        return self._vocabularies[key]

@@ -15,19 +15,23 @@ from typing import Protocol
 from pipeline.errors import UserError
 from pipeline.llm.engine import Prompt
 from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
+from pipeline.llm.tool_calls import ReActCalls, TaggedCalls
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class PromptFormat(Protocol):
     """How a model wants a conversation written: ChatML, a checkpoint's chat template, MiniGPT-4's
-    templates. `render` gives the prompt; a reply ends at a stop id or a stop string."""
+    templates. `render` gives the prompt (an assistant message last is continued, not closed; `tools`
+    listed where the format writes them itself); a reply ends at a stop id or a stop string.
+    `tool_calls`: how the model writes tools and calls, None where it cannot."""
 
     tokenizer: Tokenizer
     stop_ids: set[int]
     stop_strings: tuple[str, ...]
+    tool_calls: TaggedCalls | ReActCalls | None
 
-    def render(self, messages: Sequence[dict]) -> Prompt: ...
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> Prompt: ...
 
 
 # A model may spell the end marker as text instead of emitting the special token.
@@ -47,13 +51,16 @@ class ChatMLFormat:
         self.tokenizer = tokenizer
         self.stop_ids = _chatml_stop_ids(tokenizer)
         self.stop_strings = CHATML_STOP_STRINGS
+        self.tool_calls = ReActCalls()  # tools go into the messages (`ReActCalls.messages`), not a template
 
-    def render(self, messages: Sequence[dict]) -> Prompt:
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> Prompt:
         tok = self.tokenizer
         start, end, newline = tok.special_id(IM_START), tok.special_id(IM_END), tok.encode("\n")
         ids: list[int] = []
         for m in messages:
             ids += [start] + tok.encode(m["role"]) + newline + tok.encode(m["content"]) + [end] + newline
+        if messages and messages[-1]["role"] == "assistant":  # continued: no end of turn
+            return Prompt(tuple(ids[:-1 - len(newline)]))
         return Prompt(tuple(ids + [start] + tok.encode("assistant") + newline))
 
 
@@ -64,9 +71,10 @@ class ChatTemplateFormat:
         self.tokenizer = tokenizer
         self.stop_ids = _chatml_stop_ids(tokenizer)
         self.stop_strings = CHATML_STOP_STRINGS
+        self.tool_calls = TaggedCalls() if tokenizer.template_takes_tools else None
 
-    def render(self, messages: Sequence[dict]) -> Prompt:
-        return Prompt(tuple(self.tokenizer.render_chat_template(list(messages))))
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> Prompt:
+        return Prompt(tuple(self.tokenizer.render_chat_template(list(messages), list(tools) or None)))
 
 
 def chat_format(tokenizer: Tokenizer) -> PromptFormat:
@@ -84,13 +92,14 @@ def check_messages(messages: Sequence[dict]) -> None:
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise UserError(f"malformed message {m!r}: expected {{'role': one of {ROLES}, 'content': text}}")
-    if messages[-1]["role"] != "user":
-        raise UserError("the last message must be the user's")
-    if not messages[-1]["content"].strip():
+    if messages[-1]["role"] == "system":
+        raise UserError("the last message must be the user's (or a tool's result, or an assistant reply to continue)")
+    if messages[-1]["role"] == "user" and not messages[-1]["content"].strip():
         raise UserError("the message is empty: type something to send")
 
 
-def fit_prompt(fmt: PromptFormat, messages: Sequence[dict], budget: int) -> tuple[Prompt, list[str]]:
+def fit_prompt(fmt: PromptFormat, messages: Sequence[dict], budget: int,
+               tools: Sequence[dict] = ()) -> tuple[Prompt, list[str]]:
     """A prompt of at most `budget` tokens, and notices saying what had to go: the oldest turns (whole,
     from a user message on), then the middle of an over-long last message.
 
@@ -107,13 +116,13 @@ def fit_prompt(fmt: PromptFormat, messages: Sequence[dict], budget: int) -> tupl
     lo, hi = 0, len(starts) - 1
     while lo < hi:  # the first start whose prompt fits (or the last, which keeps only the question)
         mid = (lo + hi) // 2
-        if len(fmt.render(system + turns[starts[mid]:])) <= budget:
+        if len(fmt.render(system + turns[starts[mid]:], tools)) <= budget:
             hi = mid
         else:
             lo = mid + 1
     dropped = starts[lo]
     turns = turns[dropped:]
-    prompt = fmt.render(system + turns)
+    prompt = fmt.render(system + turns, tools)
     if dropped:
         notices.append(f"The conversation outgrew the model's context: the {dropped} oldest "
                        f"message{'s' if dropped > 1 else ''} no longer reach the model.")
@@ -124,8 +133,8 @@ def fit_prompt(fmt: PromptFormat, messages: Sequence[dict], budget: int) -> tupl
             keep -= len(prompt) - budget + 2
             if keep < 16:
                 raise UserError("the system prompt leaves no room for a message; shorten it or raise the context")
-            turns[-1] = {"role": "user", "content": _cut_middle(fmt.tokenizer, content_ids, keep)}
-            prompt = fmt.render(system + turns)
+            turns[-1] = {**turns[-1], "content": _cut_middle(fmt.tokenizer, content_ids, keep)}
+            prompt = fmt.render(system + turns, tools)
         notices.append(f"Your message was {len(content_ids)} tokens, too long for the context: "
                        f"its middle was cut, keeping the first and last {keep // 2} tokens.")
     return prompt, notices

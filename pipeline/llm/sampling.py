@@ -59,7 +59,9 @@ LIMITS = {
     "presence_penalty": Limit(-2, 2),
     "frequency_penalty": Limit(-2, 2),
     "seed": Limit(0, 2**63 - 1, whole=True),
+    "logprobs": Limit(0, 20, whole=True),
 }
+OPTIONAL = ("seed", "logprobs")  # None is a value of these: random, and no log-probabilities
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +76,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's: minus this from each token the reply has used
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the reply has used it
     seed: int | None = None
+    logprobs: int | None = None  # each token's log-probability and this many most likely alternatives
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings (an API client's `stop`)
 
     @classmethod
@@ -95,7 +98,7 @@ class SamplingParams:
     def validated(self) -> "SamplingParams":
         for name, limit in LIMITS.items():
             value = getattr(self, name)
-            if value is not None or name != "seed":
+            if value is not None or name not in OPTIONAL:
                 limit.check(name, value)
         _stop_strings(self.stop)
         return self

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.errors import UserError
 from pipeline.llm.cache_rows import CacheRows
+from pipeline.llm.grammar import Grammar
 from pipeline.llm.sampling import Draws, SamplingParams
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class Request:
     stream: TokenStream
     draws: Draws
     submitted: float
+    grammar: Grammar | None = None  # the tokens it may draw (structured output)
     row: int = -1
     position: int = 0  # where the next fed token goes in the cache
     table: int = 0  # rotary table (Qwen v1 dynamic NTK)

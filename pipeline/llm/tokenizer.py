@@ -61,8 +61,12 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")
 
-    def render_chat_template(self, messages: list[dict]) -> list[int]:
+    def render_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         raise NotImplementedError
+
+    @property
+    def template_takes_tools(self) -> bool:
+        return False
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
@@ -251,12 +255,16 @@ class HFTokenizer(ByteTableTokenizer):
     def special_ids(self) -> set[int]:
         return set(self._specials)
 
-    def render_chat_template(self, messages: list[dict]) -> list[int]:
+    def render_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The checkpoint's own chat template, tokenized with special tokens parsed (as transformers
         does, so a user typing `<|im_end|>` here types a special)."""
         if self._template is None:
             raise UserError("this model has no chat template")
-        return self._tok.encode(self._template.render(messages), add_special_tokens=False).ids
+        return self._tok.encode(self._template.render(messages, tools), add_special_tokens=False).ids
+
+    @property
+    def template_takes_tools(self) -> bool:
+        return self._template is not None and self._template.takes_tools
 
 
 class SentencePieceTokenizer(ByteTableTokenizer):

@@ -53,6 +53,7 @@ class MiniGPT4Format:
         self.bos = tokenizer.bos_id
         self.stop_ids = tokenizer.eos_ids
         self.stop_strings = self.template.stop_strings
+        self.tool_calls = None  # Vicuna/LLaMA have no way to write tools
 
     def segments(self, messages: Sequence[dict]) -> list[str | int | object]:
         """Text pieces (tokenized one by one), ids (BOS) and IMAGE, in prompt order."""
@@ -76,7 +77,7 @@ class MiniGPT4Format:
             text += m["content"] + t.sep
         return out + [text + t.reply]
 
-    def render(self, messages: Sequence[dict]) -> Prompt:
+    def render(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> Prompt:
         ids: list[int] = []
         slots: list[tuple[int, int]] = []
         for piece in self.segments(messages):
