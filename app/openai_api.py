@@ -26,9 +26,12 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.openai_fields import refused_field
+from app.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, refused_field
 from pipeline.errors import UserError
-from pipeline.service.studio import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService
+from pipeline.llm.language_model import TokenLogprob
+from pipeline.llm.structure import Structure
+from pipeline.llm.tool_calls import ToolCall
+from pipeline.service.studio import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService, Update
 
 IMAGE_MODEL = "minigpt4"
 MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not
@@ -57,6 +60,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     client: str
+    one_call: bool = False  # parallel_tool_calls false: at most one tool call
 
 
 def _whole(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -114,15 +118,29 @@ def _messages(raw: object, allow_files: bool) -> tuple[object, bytes | None]:
     return messages, image
 
 
-def parse_request(body: object, allow_files: bool, service: StudioService) -> ChatRequest:
-    """A request checked by the service, or `ApiError` naming what is wrong."""
+def _logprobs_wanted(body: dict, completion: bool) -> int | None:
+    """How many alternatives per token the request asks for, or None for no log-probabilities."""
+    if completion:
+        return _whole(body, "logprobs", None, 0, 20)
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, f"logprobs must be true or false, got {wanted!r:.40}", "logprobs")
+    top = _whole(body, "top_logprobs", None, 0, 20)
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def parse_request(body: object, allow_files: bool, service: StudioService, completion: bool = False) -> ChatRequest:
+    """A chat-completions request (a completions one with `completion`) checked by the service, or
+    `ApiError` naming what is wrong."""
     if not isinstance(body, dict):
         raise ApiError(400, "the body must be a JSON object")
-    if refused := refused_field(body):
+    if refused := refused_field(body, COMPLETION_FIELDS if completion else CHAT_FIELDS):
         raise ApiError(400, refused[1], refused[0])
     model = body.get("model")
-    if not isinstance(model, str) or not (model == IMAGE_MODEL or service.serves(model)):
-        models = [*service.chat_models(), IMAGE_MODEL]
+    if not isinstance(model, str) or not (model == IMAGE_MODEL and not completion or service.serves(model)):
+        models = [*service.chat_models(), *([] if completion else [IMAGE_MODEL])]
         raise ApiError(404, f"model {model!r} does not exist here: use one of {', '.join(models)}", "model",
                        "model_not_found")
     if _whole(body, "n", 1, 1, 1) != 1:
@@ -130,15 +148,22 @@ def parse_request(body: object, allow_files: bool, service: StudioService) -> Ch
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"user must be a string, got {user!r:.40}", "user")
-    messages, image = _messages(body.get("messages"), allow_files)
+    one_call = body.get("parallel_tool_calls")
+    if one_call is not None and not isinstance(one_call, bool):
+        raise ApiError(400, f"parallel_tool_calls must be true or false, got {one_call!r:.40}", "parallel_tool_calls")
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
-    sampling = {"max_new_tokens": body.get(max_name),
+    sampling = {"max_new_tokens": body.get(max_name), "logprobs": _logprobs_wanted(body, completion),
                 **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed",
                                                      "stop", "presence_penalty", "frequency_penalty")}}
     try:  # absent values keep the UI's defaults
-        turn = service.chat_turn(messages, sampling, tool=IMAGE_CHAT if model == IMAGE_MODEL or image else CHAT,
-                                 image=image, mask=mask, model=model)
+        structure = Structure.from_openai(body.get("tools"), body.get("tool_choice"), body.get("response_format"))
+        if completion:
+            turn = service.completion_turn(body.get("prompt"), sampling, model=model)
+        else:
+            messages, image = _messages(body.get("messages"), allow_files)
+            mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
+            turn = service.chat_turn(messages, sampling, tool=IMAGE_CHAT if model == IMAGE_MODEL or image else CHAT,
+                                     image=image, mask=mask, model=model, structure=structure)
     except UserError as e:
         param = {"max_new_tokens": max_name, "image": "messages", None: None}.get(e.param, e.param)
         raise ApiError(400, str(e).replace("max_new_tokens", max_name), param) from None
@@ -150,7 +175,7 @@ def parse_request(body: object, allow_files: bool, service: StudioService) -> Ch
     # share one address, and one's 8 parallel requests must not refuse another's).
     return ChatRequest(IMAGE_MODEL if turn.tool == IMAGE_CHAT else model, turn, stream,
                        bool(isinstance(options, dict) and options.get("include_usage")),
-                       f"api:user:{user}" if user else f"api:request:{secrets.token_hex(8)}")
+                       f"api:user:{user}" if user else f"api:request:{secrets.token_hex(8)}", one_call is False)
 
 
 class Reply:
@@ -158,15 +183,19 @@ class Reply:
 
     def __init__(self, service: StudioService, req: ChatRequest):
         self.req, self.cancel = req, threading.Event()
-        self.pieces: queue.SimpleQueue = queue.SimpleQueue()  # str, then ("end", stats or exception)
+        self.pieces: queue.SimpleQueue = queue.SimpleQueue()  # Update, then ("end", None or exception)
         self.stats = None
+        self.calls = 0
         threading.Thread(target=self._run, args=(service,), daemon=True, name="openai-reply").start()
 
     def _run(self, service: StudioService) -> None:
         try:
             for update in service.reply(self.req.client, self.req.turn, self.cancel):
-                if update.text:
-                    self.pieces.put(update.text)
+                if self.req.one_call:
+                    update.tool_calls = update.tool_calls[:max(1 - self.calls, 0)]
+                self.calls += len(update.tool_calls)
+                if update.text or update.tool_calls or update.logprobs:
+                    self.pieces.put(update)
                 if update.stats is not None:
                     self.stats = update.stats
             self.pieces.put(("end", None))
@@ -174,8 +203,10 @@ class Reply:
             self.pieces.put(("end", e))
 
     def finish_reason(self) -> str:
-        """OpenAI's words: "stop" for an end token or a stop string (`SamplingParams.stop`)."""
-        return "length" if self.stats is not None and self.stats.finish_reason in ("length", "context") else "stop"
+        """OpenAI's words: "stop" for an end token or a stop string (`SamplingParams.stop`), "tool_calls"."""
+        if self.stats is not None and self.stats.finish_reason in ("length", "context"):
+            return "length"
+        return "tool_calls" if self.calls else "stop"
 
     def usage(self) -> dict:
         prompt = self.stats.prompt_tokens if self.stats else 0
@@ -207,7 +238,7 @@ async def _next(reply: Reply, request: Request):
 
 
 def build_router(service: StudioService, api_key: str | None, allow_files: bool) -> APIRouter:
-    """`/v1/models` and `/v1/chat/completions`; `api_key` None: no key asked for (loopback only)."""
+    """`/v1/models`, `/v1/chat/completions` and `/v1/completions`; `api_key` None: no key asked for (loopback only)."""
     router = APIRouter(prefix="/v1")
 
     def check_key(request: Request) -> None:
@@ -227,8 +258,7 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
         return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "ai-studio"}
                                            for m in [*service.chat_models(), IMAGE_MODEL]]}
 
-    @router.post("/chat/completions")
-    async def chat_completions(request: Request):
+    async def answer(request: Request, completion: bool):
         try:
             check_key(request)
             raw = await request.body()
@@ -238,36 +268,132 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
                 body = json.loads(raw)
             except ValueError as e:
                 raise ApiError(400, f"the body is not valid JSON: {e}") from None
-            req = parse_request(body, allow_files, service)
+            req = parse_request(body, allow_files, service, completion)
         except (ApiError, UserError) as e:
             return _user_error(e).response()
         reply = Reply(service, req)
-        ident, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+        shape = CompletionShape() if completion else ChatShape()
         if req.stream:
-            return StreamingResponse(_sse(reply, request, ident, created), media_type="text/event-stream")
-        parts = []
+            return StreamingResponse(_sse(reply, request, shape), media_type="text/event-stream")
+        updates = []
         while True:
             item = await _next(reply, request)
             if isinstance(item, tuple):
                 if item[1] is not None:
                     return _user_error(item[1]).response()
                 break
-            parts.append(item)
-        return {"id": ident, "object": "chat.completion", "created": created, "model": req.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                             "finish_reason": reply.finish_reason()}], "usage": reply.usage()}
+            updates.append(item)
+        return {**shape.head(req.model), "choices": [shape.whole(updates, reply.finish_reason())],
+                "usage": reply.usage()}
+
+    @router.post("/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, completion=False)
+
+    @router.post("/completions")
+    async def completions(request: Request):
+        return await answer(request, completion=True)
 
     return router
 
 
-async def _sse(reply: Reply, request: Request, ident: str, created: int) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": reply.req.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+def _spelled(token: bytes) -> str:
+    """A token as OpenAI shows it: its text, with bytes of an unfinished character escaped."""
+    return token.decode("utf-8", errors="backslashreplace")
+
+
+class ChatShape:
+    """Chat completions' JSON: a message with content and tool calls; logprobs as `content` entries."""
+
+    def __init__(self):
+        self.ident, self.created, self.calls = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), 0
+
+    def head(self, model: str, chunk: bool = False) -> dict:
+        return {"id": self.ident, "object": "chat.completion.chunk" if chunk else "chat.completion",
+                "created": self.created, "model": model}
+
+    @staticmethod
+    def _logprobs(entries: list[TokenLogprob] | None) -> dict | None:
+        if entries is None:
+            return None
+        return {"content": [{"token": _spelled(t.token), "logprob": t.logprob, "bytes": list(t.token),
+                             "top_logprobs": [{"token": _spelled(b), "logprob": v, "bytes": list(b)} for b, v in t.top]}
+                            for t in entries], "refusal": None}
+
+    def _calls(self, calls: list[ToolCall]) -> list[dict]:
+        out = []
+        for call in calls:
+            out.append({"index": self.calls, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments}})
+            self.calls += 1
+        return out
+
+    def first(self) -> dict | None:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def delta(self, update: Update) -> dict:
+        delta = {"content": update.text} if update.text else {}
+        if update.tool_calls:
+            delta["tool_calls"] = self._calls(update.tool_calls)
+        return {"index": 0, "delta": delta, "logprobs": self._logprobs(update.logprobs), "finish_reason": None}
+
+    def last(self, finish: str) -> dict:
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, updates: list[Update], finish: str) -> dict:
+        text = "".join(u.text for u in updates)
+        calls = self._calls([c for u in updates for c in u.tool_calls])
+        entries = [e for u in updates for e in u.logprobs or []] if any(u.logprobs is not None for u in updates) \
+            else None
+        message = {"role": "assistant", "content": text if text or not calls else None}
+        if calls:
+            message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
+        return {"index": 0, "message": message, "logprobs": self._logprobs(entries), "finish_reason": finish}
+
+
+class CompletionShape:
+    """Completions' JSON: `text`; logprobs as parallel lists of tokens, log-probabilities and offsets."""
+
+    def __init__(self):
+        self.ident, self.created, self.offset = f"cmpl-{secrets.token_hex(12)}", int(time.time()), 0
+
+    def head(self, model: str, chunk: bool = False) -> dict:
+        return {"id": self.ident, "object": "text_completion", "created": self.created, "model": model}
+
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        if entries is None:
+            return None
+        offsets = []
+        for t in entries:
+            offsets.append(self.offset)
+            self.offset += len(_spelled(t.token))
+        return {"tokens": [_spelled(t.token) for t in entries], "token_logprobs": [t.logprob for t in entries],
+                "top_logprobs": [{_spelled(b): v for b, v in t.top} for t in entries], "text_offset": offsets}
+
+    def first(self) -> dict | None:
+        return None
+
+    def delta(self, update: Update) -> dict:
+        return {"index": 0, "text": update.text, "logprobs": self._logprobs(update.logprobs), "finish_reason": None}
+
+    def last(self, finish: str) -> dict:
+        return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+
+    def whole(self, updates: list[Update], finish: str) -> dict:
+        entries = [e for u in updates for e in u.logprobs or []] if any(u.logprobs is not None for u in updates) \
+            else None
+        return {"index": 0, "text": "".join(u.text for u in updates), "logprobs": self._logprobs(entries),
+                "finish_reason": finish}
+
+
+async def _sse(reply: Reply, request: Request, shape: ChatShape | CompletionShape) -> AsyncIterator[str]:
+    def chunk(choice: dict | None, **extra) -> str:
+        body = {**shape.head(reply.req.model, chunk=True), "choices": [choice] if choice else [], **extra}
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
+        if (first := shape.first()) is not None:
+            yield chunk(first)
         while True:
             item = await _next(reply, request)
             if isinstance(item, tuple):
@@ -276,12 +402,10 @@ async def _sse(reply: Reply, request: Request, ident: str, created: int) -> Asyn
                     yield f"data: {json.dumps({'error': {'message': error.message, 'type': 'server_error'}})}\n\n"
                     return
                 break
-            yield chunk({"content": item})
-        yield chunk({}, reply.finish_reason())
+            yield chunk(shape.delta(item))
+        yield chunk(shape.last(reply.finish_reason()))
         if reply.req.include_usage:
-            body = {"id": ident, "object": "chat.completion.chunk", "created": created, "model": reply.req.model,
-                    "choices": [], "usage": reply.usage()}
-            yield f"data: {json.dumps(body)}\n\n"
+            yield chunk(None, usage=reply.usage())
         yield "data: [DONE]\n\n"
     finally:  # the client went away (or the stream ended): the engine drops the request
         reply.cancel.set()

@@ -1,7 +1,7 @@
-"""Every field of OpenAI's chat-completions request, and what this server does with it.
+"""Every field of OpenAI's chat-completions and completions requests, and what this server does with it.
 
-One table: `parse_request` refuses what the table refuses, with a 400 naming the field, and the
-README shows the table as `fields_markdown` writes it (a test keeps them equal). Nothing a client sends
+One table per endpoint: the request parsers refuse what the table refuses, with a 400 naming the
+field, and the README shows the tables as `fields_markdown` writes them (a test keeps them equal). Nothing a client sends
 is silently ignored: a field is implemented, refused, or accepted where its value changes nothing here
 (a neutral value, such as `logprobs: false`), and an unknown field is refused, as OpenAI refuses it.
 """
@@ -28,7 +28,8 @@ CHAT_FIELDS = [
     Field("model", IMPLEMENTED, "the running chat model, another chat model found (Chat switches to it), or "
                                 "`minigpt4` (image chat); unknown: 404"),
     Field("messages", IMPLEMENTED, "`system`, `developer` (as `system`), `user` (text parts, at most one "
-                                   "`image_url`: base64 `data:` URL), `assistant`"),
+                                   "`image_url`: base64 `data:` URL), `assistant` (with `tool_calls`; last: the reply "
+                                   "continues it), `tool` (a call's result)"),
     Field("stream", IMPLEMENTED, "server-sent events ending `data: [DONE]`"),
     Field("stream_options", IMPLEMENTED, "`include_usage`: a last chunk with usage"),
     Field("max_tokens", IMPLEMENTED, "1–32768"),
@@ -49,15 +50,19 @@ CHAT_FIELDS = [
     Field("metadata", REFUSED, "only used with `store`", (None, {})),
     Field("presence_penalty", IMPLEMENTED, "-2–2: minus this from each token the reply has used"),
     Field("frequency_penalty", IMPLEMENTED, "-2–2: minus this times how often the reply has used the token"),
-    Field("logprobs", REFUSED, "not yet", (None, False)),
-    Field("top_logprobs", REFUSED, "not yet", (None,)),
-    Field("logit_bias", REFUSED, "not yet", (None, {})),
-    Field("response_format", REFUSED, "not yet: only `{\"type\": \"text\"}`", (None, {"type": "text"})),
-    Field("tools", REFUSED, "not yet", (None, [])),
-    Field("tool_choice", REFUSED, "not yet", (None, "none", "auto")),
-    Field("parallel_tool_calls", NO_EFFECT, "no tools yet, so no calls to run in parallel"),
-    Field("functions", REFUSED, "deprecated by OpenAI for `tools`; not yet", (None, [])),
-    Field("function_call", REFUSED, "deprecated by OpenAI for `tool_choice`; not yet", (None, "none", "auto")),
+    Field("logprobs", IMPLEMENTED, "each token's log-probability: log-softmax of the model's logits (fp32), before "
+                                   "sampling settings and grammars"),
+    Field("top_logprobs", IMPLEMENTED, "0–20 most likely tokens at each place (with `logprobs`)"),
+    Field("logit_bias", REFUSED, "not supported", (None, {})),
+    Field("response_format", IMPLEMENTED, "`text`, `json_object`, `json_schema` (strict or not, enforced by a "
+                                          "grammar while decoding; torch engine)"),
+    Field("tools", IMPLEMENTED, "functions, written as the model's family writes them (Qwen2/2.5/3 chat templates, "
+                                "Qwen v1 ReAct); LLaMA/Vicuna: 400"),
+    Field("tool_choice", IMPLEMENTED, "`none`, `auto`, `required` or a named function (forced by a grammar: "
+                                      "arguments valid for its schema)"),
+    Field("parallel_tool_calls", IMPLEMENTED, "`false`: at most one call per reply"),
+    Field("functions", REFUSED, "deprecated by OpenAI: use `tools`", (None, [])),
+    Field("function_call", REFUSED, "deprecated by OpenAI: use `tool_choice`", (None, "none", "auto")),
     Field("modalities", REFUSED, "text only", (None, ["text"])),
     Field("audio", REFUSED, "no audio output"),
     Field("prediction", REFUSED, "no predicted outputs"),
@@ -65,13 +70,24 @@ CHAT_FIELDS = [
     Field("verbosity", REFUSED, "not a verbosity-tuned model"),
     Field("web_search_options", REFUSED, "no web search"),
 ]
-BY_NAME = {f.name: f for f in CHAT_FIELDS}
+SHARED = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "user",
+          "top_k", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias"}
+COMPLETION_FIELDS = [
+    Field("prompt", IMPLEMENTED, "a string (or a list of one), continued as plain text: no chat format"),
+    *[f if f.name != "model" else Field("model", IMPLEMENTED, "a chat model (as in chat completions)")
+      for f in CHAT_FIELDS if f.name in SHARED],
+    Field("logprobs", IMPLEMENTED, "0–20: each token's log-probability and this many alternatives"),
+    Field("echo", REFUSED, "the prompt is not repeated in the reply", (None, False)),
+    Field("suffix", REFUSED, "no fill-in-the-middle", (None, "")),
+    Field("best_of", REFUSED, "1 only", (None, 1)),
+]
 
 
-def refused_field(body: dict) -> tuple[str, str] | None:
-    """(field, why) for the first field of `body` this server refuses, or None."""
+def refused_field(body: dict, table: list[Field] = CHAT_FIELDS) -> tuple[str, str] | None:
+    """(field, why) for the first field of `body` this server refuses (per `table`), or None."""
+    by_name = {f.name: f for f in table}
     for name, value in body.items():
-        field = BY_NAME.get(name)
+        field = by_name.get(name)
         if field is None:
             return name, f"unrecognized request argument supplied: {name}"
         if field.refuses(value):
@@ -79,8 +95,8 @@ def refused_field(body: dict) -> tuple[str, str] | None:
     return None
 
 
-def fields_markdown() -> str:
-    """The table as the README shows it."""
+def fields_markdown(table: list[Field] = CHAT_FIELDS) -> str:
+    """A table as the README shows it."""
     rows = ["| field | here | notes |", "|---|---|---|"]
-    rows += [f"| `{f.name}` | {f.status} | {f.note} |" for f in CHAT_FIELDS]
+    rows += [f"| `{f.name}` | {f.status} | {f.note} |" for f in table]
     return "\n".join(rows)

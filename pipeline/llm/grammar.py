@@ -41,9 +41,26 @@ class _Wrapper:
         self.bos_token_id = None
         self.special_token_ids = sorted(specials & set(range(vocab_size)))
         self._encode = tokenizer.encode
+        self._ids = {t: i for i, t in enumerate(self.tokens) if t and not t.startswith(b"\xff")}
+        self._longest = max(map(len, self._ids), default=1)
 
-    def __call__(self, text: str) -> list[int]:
-        return self._encode(text)
+    def __call__(self, text: str | bytes) -> list[int]:
+        """Ids whose bytes are exactly `text` (the library tokenizes text it forces): the tokenizer's own
+        where it gives that, else a greedy longest match (SentencePiece adds a space in front of text)."""
+        data = text if isinstance(text, bytes) else text.encode()
+        try:
+            ids = self._encode(data.decode())
+        except UnicodeDecodeError:
+            ids = []
+        if b"".join(self.tokens[i] for i in ids) == data:
+            return ids
+        out, at = [], 0
+        while at < len(data):
+            size = next(n for n in range(min(self._longest, len(data) - at), 0, -1)
+                        if data[at:at + n] in self._ids or n == 1)
+            out.append(self._ids.get(data[at:at + size], 0))
+            at += size
+        return out
 
 
 class GrammarVocabulary:

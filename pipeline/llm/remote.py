@@ -21,8 +21,10 @@ import httpx
 
 from pipeline.errors import UserError
 from pipeline.llm.engine import GenerationStats
-from pipeline.llm.language_model import ChatEvent
+from pipeline.llm.language_model import ChatEvent, TokenLogprob
 from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.structure import Structure
+from pipeline.llm.tool_calls import ToolCall
 
 CONNECT_TIMEOUT_S = 10
 
@@ -70,10 +72,20 @@ class RemoteLanguageModel:
         """The server applies its own chat template: nothing to check here."""
 
     def chat(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
-             session: str | None = None) -> Iterator[ChatEvent]:
-        """`LanguageModel.chat` over HTTP (the prompt format and `session` are the server's business)."""
+             session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
+        """`LanguageModel.chat` over HTTP (the prompt format and `session` are the server's business; tools,
+        JSON formats and logprobs are passed on for the server to apply)."""
+        return self._generate("chat/completions", {"messages": list(messages)}, params, cancel, structure)
+
+    def complete(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
+                 session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
+        """`LanguageModel.complete` over HTTP (the server's `/v1/completions`)."""
+        return self._generate("completions", {"prompt": text}, params, cancel, structure)
+
+    def _generate(self, path: str, request: dict, params: SamplingParams, cancel: threading.Event | None,
+                  structure: Structure) -> Iterator[ChatEvent]:
         params = params.validated()
-        body = {"model": self.model_id, "messages": list(messages), "stream": True,
+        body = {"model": self.model_id, **request, **structure.fields, "stream": True,
                 "stream_options": {"include_usage": True}, "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
                 "repetition_penalty": params.repetition_penalty}
@@ -84,11 +96,16 @@ class RemoteLanguageModel:
                 body[name] = getattr(params, name)
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.logprobs is not None:
+            body |= {"logprobs": True, "top_logprobs": params.logprobs} if path == "chat/completions" else \
+                {"logprobs": params.logprobs}
         cancel = cancel or threading.Event()
         pieces: queue.SimpleQueue = queue.SimpleQueue()
         stats, start = GenerationStats(), time.perf_counter()
+        calls: dict[int, dict] = {}  # streamed tool calls by index, put together as their deltas come
         client = httpx.Client(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-        reader = threading.Thread(target=self._read, args=(client, body, pieces), daemon=True, name="remote-llm")
+        reader = threading.Thread(target=self._read, args=(client, path, body, pieces), daemon=True,
+                                  name="remote-llm")
         self._count(+1)
         reader.start()
         try:
@@ -105,11 +122,17 @@ class RemoteLanguageModel:
                 if item is None:
                     break
                 kind, value = item
-                if kind == "text":
+                if kind in ("text", "logprobs"):
                     if not stats.time_to_first_token_s:
                         stats.time_to_first_token_s = time.perf_counter() - start
                     stats.new_tokens += 1
-                    yield ChatEvent(text=value)
+                    yield ChatEvent(text=value) if kind == "text" else ChatEvent(logprobs=value)
+                elif kind == "call":
+                    call = calls.setdefault(value.get("index", 0), {"id": None, "name": "", "arguments": ""})
+                    call["id"] = value.get("id") or call["id"]
+                    function = value.get("function") or {}
+                    call["name"] += function.get("name") or ""
+                    call["arguments"] += function.get("arguments") or ""
                 elif kind == "finish":
                     stats.finish_reason = value
                 elif kind == "usage":
@@ -122,11 +145,12 @@ class RemoteLanguageModel:
             self._count(-1)
         stats.decode_s = max(time.perf_counter() - start - stats.time_to_first_token_s, 0.0)
         stats.finish_reason = stats.finish_reason or "stop"
-        yield ChatEvent(stats=stats)
+        yield ChatEvent(stats=stats, tool_calls=[ToolCall(c["name"], c["arguments"], *([c["id"]] if c["id"] else []))
+                                                 for _, c in sorted(calls.items())])
 
-    def _read(self, client: httpx.Client, body: dict, pieces: queue.SimpleQueue) -> None:
+    def _read(self, client: httpx.Client, path: str, body: dict, pieces: queue.SimpleQueue) -> None:
         try:
-            with client.stream("POST", f"{self.url}/chat/completions", json=body, headers=self.headers) as answer:
+            with client.stream("POST", f"{self.url}/{path}", json=body, headers=self.headers) as answer:
                 if answer.status_code != 200:
                     answer.read()
                     _checked(answer, self.url)
@@ -140,8 +164,20 @@ class RemoteLanguageModel:
                     if "error" in chunk:
                         raise UserError(f"the chat server at {self.url} failed: {chunk['error'].get('message')}")
                     for choice in chunk.get("choices") or []:
-                        if (choice.get("delta") or {}).get("content"):
-                            pieces.put(("text", choice["delta"]["content"]))
+                        delta = choice.get("delta") or {}
+                        if delta.get("content") or choice.get("text"):
+                            pieces.put(("text", delta.get("content") or choice["text"]))
+                        for call in delta.get("tool_calls") or []:
+                            pieces.put(("call", call))
+                        logprobs = choice.get("logprobs") or {}
+                        if logprobs.get("content"):  # chat completions' layout
+                            pieces.put(("logprobs", [_token_logprob(e) for e in logprobs["content"]]))
+                        elif logprobs.get("tokens"):  # completions' layout
+                            tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
+                            pieces.put(("logprobs", [TokenLogprob(t.encode(), v, [(k.encode(), x) for k, x in
+                                                                                  (top or {}).items()])
+                                                     for t, v, top in zip(logprobs["tokens"],
+                                                                          logprobs["token_logprobs"], tops)]))
                         if choice.get("finish_reason"):
                             pieces.put(("finish", choice["finish_reason"]))
                     if chunk.get("usage"):
@@ -155,6 +191,15 @@ class RemoteLanguageModel:
         except (UserError, ValueError) as e:
             pieces.put(e if isinstance(e, UserError) else UserError(f"the chat server at {self.url} sent "
                                                                     f"something that is not OpenAI's format ({e})"))
+
+
+def _token_logprob(entry: dict) -> TokenLogprob:
+    """One entry of OpenAI's `logprobs.content` as a `TokenLogprob`."""
+    def spelled(e: dict) -> bytes:
+        return bytes(e["bytes"]) if e.get("bytes") is not None else e["token"].encode()
+
+    return TokenLogprob(spelled(entry), entry["logprob"],
+                        [(spelled(t), t["logprob"]) for t in entry.get("top_logprobs") or []])
 
 
 def _checked(answer: httpx.Response, url: str) -> httpx.Response:

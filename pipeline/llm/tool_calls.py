@@ -132,7 +132,7 @@ def _function(tool: dict) -> dict:
 
 
 def _parameters(tool: dict) -> dict:
-    return _function(tool).get("parameters") or {"type": "object", "properties": {}}
+    return _function(tool).get("parameters") or {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 class TaggedCalls:

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from pipeline.llm.language_model import ChatEvent, LanguageModel
 from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.structure import Structure
 
 
 class ChatPipeline:
@@ -22,8 +23,12 @@ class ChatPipeline:
         self.llm.close()
 
     def stream(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
-               session: str | None = None) -> Iterator[ChatEvent]:
-        """Reply to `messages` (the last one the user's) in the model's chat format, streamed; see
-        `LanguageModel.reply`.
+               session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
+        """Reply to `messages` in the model's chat format, streamed; see `LanguageModel.reply`.
         `session` names the conversation, so its next turn prefills only what is new."""
-        return self.llm.chat(messages, params, cancel, session)
+        return self.llm.chat(messages, params, cancel, session, structure)
+
+    def complete(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
+                 session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
+        """Continue plain `text`, streamed; see `LanguageModel.complete`."""
+        return self.llm.complete(text, params, cancel, session, structure)

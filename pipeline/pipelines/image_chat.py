@@ -20,6 +20,7 @@ from pipeline.images import content_key
 from pipeline.llm.engine import Prompt
 from pipeline.llm.language_model import ChatEvent, LanguageModel
 from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.structure import Structure
 from pipeline.minigpt4.engine import VisionEncoder
 from pipeline.minigpt4.template import MiniGPT4Format
 from pipeline.minigpt4.vision import CLIP_MEAN, CLIP_STD
@@ -86,7 +87,8 @@ class ImageChatPipeline:
             return self._cache[key]
 
     def stream(self, image: np.ndarray | None, messages: Sequence[dict], params: SamplingParams,
-               cancel: threading.Event | None = None, session: str | None = None) -> Iterator[ChatEvent]:
+               cancel: threading.Event | None = None, session: str | None = None,
+               structure: Structure = Structure()) -> Iterator[ChatEvent]:
         """Reply to the last user message about `image`, streamed; see `LanguageModel.reply`."""
         if image is None:
             raise UserError("upload an image first: image chat talks about one picture")
@@ -96,4 +98,4 @@ class ImageChatPipeline:
         def fill(prompt: Prompt) -> Prompt:
             return prompt.fill(embeds, key)
 
-        return self.llm.reply(self.format, messages, params, cancel, session, fill=fill)
+        return self.llm.reply(self.format, messages, params, cancel, session, fill=fill, structure=structure)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -23,8 +24,11 @@ import numpy as np
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
 from pipeline.llm.engine import GenerationStats
+from pipeline.llm.language_model import TokenLogprob
 from pipeline.llm.prompt import ROLES
 from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.structure import Structure
+from pipeline.llm.tool_calls import ToolCall
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of
 from pipeline.service.store import ConversationStore, ReplyRecord
@@ -47,6 +51,8 @@ class ChatTurn:
     params: SamplingParams
     image: np.ndarray | None = dataclasses.field(default=None, repr=False)
     model: str | None = None  # the chat model asked for (switched to first if another runs); None: the one running
+    structure: Structure = Structure()  # tools offered, a JSON schema the reply follows
+    prompt: str | None = None  # a plain text to continue instead of `messages` (`/v1/completions`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +72,8 @@ class Update:
     status: str = ""
     notice: str | None = None
     stats: GenerationStats | None = None
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
 
 def text_of(content: object) -> str:
@@ -94,8 +102,31 @@ def plain_messages(raw: object, name: str = "messages") -> list[dict]:
         content = m.get("content")
         if content is not None and not isinstance(content, (str, list, dict)):
             raise UserError(f"{name}[{i}].content must be text or a list of parts", "messages")
-        out.append({"role": m["role"], "content": text_of(content)})
+        message = {"role": m["role"], "content": text_of(content)}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{name}[{i}].tool_calls")
+        if m["role"] == "tool":
+            message["tool_call_id"] = str(m.get("tool_call_id") or "")
+        out.append(message)
     return out
+
+
+def _tool_calls(raw: object, name: str) -> list[dict]:
+    """An assistant message's earlier calls, checked: each a function's name and JSON-object arguments."""
+    calls = []
+    for i, call in enumerate(raw if isinstance(raw, list) else [None]):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        try:
+            ok = isinstance(function.get("name"), str) and isinstance(json.loads(arguments), dict)
+        except (AttributeError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise UserError(f"{name}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": …, "
+                            f"\"arguments\": a JSON object as text}}}}", "messages")
+        calls.append({"id": str(call.get("id") or ""), "type": "function",
+                      "function": {"name": function["name"], "arguments": arguments}})
+    return calls
 
 
 def stats_line(stats: GenerationStats, context: int = 0) -> str:
@@ -168,11 +199,13 @@ class StudioService:
 
     def chat_turn(self, messages: object, sampling: Mapping[str, Any] | None = None, *, system: object = None,
                   tool: str | None = None, image: ImageSource | None = None,
-                  mask: ImageSource | None = None, model: str | None = None) -> ChatTurn:
+                  mask: ImageSource | None = None, model: str | None = None,
+                  structure: Structure = Structure()) -> ChatTurn:
         """A checked request, or a `UserError` naming what is wrong. `system`: a system prompt to put
         first (blank: none). `tool` None: image chat when there is an image, else chat. `mask` (white =
         the object) asks image chat about that object only. `model`: the chat model to answer (one of
-        `chat_models()`; another one than runs now is switched to, as the Models tab does)."""
+        `chat_models()`; another one than runs now is switched to, as the Models tab does). The last
+        message is the user's; in chat it may also be a tool's result, or an assistant reply to continue."""
         params = SamplingParams.from_values(**(sampling or {}))
         if system is not None and not isinstance(system, str):
             raise UserError(f"system_prompt must be text, got {system!r:.60}", "messages")
@@ -180,9 +213,12 @@ class StudioService:
         if isinstance(image, (str, bytes)) and not image:  # an empty upload field
             image = None
         plain = [m for m in plain_messages(messages) if m["role"] != "system" or m["content"].strip()]
-        if not plain or plain[-1]["role"] != "user" or not plain[-1]["content"].strip():
-            raise UserError("the message is empty: the last message must be the user's, with text", "messages")
         tool = tool or (IMAGE_CHAT if image is not None else CHAT)
+        last = plain[-1]["role"] if plain else None
+        if last not in (("user",) if tool == IMAGE_CHAT else ("user", "tool", "assistant")) \
+                or last in ("user", "assistant") and not plain[-1]["content"].strip():
+            raise UserError("the message is empty: the last message must be the user's, with text (in chat also a "
+                            "tool's result, or an assistant reply to continue)", "messages")
         if tool not in (CHAT, IMAGE_CHAT):
             raise UserError(f"there is no chat tool {tool!r}: use {CHAT!r} or {IMAGE_CHAT!r}", "model")
         pixels = None
@@ -195,7 +231,17 @@ class StudioService:
             raise UserError("a mask needs an image to ask about", "mask")
         if tool == IMAGE_CHAT or not self.switches_to(model):
             model = None
-        return ChatTurn(tool, tuple(plain), params, pixels, model)
+        return ChatTurn(tool, tuple(plain), params, pixels, model, structure)
+
+    def completion_turn(self, prompt: object, sampling: Mapping[str, Any] | None = None, *, model: str | None = None,
+                        structure: Structure = Structure()) -> ChatTurn:
+        """A checked request to continue plain text with the chat model (`/v1/completions`)."""
+        params = SamplingParams.from_values(**(sampling or {}))
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise UserError("prompt must be a non-empty string (or a list of one)", "prompt")
+        return ChatTurn(CHAT, (), params, None, model if self.switches_to(model) else None, structure, prompt)
 
     def _switchable(self) -> list[str]:
         return self.catalog.servable() if self.catalog is not None else []
@@ -252,9 +298,11 @@ class StudioService:
                 saved: Saved | None) -> Iterator[Update]:
         session = f"{turn.tool.replace(' ', '-')}:{client}"  # a placement hint: the cache finds turns by content
         if turn.tool == IMAGE_CHAT:
-            events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session)
+            events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session, turn.structure)
+        elif turn.prompt is not None:
+            events = pipeline.complete(turn.prompt, turn.params, flag, session, turn.structure)
         else:
-            events = pipeline.stream(turn.messages, turn.params, flag, session)
+            events = pipeline.stream(turn.messages, turn.params, flag, session, turn.structure)
         record = None if saved is None else ReplyRecord(
             self.store, saved.user, saved.conversation, turn.messages[-1]["content"], pipeline.llm.model_id,
             dataclasses.asdict(turn.params))
@@ -268,7 +316,7 @@ class StudioService:
                     else:
                         record.progress(text)
                 status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
-                yield Update(event.text, status, event.notice, event.stats)
+                yield Update(event.text, status, event.notice, event.stats, event.tool_calls, event.logprobs)
         finally:  # stopped, failed, or nobody reads any more (a closed tab): kept as it stands
             if record is not None:
                 record.end(text, "cancelled")
