@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from fastapi import FastAPI
@@ -336,3 +337,173 @@ def test_presence_and_frequency_penalties_reach_the_engine(api):
         assert client.chat.completions.create(**ask, **{name: 2}).choices[0].message.content != plain
         with pytest.raises(openai.BadRequestError, match=name):
             client.chat.completions.create(**ask, **{name: 3})
+
+
+QWEN2 = "demo/qwen2-tiny"  # its chat template writes tools (Qwen2.5's layout)
+FORECAST = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "forecast", "description": "The weather ahead",
+                                           "parameters": FORECAST}}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "mood": {"enum": ["happy", "sad"]},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "mood", "age"], "additionalProperties": False}
+SAMPLED = dict(temperature=1.0, top_p=1.0, extra_body={"top_k": 0, "repetition_penalty": 1.0})
+
+
+def ask(client, stream: bool, **kwargs) -> dict:
+    """One chat completion, streamed or not, as {content, tool_calls, finish, logprobs}: a streamed
+    reply's deltas put together as a client does."""
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        logprobs = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                    for t in choice.logprobs.content] if choice.logprobs else None
+        return {"content": choice.message.content, "tool_calls": calls, "finish": choice.finish_reason,
+                "logprobs": logprobs}
+    content, calls, finish, logprobs = "", {}, None, None
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for c in choice.delta.tool_calls or []:
+            got = calls.setdefault(c.index, [c.id, "", ""])
+            got[1] += c.function.name or ""
+            got[2] += c.function.arguments or ""
+        if choice.logprobs and choice.logprobs.content:
+            logprobs = (logprobs or []) + [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                                           for t in choice.logprobs.content]
+        finish = choice.finish_reason or finish
+    return {"content": content or None, "tool_calls": [tuple(c) for _, c in sorted(calls.items())], "finish": finish,
+            "logprobs": logprobs}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_qwen_v1_calls_tools_in_its_react_format(api, stream):
+    """Qwen v1 (no template): a forced call comes back as a tool call with valid arguments; its result
+    as a `tool` message is the Observation the model continues from to its answer."""
+    client, _ = api
+    question = [{"role": "user", "content": "Weather in Oslo?"}]
+    first = ask(client, stream, model=CHAT, messages=question, tools=TOOLS, tool_choice="required", max_tokens=200,
+                seed=1, **SAMPLED)
+    assert first["finish"] == "tool_calls" and len(first["tool_calls"]) == 1
+    call_id, name, arguments = first["tool_calls"][0]
+    assert name == "forecast" and call_id.startswith("call_")
+    jsonschema.validate(json.loads(arguments), FORECAST)
+    followed = question + [{"role": "assistant", "content": first["content"], "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "Sunny, 21 °C"}]
+    final = ask(client, stream, model=CHAT, messages=followed, tools=TOOLS, max_tokens=30, seed=2, **SAMPLED)
+    assert final["finish"] in ("stop", "length") and final["content"] and not final["tool_calls"]
+
+
+def test_a_plain_completion_streams_and_not_with_logprobs(api):
+    client, url = api
+    kwargs = dict(model=CHAT, prompt="Once upon a time", max_tokens=16, temperature=0.8, seed=5, logprobs=3)
+    whole = client.completions.create(**kwargs)
+    pieces = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in pieces if c.choices)
+    tokens = [t for c in pieces if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert whole.object == "text_completion" and whole.choices[0].text == text and text
+    assert whole.choices[0].logprobs.tokens == tokens and len(tokens) == whole.usage.completion_tokens
+    assert all(len(top) == 3 and max(top.values()) >= lp for top, lp in
+               zip(whole.choices[0].logprobs.top_logprobs, whole.choices[0].logprobs.token_logprobs))
+    assert pieces[-1].usage.completion_tokens == len(tokens)
+    with pytest.raises(openai.BadRequestError, match="prompt"):
+        client.completions.create(model=CHAT, prompt="", max_tokens=4)
+
+
+def test_an_assistant_message_last_is_continued(api):
+    client, _ = api
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One, two,"}]
+    reply = client.chat.completions.create(model=CHAT, messages=messages, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.content and "One, two," not in reply.choices[0].message.content
+    assert reply.usage.prompt_tokens > client.chat.completions.create(
+        model=CHAT, messages=messages[:1], max_tokens=1).usage.prompt_tokens
+
+
+def test_image_chat_refuses_tools_naming_them(api):
+    client, _ = api
+    with pytest.raises(openai.BadRequestError, match="tools") as e:
+        client.chat.completions.create(model="minigpt4", tools=TOOLS, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": image_url()}}]}])
+    assert e.value.body["param"] == "tools"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tool_call_round_trip_on_a_qwen2_template(api, stream):
+    """The template lists the tool; `required` forces a call with valid arguments, the `tool` message
+    carries the result back, and the model answers in text (`auto`: it may call again, but does not
+    here); a named function is the one called."""
+    client, _ = api
+    question = [{"role": "user", "content": "Will it rain in Oslo?"}]
+    first = ask(client, stream, model=QWEN2, messages=question, tools=TOOLS, tool_choice="required", max_tokens=200,
+                seed=3, **SAMPLED)
+    assert first["finish"] == "tool_calls" and [c[1] for c in first["tool_calls"]] == ["forecast"]
+    call_id, name, arguments = first["tool_calls"][0]
+    jsonschema.validate(json.loads(arguments), FORECAST)
+    followed = question + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "Rain, 9 °C"}]
+    final = ask(client, stream, model=QWEN2, messages=followed, tools=TOOLS, tool_choice="auto", max_tokens=30,
+                seed=4, **SAMPLED)
+    assert final["content"] and not final["tool_calls"] and final["finish"] in ("stop", "length")
+    named = ask(client, stream, model=QWEN2, messages=question, max_tokens=200, seed=5, **SAMPLED,
+                tools=TOOLS + [{"type": "function", "function": {"name": "now"}}],
+                tool_choice={"type": "function", "function": {"name": "now"}})
+    assert [(c[1], c[2]) for c in named["tool_calls"]] == [("now", "{}")]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_calls_and_json_schema_replies_validate_for_20_seeds(api, stream):
+    """Sampled at temperature 1 from random weights, every reply is still valid: forced calls against
+    the function's schema, `json_schema` (strict) content against its schema; the requests run
+    together in the batch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, _ = api
+    question = [{"role": "user", "content": "Go"}]
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    def call(seed: int) -> dict:
+        return ask(client, stream, model=QWEN2, messages=question, tools=TOOLS, tool_choice="required",
+                   max_tokens=200, seed=seed, **SAMPLED)
+
+    def person(seed: int) -> dict:
+        return ask(client, stream, model=QWEN2, messages=question, response_format=schema_format, max_tokens=200,
+                   seed=seed, **SAMPLED)
+
+    with ThreadPoolExecutor(10) as pool:
+        calls, people = list(pool.map(call, range(20))), list(pool.map(person, range(20)))
+    for reply in calls:
+        assert reply["finish"] == "tool_calls" and len(reply["tool_calls"]) == 1
+        jsonschema.validate(json.loads(reply["tool_calls"][0][2]), FORECAST)
+    for reply in people:
+        assert reply["finish"] == "stop"
+        jsonschema.validate(json.loads(reply["content"]), PERSON)
+    assert len({r["content"] for r in people}) > 15
+
+
+def test_unconstrained_replies_are_unchanged_beside_json_schema_ones(api):
+    """The same seeded request gives the same tokens alone and while 6 `json_schema` requests share its
+    batch; its logprobs, streamed and not, are the same too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, _ = api
+    free = dict(model=QWEN2, messages=[{"role": "user", "content": "Tell me"}], max_tokens=40, seed=11,
+                logprobs=True, top_logprobs=2, **SAMPLED)
+    alone = ask(client, False, **free)
+    long_format = {"type": "json_schema", "json_schema": {"name": "list", "schema": {
+        "type": "array", "items": {"type": "integer"}, "minItems": 200}}}
+    with ThreadPoolExecutor(7) as pool:  # 6 + 1: all in the engine's batch of 8
+        busy = [pool.submit(ask, client, False, model=QWEN2, messages=[{"role": "user", "content": "Go"}],
+                            response_format=long_format, max_tokens=1000, seed=s, **SAMPLED) for s in range(6)]
+        time.sleep(0.3)
+        beside = pool.submit(ask, client, True, **free).result()
+        assert not all(b.done() for b in busy)  # they were still running
+        for b in busy:
+            assert json.loads(b.result()["content"]) if b.result()["finish"] == "stop" else True
+    assert beside["content"] == alone["content"]
+    assert [t for t, _, _ in beside["logprobs"]] == [t for t, _, _ in alone["logprobs"]]
+    assert [lp for _, lp, _ in beside["logprobs"]] == pytest.approx([lp for _, lp, _ in alone["logprobs"]], abs=1e-4)
+    assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, _, top in alone["logprobs"])

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.cache_rows import CacheRows
-from pipeline.llm.grammar import Grammar, apply_masks, bitmask_words
+from pipeline.llm.grammar import Grammar, apply_masks, bitmask_words, fill_masks
 from pipeline.llm.model import Decoder
 from pipeline.llm.model_runner import ModelRunner
 from pipeline.llm.sampling import Draws, SamplingParams, counts_penalized
@@ -385,17 +385,14 @@ class TorchLLMEngine:
 
     def _masked(self, requests: list[Request], logits: Tensor) -> Tensor:
         """`logits` with each constrained row's forbidden tokens at -inf: the masks are made on the
-        host, uploaded in one copy and applied on the device."""
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        host, uploaded in one asynchronous copy and applied on the device (other rows stay as they were)."""
         if self._bitmask is None:
             self._bitmask = torch.zeros(2, self.max_batch, bitmask_words(self.vocab_size), dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
         self._flip_mask ^= 1  # the other buffer's upload may still be queued
-        host = self._bitmask[self._flip_mask, :len(constrained)]
-        for j, i in enumerate(constrained):
-            requests[i].grammar.fill(host, j)
-        rows = torch.tensor(constrained, device=self.device)
-        return apply_masks(logits, host.to(self.device, non_blocking=True), rows)
+        host = self._bitmask[self._flip_mask, :len(requests)]
+        fill_masks([r.grammar for r in requests], host)
+        return apply_masks(logits, host.to(self.device, non_blocking=True))
 
     def _deliver(self, r: Request, token: int, logits: Tensor | None, logprobs: Tensor | None = None) -> None:
         """Hand `token` to its request, or end the request (a stop id, its length, the context end)."""

@@ -7,10 +7,11 @@ its first token; outlines-core needs seconds to build each schema's index and ~2
 
 `GrammarVocabulary` is built once per loaded model from our own tokenizer's byte table, so the same
 code serves HF `tokenizers`, Qwen v1 tiktoken and SentencePiece vocabularies. Each request gets a
-`Grammar` (its own matcher: the row's grammar state in the continuous batch). The engine asks the
-constrained rows of a step for their masks on the host while the GPU runs the step's forward pass,
-uploads them in one copy and applies them with `apply_masks` on the device; rows without a grammar
-are never touched, and a batch without any pays nothing.
+`Grammar` (its own matcher: the row's grammar state in the continuous batch). While the GPU runs a
+step's forward pass, the engine has `fill_masks` compute the constrained rows' masks on the host (in
+parallel threads), uploads them in one asynchronous copy and applies them with `apply_masks` on the
+device: the host never waits for the GPU for it. Rows without a grammar keep their logits as they
+were, and a batch without any grammar row does none of this.
 """
 
 from __future__ import annotations
@@ -110,16 +111,6 @@ class Grammar:
     def __init__(self, matcher, ends: Tensor):
         self._matcher, self._ends = matcher, ends
 
-    def fill(self, bitmask: Tensor, row: int) -> None:
-        """Write the allowed next tokens into row `row` of the host `bitmask` (int32, one bit per token):
-        once the grammar is complete, only the end ids (a matcher in error ends the reply the same way)."""
-        import llguidance.torch
-
-        if self._matcher.is_error():
-            bitmask[row] = self._ends
-        else:
-            llguidance.torch.fill_next_token_bitmask(self._matcher, bitmask, row)
-
     def consume(self, token: int) -> None:
         """Advance past the drawn `token` (a stop id ends the grammar)."""
         if not self._matcher.is_stopped():
@@ -128,6 +119,30 @@ class Grammar:
     @property
     def error(self) -> str:
         return self._matcher.get_error() if self._matcher.is_error() else ""
+
+
+_executor = None
+
+
+def fill_masks(grammars: list[Grammar | None], bitmask: Tensor) -> None:
+    """Write each row's allowed next tokens into the host `bitmask` [len(grammars), words] (int32, one
+    bit per token), the rows' grammars computed in parallel: a row without a grammar allows every token;
+    a complete grammar allows only the end ids (a matcher in error ends the reply the same way)."""
+    import llguidance
+    import llguidance.torch
+
+    global _executor
+    jobs = []
+    for row, grammar in enumerate(grammars):
+        if grammar is None:
+            bitmask[row] = -1
+        elif grammar._matcher.is_error():
+            bitmask[row] = grammar._ends
+        else:
+            jobs.append((grammar._matcher, row))
+    if jobs:
+        _executor = _executor or llguidance.LLExecutor()
+        llguidance.torch.fill_next_token_bitmask_par(_executor, jobs, bitmask)
 
 
 def _bit(i: int) -> int:
@@ -139,10 +154,9 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def apply_masks(logits: Tensor, bitmask: Tensor, rows: Tensor) -> Tensor:
-    """`logits` [B, vocab] with the tokens `bitmask` [len(rows), words] forbids set to -inf in the
-    given `rows` (all on the logits' device); other rows are returned as they were."""
+def apply_masks(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """`logits` [B, vocab] with the tokens `bitmask` [B, words] (on the logits' device) forbids set to
+    -inf; a row whose bits are all set comes back unchanged."""
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
-    masked = logits[rows].masked_fill(~allowed, float("-inf"))
-    return logits.index_copy(0, rows, masked)
+    return logits.masked_fill(~allowed, float("-inf"))
