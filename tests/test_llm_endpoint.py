@@ -82,3 +82,31 @@ def test_an_unreachable_endpoint_is_one_line_at_start_up(tmp_path):
                           env={**__import__("os").environ, "STUDIO_CACHE": str(tmp_path)})
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "cannot reach the chat server at http://127.0.0.1:9/v1" in done.stderr
+
+
+def test_tools_json_schemas_logprobs_and_completions_pass_through(running_app, second_app):
+    """Through the second app, the first one (the endpoint) applies tools, `json_schema`, logprobs and
+    plain completions: the same seeded requests give the same answers either way."""
+    import openai
+
+    first, second = (openai.OpenAI(base_url=url + "v1", api_key="-", max_retries=0, timeout=120)
+                     for url in (running_app.url, second_app.url))
+    model = second.models.list().data[0].id
+    sampled = dict(model=model, temperature=1.0, top_p=1.0, seed=3, extra_body={"top_k": 0, "repetition_penalty": 1.0})
+    tools = [{"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"],
+        "additionalProperties": False}}}]
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}}
+    question = [{"role": "user", "content": "Weather?"}]
+    answers = []
+    for client in (first, second):
+        called = client.chat.completions.create(**sampled, messages=question, tools=tools, tool_choice="required",
+                                                max_tokens=120).choices[0]
+        shaped = client.chat.completions.create(**sampled, messages=question, response_format=schema, max_tokens=60,
+                                                logprobs=True, top_logprobs=2).choices[0]
+        plain = client.completions.create(model=model, prompt="Once", max_tokens=8, seed=4).choices[0]
+        answers.append((called.finish_reason, [(c.function.name, c.function.arguments) for c in called.message.tool_calls],
+                        shaped.message.content, [t.token for t in shaped.logprobs.content], plain.text))
+    assert answers[0] == answers[1]
+    assert answers[0][0] == "tool_calls" and json.loads(answers[0][2])["n"] is not None
