@@ -52,7 +52,7 @@ def test_prompt_fitting_renders_a_long_history_a_few_times_not_once_per_turn(qwe
     fmt = chat_format(load_tokenizer(qwen2_demo))
     renders = []
     render = fmt.render
-    fmt.render = lambda messages: renders.append(len(messages)) or render(messages)
+    fmt.render = lambda messages, tools=(): renders.append(len(messages)) or render(messages, tools)
     history = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 3} for i in range(1999)]
     prompt, notices = fit_prompt(fmt, history, budget=300)
     assert len(prompt) <= 300 and "oldest" in notices[0]
