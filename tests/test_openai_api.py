@@ -358,11 +358,11 @@ def ask(client, stream: bool, **kwargs) -> dict:
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
         calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
-        logprobs = [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
-                    for t in choice.logprobs.content] if choice.logprobs else None
+        entries = choice.logprobs.content if choice.logprobs else None
         return {"content": choice.message.content, "tool_calls": calls, "finish": choice.finish_reason,
-                "logprobs": logprobs}
-    content, calls, finish, logprobs = "", {}, None, None
+                "logprobs": entries and [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+                                         for t in entries], "token_bytes": entries and [bytes(t.bytes) for t in entries]}
+    content, calls, finish, logprobs, token_bytes = "", {}, None, None, []
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         choice = chunk.choices[0]
         content += choice.delta.content or ""
@@ -373,9 +373,10 @@ def ask(client, stream: bool, **kwargs) -> dict:
         if choice.logprobs and choice.logprobs.content:
             logprobs = (logprobs or []) + [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
                                            for t in choice.logprobs.content]
+            token_bytes += [bytes(t.bytes) for t in choice.logprobs.content]
         finish = choice.finish_reason or finish
     return {"content": content or None, "tool_calls": [tuple(c) for _, c in sorted(calls.items())], "finish": finish,
-            "logprobs": logprobs}
+            "logprobs": logprobs, "token_bytes": token_bytes}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -507,3 +508,32 @@ def test_unconstrained_replies_are_unchanged_beside_json_schema_ones(api):
     assert [t for t, _, _ in beside["logprobs"]] == [t for t, _, _ in alone["logprobs"]]
     assert [lp for _, lp, _ in beside["logprobs"]] == pytest.approx([lp for _, lp, _ in alone["logprobs"]], abs=1e-4)
     assert all(len(top) == 2 and top[0][1] >= top[1][1] for _, _, top in alone["logprobs"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_log_softmax_of_the_models_logits(api, qwen2_demo, stream):
+    """The API's logprobs, streamed and not, against log-softmax (fp32, CPU) of the logits transformers
+    computes for the same prompt and reply tokens from the same checkpoint."""
+    from pipeline.llm.prompt import chat_format
+    from pipeline.llm.tokenizer import load_tokenizer
+
+    client, _ = api
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    reply = ask(client, stream, model=QWEN2, messages=messages, max_tokens=12, seed=21, logprobs=True, top_logprobs=4,
+                **SAMPLED)
+    tokenizer = load_tokenizer(qwen2_demo)
+    by_bytes = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    reply_ids = [by_bytes[b] for b in reply["token_bytes"]]
+    prompt_ids = list(chat_format(tokenizer).render(messages).ids)
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(qwen2_demo, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + reply_ids])).logits[0, len(prompt_ids) - 1:-1]
+    reference = torch.log_softmax(logits.float(), -1)
+    for (token, logprob, top), i, row in zip(reply["logprobs"], reply_ids, reference):
+        assert logprob == pytest.approx(row[i].item(), abs=1e-4)
+        values, ids = row.topk(4)
+        assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-4)
+        assert [t for t, _ in top][0] == tokenizer.token_bytes(ids[0].item()).decode("utf-8", "backslashreplace")
