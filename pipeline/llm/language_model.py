@@ -102,15 +102,14 @@ class LanguageModel:
         if fill is not None:
             prompt = fill(prompt)
         if structure.forced:
-            grammar, param = calls.grammar(structure.forced), "tools"
+            grammar = (calls.grammar(structure.forced), "tools")
         elif structure.schema is not None:
-            grammar, param = json_schema_grammar(structure.schema), "response_format"
+            grammar = (json_schema_grammar(structure.schema), "response_format")
         else:
-            grammar = param = None
+            grammar = None
         stops = (*fmt.stop_strings, *(calls.stop_strings if tools else ()), *params.stop)
         reader = calls.reader() if tools else None
-        yield from self._generate(prompt, params, fmt.stop_ids, stops, cancel, session, grammar and (grammar, param),
-                                  reader)
+        yield from self._generate(prompt, params, fmt.stop_ids, stops, cancel, session, grammar, reader)
 
     def complete(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
                  session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
@@ -136,15 +135,14 @@ class LanguageModel:
         matcher = None if grammar is None else self._vocabulary(stop_ids).grammar(*grammar)
         stream = self.engine.submit(prompt, params, stop_ids, session=session, cancel=cancel, grammar=matcher)
         text = TextStream(self.tokenizer, stop_strings)
-        started, received = not strip, 0
+        started = not strip
         try:
-            for token_id in stream:
-                received += 1
+            for index, token_id in enumerate(stream):
                 piece = text.push(token_id)
                 if not started:  # SentencePiece replies start with the space of "▁word"
                     piece = piece.lstrip()
                     started = bool(piece)
-                event = ChatEvent(logprobs=self._logprobs(stream, received - 1, token_id))
+                event = ChatEvent(logprobs=self._logprobs(stream, index, token_id))
                 event.text, event.tool_calls = reader.push(piece) if reader is not None else (piece, [])
                 if event.text or event.tool_calls or event.logprobs:
                     yield event

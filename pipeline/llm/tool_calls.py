@@ -94,10 +94,9 @@ class TaggedReader:
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return None
         arguments = value.get("arguments", {})
-        if isinstance(arguments, str):
-            arguments = json.loads(_parse_arguments(arguments) or "{}")
         self._calls += 1
-        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+        return ToolCall(value["name"], _parse_arguments(arguments) or "{}" if isinstance(arguments, str)
+                        else json.dumps(arguments, ensure_ascii=False))
 
     def _content(self, text: str) -> str:
         return "" if self._calls and not text.strip() else text  # the line breaks between calls
