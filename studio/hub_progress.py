@@ -2,7 +2,7 @@
 
 `snapshot_download(tqdm_class=…)` creates its byte bars from the class given. A plain `tqdm` subclass
 (not huggingface_hub's, which would hide itself away from a terminal) writes nowhere, and on each update
-(the client reads 10 MB at a time) reports the bytes of every file so far, at most every `EVERY_S`; it
+(once per read of `READ_BYTES`) reports the bytes of every file so far, at most every `EVERY_S`; it
 also raises `DownloadCancelled` there when the user cancelled: the files already complete stay in the
 cache, and the file in progress is dropped (huggingface_hub 1.x+ downloads each to a fresh temporary file).
 """
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 EVERY_S = 0.5
+READ_BYTES = 1 << 20  # huggingface_hub reads 10 MiB at a time unless told otherwise
 
 
 class DownloadCancelled(Exception):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.service.tools import size_text
-from studio.hub_progress import DownloadCancelled, progress_class
+from studio.hub_progress import READ_BYTES, DownloadCancelled, progress_class
 
 CHAT, IMAGE_CHAT, SEGMENT = "chat", "image chat", "segment"
 SAM_PARAMS = {"sam_vit_h": 636_000_000, "sam_vit_l": 308_000_000, "sam_vit_b": 91_000_000}
@@ -247,7 +247,7 @@ class ModelCatalog:
         """Fetch `repo_id`'s config, tokenizer and weights into the Hugging Face cache with huggingface_hub's
         client, progress to `say`. A connection dropped mid-file resumes from the bytes it has (HTTP
         Range); after a cancel or a failure, the files already complete are kept and not fetched again."""
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import (GatedRepoError, HFValidationError, RepositoryNotFoundError,
                                             RevisionNotFoundError)
 
@@ -256,6 +256,7 @@ class ModelCatalog:
         repo_id = (repo_id or "").strip()
         if not repo_id:
             raise UserError("type a Hugging Face model id, like Qwen/Qwen2.5-0.5B-Instruct")
+        constants.DOWNLOAD_CHUNK_SIZE = READ_BYTES  # Cancel is seen once per read: 10 MiB is seconds on a slow line
         try:
             path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES,
                                           tqdm_class=progress_class(say, cancel)))

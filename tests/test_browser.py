@@ -460,9 +460,12 @@ def test_models_tab_switches_the_chat_model_downloads_and_deletes(browser, tmp_p
 
     repo = tmp_path / "repo"
     shutil.copytree(demo_model_dir("demo/qwen2-tiny", studio_cache), repo)
-    (repo / "extra.safetensors").write_bytes(os.urandom(24 << 20))  # the client reports every 10 MB it reads
+    (repo / "extra.safetensors").write_bytes(os.urandom(24 << 20))  # progress is reported once per 1 MiB read
     data, hub_cache = tmp_path / "data", tmp_path / "hf-cache"
-    repos = {"studio-test/qwen2-tiny": repo, "studio-test/cancelled": repo}
+    slow = tmp_path / "slow-repo"  # large enough that Cancel always lands while it downloads
+    shutil.copytree(repo, slow)
+    (slow / "extra.safetensors").write_bytes(os.urandom(96 << 20))
+    repos = {"studio-test/qwen2-tiny": repo, "studio-test/cancelled": slow}
     with serving(repos, delay_s=0.003, drop_once=("extra.safetensors",)) as hub:
         monkeypatch.setenv("HF_ENDPOINT", hub.url)
         monkeypatch.setenv("HF_HUB_CACHE", str(hub_cache))
