@@ -154,7 +154,8 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
     max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     sampling = {"max_new_tokens": body.get(max_name), "logprobs": _logprobs_wanted(body, completion),
                 **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed",
-                                                     "stop", "presence_penalty", "frequency_penalty")}}
+                                                     "stop", "presence_penalty", "frequency_penalty",
+                                                     "logit_bias")}}
     try:  # absent values keep the UI's defaults
         structure = Structure.from_openai(body.get("tools"), body.get("tool_choice"), body.get("response_format"))
         if completion:

@@ -53,7 +53,8 @@ CHAT_FIELDS = [
     Field("logprobs", IMPLEMENTED, "each token's log-probability: log-softmax of the model's logits (fp32), before "
                                    "sampling settings and grammars"),
     Field("top_logprobs", IMPLEMENTED, "0–20 most likely tokens at each place (with `logprobs`)"),
-    Field("logit_bias", REFUSED, "not supported", (None, {})),
+    Field("logit_bias", IMPLEMENTED, "{token id: -100–100} added to those tokens' logits before sampling (ids of "
+                                     "the model's own tokenizer, up to 300; torch engine)"),
     Field("response_format", IMPLEMENTED, "`text`, `json_object`, `json_schema` (strict or not, enforced by a "
                                           "grammar while decoding; torch engine)"),
     Field("tools", IMPLEMENTED, "functions, written as the model's family writes them (Qwen2/2.5/3 chat templates, "

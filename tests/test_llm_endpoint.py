@@ -85,8 +85,8 @@ def test_an_unreachable_endpoint_is_one_line_at_start_up(tmp_path):
 
 
 def test_tools_json_schemas_logprobs_and_completions_pass_through(running_app, second_app):
-    """Through the second app, the first one (the endpoint) applies tools, `json_schema`, logprobs and
-    plain completions: the same seeded requests give the same answers either way."""
+    """Through the second app, the first one (the endpoint) applies tools, `json_schema`, logprobs,
+    logit_bias and plain completions: the same seeded requests give the same answers either way."""
     import openai
 
     first, second = (openai.OpenAI(base_url=url + "v1", api_key="-", max_retries=0, timeout=120)
@@ -106,7 +106,11 @@ def test_tools_json_schemas_logprobs_and_completions_pass_through(running_app, s
         shaped = client.chat.completions.create(**sampled, messages=question, response_format=schema, max_tokens=60,
                                                 logprobs=True, top_logprobs=2).choices[0]
         plain = client.completions.create(model=model, prompt="Once", max_tokens=8, seed=4).choices[0]
+        biased = client.completions.create(model=model, prompt="Once", max_tokens=4, seed=4,
+                                           logit_bias={"300": 100}).choices[0]
         answers.append((called.finish_reason, [(c.function.name, c.function.arguments) for c in called.message.tool_calls],
-                        shaped.message.content, [t.token for t in shaped.logprobs.content], plain.text))
+                        shaped.message.content, [t.token for t in shaped.logprobs.content], plain.text, biased.text))
     assert answers[0] == answers[1]
     assert answers[0][0] == "tool_calls" and json.loads(answers[0][2])["n"] is not None
+    forced = answers[0][5]
+    assert forced and forced == forced[:len(forced) // 4] * 4  # token 300, four times

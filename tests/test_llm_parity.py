@@ -163,25 +163,25 @@ class OpenAIPenalties:
         return scores
 
 
-@pytest.mark.parametrize("presence, frequency", [(0.8, 0.0), (0.0, 0.6), (1.5, -0.4)])
-def test_presence_and_frequency_penalties_match_a_reference_over_32_greedy_steps(hf_checkpoint, presence, frequency):
+def greedy_with_and_without(hf_checkpoint, processor, **sampling) -> None:
+    """32 greedy tokens: transformers with `processor` against our engine with `sampling`, which must
+    change the reply; a row without `sampling` decoding beside it is unchanged."""
     kind, model, folder = hf_checkpoint
     if kind != "qwen2":
-        pytest.skip("one model is enough: the penalties do not depend on the architecture")
+        pytest.skip("one model is enough: sampling settings do not depend on the architecture")
     prompt = torch.randint(0, 320, (1, 12), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         ref = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
-                             pad_token_id=0, logits_processor=[OpenAIPenalties(12, presence, frequency)])[0, 12:].tolist()
+                             pad_token_id=0, logits_processor=[processor])[0, 12:].tolist()
         plain = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, 12:].tolist()
-    assert ref != plain  # the penalties change this reply
+    assert ref != plain  # the setting changes this reply
     engine = TorchLLMEngine(load_decoder(folder), context=64, vocab_size=320, max_batch=2)
-    params = SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.0, presence_penalty=presence,
-                            frequency_penalty=frequency)
-    penalized = engine.submit(Prompt(tuple(prompt[0].tolist())), params, stop_ids=set())
+    params = SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.0, **sampling)
+    changed = engine.submit(Prompt(tuple(prompt[0].tolist())), params, stop_ids=set())
     alone = engine.submit(Prompt(tuple(prompt[0].tolist()) + (7,)), SamplingParams(
         max_new_tokens=32, temperature=0, repetition_penalty=1.0), stop_ids=set())  # a row without, beside it
-    ours, other = list(penalized), list(alone)
+    ours, other = list(changed), list(alone)
     engine.close()
     assert ours == ref
     engine = TorchLLMEngine(load_decoder(folder), context=64, vocab_size=320, max_batch=2)
@@ -189,3 +189,15 @@ def test_presence_and_frequency_penalties_match_a_reference_over_32_greedy_steps
         max_new_tokens=32, temperature=0, repetition_penalty=1.0), stop_ids=set()))
     engine.close()
     assert other == by_itself  # the row beside it is unchanged
+
+
+@pytest.mark.parametrize("presence, frequency", [(0.8, 0.0), (0.0, 0.6), (1.5, -0.4)])
+def test_presence_and_frequency_penalties_match_a_reference_over_32_greedy_steps(hf_checkpoint, presence, frequency):
+    greedy_with_and_without(hf_checkpoint, OpenAIPenalties(12, presence, frequency), presence_penalty=presence,
+                            frequency_penalty=frequency)
+
+
+def test_logit_bias_matches_transformers_sequence_bias_over_32_greedy_steps(hf_checkpoint):
+    bias = {5: 3.0, 17: -100.0, 200: 1.5, 311: 2.25}
+    greedy_with_and_without(hf_checkpoint, transformers.SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()]),
+                            logit_bias=tuple(bias.items()))

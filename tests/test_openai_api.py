@@ -290,13 +290,13 @@ def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
 
 
 ASKING = {  # for each field the table refuses, a value that asks for something
-    "service_tier": "flex", "store": True, "metadata": {"run": "7"}, "logit_bias": {"11": 5},
+    "service_tier": "flex", "store": True, "metadata": {"run": "7"},
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {},
 }
-ASKING_COMPLETIONS = {"logit_bias": {"11": 5}, "echo": True, "suffix": "end", "best_of": 3}
+ASKING_COMPLETIONS = {"echo": True, "suffix": "end", "best_of": 3}
 
 
 def test_every_field_is_in_the_table_and_each_refused_one_gets_a_400_naming_it(api):
@@ -353,7 +353,8 @@ SAMPLED = dict(temperature=1.0, top_p=1.0, extra_body={"top_k": 0, "repetition_p
 
 
 def ask(client, stream: bool, **kwargs) -> dict:
-    """One chat completion, streamed or not, as {content, tool_calls, finish, logprobs}: a streamed
+    """One chat completion, streamed or not, as {content, tool_calls, finish, logprobs, token_bytes,
+    top_bytes}: a streamed
     reply's deltas put together as a client does."""
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
@@ -361,8 +362,9 @@ def ask(client, stream: bool, **kwargs) -> dict:
         entries = choice.logprobs.content if choice.logprobs else None
         return {"content": choice.message.content, "tool_calls": calls, "finish": choice.finish_reason,
                 "logprobs": entries and [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
-                                         for t in entries], "token_bytes": entries and [bytes(t.bytes) for t in entries]}
-    content, calls, finish, logprobs, token_bytes = "", {}, None, None, []
+                                         for t in entries], "token_bytes": entries and [bytes(t.bytes) for t in entries],
+                "top_bytes": entries and [[bytes(a.bytes) for a in t.top_logprobs] for t in entries]}
+    content, calls, finish, logprobs, token_bytes, top_bytes = "", {}, None, None, [], []
     for chunk in client.chat.completions.create(**kwargs, stream=True):
         choice = chunk.choices[0]
         content += choice.delta.content or ""
@@ -374,9 +376,10 @@ def ask(client, stream: bool, **kwargs) -> dict:
             logprobs = (logprobs or []) + [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
                                            for t in choice.logprobs.content]
             token_bytes += [bytes(t.bytes) for t in choice.logprobs.content]
+            top_bytes += [[bytes(a.bytes) for a in t.top_logprobs] for t in choice.logprobs.content]
         finish = choice.finish_reason or finish
     return {"content": content or None, "tool_calls": [tuple(c) for _, c in sorted(calls.items())], "finish": finish,
-            "logprobs": logprobs, "token_bytes": token_bytes}
+            "logprobs": logprobs, "token_bytes": token_bytes, "top_bytes": top_bytes}
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -537,3 +540,30 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(api, qwen2_demo, stre
         values, ids = row.topk(4)
         assert [lp for _, lp in top] == pytest.approx(values.tolist(), abs=1e-4)
         assert [t for t, _ in top][0] == tokenizer.token_bytes(ids[0].item()).decode("utf-8", "backslashreplace")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logit_bias_bans_and_forces_tokens(api, qwen2_demo, stream):
+    """-100 on the greedy reply's first token: the reply starts with the runner-up instead; +100 on one
+    token: a sampled reply is that token throughout. Ids outside the vocabulary or biases outside ±100:
+    400 naming logit_bias."""
+    from pipeline.llm.tokenizer import load_tokenizer
+
+    client, _ = api
+    tokenizer = load_tokenizer(qwen2_demo)
+    by_bytes = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}
+    greedy = dict(model=QWEN2, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=6,
+                  temperature=0, logprobs=True, top_logprobs=2, extra_body={"repetition_penalty": 1.0})
+    plain = ask(client, stream, **greedy)
+    first, runner_up = by_bytes[plain["token_bytes"][0]], by_bytes[plain["top_bytes"][0][1]]
+    banned = ask(client, stream, **greedy, logit_bias={str(first): -100})
+    assert by_bytes[banned["token_bytes"][0]] == runner_up != first
+    forced = ask(client, stream, model=QWEN2, messages=[{"role": "user", "content": "Tell me a story"}],
+                 max_tokens=8, seed=4, logprobs=True, logit_bias={"300": 100}, **SAMPLED)
+    assert [by_bytes[b] for b in forced["token_bytes"]] == [300] * 8
+    for bias, words in (({str(tokenizer.vocab_size): 5}, "token ids run from 0"), ({"3": 101}, "from -100 to 100"),
+                        ({"three": 1}, "token ids")):
+        with pytest.raises(openai.BadRequestError, match=words) as caught:
+            client.chat.completions.create(model=QWEN2, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           logit_bias=bias)
+        assert caught.value.body["param"] == "logit_bias"

@@ -99,9 +99,11 @@ class TrtLlmEngine:
         Structured outputs and log-probabilities are refused here (not yet wired to the executor's own)."""
         if keep_logits:
             raise UserError("the TensorRT-LLM engine does not return logits; use --backend torch")
-        if grammar is not None or params.logprobs is not None:
-            raise UserError("structured outputs, required tool calls and logprobs run on the torch engine: start "
-                            "the app with --backend torch for them", "response_format" if grammar else "logprobs")
+        if grammar is not None or params.logprobs is not None or params.logit_bias:
+            raise UserError("structured outputs, required tool calls, logprobs and logit_bias run on the torch "
+                            "engine: start the app with --backend torch for them",
+                            "response_format" if grammar else "logprobs" if params.logprobs is not None
+                            else "logit_bias")
         params = params.validated()
         if not 0 < len(prompt) < self.context:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")

@@ -35,7 +35,7 @@ from pipeline.llm.cache_rows import CacheRows
 from pipeline.llm.grammar import Grammar, apply_masks, bitmask_words, fill_masks
 from pipeline.llm.model import Decoder
 from pipeline.llm.model_runner import ModelRunner
-from pipeline.llm.sampling import Draws, SamplingParams, counts_penalized
+from pipeline.llm.sampling import Draws, InvalidSampling, SamplingParams, counts_penalized
 from pipeline.llm.scheduler import Request, Scheduler
 
 
@@ -231,6 +231,9 @@ class TorchLLMEngine:
         params = params.validated()
         if not 0 < len(prompt) < self.context:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
+            raise InvalidSampling("logit_bias", f"logit_bias names token {params.logit_bias[-1][0]}, but this "
+                                                f"model's token ids run from 0 to {self.vocab_size - 1}")
         stream = TokenStream(cancel, keep_logits, params.logprobs is not None)
         stream.stats.prompt_tokens = len(prompt)
         self.scheduler.add(Request(prompt, params, set(stop_ids), session, stream, Draws(params.seed),
@@ -378,7 +381,9 @@ class TorchLLMEngine:
         wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
         # log-softmax of the model's own logits in fp32, before any sampling setting or grammar, as OpenAI reports them
         logprobs = logits.float().log_softmax(-1) if wanted else None
-        allowed = self._masked(requests, logits) if any(r.grammar is not None for r in requests) else logits
+        allowed = _biased(requests, logits) if any(r.params.logit_bias for r in requests) else logits
+        if any(r.grammar is not None for r in requests):
+            allowed = self._masked(requests, allowed)
         drawn = self.runner.draw([r.params for r in requests], uniforms, allowed, self.rows.seen[rows],
                                  self.rows.counts[rows])
         return drawn, (_chosen_and_top(logprobs, drawn, max(wanted)) if wanted else None)
@@ -425,6 +430,17 @@ class TorchLLMEngine:
         the running block."""
         request.stream.end(reason)
         self.scheduler.leave(request, error=reason == "error")
+
+
+def _biased(requests: list[Request], logits: Tensor) -> Tensor:
+    """A copy of `logits` in fp32 with each request's `logit_bias` added to its row (OpenAI's: before
+    any other sampling setting, so +100 all but forces a token and -100 all but bans it)."""
+    where = [(i, token, bias) for i, r in enumerate(requests) for token, bias in r.params.logit_bias]
+    rows, tokens, biases = zip(*where)
+    out = logits.to(torch.float32, copy=True)
+    out.index_put_((torch.tensor(rows, device=out.device), torch.tensor(tokens, device=out.device)),
+                   torch.tensor(biases, device=out.device), accumulate=True)
+    return out
 
 
 def _chosen_and_top(logprobs: Tensor, drawn: Tensor, k: int) -> Tensor:

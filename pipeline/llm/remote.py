@@ -96,6 +96,8 @@ class RemoteLanguageModel:
                 body[name] = getattr(params, name)
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
         if params.logprobs is not None:
             body |= {"logprobs": True, "top_logprobs": params.logprobs} if path == "chat/completions" else \
                 {"logprobs": params.logprobs}

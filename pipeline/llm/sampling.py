@@ -78,6 +78,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # each token's log-probability and this many most likely alternatives
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings (an API client's `stop`)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to its logit before sampling
 
     @classmethod
     def from_values(cls, **values) -> "SamplingParams":
@@ -86,13 +87,12 @@ class SamplingParams:
         the same out-of-range value gets the same message from the UI, the API and the terminal chat."""
         if values.get("seed") == -1:  # the UI's "random" (its seed box shows -1)
             values = {**values, "seed": None}
-        unknown = set(values) - set(LIMITS) - {"stop"}
+        unknown = set(values) - set(LIMITS) - set(LISTS)
         if unknown:
-            raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of {', '.join(LIMITS)}, stop")
-        checked = {name: LIMITS[name].check(name, value) for name, value in values.items()
-                   if value is not None and name != "stop"}
-        if values.get("stop") is not None:
-            checked["stop"] = _stop_strings(values["stop"])
+            raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of "
+                            f"{', '.join([*LIMITS, *LISTS])}")
+        checked = {name: (LISTS[name] if name in LISTS else LIMITS[name].check)(name, value)
+                   for name, value in values.items() if value is not None}
         return cls(**checked)
 
     def validated(self) -> "SamplingParams":
@@ -100,16 +100,43 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None or name not in OPTIONAL:
                 limit.check(name, value)
-        _stop_strings(self.stop)
+        for name, check in LISTS.items():
+            check(name, getattr(self, name))
         return self
 
 
-def _stop_strings(value) -> tuple[str, ...]:
+def _stop_strings(name: str, value) -> tuple[str, ...]:
     """A stop string, or a list of up to 4, as a tuple; anything else is an `InvalidSampling`."""
     stops = (value,) if isinstance(value, str) else value
     if not isinstance(stops, (list, tuple)) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-        raise InvalidSampling("stop", f"stop must be a string or a list of up to 4 non-empty strings, got {value!r:.80}")
+        raise InvalidSampling(name, f"{name} must be a string or a list of up to 4 non-empty strings, got {value!r:.80}")
     return tuple(stops)
+
+
+BIAS = Limit(-100, 100)
+MAX_BIASED = 300  # tokens one request may bias (OpenAI's limit)
+
+
+def _logit_bias(name: str, value) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (JSON keys are strings), or the (id, bias) pairs themselves, as
+    sorted pairs; whether an id is in the vocabulary is the engine's check."""
+    pairs = list(value.items()) if isinstance(value, dict) else value
+    if not isinstance(pairs, (list, tuple)) or len(pairs) > MAX_BIASED:
+        raise InvalidSampling(name, f"{name} must map up to {MAX_BIASED} token ids to numbers, got {value!r:.80}")
+    out = {}
+    for token, bias in pairs:
+        ident = token if isinstance(token, int) and not isinstance(token, bool) else \
+            int(token) if isinstance(token, str) and token.isdigit() else None
+        if ident is None:
+            raise InvalidSampling(name, f"{name}'s keys must be token ids (whole numbers), got {token!r:.40}")
+        try:
+            out[ident] = BIAS.check(f"{name}[{token}]", bias)
+        except InvalidSampling as e:
+            raise InvalidSampling(name, str(e)) from None
+    return tuple(sorted(out.items()))
+
+
+LISTS = {"stop": _stop_strings, "logit_bias": _logit_bias}  # settings that are not one number
 
 
 class Draws:
