@@ -34,6 +34,7 @@ from pipeline.llm.tool_calls import ToolCall
 from pipeline.service.studio import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService, Update
 
 IMAGE_MODEL = "minigpt4"
+MAX_CHOICES = 8  # `n`: a request's choices decode side by side, each a row of the batch
 MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not
 
 
@@ -61,6 +62,19 @@ class ChatRequest:
     include_usage: bool
     client: str
     one_call: bool = False  # parallel_tool_calls false: at most one tool call
+    n: int = 1  # choices
+
+    def choices(self) -> list[tuple[str, ChatTurn]]:
+        """(client, turn) of each choice. A seeded request's choice i uses seed + i, so the choices differ
+        and the request repeats. Choices after the first run as clients of their own: a request counts
+        once against its client's limit of replies in flight."""
+        out = []
+        for i in range(self.n):
+            seed = self.turn.params.seed
+            params = dataclasses.replace(self.turn.params, seed=None if seed is None else (seed + i) % 2**63)
+            out.append((self.client if i == 0 else f"{self.client}#choice{i}",
+                        dataclasses.replace(self.turn, params=params)))
+        return out
 
 
 def _whole(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
@@ -143,8 +157,7 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
         models = [*service.chat_models(), *([] if completion else [IMAGE_MODEL])]
         raise ApiError(404, f"model {model!r} does not exist here: use one of {', '.join(models)}", "model",
                        "model_not_found")
-    if _whole(body, "n", 1, 1, 1) != 1:
-        raise ApiError(400, "n must be 1", "n")
+    choices = _whole(body, "n", 1, 1, MAX_CHOICES)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ApiError(400, f"user must be a string, got {user!r:.40}", "user")
@@ -176,22 +189,23 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
     # share one address, and one's 8 parallel requests must not refuse another's).
     return ChatRequest(IMAGE_MODEL if turn.tool == IMAGE_CHAT else model, turn, stream,
                        bool(isinstance(options, dict) and options.get("include_usage")),
-                       f"api:user:{user}" if user else f"api:request:{secrets.token_hex(8)}", one_call is False)
+                       f"api:user:{user}" if user else f"api:request:{secrets.token_hex(8)}", one_call is False, choices)
 
 
 class Reply:
-    """One request's reply produced on a worker thread; the HTTP side reads `pieces` and can cancel."""
+    """One choice of a request produced on a worker thread; the HTTP side reads `pieces` and can cancel."""
 
-    def __init__(self, service: StudioService, req: ChatRequest):
+    def __init__(self, service: StudioService, req: ChatRequest, client: str, turn: ChatTurn):
         self.req, self.cancel = req, threading.Event()
         self.pieces: queue.SimpleQueue = queue.SimpleQueue()  # Update, then ("end", None or exception)
         self.stats = None
         self.calls = 0
-        threading.Thread(target=self._run, args=(service,), daemon=True, name="openai-reply").start()
+        self.ended = False  # the HTTP side has read its end
+        threading.Thread(target=self._run, args=(service, client, turn), daemon=True, name="openai-reply").start()
 
-    def _run(self, service: StudioService) -> None:
+    def _run(self, service: StudioService, client: str, turn: ChatTurn) -> None:
         try:
-            for update in service.reply(self.req.client, self.req.turn, self.cancel):
+            for update in service.reply(client, turn, self.cancel):
                 if self.req.one_call:
                     update.tool_calls = update.tool_calls[:max(1 - self.calls, 0)]
                 self.calls += len(update.tool_calls)
@@ -209,11 +223,15 @@ class Reply:
             return "length"
         return "tool_calls" if self.calls else "stop"
 
-    def usage(self) -> dict:
-        prompt = self.stats.prompt_tokens if self.stats else 0
-        completion = self.stats.new_tokens if self.stats else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.stats.cached_tokens if self.stats else 0}}
+
+
+def _usage(replies: list[Reply]) -> dict:
+    """OpenAI's usage of a request: its prompt once (as the first choice read it), every choice's tokens."""
+    first = replies[0].stats
+    prompt = first.prompt_tokens if first else 0
+    completion = sum(r.stats.new_tokens for r in replies if r.stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens if first else 0}}
 
 
 def _user_error(e: BaseException) -> ApiError:
@@ -226,16 +244,25 @@ def _user_error(e: BaseException) -> ApiError:
     return ApiError(500, f"the server failed: {type(e).__name__}")
 
 
-async def _next(reply: Reply, request: Request):
-    """The reply's next piece, cancelling it if the client has gone."""
+async def _next(replies: list[Reply], request: Request) -> tuple[int, object]:
+    """(choice, its next piece) from the choices still running; a client that has gone cancels them all
+    (they all read as ended, and the choice is -1)."""
     while True:
-        try:
-            return reply.pieces.get_nowait()
-        except queue.Empty:
-            if await request.is_disconnected():
+        for i, reply in enumerate(replies):
+            if reply.ended:
+                continue
+            try:
+                item = reply.pieces.get_nowait()
+            except queue.Empty:
+                continue
+            reply.ended = isinstance(item, tuple)
+            return i, item
+        if await request.is_disconnected():
+            for reply in replies:
                 reply.cancel.set()
-                return ("end", None)
-            await asyncio.sleep(0.005)
+                reply.ended = True
+            return -1, ("end", None)
+        await asyncio.sleep(0.005)
 
 
 def build_router(service: StudioService, api_key: str | None, allow_files: bool) -> APIRouter:
@@ -272,20 +299,22 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
             req = parse_request(body, allow_files, service, completion)
         except (ApiError, UserError) as e:
             return _user_error(e).response()
-        reply = Reply(service, req)
-        shape = CompletionShape() if completion else ChatShape()
+        replies = [Reply(service, req, client, turn) for client, turn in req.choices()]
+        shapes = _shapes(CompletionShape if completion else ChatShape, req.n)
         if req.stream:
-            return StreamingResponse(_sse(reply, request, shape), media_type="text/event-stream")
-        updates = []
-        while True:
-            item = await _next(reply, request)
+            return StreamingResponse(_sse(replies, request, shapes), media_type="text/event-stream")
+        updates: list[list[Update]] = [[] for _ in replies]
+        while not all(r.ended for r in replies):
+            i, item = await _next(replies, request)
             if isinstance(item, tuple):
                 if item[1] is not None:
+                    for reply in replies:
+                        reply.cancel.set()
                     return _user_error(item[1]).response()
-                break
-            updates.append(item)
-        return {**shape.head(req.model), "choices": [shape.whole(updates, reply.finish_reason())],
-                "usage": reply.usage()}
+                continue
+            updates[i].append(item)
+        return {**shapes[0].head(req.model), "usage": _usage(replies),
+                "choices": [s.whole(u, r.finish_reason()) for s, u, r in zip(shapes, updates, replies)]}
 
     @router.post("/chat/completions")
     async def chat_completions(request: Request):
@@ -303,11 +332,20 @@ def _spelled(token: bytes) -> str:
     return token.decode("utf-8", errors="backslashreplace")
 
 
-class ChatShape:
-    """Chat completions' JSON: a message with content and tool calls; logprobs as `content` entries."""
+def _shapes(kind: type, n: int) -> list:
+    """One shape per choice, all with the request's one id and time."""
+    ident, created = f"{kind.PREFIX}-{secrets.token_hex(12)}", int(time.time())
+    return [kind(i, ident, created) for i in range(n)]
 
-    def __init__(self):
-        self.ident, self.created, self.calls = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), 0
+
+class ChatShape:
+    """Chat completions' JSON for choice `index`: a message with content and tool calls; logprobs as
+    `content` entries."""
+
+    PREFIX = "chatcmpl"
+
+    def __init__(self, index: int, ident: str, created: int):
+        self.index, self.ident, self.created, self.calls = index, ident, created, 0
 
     def head(self, model: str, chunk: bool = False) -> dict:
         return {"id": self.ident, "object": "chat.completion.chunk" if chunk else "chat.completion",
@@ -330,16 +368,17 @@ class ChatShape:
         return out
 
     def first(self) -> dict | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
 
     def delta(self, update: Update) -> dict:
         delta = {"content": update.text} if update.text else {}
         if update.tool_calls:
             delta["tool_calls"] = self._calls(update.tool_calls)
-        return {"index": 0, "delta": delta, "logprobs": self._logprobs(update.logprobs), "finish_reason": None}
+        return {"index": self.index, "delta": delta, "logprobs": self._logprobs(update.logprobs), "finish_reason": None}
 
     def last(self, finish: str) -> dict:
-        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+        return {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": finish}
 
     def whole(self, updates: list[Update], finish: str) -> dict:
         text = "".join(u.text for u in updates)
@@ -349,14 +388,17 @@ class ChatShape:
         message = {"role": "assistant", "content": text if text or not calls else None}
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
-        return {"index": 0, "message": message, "logprobs": self._logprobs(entries), "finish_reason": finish}
+        return {"index": self.index, "message": message, "logprobs": self._logprobs(entries), "finish_reason": finish}
 
 
 class CompletionShape:
-    """Completions' JSON: `text`; logprobs as parallel lists of tokens, log-probabilities and offsets."""
+    """Completions' JSON for choice `index`: `text`; logprobs as parallel lists of tokens,
+    log-probabilities and offsets."""
 
-    def __init__(self):
-        self.ident, self.created, self.offset = f"cmpl-{secrets.token_hex(12)}", int(time.time()), 0
+    PREFIX = "cmpl"
+
+    def __init__(self, index: int, ident: str, created: int):
+        self.index, self.ident, self.created, self.offset = index, ident, created, 0
 
     def head(self, model: str, chunk: bool = False) -> dict:
         return {"id": self.ident, "object": "text_completion", "created": self.created, "model": model}
@@ -375,41 +417,48 @@ class CompletionShape:
         return None
 
     def delta(self, update: Update) -> dict:
-        return {"index": 0, "text": update.text, "logprobs": self._logprobs(update.logprobs), "finish_reason": None}
+        return {"index": self.index, "text": update.text, "logprobs": self._logprobs(update.logprobs),
+                "finish_reason": None}
 
     def last(self, finish: str) -> dict:
-        return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish}
+        return {"index": self.index, "text": "", "logprobs": None, "finish_reason": finish}
 
     def whole(self, updates: list[Update], finish: str) -> dict:
         entries = [e for u in updates for e in u.logprobs or []] if any(u.logprobs is not None for u in updates) \
             else None
-        return {"index": 0, "text": "".join(u.text for u in updates), "logprobs": self._logprobs(entries),
+        return {"index": self.index, "text": "".join(u.text for u in updates), "logprobs": self._logprobs(entries),
                 "finish_reason": finish}
 
 
-async def _sse(reply: Reply, request: Request, shape: ChatShape | CompletionShape) -> AsyncIterator[str]:
+async def _sse(replies: list[Reply], request: Request, shapes: list) -> AsyncIterator[str]:
+    """Server-sent events: each choice's role chunk, then the choices' deltas as they come, each
+    choice's finish as it ends, usage (if asked) and [DONE]."""
     def chunk(choice: dict | None, **extra) -> str:
-        body = {**shape.head(reply.req.model, chunk=True), "choices": [choice] if choice else [], **extra}
+        body = {**shapes[0].head(replies[0].req.model, chunk=True), "choices": [choice] if choice else [], **extra}
         return f"data: {json.dumps(body)}\n\n"
 
     try:
-        if (first := shape.first()) is not None:
-            yield chunk(first)
-        while True:
-            item = await _next(reply, request)
+        for shape in shapes:
+            if (first := shape.first()) is not None:
+                yield chunk(first)
+        while not all(r.ended for r in replies):
+            i, item = await _next(replies, request)
+            if i < 0:
+                return
             if isinstance(item, tuple):
                 if item[1] is not None:
                     error = _user_error(item[1])
                     yield f"data: {json.dumps({'error': {'message': error.message, 'type': 'server_error'}})}\n\n"
                     return
-                break
-            yield chunk(shape.delta(item))
-        yield chunk(shape.last(reply.finish_reason()))
-        if reply.req.include_usage:
-            yield chunk(None, usage=reply.usage())
+                yield chunk(shapes[i].last(replies[i].finish_reason()))
+                continue
+            yield chunk(shapes[i].delta(item))
+        if replies[0].req.include_usage:
+            yield chunk(None, usage=_usage(replies))
         yield "data: [DONE]\n\n"
-    finally:  # the client went away (or the stream ended): the engine drops the request
-        reply.cancel.set()
+    finally:  # the client went away (or the stream ended): the engine drops the requests
+        for reply in replies:
+            reply.cancel.set()
 
 
 def mount(app: FastAPI, service: StudioService, api_key: str | None, allow_files: bool) -> None:

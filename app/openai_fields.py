@@ -38,7 +38,8 @@ CHAT_FIELDS = [
     Field("top_p", IMPLEMENTED, "(0, 1]"),
     Field("seed", IMPLEMENTED, "the same seed and request give the same reply"),
     Field("stop", IMPLEMENTED, "a string or up to 4"),
-    Field("n", IMPLEMENTED, "1 only", (None, 1)),
+    Field("n", IMPLEMENTED, "1–8 choices, decoded side by side in the batch; a seeded request's choice i uses "
+                            "seed + i"),
     Field("user", IMPLEMENTED, "the client whose replies in flight are limited (429 past 4)"),
     Field("top_k", IMPLEMENTED, "extension: 0–1000 (0: off)"),
     Field("repetition_penalty", IMPLEMENTED, "extension: 0.5–3 (transformers' rule, prompt included)"),

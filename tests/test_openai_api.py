@@ -94,7 +94,7 @@ def test_an_image_question_goes_to_image_chat(api):
     (dict(model="gpt-4o"), 404, "model", "does not exist"),
     (dict(max_tokens=10**9), 400, "max_tokens", "from 1 to 32768"),
     (dict(temperature="hot"), 400, "temperature", "number"),
-    (dict(n=3), 400, "n", "1"),
+    (dict(n=9), 400, "n", "from 1 to 8"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {
         "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400, "messages", "image"),
     (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, {
@@ -263,8 +263,8 @@ def test_stop_strings_end_the_reply_before_them(api):
 
 def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
     """The service's per-client limit holds for API clients too (a client is its `user`): the fifth
-    endless reply of one user is refused with 429, another user and a request without `user` are
-    served, and closing the streams ends the four."""
+    endless reply of one user is refused with 429, another user (even with more choices than the limit)
+    and a request without `user` are served, and closing the streams ends the four."""
     from pipeline.service.studio import MAX_IN_FLIGHT
 
     client, url = api
@@ -277,8 +277,8 @@ def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(**endless)
     assert f"already has {MAX_IN_FLIGHT} replies in progress" in caught.value.body["message"]
-    other = client.chat.completions.create(**{**endless, "user": "bob", "max_tokens": 2})
-    assert other.choices[0].message.content is not None
+    other = client.chat.completions.create(**{**endless, "user": "bob", "max_tokens": 2, "n": MAX_IN_FLIGHT + 2})
+    assert len(other.choices) == MAX_IN_FLIGHT + 2  # a request's choices count once against the limit
     anonymous = {k: v for k, v in endless.items() if k != "user"}
     assert client.chat.completions.create(**{**anonymous, "max_tokens": 2}).choices[0].message.content is not None
     for stream in streams:
@@ -567,3 +567,33 @@ def test_logit_bias_bans_and_forces_tokens(api, qwen2_demo, stream):
             client.chat.completions.create(model=QWEN2, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                            logit_bias=bias)
         assert caught.value.body["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_each_equal_the_seeded_single_reply(api, stream):
+    """n=3 with seed 40: choice i is the reply that seed 40 + i gives alone (chat and plain completions,
+    streamed and not, with logprobs); usage counts the prompt once and every choice's tokens."""
+    client, _ = api
+    chat = dict(model=QWEN2, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=10,
+                logprobs=True, **SAMPLED)
+    plain = dict(model=QWEN2, prompt="Once upon", max_tokens=10, logprobs=1, **SAMPLED)
+    for create, kwargs, text_of in ((client.chat.completions.create, chat, lambda c: c.message.content),
+                                    (client.completions.create, plain, lambda c: c.text)):
+        alone = [create(**kwargs, seed=40 + i) for i in range(3)]
+        if stream:
+            texts, finishes, usage = ["", "", ""], [None] * 3, None
+            for chunk in create(**kwargs, seed=40, n=3, stream=True, stream_options={"include_usage": True}):
+                usage = chunk.usage or usage
+                for c in chunk.choices:
+                    piece = c.text if hasattr(c, "text") else c.delta.content
+                    texts[c.index] += piece or ""
+                    finishes[c.index] = c.finish_reason or finishes[c.index]
+            choices = list(zip(texts, finishes))
+        else:
+            together = create(**kwargs, seed=40, n=3)
+            assert [c.index for c in together.choices] == [0, 1, 2]
+            choices, usage = [(text_of(c), c.finish_reason) for c in together.choices], together.usage
+        assert choices == [(text_of(a.choices[0]), a.choices[0].finish_reason) for a in alone]
+        assert len({text for text, _ in choices}) > 1  # the choices differ
+        assert usage.prompt_tokens == alone[0].usage.prompt_tokens
+        assert usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
