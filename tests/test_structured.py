@@ -171,9 +171,17 @@ def test_react_replies_are_read_as_calls_or_answers():
     reader.push('Thought: I need the weather.\nAction: forecast\nAction Input: {"city": "Oslo"}\nObservation:')
     thought, calls = reader.finish()
     assert thought == "I need the weather." and (calls[0].name, calls[0].arguments) == ("forecast", '{"city": "Oslo"}')
+    reply = " I now know the final answer\nFinal Answer:  It is sunny. \n"
     answer = ReActReader()
-    answer.push(" I now know the final answer\nFinal Answer: It is sunny.")
-    assert answer.finish() == ("It is sunny.", [])
+    cut = reply.index(" sunny")
+    assert answer.push(reply[:cut]) == ("It is", []), "the answer streams before the reply ends"
+    assert answer.push(reply[cut:]) == (" sunny.", []) and answer.finish() == ("", [])
+    for size in (1, 2, 3, 5, 8):  # any split: the answer, all of it, once; nothing of the Thought
+        reader = ReActReader()
+        pieces = [reader.push(reply[i:i + size])[0] for i in range(0, len(reply), size)]
+        assert "".join(pieces) + reader.finish()[0] == "It is sunny."
+    no_format = ReActReader()
+    assert no_format.push("Just words") == ("", []) and no_format.finish() == ("Just words", [])
 
 
 def test_an_assistant_message_last_is_continued_as_transformers_continues_it(qwen2_demo, qwen_v1_demo):

@@ -102,19 +102,32 @@ class TaggedReader:
         return "" if self._calls and not text.strip() else text  # the line breaks between calls
 
 
+FINAL = "Final Answer:"
+
+
 class ReActReader:
-    """Reads Qwen v1's ReAct reply at its end: `Action:` + `Action Input:` is a call (its Thought the
-    content), `Final Answer:` the answer. Nothing shows while it streams: until the reply ends it is
-    not known which it is."""
+    """Reads Qwen v1's ReAct reply: the text after `Final Answer:` streams as it comes (trailing
+    whitespace held back until more text follows); `Action:` + `Action Input:` is a call (its Thought
+    the content), read when the reply ends at `Observation:`. Until one of the two shows, nothing is
+    shown: a Thought is not the answer."""
 
     def __init__(self):
-        self._text = ""
+        self._text, self._answer_at, self._sent = "", -1, 0
 
     def push(self, text: str) -> tuple[str, list[ToolCall]]:
         self._text += text
-        return "", []
+        if self._answer_at < 0:
+            at = self._text.find(FINAL)
+            if at < 0 or "\nAction Input:" in self._text[:at]:
+                return "", []
+            self._answer_at = at + len(FINAL)
+        answer = self._text[self._answer_at:].lstrip().rstrip()
+        out, self._sent = answer[self._sent:], len(answer)
+        return out, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
+        if self._answer_at >= 0:
+            return "", []
         text = self._text
         action, given = text.rfind("\nAction:"), text.rfind("\nAction Input:")
         if 0 <= action < given:
@@ -122,8 +135,7 @@ class ReActReader:
             arguments = text[given + len("\nAction Input:"):].split("\nObservation", 1)[0].strip()
             thought = text[:action].strip().removeprefix("Thought:").strip()
             return thought, [ToolCall(name, _parse_arguments(arguments) or json.dumps({"input": arguments}))]
-        answer = text.rfind("Final Answer:")
-        return (text[answer + len("Final Answer:"):].strip() if answer >= 0 else text.strip()), []
+        return text.strip(), []
 
 
 def _function(tool: dict) -> dict:
