@@ -224,7 +224,6 @@ class Reply:
         return "tool_calls" if self.calls else "stop"
 
 
-
 def _usage(replies: list[Reply]) -> dict:
     """OpenAI's usage of a request: its prompt once (as the first choice read it), every choice's tokens."""
     first = replies[0].stats

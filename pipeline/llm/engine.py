@@ -307,6 +307,10 @@ class TorchLLMEngine:
             self.rows.counts[row] = 0
         if not prompt.slots:  # as transformers does: the prompt's own ids count for the penalty
             seen[row, torch.tensor(prompt.ids, device=self.device)] = True
+        if request.params.logit_bias:
+            ids, biases = zip(*request.params.logit_bias)
+            request.bias = torch.zeros(self.vocab_size, device=self.device).index_put_(
+                (torch.tensor(ids, device=self.device),), torch.tensor(biases, device=self.device))
         drawn, logprobs = self._draw([request], logits[None], row)
         token = drawn.tolist()[0]
         if request.grammar is not None:
@@ -381,7 +385,7 @@ class TorchLLMEngine:
         wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
         # log-softmax of the model's own logits in fp32, before any sampling setting or grammar, as OpenAI reports them
         logprobs = logits.float().log_softmax(-1) if wanted else None
-        allowed = _biased(requests, logits) if any(r.params.logit_bias for r in requests) else logits
+        allowed = _biased(requests, logits) if any(r.bias is not None for r in requests) else logits
         if any(r.grammar is not None for r in requests):
             allowed = self._masked(requests, allowed)
         drawn = self.runner.draw([r.params for r in requests], uniforms, allowed, self.rows.seen[rows],
@@ -433,13 +437,13 @@ class TorchLLMEngine:
 
 
 def _biased(requests: list[Request], logits: Tensor) -> Tensor:
-    """A copy of `logits` in fp32 with each request's `logit_bias` added to its row (OpenAI's: before
-    any other sampling setting, so +100 all but forces a token and -100 all but bans it)."""
-    where = [(i, token, bias) for i, r in enumerate(requests) for token, bias in r.params.logit_bias]
-    rows, tokens, biases = zip(*where)
+    """A copy of `logits` in fp32 with each request's `logit_bias` row added (OpenAI's: before any other
+    sampling setting, so +100 all but forces a token and -100 all but bans it). The rows were made at
+    admission: a step uploads nothing."""
     out = logits.to(torch.float32, copy=True)
-    out.index_put_((torch.tensor(rows, device=out.device), torch.tensor(tokens, device=out.device)),
-                   torch.tensor(biases, device=out.device), accumulate=True)
+    for i, r in enumerate(requests):
+        if r.bias is not None:
+            out[i] += r.bias
     return out
 
 

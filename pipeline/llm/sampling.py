@@ -129,10 +129,7 @@ def _logit_bias(name: str, value) -> tuple[tuple[int, float], ...]:
             int(token) if isinstance(token, str) and token.isdigit() else None
         if ident is None:
             raise InvalidSampling(name, f"{name}'s keys must be token ids (whole numbers), got {token!r:.40}")
-        try:
-            out[ident] = BIAS.check(f"{name}[{token}]", bias)
-        except InvalidSampling as e:
-            raise InvalidSampling(name, str(e)) from None
+        out[ident] = BIAS.check(name, bias)
     return tuple(sorted(out.items()))
 
 

@@ -19,6 +19,8 @@ from pipeline.llm.grammar import Grammar
 from pipeline.llm.sampling import Draws, SamplingParams
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from pipeline.llm.engine import Prompt, TokenStream
 
 
@@ -34,6 +36,7 @@ class Request:
     draws: Draws
     submitted: float
     grammar: Grammar | None = None  # the tokens it may draw (structured output)
+    bias: Tensor | None = None  # its logit_bias as one row over the vocabulary, on the device (made at admission)
     row: int = -1
     position: int = 0  # where the next fed token goes in the cache
     table: int = 0  # rotary table (Qwen v1 dynamic NTK)

@@ -121,7 +121,7 @@ class ReActReader:
             if at < 0 or "\nAction Input:" in self._text[:at]:
                 return "", []
             self._answer_at = at + len(FINAL)
-        answer = self._text[self._answer_at:].lstrip().rstrip()
+        answer = self._text[self._answer_at:].strip()
         out, self._sent = answer[self._sent:], len(answer)
         return out, []
 
