@@ -23,6 +23,7 @@ from pipeline.errors import UserError
 from pipeline.files import atomic_folder
 from pipeline.llm.config import CONFIG_WRITERS, DecoderConfig, config_from_hf
 from pipeline.llm.families import QWEN_V1, Layout, family_of
+from pipeline.llm.gguf_file import hf_tensors, read_gguf
 from pipeline.llm.model import Decoder
 from pipeline.llm.quant import empty_quantized
 from pipeline.weights_io import read_json, read_weight_file
@@ -46,9 +47,10 @@ def _weight_files(folder: Path) -> list[Path]:
     for single in ("model.safetensors", "pytorch_model.bin"):
         if (folder / single).is_file():
             return [folder / single]
-    found = sorted(folder.glob("*.safetensors"))
-    if found:
-        return found
+    for pattern in ("*.safetensors", "*.gguf"):  # a GGUF file is linked into its folder (`gguf_folder.py`)
+        found = sorted(folder.glob(pattern))
+        if found:
+            return found
     raise UserError(f"no weights in {folder} (expected *.safetensors or pytorch_model.bin)")
 
 
@@ -59,6 +61,8 @@ def read_tensors(folder: Path, dtype: torch.dtype | None = None) -> StateDict:
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise UserError(f"checkpoint in {folder} is incomplete: missing {', '.join(missing)}")
+    if files[0].suffix == ".gguf":  # one model, however many parts: the reader joins them
+        return hf_tensors(read_gguf(files[0].resolve()), dtype)
     tensors: StateDict = {}
     for path in tqdm(files, desc=f"loading {folder.name}", unit="shard", disable=len(files) < 2):
         part = read_weight_file(path, "model weights")

@@ -40,6 +40,8 @@ class DecoderConfig:
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     # "awq" or "gptq": the checkpoint holds pre-quantized int4 weights (`prequantized.py`); "": float ones.
     quantization: str = ""
+    # A GGUF file's quantization as users name it ("Q4_K_M", "Q8_0", "F16"); "": not a GGUF file.
+    gguf_type: str = ""
 
     @property
     def q_size(self) -> int:
@@ -147,6 +149,7 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         qk_norm=family.qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         quantization=_quantization(cfg),
+        gguf_type=str((cfg.get("gguf") or {}).get("quant_type", "")),
     )
 
 

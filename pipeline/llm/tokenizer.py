@@ -212,7 +212,8 @@ class HFTokenizer(ByteTableTokenizer):
         self._added = {t.content: i for i, t in added.items()}
         self._specials = {i for i, t in added.items() if t.special} | \
             {i for i in map(self._tok.token_to_id, [*named.values(), *extra]) if i is not None}
-        self.bos_id = self._tok.token_to_id(named["bos_token"]) if "bos_token" in named else None
+        adds_bos = "bos_token" in named and config.get("add_bos_token") is not False  # GGUF files say false
+        self.bos_id = self._tok.token_to_id(named["bos_token"]) if adds_bos else None
         eos = self._tok.token_to_id(named["eos_token"]) if "eos_token" in named else None
         self._eos = ({eos} if eos is not None else set()) | generation_eos_ids(folder)
         decoder = self._tok.decoder

@@ -1,0 +1,250 @@
+"""GGUF files (llama.cpp's format, as LM Studio, Ollama, Jan and GPT4All keep models): read with the
+`gguf` package (the llama.cpp project's own reader), checked, and mapped onto what the rest of the
+app already reads: a transformers `config.json`, tokenizer files (`gguf_tokenizer.py`) and tensors
+under transformers' names, dequantized by `gguf_quants.py`.
+
+Why map rather than add a fourth loader: the decoder, the quantizers and their cache, the trust
+check, the tokenizer and chat-template code then serve GGUF files unchanged (`gguf_folder`).
+
+Checked before anything runs, each with one line: the magic and version, a header that runs past
+the end of the file (truncated downloads, hostile lengths), tensor data past the end, a tensor type
+we do not dequantize, an architecture we do not run, a missing tensor. Split files
+(`name-00001-of-00003.gguf`) are read as one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline.errors import UserError
+from pipeline.llm.gguf_quants import BLOCKS, SUPPORTED, dequantize
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# GGUF architecture → the `model_type` it is run as (Qwen v1 as Qwen2: its closest kin, as our converter does)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen": "qwen2"}
+# llama.cpp's quantization names of `general.file_type`, for messages and the Models tab
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+              12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+              32: "BF16"}
+PER_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+             "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+             "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+             "attn_k.bias": "self_attn.k_proj.bias", "attn_v.bias": "self_attn.v_proj.bias",
+             "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+             "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+             "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+             "ffn_down.weight": "mlp.down_proj.weight"}
+GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+          "output.weight": "lm_head.weight"}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    kind: str  # a `gguf_quants.BLOCKS` type name
+    shape: tuple[int, ...]  # rows first (GGUF writes the dimensions the other way round)
+    data: np.ndarray  # the stored bytes (a view of the memory-mapped file)
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFModel:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensor]
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """An architecture's hyper-parameter (`llama.block_count`), by its key after the prefix."""
+        return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise UserError(f"{self.path.name} lacks {self.architecture}.{key} in its metadata: an incomplete GGUF file")
+        return value
+
+    @property
+    def quant_type(self) -> str:
+        """What users call its quantization (Q4_K_M), from `general.file_type` or its tensors."""
+        known = FILE_TYPES.get(self.metadata.get("general.file_type", -1))
+        if known:
+            return known
+        kinds = [t.kind for t in self.tensors.values() if len(t.shape) == 2]
+        return max(set(kinds), key=kinds.count) if kinds else "?"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else 'no details'}"[:160]
+
+
+def _check_header(path: Path) -> None:
+    try:
+        with path.open("rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
+    if len(head) < 8:
+        raise UserError(f"{path.name} is {len(head)} bytes long: not a GGUF file (truncated download?)")
+    if head[:4] != MAGIC:
+        raise UserError(f"{path.name} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
+    version = int.from_bytes(head[4:8], "little")
+    if version not in VERSIONS:
+        raise UserError(f"{path.name} is GGUF version {version}; this app reads versions {', '.join(map(str, VERSIONS))}")
+
+
+def _read_one(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    _check_header(path)
+    size = path.stat().st_size
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the reader's errors are ValueError/IndexError/KeyError alike
+        raise UserError(f"{path.name}: damaged GGUF header ({_first_line(e)}); the file is truncated or not a "
+                        f"model, re-download it") from None
+    metadata = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        try:
+            metadata[name] = field.contents()
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"{path.name}: metadata {name!r} cannot be read ({_first_line(e)}): a damaged file") from None
+    tensors = {}
+    for t in reader.tensors:
+        kind = GGMLQuantizationType(t.tensor_type).name
+        if kind not in SUPPORTED:
+            raise UserError(f"{path.name}: tensor {t.name} is {kind}, which this app does not load "
+                            f"(it loads {', '.join(SUPPORTED)}); take the model's Q4_K_M, Q8_0 or F16 file")
+        shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+        per_block, block_bytes = BLOCKS[kind]
+        nbytes = int(np.prod(shape)) // per_block * block_bytes
+        if t.data_offset + nbytes > size or t.data.nbytes != nbytes:
+            raise UserError(f"{path.name}: tensor {t.name} ends past the end of the file (truncated download?); "
+                            f"re-download it")
+        tensors[t.name] = GGUFTensor(t.name, kind, shape, t.data)
+    return metadata, tensors
+
+
+def split_parts(path: Path) -> list[Path]:
+    """All files of a split model, given any of them (the file alone when it is not split)."""
+    match = SPLIT.match(path.name)
+    if not match:
+        return [path]
+    count = int(match["count"])
+    parts = [path.with_name(f"{match['stem']}-{n:05d}-of-{count:05d}.gguf") for n in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise UserError(f"{path.name} is part of a split model whose parts {', '.join(missing)} are missing")
+    return parts
+
+
+def read_gguf(path: Path) -> GGUFModel:
+    """The model in `path` (every part of a split one): metadata and tensors, checked; the tensors stay in
+    the memory-mapped file until `hf_tensors` reads them."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist")
+    metadata: dict[str, Any] = {}
+    tensors: dict[str, GGUFTensor] = {}
+    for part in split_parts(path):
+        meta, found = _read_one(part)
+        metadata = metadata or meta  # the first part holds the model's metadata
+        tensors.update(found)
+    model = GGUFModel(path, metadata, tensors)
+    if model.architecture not in ARCHITECTURES:
+        raise UserError(f"{path.name} holds a {model.architecture or 'unnamed'!r} model; this app runs GGUF "
+                        f"architectures {', '.join(ARCHITECTURES)}")
+    return model
+
+
+def _vocab_size(model: GGUFModel) -> int:
+    return int(model.tensors["token_embd.weight"].shape[0])
+
+
+def hf_config(model: GGUFModel) -> dict[str, Any]:
+    """The transformers `config.json` of the model in the file, from its metadata."""
+    for name in ("token_embd.weight", "output_norm.weight"):
+        if name not in model.tensors:
+            raise UserError(f"{model.path.name} lacks tensor {name}: not a complete model")
+    heads = int(model.require("attention.head_count"))
+    hidden = int(model.require("embedding_length"))
+    model_type = ARCHITECTURES[model.architecture]
+    cfg: dict[str, Any] = {
+        "model_type": model_type,
+        "vocab_size": _vocab_size(model),
+        "hidden_size": hidden,
+        "intermediate_size": int(model.require("feed_forward_length")),  # Qwen v1's too: llama.cpp halves it
+        "num_hidden_layers": int(model.require("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(model.get("attention.head_count_kv") or heads),
+        "head_dim": int(model.get("attention.key_length") or hidden // heads),
+        "max_position_embeddings": int(model.get("context_length") or 4096),
+        "rms_norm_eps": float(model.get("attention.layer_norm_rms_epsilon") or 1e-6),
+        "rope_theta": float(model.get("rope.freq_base") or 10000.0),
+        "tie_word_embeddings": "output.weight" not in model.tensors,
+        "hidden_act": "silu",
+    }
+    if model_type == "llama" or model_type == "qwen3":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in model.tensors
+    if "rope_freqs.weight" in model.tensors:
+        raise UserError(f"{model.path.name} carries per-frequency RoPE factors (Llama 3.1's scaling), which this "
+                        f"app does not read from GGUF files yet: take the model's transformers folder")
+    scaling = model.get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        factor = float(model.require("rope.scaling.factor"))
+        original = int(model.get("rope.scaling.original_context_length") or cfg["max_position_embeddings"])
+        if scaling == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        elif scaling == "yarn":
+            cfg["rope_scaling"] = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+        else:
+            raise UserError(f"{model.path.name} uses RoPE scaling {scaling!r}, which this app does not implement")
+    return cfg
+
+
+def _unpermute(w: Tensor, heads: int) -> Tensor:
+    """Undo llama.cpp's reordering of LLaMA's q/k rows (its RoPE pairs neighbours, transformers' halves)."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def hf_tensors(model: GGUFModel, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """Every tensor under transformers' names, dequantized to float32 (then `dtype`), one at a time."""
+    cfg = hf_config(model)
+    out: dict[str, Tensor] = {}
+    for name, t in model.tensors.items():
+        value = dequantize(torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8), t.kind, t.shape)
+        if dtype is not None:
+            value = value.to(dtype)
+        if name in GLOBAL:
+            out[GLOBAL[name]] = value
+            continue
+        match = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        if not match:
+            continue  # tensors the decoder has no use for
+        layer, part = f"model.layers.{match[1]}.", match[2]
+        if part.startswith("attn_qkv."):  # Qwen v1's fused q/k/v
+            suffix = part.split(".", 1)[1]
+            for key, piece in zip("qkv", value.chunk(3)):
+                out[f"{layer}self_attn.{key}_proj.{suffix}"] = piece.contiguous()
+            continue
+        if part not in PER_LAYER:
+            raise UserError(f"{model.path.name}: tensor {name} is not part of a {model.architecture} model")
+        if model.architecture == "llama" and part in ("attn_q.weight", "attn_k.weight"):
+            value = _unpermute(value, cfg["num_attention_heads"] if part == "attn_q.weight"
+                               else cfg["num_key_value_heads"])
+        out[layer + PER_LAYER[part]] = value
+    return out
