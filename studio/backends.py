@@ -72,12 +72,16 @@ def choose_llm_backend(requested: str, device: str) -> BackendChoice:
     return BackendChoice("torch", f"instead of TensorRT-LLM: {missing}")
 
 
+CPU_KV_CACHE_BYTES = 2 << 30
+
+
 def cache_rows(config, context: int, dtype: torch.dtype, max_batch: int, kv_cache_bytes: int | None) -> tuple[int, int]:
-    """(cache rows, batch) that fit the KV budget (None: no limit, on the CPU): twice the batch where
-    memory allows, so idle sessions keep their turns; the batch shrinks (to a power of two) where it does not."""
+    """(cache rows, batch) that fit the KV budget (None: the CPU, where `CPU_KV_CACHE_BYTES` bounds it: 16
+    rows of SmolLM2's 8k context would take 6 GiB of a laptop's memory): twice the batch where memory
+    allows, so idle sessions keep their turns; the batch shrinks (to a power of two) where it does not."""
     row = KVCache.row_bytes(config, context + 1, dtype)
     if kv_cache_bytes is None:
-        kv_cache_bytes = 2 * max_batch * row
+        kv_cache_bytes = max(row, min(2 * max_batch * row, CPU_KV_CACHE_BYTES))
     rows = min(2 * max_batch, kv_cache_bytes // row)
     if rows < 1:
         raise UserError(f"not enough memory for the KV cache of one {context}-token conversation "
@@ -99,6 +103,11 @@ def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
     return total
 
 
+def gguf_mode(quant_type: str) -> str:
+    """The weight mode a GGUF file's quantization maps onto: 8-bit as int8, fewer bits as int4, float as float."""
+    return "int8" if quant_type.startswith("Q8") else "int4" if quant_type.startswith("Q") else "none"
+
+
 def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.device, free_bytes: int | None,
                  context: int) -> tuple[str, str]:
     """The weight mode for `--quant requested`, and why. `auto` keeps float weights on the CPU (the
@@ -112,6 +121,8 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
         return requested, "asked for"
     if device.type != "cuda" or free_bytes is None:
         return "none", "auto on the CPU: quantized layers would dequantize at every call there"
+    if config.gguf_type and (mode := gguf_mode(config.gguf_type)) != "none":
+        return mode, f"a {config.gguf_type} GGUF file runs as {mode} (its weights are converted once, layer by layer)"
     kv = KVCache.row_bytes(config, context + 1, dtype)
     for mode in MODES:
         need = weight_bytes(config, mode, dtype) + kv

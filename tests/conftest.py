@@ -51,10 +51,17 @@ class App(NamedTuple):
     process: subprocess.Popen
 
 
+# What the tests' apps chat with unless a test names a model: the tiny random-weight demo, whose replies
+# are instant on any CPU. `model=None` starts the app as users do, with no --model (the real SmolLM2).
+TEST_MODEL = "demo/qwen-v1-tiny"
+
+
 @contextlib.contextmanager
-def launched(log: Path, cache: Path, *args: str):
+def launched(log: Path, cache: Path, *args: str, model: str | None = TEST_MODEL):
     """`launch.py ARGS` in a subprocess on a free port with `cache` as its cache: yields App(url, log,
     port, process) once it serves; stopped on exit (if still running)."""
+    if model is not None and not {"--model", "--weights", "--llm-endpoint"} & set(args):
+        args = ("--model", model, *args)
     port = free_port()
     env = {**os.environ, "STUDIO_CACHE": str(cache), "STUDIO_DATA": str(cache / "data"),
            "GRADIO_ANALYTICS_ENABLED": "False"}
@@ -77,7 +84,7 @@ def launched(log: Path, cache: Path, *args: str):
 
 @pytest.fixture(scope="module")
 def running_app(tmp_path_factory):
-    """The app as users start it (demo models, `--backend auto`, fresh cache): yields App(url, log, port, process)."""
+    """The app on the demo models (`--backend auto`, fresh cache): yields App(url, log, port, process)."""
     with launched(tmp_path_factory.mktemp("app") / "launch.log", tmp_path_factory.mktemp("cache"),
                   "--context", "4096") as app:
         yield app

