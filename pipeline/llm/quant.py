@@ -45,12 +45,13 @@ BITS = {"int8": 8, "int4": 4}
 
 
 def group_size(in_features: int) -> int:
-    """GROUP, or the whole row for layers narrower than that (the tiny demo models')."""
-    size = min(GROUP, in_features)
-    if in_features % size or size % 16:
-        raise ValueError(f"int4 needs input widths divisible by {GROUP} (or a multiple of 16 below it), "
-                         f"got {in_features}")
-    return size
+    """GROUP where it divides the width, else the largest of 64, 32, 16 that does: the tiny demo models'
+    widths, and SmolLM2's 576 (4.5 groups of 128), which then run on the reference path (the kernel
+    needs whole groups of 128)."""
+    for size in (GROUP, 64, 32, 16):
+        if in_features % size == 0:
+            return size
+    raise ValueError(f"int4 needs input widths divisible by 16, got {in_features}")
 
 
 def pack_int4(q: Tensor) -> Tensor:
