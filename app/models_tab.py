@@ -14,7 +14,8 @@ from pipeline.progress import lines_of
 from pipeline.service.studio import CHAT, IMAGE_CHAT, SEGMENT, StudioService
 from pipeline.service.tools import size_text
 
-COLUMNS = ["Model", "Kind", "Family", "Parameters", "On disk", "Runs as", "GPU memory", "Fits", "Where", "In use by"]
+COLUMNS = ["Model", "Kind", "Family", "Parameters", "GGUF type", "On disk", "Runs as", "GPU memory", "Fits", "Where",
+           "In use by"]
 SWITCHES = ((CHAT, "Chat model"), (IMAGE_CHAT, "Image-chat LLM"), (SEGMENT, "Segment (SAM)"))
 
 
@@ -29,7 +30,7 @@ def build_models_tab(service: StudioService) -> dict:
         rows = []
         for e in catalog.find():
             fits = e.fits(budget)
-            rows.append([e.id, e.kind, e.family, f"{e.params / 1e9:.2f} B" if e.params else "",
+            rows.append([e.id, e.kind, e.family, f"{e.params / 1e9:.2f} B" if e.params else "", e.quant,
                          size_text(e.disk_bytes), e.precision,
                          size_text(e.gpu_bytes) if e.gpu_bytes is not None else "",
                          "no limit" if fits is None else "yes" if fits else f"no ({size_text(budget)} budget)",
@@ -80,9 +81,10 @@ def build_models_tab(service: StudioService) -> dict:
     def delete(model_id: str) -> tuple:
         return catalog.delete(model_id), gr.Button(visible=False)
 
-    gr.Markdown("Models on this machine: the Hugging Face cache, `--models-dir`, our cache and the weights "
-                "behind cached engines. A switch loads the new model now; replies already streaming finish "
-                "on the old one.")
+    gr.Markdown("Models on this machine: the Hugging Face cache, `--models-dir`, our cache, the SmolLM2 that "
+                "comes with the app and the weights behind cached engines; a GGUF file is listed as "
+                "`owner/repo:TAG` (its quantization) or by its path. A switch loads the new model now; replies "
+                "already streaming finish on the old one.")
     models = gr.Dataframe(headers=COLUMNS, value=table, interactive=False, elem_id="models-table", wrap=True)
     status = gr.Markdown("", elem_id="models-status")
     pickers, buttons = [], []
@@ -93,7 +95,9 @@ def build_models_tab(service: StudioService) -> dict:
                 buttons.append(gr.Button(f"Switch {tool}", size="sm"))
     with gr.Row():
         with gr.Column():
-            repo = gr.Textbox(label="Download from the Hugging Face hub", placeholder="Qwen/Qwen2.5-0.5B-Instruct",
+            repo = gr.Textbox(label="Download from the Hugging Face hub (a model, or a GGUF repository:TAG for "
+                                    "one of its files)",
+                              placeholder="Qwen/Qwen2.5-0.5B-Instruct or Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M",
                               elem_id="models-download-id")
             with gr.Row():
                 fetch = gr.Button("Download", size="sm")

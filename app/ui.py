@@ -66,6 +66,8 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
         if service.is_demo(CHAT):
             gr.Markdown(DEMO_WARNING)
+        elif service.notice(CHAT):
+            gr.Markdown(service.notice(CHAT), elem_id="chat-model-notice")
         if service.store.notice:  # a damaged conversation database was set aside
             gr.Markdown(f"**Conversations:** {service.store.notice}", elem_id="store-notice")
         banner = gr.Markdown(tools_line(service), elem_id="tools-status")

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from pipeline.files import atomic_write
 
-WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors")
+WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors", ".gguf")  # a GGUF folder links its file
 MEMO = "fingerprints.json"
 READ_BYTES = 64 << 20  # per read while hashing: the bar moves every few tens of milliseconds
 

@@ -252,13 +252,16 @@ def llm_size(folder: Path | None, quant: str, dtype) -> int:
     try:
         config = read_config(Path(folder))
         mode = "int4" if config.quantization else quant
-        if mode in ("int8", "int4"):
-            return weight_bytes(config, mode, dtype)
+        if mode in ("int8", "int4") or config.gguf_type:  # a GGUF file's size on disk is not its loaded size
+            return weight_bytes(config, mode if mode in ("int8", "int4") else "none", dtype)
     except Exception:  # noqa: BLE001 - a config the loader will refuse with its own message
         pass
     return weights_size(folder, dtype=dtype)
 
 
+SMALL_MODEL_NOTICE = ("**Small model.** SmolLM2-135M-Instruct (135 M parameters, the model that comes with the app) "
+                      "is answering: real answers, fast on a laptop, but often wrong. For better ones start with "
+                      "`--model Qwen/Qwen2.5-7B-Instruct`, a `.gguf` file you have, or `--weights FOLDER`.")
 IMAGE_QUERIES = 32  # MiniGPT-4's query embeddings per image (BLIP-2's Q-Former, every checkpoint)
 
 
@@ -273,7 +276,7 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
     from pipeline.pipelines.image_chat import ImageChatPipeline
     from pipeline.llm.sampling import SamplingParams
     from pipeline.minigpt4.weights import load_vision_folder
-    from pipeline.models import cache_dir, locate, resolve
+    from pipeline.models import EMBEDDED, cache_dir, locate, resolve
     from pipeline.sam.model import load_sam
     from pipeline.sam.weights import DEMO as SAM_DEMO
     from pipeline.sam.weights import locate_sam, resolve_sam
@@ -342,7 +345,8 @@ def tool_specs(args: argparse.Namespace, plan: Plan, engines, host) -> list:
             return image_chat
 
     return [ToolSpec("chat", load_chat, 0 if remote else llm_size(chat_model.path, args.quant, dtype),
-                     is_demo=not remote and chat_model.is_demo),
+                     is_demo=not remote and chat_model.is_demo,
+                     notice=SMALL_MODEL_NOTICE if plan.model_id == EMBEDDED else ""),
             ToolSpec("image chat", load_image_chat,
                      weights_size(ckpt, vision_dir, dtype=dtype) + (0 if shared else llm_size(llm_dir, args.quant, dtype)),
                      needs=("chat",) if shared else (), is_demo=image_demo),

@@ -1,10 +1,17 @@
 """The model manager: which models this machine has, what each would take, and how a tool switches to one.
 
 Where models are found: the Hugging Face cache (what `--model` downloads and the Models tab fetches), a
-`--models-dir` (folders with a config.json, SAM `.pth` files), our own cache (SAM checkpoints, the
-built-in demos), and the weights named by cached engines. Each entry says what a user needs to pick:
-family, parameters, size on disk, the precision it would run in, the GPU memory that takes (weights
-plus one conversation's KV cache) and whether that fits the budget.
+`--models-dir` (folders with a config.json, SAM `.pth` files, GGUF files loose or in folders), our own
+cache (SAM checkpoints, the built-in demos), the SmolLM2 GGUF file that comes with the app, and the
+weights named by cached engines. Each entry says what a user needs to pick: family, parameters, size on
+disk, a GGUF file's quantization, the precision it would run in, the GPU memory that takes (weights plus
+one conversation's KV cache) and whether that fits the budget.
+
+A GGUF file is one entry per model (the parts of a split one together), under the id `--model` takes:
+`owner/repo:TAG` in the Hugging Face cache (TAG the quantization in its file name, as Ollama's
+`hf.co/owner/repo:Q4_K_M`), its path elsewhere. It is sized through the model folder `pipeline.models.locate`
+makes of it (`gguf_folder.py`: built once per file, so a listing reads each file's header once, not at
+every refresh), which is also what a switch to it loads.
 
 A switch is the composition root's own job done again for one tool: the options with the new model,
 then the tool specs, handed to the tool host (`StudioService.switch`), which lets requests in flight
@@ -15,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
+import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -27,6 +36,8 @@ from studio.hub_progress import READ_BYTES, DownloadCancelled, progress_class
 
 CHAT, IMAGE_CHAT, SEGMENT = "chat", "image chat", "segment"
 SAM_PARAMS = {"sam_vit_h": 636_000_000, "sam_vit_l": 308_000_000, "sam_vit_b": 91_000_000}
+# The parts of a GGUF file's name that read as its quantization (Q4_K_M, IQ2_XXS, F16, BF16, fp16)
+QUANT_NAME = re.compile(r"^(i?q\d\w*|b?fp?\d+)$", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +50,10 @@ class ModelEntry:
     precision: str  # what it would run in here
     gpu_bytes: int | None  # weights as they would run, plus one conversation's KV cache
     source: str
-    path: Path | None  # None: a demo not built yet
+    path: Path | None  # None: a demo not built yet; a GGUF model's folder (`gguf_folder.py`)
     tools: tuple[str, ...]  # the tools it can serve
+    quant: str = ""  # a GGUF file's quantization (Q4_K_M), from its metadata
+    files: tuple[Path, ...] = ()  # a GGUF model's file (every part of a split one), as found
 
     def fits(self, budget: int | None) -> bool | None:
         return None if budget is None or self.gpu_bytes is None else self.gpu_bytes <= budget
@@ -53,11 +66,29 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def gguf_models(files: list[Path]) -> list[Path]:
+    """The GGUF models among `files`: each file, or the first part of a split one."""
+    from pipeline.llm.gguf_file import SPLIT
+
+    return sorted(f for f in files if f.name.endswith(".gguf") and (not (m := SPLIT.match(f.name))
+                                                                     or m["no"] == "00001"))
+
+
+def gguf_parts(first: Path) -> list[Path]:
+    """The parts of the GGUF model whose file (first part) is `first` that are there."""
+    from pipeline.llm.gguf_file import SPLIT
+
+    if not (m := SPLIT.match(first.name)):
+        return [first]
+    return sorted(first.parent.glob(f"{glob.escape(m['stem'])}-[0-9][0-9][0-9][0-9][0-9]-of-{m['count']}.gguf"))
+
+
 class ModelCatalog:
     def __init__(self, args: argparse.Namespace, plan, engines, host, say: Callable[[str], None]):
         """Over the options and plan the app started with (each switch updates them)."""
         self.args, self.plan, self.engines, self.host, self.say = args, plan, engines, host, say
         self._chosen: dict[str, str] = {}  # tool → the entry id it was switched to
+        self._unreadable: dict[tuple, str] = {}  # GGUF files (their parts' path, size, time) → why not
 
     # ---- what runs now ------------------------------------------------------------------------
 
@@ -86,7 +117,7 @@ class ModelCatalog:
     def find(self) -> list[ModelEntry]:
         """Every model found, LLMs first, each once (by folder)."""
         from pipeline.llm.demo import DEMO_MODELS
-        from pipeline.models import cache_dir
+        from pipeline.models import EMBEDDED, cache_dir, embedded_gguf
         from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 
         found: dict[Path | str, ModelEntry] = {}
@@ -98,8 +129,14 @@ class ModelCatalog:
         for name in DEMO_MODELS:
             folder = Path(cache_dir()) / "demo" / name.split("/", 1)[1]
             add(self._llm(name, folder if (folder / "config.json").is_file() else None, "built-in demo"))
+        if (embedded := embedded_gguf()) is not None:
+            add(self._gguf(EMBEDDED, embedded, "built in"))
         for repo_id, folder in self._hub_cache():
-            add(self._llm(repo_id, folder, "Hugging Face cache"))
+            ggufs = self._hub_ggufs(repo_id, folder)
+            for model_id, file in ggufs:
+                add(self._gguf(model_id, file, "Hugging Face cache"))
+            if not ggufs or (folder / "config.json").is_file():
+                add(self._llm(repo_id, folder, "Hugging Face cache"))
         models_dir = getattr(self.args, "models_dir", None)
         if models_dir is not None and Path(models_dir).is_dir():
             for item in sorted(Path(models_dir).iterdir()):
@@ -107,6 +144,10 @@ class ModelCatalog:
                     add(self._llm(str(item), item, "models folder"))
                 elif item.suffix == ".pth" and item.name.startswith("sam"):
                     add(self._sam(str(item), item, "models folder"))
+                else:  # a GGUF file, or a folder of them (LM Studio's publisher/model/file.gguf too)
+                    for file in gguf_models([item] if item.is_file() else [*item.glob("*.gguf"),
+                                                                            *item.glob("*/*.gguf")]):
+                        add(self._gguf(str(file), file, "models folder"))
         for name in (*CHECKPOINTS, DEMO):
             path, source = locate_sam(name, cache_dir())
             if path.is_file() or name == DEMO:
@@ -147,7 +188,66 @@ class ModelCatalog:
         need = weight_bytes(config, mode, dtype) + KVCache.row_bytes(config, self.args.context + 1, dtype)
         tools = (CHAT, IMAGE_CHAT) if config.family == "llama" else (CHAT,)
         return ModelEntry(model_id, "LLM", config.family, params, folder_bytes(folder), precision, need, source,
-                          folder, tools)
+                          folder, tools, config.gguf_type)
+
+    def _gguf(self, model_id: str, file: Path, source: str) -> ModelEntry:
+        """The GGUF model in `file` (the first part of a split one): sized as `_llm` sizes the model folder
+        `locate` makes of it, its size on disk the file's (all parts)."""
+        parts = gguf_parts(file)
+        size = sum(p.stat().st_size for p in parts)
+        try:
+            folder = self._gguf_folder(parts)
+        except Exception as e:  # noqa: BLE001 - listed, so the user sees why and can delete it
+            return ModelEntry(model_id, "other", f"not supported ({str(e)[:60]})", None, size, "", None, source,
+                              None, (), files=tuple(parts))
+        return dataclasses.replace(self._llm(model_id, folder, source), disk_bytes=size, files=tuple(parts))
+
+    def _gguf_folder(self, parts: list[Path]) -> Path:
+        """The model folder of the GGUF model in `parts` (`gguf_folder.py`; made once, then found by its
+        name). A file that cannot be read is not read again until it changes."""
+        from pipeline.llm.gguf_folder import gguf_model_dir
+        from pipeline.models import cache_dir
+
+        key = tuple((str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in parts)
+        if key in self._unreadable:
+            raise UserError(self._unreadable[key])
+        try:
+            return gguf_model_dir(parts[0], cache_dir())
+        except Exception as e:  # noqa: BLE001 - damaged, unsupported, or a part missing
+            self._unreadable[key] = str(e) or type(e).__name__
+            raise
+
+    @staticmethod
+    def _hub_ggufs(repo_id: str, folder: Path) -> list[tuple[str, Path]]:
+        """(id, file) of each GGUF model in a hub snapshot: `repo_id:TAG`, or its path where no tag picks
+        it alone."""
+        from pipeline.models import HUB_GGUF
+
+        files = sorted(folder.rglob("*.gguf"))
+        names = [f.relative_to(folder).as_posix() for f in files]
+        out = []
+        for first in gguf_models(files):
+            parts = [f.relative_to(folder).as_posix() for f in gguf_parts(first)]
+            tag = ModelCatalog._tag(first, names, parts)
+            out.append((f"{repo_id}:{tag}" if tag and HUB_GGUF.match(f"{repo_id}:{tag}") else str(first), first))
+        return out
+
+    @staticmethod
+    def _tag(first: Path, names: list[str], parts: list[str]) -> str | None:
+        """The tag that picks just `parts` among a repository's GGUF files `names` (`gguf_files_for_tag`):
+        the quantization its name holds (Q4_K_M), else the whole name."""
+        from pipeline.llm.gguf_file import SPLIT
+        from pipeline.models import gguf_files_for_tag
+
+        stem = m["stem"] if (m := SPLIT.match(first.name)) else first.name.removesuffix(".gguf")
+        words = re.split(r"[-.]", stem)
+        for tag in [*(w.upper() for w in reversed(words) if QUANT_NAME.match(w)), stem]:
+            try:
+                if sorted(gguf_files_for_tag(names, tag)) == sorted(parts):
+                    return tag
+            except UserError:  # the tag picks several models
+                continue
+        return None
 
     def _sam(self, model_id: str, path: Path | None, source: str) -> ModelEntry:
         import torch
@@ -245,23 +345,30 @@ class ModelCatalog:
 
     def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path:
         """Fetch `repo_id`'s config, tokenizer and weights into the Hugging Face cache with huggingface_hub's
-        client, progress to `say`. A connection dropped mid-file resumes from the bytes it has (HTTP
-        Range); after a cancel or a failure, the files already complete are kept and not fetched again."""
+        client, progress to `say`; for `owner/repo:TAG`, just the GGUF file that tag picks (every part).
+        A connection dropped mid-file resumes from the bytes it has (HTTP Range); after a cancel or a
+        failure, the files already complete are kept and not fetched again."""
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import (GatedRepoError, HFValidationError, RepositoryNotFoundError,
                                             RevisionNotFoundError)
 
-        from pipeline.models import HUB_FILES
+        from pipeline.models import HUB_FILES, HUB_GGUF
 
         repo_id = (repo_id or "").strip()
         if not repo_id:
-            raise UserError("type a Hugging Face model id, like Qwen/Qwen2.5-0.5B-Instruct")
+            raise UserError("type a Hugging Face model id, like Qwen/Qwen2.5-0.5B-Instruct, or a GGUF repository "
+                            "and tag, like Qwen/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M")
         constants.DOWNLOAD_CHUNK_SIZE = READ_BYTES  # Cancel is seen once per read: 10 MiB is seconds on a slow line
+        tagged = HUB_GGUF.match(repo_id)
+        repo = tagged["repo"] if tagged else repo_id
         try:
-            path = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES,
-                                          tqdm_class=progress_class(say, cancel)))
+            files = self._tagged_files(repo, tagged["tag"]) if tagged else HUB_FILES
+            path = Path(snapshot_download(repo, allow_patterns=files, tqdm_class=progress_class(say, cancel)))
+        except UserError:
+            raise
         except HFValidationError:
-            raise UserError(f"{repo_id!r} is not a Hugging Face model id: it looks like owner/name") from None
+            raise UserError(f"{repo_id!r} is not a Hugging Face model id: it looks like owner/name (or "
+                            f"owner/name:TAG for a GGUF file)") from None
         except (RepositoryNotFoundError, RevisionNotFoundError):
             raise UserError(f"there is no model {repo_id} on the hub (or it is private: sign in with "
                             f"`hf auth login`)") from None
@@ -275,28 +382,66 @@ class ModelCatalog:
             first = str(e).splitlines()[0] if str(e) else "no details"
             raise UserError(f"could not download {repo_id} ({type(e).__name__}: {first[:200]}); downloading "
                             f"it again fetches only the files still missing") from None
+        if tagged:
+            return path / files[0]
         if not (path / "config.json").is_file():
             raise UserError(f"{repo_id} has no config.json: it is not a model this app can run")
         return path
+
+    @staticmethod
+    def _tagged_files(repo: str, tag: str) -> list[str]:
+        """The files of `repo`'s GGUF model tagged `tag` (`gguf_files_for_tag`), from the hub's list."""
+        from huggingface_hub import HfApi
+
+        from pipeline.models import gguf_files_for_tag
+
+        names = HfApi().list_repo_files(repo)
+        chosen = gguf_files_for_tag(names, tag)
+        if not chosen:
+            gguf = sorted(n for n in names if n.endswith(".gguf"))
+            raise UserError(f"{repo} has no GGUF file tagged {tag}: " + (
+                f"its GGUF files are {', '.join(gguf[:12])}" + (f" and {len(gguf) - 12} more" if len(gguf) > 12
+                                                                 else "") if gguf else "it holds no GGUF files"))
+        return chosen
 
     def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]:
         """What deleting `model_id` would remove, as the question asked before doing it."""
         entry = self.entry(model_id)
         for tool in (CHAT, IMAGE_CHAT, SEGMENT):
-            current = self.current(tool)
-            if current == entry.id or (entry.path is not None and current == str(entry.path)):
+            if self._runs(entry, self.current(tool)):
                 raise UserError(f"{entry.id} is the {tool} model now: switch {tool} to another model first")
-        if entry.source in ("built-in demo", "behind a cached engine") or entry.path is None:
+        if entry.source in ("built-in demo", "built in", "behind a cached engine") or \
+                entry.path is None and not entry.files:
             raise UserError(f"{entry.id} is {entry.source}: it is not a download this app manages")
-        where = "the Hugging Face cache" if entry.source == "Hugging Face cache" else str(entry.path)
+        where = "the Hugging Face cache" if entry.source == "Hugging Face cache" else \
+            ", ".join(map(str, entry.files)) if entry.files else str(entry.path)
         return entry, f"Delete {entry.id} ({size_text(entry.disk_bytes)}) from {where}?"
+
+    @staticmethod
+    def _runs(entry: ModelEntry, current: str | None) -> bool:
+        """Whether the model a tool runs, `current` (as it was given), is `entry`'s: its id or path, or for
+        a GGUF model any id that `locate` makes the same model folder of (`owner/repo:q4_k_m`)."""
+        from pipeline.models import locate
+
+        if current is None:
+            return False
+        if current == entry.id or (entry.path is not None and current == str(entry.path)):
+            return True
+        if not entry.files or entry.path is None:
+            return False
+        try:
+            return locate(current).path == entry.path
+        except Exception:  # noqa: BLE001 - a model that is not there any more is not this one
+            return False
 
     def delete(self, model_id: str) -> str:
         """Remove `model_id`'s files (after `delete_plan` was shown and confirmed)."""
         from huggingface_hub import scan_cache_dir
 
         entry, _ = self.delete_plan(model_id)
-        if entry.source == "Hugging Face cache":
+        if entry.files:
+            self._delete_gguf(entry)
+        elif entry.source == "Hugging Face cache":
             repos = [r for r in scan_cache_dir().repos if r.repo_id == entry.id and r.repo_type == "model"]
             scan_cache_dir().delete_revisions(*[rev.commit_hash for r in repos for rev in r.revisions]).execute()
         elif entry.path.is_dir():
@@ -305,3 +450,31 @@ class ModelCatalog:
             entry.path.unlink()
         self.say(f"deleted {entry.id} ({size_text(entry.disk_bytes)})")
         return f"Deleted {entry.id}."
+
+    @staticmethod
+    def _delete_gguf(entry: ModelEntry) -> None:
+        """Remove a GGUF model's files: in the Hugging Face cache its snapshot links and their blobs (the
+        whole repository when it holds nothing else of use), elsewhere the files; then its model folder."""
+        from huggingface_hub import scan_cache_dir
+
+        from pipeline.models import cache_dir
+
+        doomed = {p.resolve() for p in entry.files}
+        if entry.source == "Hugging Face cache":
+            info = scan_cache_dir()
+            repos = [r for r in info.repos if any(f.blob_path in doomed for rev in r.revisions for f in rev.files)]
+            files = [f for r in repos for rev in r.revisions for f in rev.files]
+            if not any(f.file_name.endswith((".gguf", ".safetensors", ".bin")) for f in files
+                       if f.blob_path not in doomed):
+                info.delete_revisions(*[rev.commit_hash for r in repos for rev in r.revisions]).execute()
+            else:
+                for f in files:
+                    if f.blob_path in doomed:
+                        f.file_path.unlink()
+                for blob in doomed:
+                    blob.unlink(missing_ok=True)
+        else:
+            for part in entry.files:
+                part.unlink()
+        if entry.path is not None and entry.path.is_relative_to(cache_dir() / "gguf"):
+            shutil.rmtree(entry.path, ignore_errors=True)  # its config, tokenizer files and link; made again on use

@@ -15,6 +15,8 @@ we do not dequantize, an architecture we do not run, a missing tensor. Split fil
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.gguf_quants import BLOCKS, SUPPORTED, dequantize
+from pipeline.llm.gguf_quants import SUPPORTED, dequantize
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -105,13 +107,62 @@ def _check_header(path: Path) -> None:
         raise UserError(f"{path.name} is GGUF version {version}; this app reads versions {', '.join(map(str, VERSIONS))}")
 
 
+class _Damaged(Exception):
+    """What `_reader_class`'s reader finds wrong, said as the user's one line (after the file's name)."""
+
+
+@functools.cache
+def _reader_class():
+    """`GGUFReader`, reading no byte past the end of the file: the stock one takes a short read for a
+    value and goes on, so a hostile array length loops for hours and a truncated file fails with numpy's
+    words; here each ends at once with ours, naming the tensor whose data is missing."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+
+    class Reader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            values = super()._get(offset, dtype, count, override_order)
+            if len(values) != int(count):
+                raise _Damaged("the file ends inside its header (a truncated download, or a length that "
+                               "points past the end); re-download it")
+            return values
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == GGUFValueType.ARRAY:  # every item takes its size at least: a length the file can hold
+                item = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
+                count = int(self._get(orig_offs + 4, np.uint64)[0])
+                size = 8 if item == GGUFValueType.STRING else 12 if item == GGUFValueType.ARRAY else \
+                    np.dtype(self.gguf_scalar_to_np[item]).itemsize
+                if count * size > len(self.data) - orig_offs - 12:
+                    raise _Damaged(f"a metadata array of {count} items is longer than the file; a damaged file")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _build_tensors(self, start_offs, fields):
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                name = bytes(name).decode("utf-8", "replace")
+                try:
+                    kind = GGMLQuantizationType(int(raw_type[0]))
+                except ValueError:
+                    raise _Damaged(f"tensor {name} has type id {int(raw_type[0])}, which the gguf package does not "
+                                   f"know (a damaged file, or a quantization newer than this app)") from None
+                per_block, block_bytes = GGML_QUANT_SIZES[kind]
+                end = start_offs + int(offset[0]) + math.prod(map(int, dims)) // per_block * block_bytes
+                if end > len(self.data):
+                    raise _Damaged(f"tensor {name} ends past the end of the file (truncated download?); "
+                                   f"re-download it")
+            super()._build_tensors(start_offs, fields)
+
+    return Reader
+
+
 def _read_one(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
 
     _check_header(path)
-    size = path.stat().st_size
     try:
-        reader = GGUFReader(path)
+        reader = _reader_class()(path)
+    except _Damaged as e:
+        raise UserError(f"{path.name}: {e}") from None
     except Exception as e:  # noqa: BLE001 - the reader's errors are ValueError/IndexError/KeyError alike
         raise UserError(f"{path.name}: damaged GGUF header ({_first_line(e)}); the file is truncated or not a "
                         f"model, re-download it") from None
@@ -130,11 +181,6 @@ def _read_one(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
             raise UserError(f"{path.name}: tensor {t.name} is {kind}, which this app does not load "
                             f"(it loads {', '.join(SUPPORTED)}); take the model's Q4_K_M, Q8_0 or F16 file")
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-        per_block, block_bytes = BLOCKS[kind]
-        nbytes = int(np.prod(shape)) // per_block * block_bytes
-        if t.data_offset + nbytes > size or t.data.nbytes != nbytes:
-            raise UserError(f"{path.name}: tensor {t.name} ends past the end of the file (truncated download?); "
-                            f"re-download it")
         tensors[t.name] = GGUFTensor(t.name, kind, shape, t.data)
     return metadata, tensors
 

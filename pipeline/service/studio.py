@@ -395,6 +395,9 @@ class StudioService:
     def is_demo(self, tool: str) -> bool:
         return self.host.spec(tool).is_demo
 
+    def notice(self, tool: str) -> str:
+        return self.host.spec(tool).notice
+
     def tools(self) -> dict[str, tuple[str, str | None]]:
         """Per tool: (state, description when loaded)."""
         out = {}

@@ -66,13 +66,15 @@ def default_budget(device: torch.device) -> int | None:
 class ToolSpec:
     """How to load a tool: `load(say, free_bytes)` returns its pipeline (with a `close()`), telling
     `say` (the requester) how it goes; `free_bytes` is what the budget leaves (None: no budget);
-    `estimate` is its expected size before it has ever loaded; `needs` are tools it uses (loaded first)."""
+    `estimate` is its expected size before it has ever loaded; `needs` are tools it uses (loaded first);
+    `notice`: what the UI says about its model (the small built-in chat model)."""
 
     name: str
     load: Callable[[Say, int | None], Any]
     estimate: int
     needs: tuple[str, ...] = ()
     is_demo: bool = False
+    notice: str = ""
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: a replaced slot is told apart from its successor
