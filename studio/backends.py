@@ -132,9 +132,12 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
 def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype, device: torch.device,
                   engines: EngineOptions | None) -> tuple[Decoder, str]:
     """The decoder with `mode` weights on `device`, and how its layers run."""
-    if mode == "none":
-        return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     say = engines.report.say if engines is not None else (lambda line: None)
+    if mode == "none":
+        gguf_type = read_config(model_dir).gguf_type
+        if gguf_type:  # read anew each launch (seconds for a 7B): say so, in the terminal and the UI
+            say(f"{model_id}: dequantizing its {gguf_type} GGUF weights to {str(dtype).removeprefix('torch.')}")
+        return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     try:
         model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
     except EngineBuildError as e:  # refused by its check, or its making failed: never used
