@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import TEST_MODEL
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = r"prompt (\d+) tokens(?: \(\d+ found in the cache\))? · ended"
 
@@ -15,7 +17,7 @@ def test_terminal_chat_two_turns_system_image_reset_and_exit(studio_cache):
                        "/image assets/examples/shapes.jpg", "What is in the picture?", "/reset", "Hi again",
                        "/exit", "never read"]) + "\n"
     env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
-    done = subprocess.run([sys.executable, "launch.py", "chat", "--context", "2048"], input=typed, cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--model", TEST_MODEL, "--context", "2048"], input=typed, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     prompts = [int(n) for n in re.findall(PROMPT_TOKENS, done.stderr)]
@@ -33,7 +35,7 @@ def test_terminal_chat_two_turns_system_image_reset_and_exit(studio_cache):
 def test_terminal_chat_explains_a_bad_image_and_carries_on(studio_cache):
     typed = "/image /no/such/file.png\n/image\n/frobnicate\nHello\n"
     env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
-    done = subprocess.run([sys.executable, "-m", "app.cli", "--context", "2048"], input=typed, cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", "app.cli", "--model", TEST_MODEL, "--context", "2048"], input=typed, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "error: " in done.stderr and "/image needs a path" in done.stderr

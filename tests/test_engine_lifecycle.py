@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import ROOT, launched
+from conftest import ROOT, TEST_MODEL, launched
 
 gradio_client = pytest.importorskip("gradio_client")
 from gradio_client import handle_file  # noqa: E402
@@ -68,7 +68,8 @@ def build_engines(tmp_path, name: str, cache, engines) -> subprocess.Popen:
     """`launch.py --build-engines` (load every tool, building missing engines, then exit) in the background."""
     env = {**os.environ, "STUDIO_CACHE": str(cache), "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(tmp_path / f"{name}.log", "w") as out:
-        return subprocess.Popen([sys.executable, "launch.py", "--build-engines", *ORT, "--engine-dir", str(engines)],
+        return subprocess.Popen([sys.executable, "launch.py", "--build-engines", "--model", TEST_MODEL, *ORT,
+                                 "--engine-dir", str(engines)],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -12,7 +12,7 @@ import torch
 from gradio_client import Client
 from gradio_client.exceptions import AppError
 
-from conftest import ROOT, free_port
+from conftest import ROOT, TEST_MODEL, free_port
 from pipeline.llm.prompt import chat_format, fit_prompt
 from pipeline.llm.tokenizer import load_tokenizer
 
@@ -191,7 +191,7 @@ def in_process_app(argv: list[str], monkeypatch, cache):
     from studio import compose
 
     monkeypatch.setenv("STUDIO_CACHE", str(cache))
-    args = compose.parse_args(["--port", str(free_port()), *argv])
+    args = compose.parse_args(["--port", str(free_port()), "--model", TEST_MODEL, *argv])
     return server, args, compose.build(args, compose.make_plan(args), echo=False, say=lambda line: None)
 
 

@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient
 from gradio_client import Client
 
 from app.openai_api import build_router
+from conftest import TEST_MODEL
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = "demo/qwen-v1-tiny"
@@ -161,7 +162,7 @@ def test_ctrl_c_shuts_the_app_down_cleanly(tmp_path, studio_cache):
     port, log = free_port(), tmp_path / "launch.log"
     env = {**os.environ, "STUDIO_CACHE": str(studio_cache), "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--context", "2048"], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--model", TEST_MODEL, "--context", "2048"], cwd=ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
@@ -237,7 +238,7 @@ def test_an_out_of_range_sampling_value_gets_one_message_everywhere(api, studio_
     assert expected in str(shown.value)
     env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
     typed = "/set temperature 3\n/set top_k 5\n/set\n/exit\n"
-    done = subprocess.run([sys.executable, "launch.py", "chat", "--context", "1024"], input=typed, cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--model", TEST_MODEL, "--context", "1024"], input=typed, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert f"error: {expected}" in done.stderr, done.stderr[-2000:]
     assert "(top_k = 5)" in done.stdout and "'temperature': 0.7, 'top_p': 0.8, 'top_k': 5" in done.stdout

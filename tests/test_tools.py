@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from studio import compose
+from conftest import TEST_MODEL
 from engine_builder.build import StartupReport
 from pipeline.errors import UserError
 from pipeline.llm.sampling import SamplingParams
@@ -108,7 +109,7 @@ def test_the_real_tools_load_on_first_use_and_make_room_for_each_other(studio_ca
     """The app's own loaders (demo models): start-up loads chat only; with a budget that holds two of the
     three tools, using the third unloads the least recently used, which reloads and answers again."""
     monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
-    args = compose.parse_args(["--device", "cpu"])
+    args = compose.parse_args(["--device", "cpu", "--model", TEST_MODEL])
     plan = compose.make_plan(args)
     engines = compose.engine_options(args, echo=False)
     host = ToolHost(torch.device("cpu"), None, engines.report.say)
