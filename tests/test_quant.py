@@ -70,9 +70,10 @@ def test_quantized_linear_matches_the_float_layer(mode, bound):
     assert torch.equal(layer.bias, linear.bias.detach())
 
 
-def test_narrow_layers_use_one_group_per_row_and_bad_widths_are_refused():
+def test_groups_are_128_wide_where_the_width_allows_and_bad_widths_are_refused():
     assert group_size(3584) == 128 and group_size(64) == 64
-    with pytest.raises(ValueError, match="divisible by 128"):
+    assert group_size(576) == 64  # SmolLM2's width: 4.5 groups of 128
+    with pytest.raises(ValueError, match="divisible by 16"):
         group_size(200)
 
 
