@@ -133,7 +133,7 @@ def _hub_gguf_cached(repo: str, tag: str) -> Path | None:
 
 
 def _download_hub_gguf(repo: str, tag: str) -> Path:
-    from huggingface_hub import HfApi, hf_hub_download
+    from huggingface_hub import HfApi, snapshot_download
 
     try:
         names = HfApi().list_repo_files(repo)
@@ -142,14 +142,14 @@ def _download_hub_gguf(repo: str, tag: str) -> Path:
             gguf = sorted(n for n in names if n.endswith(".gguf"))
             raise UserError(f"{repo} has no GGUF file tagged {tag}" + (f"; it has {', '.join(gguf[:6])}" if gguf else
                                                                        ": it holds no GGUF files"))
-        paths = [Path(hf_hub_download(repo, name)) for name in chosen]  # progress bars in the terminal
+        folder = Path(snapshot_download(repo, allow_patterns=chosen))  # progress bars in the terminal
     except UserError:
         raise
     except Exception as e:  # offline, gated, missing repo: all end the same way for the user
         raise UserError(f"could not download {repo}:{tag} from the Hugging Face hub ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'no details'}); offline? download the file "
                         f"elsewhere and pass --model /path/to/file.gguf") from None
-    return paths[0]
+    return folder / chosen[0]
 
 
 def locate(model_id: str, weights: Path | None = None) -> ResolvedModel:
