@@ -118,16 +118,21 @@ def _reader_class():
     words; here each ends at once with ours, naming the tensor whose data is missing."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
+    array = int(GGUFValueType.ARRAY)  # compared as an int: the reader calls the checks below for every item
+
     class Reader(GGUFReader):
         def _get(self, offset, dtype, count=1, override_order=None):
-            values = super()._get(offset, dtype, count, override_order)
-            if len(values) != int(count):
+            try:
+                values = super()._get(offset, dtype, count, override_order)
+            except ValueError:  # numpy's words for a few bytes too few
+                values = ()
+            if len(values) != count:
                 raise _Damaged("the file ends inside its header (a truncated download, or a length that "
                                "points past the end); re-download it")
             return values
 
         def _get_field_parts(self, orig_offs, raw_type):
-            if raw_type == GGUFValueType.ARRAY:  # every item takes its size at least: a length the file can hold
+            if raw_type == array:  # every item takes its size at least: an array's length must fit the file
                 item = GGUFValueType(int(self._get(orig_offs, np.uint32)[0]))
                 count = int(self._get(orig_offs + 4, np.uint64)[0])
                 size = 8 if item == GGUFValueType.STRING else 12 if item == GGUFValueType.ARRAY else \
