@@ -75,12 +75,14 @@ def gguf_models(files: list[Path]) -> list[Path]:
 
 
 def gguf_parts(first: Path) -> list[Path]:
-    """The parts of the GGUF model whose file (first part) is `first` that are there."""
+    """The parts of the GGUF model whose file (first part) is `first` that are there (a link into the
+    hub's blob store whose blob is gone is not)."""
     from pipeline.llm.gguf_file import SPLIT
 
-    if not (m := SPLIT.match(first.name)):
-        return [first]
-    return sorted(first.parent.glob(f"{glob.escape(m['stem'])}-[0-9][0-9][0-9][0-9][0-9]-of-{m['count']}.gguf"))
+    m = SPLIT.match(first.name)
+    found = first.parent.glob(f"{glob.escape(m['stem'])}-[0-9][0-9][0-9][0-9][0-9]-of-{m['count']}.gguf") if m \
+        else [first]
+    return sorted(p for p in found if p.is_file())
 
 
 class ModelCatalog:
@@ -190,10 +192,12 @@ class ModelCatalog:
         return ModelEntry(model_id, "LLM", config.family, params, folder_bytes(folder), precision, need, source,
                           folder, tools, config.gguf_type)
 
-    def _gguf(self, model_id: str, file: Path, source: str) -> ModelEntry:
+    def _gguf(self, model_id: str, file: Path, source: str) -> ModelEntry | None:
         """The GGUF model in `file` (the first part of a split one): sized as `_llm` sizes the model folder
         `locate` makes of it, its size on disk the file's (all parts)."""
         parts = gguf_parts(file)
+        if not parts or parts[0] != file:
+            return None  # gone, or its first part is
         size = sum(p.stat().st_size for p in parts)
         try:
             folder = self._gguf_folder(parts)
