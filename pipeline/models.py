@@ -132,16 +132,26 @@ def _hub_gguf_cached(repo: str, tag: str) -> Path | None:
     return folder / chosen[0] if chosen else None
 
 
+def hub_gguf_files(repo: str, tag: str) -> list[str]:
+    """The files of `repo`'s GGUF model tagged `tag` (`gguf_files_for_tag`), from the hub's list; a tag
+    that picks nothing is refused, naming the GGUF files the repository has."""
+    from huggingface_hub import HfApi
+
+    names = HfApi().list_repo_files(repo)
+    chosen = gguf_files_for_tag(names, tag)
+    if not chosen:
+        gguf = sorted(n for n in names if n.endswith(".gguf"))
+        raise UserError(f"{repo} has no GGUF file tagged {tag}: " + (
+            f"its GGUF files are {', '.join(gguf[:12])}" + (f" and {len(gguf) - 12} more" if len(gguf) > 12
+                                                             else "") if gguf else "it holds no GGUF files"))
+    return chosen
+
+
 def _download_hub_gguf(repo: str, tag: str) -> Path:
-    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub import snapshot_download
 
     try:
-        names = HfApi().list_repo_files(repo)
-        chosen = gguf_files_for_tag(names, tag)
-        if not chosen:
-            gguf = sorted(n for n in names if n.endswith(".gguf"))
-            raise UserError(f"{repo} has no GGUF file tagged {tag}" + (f"; it has {', '.join(gguf[:6])}" if gguf else
-                                                                       ": it holds no GGUF files"))
+        chosen = hub_gguf_files(repo, tag)
         folder = Path(snapshot_download(repo, allow_patterns=chosen))  # progress bars in the terminal
     except UserError:
         raise

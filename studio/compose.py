@@ -38,11 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="AI Studio: local chat, image chat and segmentation.")
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), demo/qwen-v1-tiny, "
+    p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), a hub GGUF repo and tag "
+                                                   "(owner/repo:Q4_K_M), a .gguf file, demo/qwen-v1-tiny, "
                                                    "demo/qwen2-tiny, a folder, or auto")
     p.add_argument("--weights", type=Path, help="local folder with the model's config, tokenizer and weights")
-    p.add_argument("--models-dir", type=Path, help="a folder of models (model folders, SAM .pth files) the Models "
-                                                     "tab lists and switches to, beside the Hugging Face cache")
+    p.add_argument("--models-dir", type=Path, help="a folder of models (model folders, GGUF files, SAM .pth files) "
+                                                     "the Models tab lists and switches to, beside the HF cache")
     p.add_argument("--llm-endpoint", metavar="URL", help="chat through this OpenAI-compatible server's /v1 (vLLM, "
                    "trtllm-serve, another AI Studio) instead of a local model; image chat and segment stay local")
     p.add_argument("--llm-model", help="the model to ask for at --llm-endpoint (default: the first it lists)")

@@ -356,7 +356,7 @@ class ModelCatalog:
         from huggingface_hub.errors import (GatedRepoError, HFValidationError, RepositoryNotFoundError,
                                             RevisionNotFoundError)
 
-        from pipeline.models import HUB_FILES, HUB_GGUF
+        from pipeline.models import HUB_FILES, HUB_GGUF, hub_gguf_files
 
         repo_id = (repo_id or "").strip()
         if not repo_id:
@@ -366,7 +366,7 @@ class ModelCatalog:
         tagged = HUB_GGUF.match(repo_id)
         repo = tagged["repo"] if tagged else repo_id
         try:
-            files = self._tagged_files(repo, tagged["tag"]) if tagged else HUB_FILES
+            files = hub_gguf_files(repo, tagged["tag"]) if tagged else HUB_FILES
             path = Path(snapshot_download(repo, allow_patterns=files, tqdm_class=progress_class(say, cancel)))
         except UserError:
             raise
@@ -391,22 +391,6 @@ class ModelCatalog:
         if not (path / "config.json").is_file():
             raise UserError(f"{repo_id} has no config.json: it is not a model this app can run")
         return path
-
-    @staticmethod
-    def _tagged_files(repo: str, tag: str) -> list[str]:
-        """The files of `repo`'s GGUF model tagged `tag` (`gguf_files_for_tag`), from the hub's list."""
-        from huggingface_hub import HfApi
-
-        from pipeline.models import gguf_files_for_tag
-
-        names = HfApi().list_repo_files(repo)
-        chosen = gguf_files_for_tag(names, tag)
-        if not chosen:
-            gguf = sorted(n for n in names if n.endswith(".gguf"))
-            raise UserError(f"{repo} has no GGUF file tagged {tag}: " + (
-                f"its GGUF files are {', '.join(gguf[:12])}" + (f" and {len(gguf) - 12} more" if len(gguf) > 12
-                                                                 else "") if gguf else "it holds no GGUF files"))
-        return chosen
 
     def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]:
         """What deleting `model_id` would remove, as the question asked before doing it."""

@@ -345,9 +345,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("where", ["models folder", pytest.param("Hugging Face cache", marks=pytest.mark.xfail(
-    strict=True, reason="gguf_folder.py names the link to a Hugging Face cache file by its blob's hash (no .gguf) "
-                        "and reads a split one's first part alone: the loader finds no weights in the model folder"))])
+@pytest.mark.parametrize("where", ["models folder", "Hugging Face cache"])
 def test_chat_switches_to_listed_gguf_models_and_they_answer(tmp_path, studio_cache, models, where):
     folder = models["folder"]
     ids = [str(folder / "loose.Q8_0.gguf"), str(folder / "split.F16-00001-of-00002.gguf")] if where == "models folder" \

@@ -62,7 +62,7 @@ def read_tensors(folder: Path, dtype: torch.dtype | None = None) -> StateDict:
     if missing:
         raise UserError(f"checkpoint in {folder} is incomplete: missing {', '.join(missing)}")
     if files[0].suffix == ".gguf":  # one model, however many parts: the reader joins them
-        return hf_tensors(read_gguf(files[0].resolve()), dtype)
+        return hf_tensors(read_gguf(files[0]), dtype)
     tensors: StateDict = {}
     for path in tqdm(files, desc=f"loading {folder.name}", unit="shard", disable=len(files) < 2):
         part = read_weight_file(path, "model weights")

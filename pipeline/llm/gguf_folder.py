@@ -32,8 +32,10 @@ def _key(parts: list[Path]) -> str:
 
 
 def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
-    """The model folder for the GGUF file at `path` (any part of a split one), made on first use."""
-    path = Path(path).resolve()
+    """The model folder for the GGUF file at `path` (any part of a split one), made on first use. Links
+    keep the parts' own names (a hub cache's files are links to blobs named by hash, and the names say
+    which parts belong together)."""
+    path = Path(path).absolute()
     parts = split_parts(path)
     folder = Path(cache_dir) / "gguf" / f"{parts[0].name.removesuffix('.gguf')}-{_key(parts)}"
     if (folder / "config.json").is_file():
@@ -48,7 +50,7 @@ def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
             write_tokenizer_files(model, tmp)
             for part in parts:
                 try:
-                    os.symlink(part, tmp / part.name)
+                    os.symlink(part.resolve(), tmp / part.name)
                 except OSError as e:
                     raise UserError(f"cannot link {part} into the cache ({e.strerror or e})") from None
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
