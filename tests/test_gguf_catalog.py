@@ -358,3 +358,25 @@ def test_chat_switches_to_listed_gguf_models_and_they_answer(tmp_path, studio_ca
     for model_id, out in zip(ids, json.loads(done.stdout.strip().splitlines()[-1]), strict=True):
         assert out["lines"][-1] == f"chat now runs {model_id}." and out["current"] == model_id, out
         assert out["models"][0] == model_id and out["new_tokens"] == 4, out
+
+
+def test_the_command_line_downloads_a_hub_gguf_by_its_tag_and_chats_with_it(tmp_path, studio_cache):
+    """`--model owner/repo:TAG` (the terminal chat here): only the tagged file is fetched, then it answers;
+    a tag the repository lacks is one line naming the files it has."""
+    src = tmp_path / "repo"
+    src.mkdir()
+    chosen = write_gguf(src / "tiny-Q8_0.gguf")
+    write_gguf(src / "tiny-F16.gguf", "F16")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "STUDIO_CACHE": str(studio_cache),
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    with serving({"studio-test/tiny-GGUF": src}) as hub:
+        env["HF_ENDPOINT"] = hub.url
+        done = subprocess.run([sys.executable, "launch.py", "chat", "--model", "studio-test/tiny-GGUF:q8_0"],
+                              input="Hello\n/exit\n", env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "ended:" in done.stderr, done.stderr[-2000:]
+        assert {name for name, _ in hub.ranges} == {chosen[0].name}
+        bad = subprocess.run([sys.executable, "launch.py", "--model", "studio-test/tiny-GGUF:Q5_K_M", "--port", "0"],
+                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: studio-test/tiny-GGUF has no GGUF file tagged Q5_K_M: its GGUF files are tiny-F16.gguf, "
+        "tiny-Q8_0.gguf"], bad.stderr
