@@ -533,3 +533,18 @@ def test_models_tab_switches_the_chat_model_downloads_and_deletes(browser, tmp_p
             status.get_by_text("Deleted studio-test/qwen2-tiny.").wait_for()
             admin.locator("#models-table span", has_text="studio-test/qwen2-tiny").first.wait_for(state="detached")
             assert not list((hub_cache / "models--studio-test--qwen2-tiny").glob("blobs/*"))
+
+
+def test_the_default_model_answers_in_the_chat_tab(browser, tmp_path, studio_cache):
+    """The app as users start it, with no --model (the real SmolLM2-135M-Instruct), asked a fact in the
+    Chat tab at temperature 0 (the UI's default 0.7 samples; greedy gives the same answer every run)."""
+    from conftest import launched
+
+    with launched(tmp_path / "default.log", studio_cache, model=None) as app, browser_page(browser, app.url) as page:
+        page.locator("#tools-status").get_by_text("smollm2-135m-instruct").first.wait_for()
+        box = page.locator("#chat-temperature input[type=number]")
+        box.fill("0")
+        box.press("Enter")
+        send(page, "What is the capital of France?")
+        page.locator("#chat-status").get_by_text("ended:").wait_for()
+        assert "Paris" in page.locator("#chat-history [data-testid=bot]").last.inner_text()

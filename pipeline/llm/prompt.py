@@ -15,7 +15,7 @@ from typing import Protocol
 from pipeline.errors import UserError
 from pipeline.llm.engine import Prompt
 from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
-from pipeline.llm.tool_calls import ReActCalls, TaggedCalls
+from pipeline.llm.tool_calls import ReActCalls, TaggedCalls, TaggedCallsInMessages
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -65,13 +65,17 @@ class ChatMLFormat:
 
 
 class ChatTemplateFormat:
-    """The checkpoint's own chat template (its tokenizer config's Jinja), with ChatML's stops."""
+    """The checkpoint's own chat template (its tokenizer config's Jinja), with ChatML's stops. Tools:
+    the template writes them where it can (Qwen2.5's); a ChatML template that cannot (SmolLM2's) gets
+    Qwen2.5's layout in its messages (`TaggedCallsInMessages`); any other template has no tools."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.stop_ids = _chatml_stop_ids(tokenizer)
         self.stop_strings = CHATML_STOP_STRINGS
-        self.tool_calls = TaggedCalls() if tokenizer.template_takes_tools else None
+        chatml = IM_START in tokenizer.chat_template and tokenizer.special_id(IM_START) is not None
+        self.tool_calls = (TaggedCalls() if tokenizer.template_takes_tools
+                           else TaggedCallsInMessages() if chatml else None)
 
     def render(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> Prompt:
         return Prompt(tuple(self.tokenizer.render_chat_template(list(messages), list(tools) or None)))

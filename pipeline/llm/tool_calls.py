@@ -2,12 +2,14 @@
 
 Qwen2/2.5/3 (`TaggedCalls`): the chat template lists the tools, and the model answers with
 `<tool_call>{"name": …, "arguments": {…}}</tool_call>`; results come back as `tool` messages, which
-the template writes itself. Qwen v1 (`ReActCalls`) has no template: its ReAct format (as Qwen's own
-OpenAI server writes it) puts the tools and the Thought / Action / Action Input / Observation layout
-in the question, and a tool's result becomes the Observation the model continues from. A
-`CallReader` turns the reply's text into content and `ToolCall`s as it streams. `grammar` gives the
-Lark grammar that makes a model call a tool (`tool_choice` `required` or a named function), with the
-arguments valid for the function's JSON schema.
+the template writes itself. A ChatML template that writes no tools (SmolLM2's) gets the same layout
+written into the messages it renders (`TaggedCallsInMessages`), as Hermes-style tool prompts do.
+Qwen v1 (`ReActCalls`) has no template: its ReAct format (as Qwen's own OpenAI server writes it)
+puts the tools and the Thought / Action / Action Input / Observation layout in the question, and a
+tool's result becomes the Observation the model continues from. A `CallReader` turns the reply's
+text into content and `ToolCall`s as it streams. `grammar` gives the Lark grammar that makes a model
+call a tool (`tool_choice` `required` or a named function), with the arguments valid for the
+function's JSON schema.
 """
 
 from __future__ import annotations
@@ -175,6 +177,48 @@ class TaggedCalls:
     @staticmethod
     def reader() -> CallReader:
         return TaggedReader()
+
+
+# Qwen2.5's system-prompt tools section (Hermes' layout), word for word; `{tools}` is one JSON line per tool.
+TOOLS_SECTION = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                 "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tools}\n</tools>"
+                 "\n\nFor each function call, return a json object with function name and arguments within "
+                 "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+                 "<args-json-object>}}\n</tool_call>")
+
+
+class TaggedCallsInMessages(TaggedCalls):
+    """Tagged calls for a ChatML chat template that has no tools of its own (SmolLM2's): the model is
+    not trained on a tool layout, so it gets the most common one, Qwen2.5's (Hermes'), written into
+    the plain messages its template renders: the tools section at the end of the system message,
+    earlier calls as `<tool_call>` blocks in the assistant's text, results as `<tool_response>`
+    blocks in a user turn (consecutive results in one). The replies read and the grammar are
+    `TaggedCalls`'."""
+
+    @staticmethod
+    def messages(messages: Sequence[dict], tools: Sequence[dict]) -> list[dict]:
+        out: list[dict] = []
+        for i, m in enumerate(messages):
+            if m["role"] == "tool":
+                response = f"<tool_response>\n{m['content']}\n</tool_response>"
+                if i and messages[i - 1]["role"] == "tool":
+                    out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{response}"}
+                else:
+                    out.append({"role": "user", "content": response})
+                continue
+            if m.get("tool_calls"):
+                blocks = [f"{OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                    "arguments": json.loads(c["function"]["arguments"])},
+                                                   ensure_ascii=False) + f"\n{CLOSE}" for c in m["tool_calls"]]
+                m = {"role": "assistant", "content": "\n".join(([m["content"]] if m["content"] else []) + blocks)}
+            out.append(m)
+        if tools:
+            section = TOOLS_SECTION.format(tools="".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools))
+            if out and out[0]["role"] == "system":
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{section}"}
+            else:
+                out.insert(0, {"role": "system", "content": section})
+        return out
 
 
 REACT_INSTRUCTION = """Answer the following questions as best you can. You have access to the following tools:
