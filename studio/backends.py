@@ -23,7 +23,7 @@ from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.engine import Prompt, TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
-from pipeline.llm.quant import GROUP, MODES, kernel_unavailable, quantized_layers, use_kernels
+from pipeline.llm.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.tokenizer import load_tokenizer
@@ -97,7 +97,7 @@ def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
     total = sum(p.numel() for p in model.parameters()) * dtype.itemsize
     if mode == "none":
         return total
-    per_weight = {"int8": 1 + 4 / config.hidden_size, "int4": 0.5 + 2 * dtype.itemsize / GROUP}
+    per_weight = {"int8": 1 + 4 / config.hidden_size, "int4": 0.5 + 2 * dtype.itemsize / int4_group(config)}
     for parent, name, layer_mode in quantized_layers(model, mode):
         total -= int(getattr(parent, name).weight.numel() * (dtype.itemsize - per_weight[layer_mode]))
     return total
@@ -117,8 +117,9 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
         return requested, "asked for"
     if device.type != "cuda" or free_bytes is None:
         return "none", "auto on the CPU: quantized layers would dequantize at every call there"
-    # A quantized GGUF file holds nothing float weights would keep: int8 carries it over within 0.4 % of
-    # its perplexity (SmolLM2's Q4_1), int4 re-rounds its blocks of 32 into groups of 128 (bench/RESULTS.md).
+    # A quantized GGUF file holds nothing float weights would keep: int8 carries it over within 0.4 % of its
+    # perplexity (SmolLM2's Q4_1; 1 % in bf16) on the Triton kernel; int4 keeps its blocks of 32 exactly, but
+    # the kernel runs groups of 128, so those layers dequantize at each call (bench/RESULTS.md).
     modes = MODES[1:] if config.gguf_type.startswith("Q") else MODES
     kv = KVCache.row_bytes(config, context + 1, dtype)
     for mode in modes:

@@ -9,7 +9,8 @@ Formats (what the quantized-weight cache stores and the kernels read):
         symmetric per output channel (the largest |w| of a row maps to 127).
   int4  q uint8 [out, in/2], two values per byte, low nibble first; scale and zero in the model's
         dtype [out, in/group]:                          w ≈ (q − zero) · scale
-        asymmetric per group of `group_size(in)` inputs (the group's min maps to 0, its max to 15). The
+        asymmetric per group of `group_size(in)` inputs, 32 for a GGUF file's weights (`int4_group`;
+        the group's min maps to 0, its max to 15). The
         zero is kept fractional (as HQQ keeps it), so both ends of the range are exact.
 
 Which layers: the four projections of every block (q/k/v, output, gate/up, down) in the mode asked
@@ -44,12 +45,22 @@ HEAD_MODE = "int8"  # the LM head's, under both modes (see the module docstring)
 BITS = {"int8": 8, "int4": 4}
 
 
-def group_size(in_features: int) -> int:
-    """GROUP where it divides the width, else the largest of 64, 32, 16 that does: the tiny demo models'
-    widths, and SmolLM2's 576 (4.5 groups of 128), which then run on the reference path (the kernel
-    needs whole groups of 128)."""
-    for size in (GROUP, 64, 32, 16):
-        if in_features % size == 0:
+GGUF_BLOCK = 32  # the weights per block of a GGUF file's 4-bit (and 5-, 6-, 8-bit) encodings
+
+
+def int4_group(config) -> int:
+    """The int4 group a decoder's weights are made in: GROUP; a quantized GGUF file's own blocks of 32,
+    which its 4-bit blocks then keep exactly (re-rounding SmolLM2's Q4_1 into groups of 64 cost it 62 %
+    perplexity, `bench/RESULTS.md`), at the price of the reference path (the kernel runs groups of 128)."""
+    return GGUF_BLOCK if config.gguf_type.startswith("Q") else GROUP
+
+
+def group_size(in_features: int, largest: int = GROUP) -> int:
+    """`largest` where it divides the width, else the largest of 64, 32, 16 below it that does: the tiny
+    demo models' widths, and SmolLM2's 576 (4.5 groups of 128), which then run on the reference path
+    (the kernel needs whole groups of 128)."""
+    for size in (largest, 64, 32, 16):
+        if size <= largest and in_features % size == 0:
             return size
     raise ValueError(f"int4 needs input widths divisible by 16, got {in_features}")
 
@@ -64,8 +75,9 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
 
 
-def quantize(weight: Tensor, mode: str, dtype: torch.dtype) -> dict[str, Tensor]:
-    """`weight` [out, in] in `mode`'s format (see the module docstring), computed where the weight is."""
+def quantize(weight: Tensor, mode: str, dtype: torch.dtype, group: int = GROUP) -> dict[str, Tensor]:
+    """`weight` [out, in] in `mode`'s format (see the module docstring; int4 in groups of `group_size(in,
+    group)`), computed where the weight is."""
     w = weight.float()
     if mode == "int8":
         scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-10)
@@ -73,7 +85,8 @@ def quantize(weight: Tensor, mode: str, dtype: torch.dtype) -> dict[str, Tensor]
     if mode != "int4":
         raise ValueError(f"unknown quantization {mode!r}: use one of {MODES}")
     out, n = w.shape
-    groups = w.view(out, n // group_size(n), group_size(n))
+    size = group_size(n, group)
+    groups = w.view(out, n // size, size)
     lo, hi = groups.amin(-1), groups.amax(-1)
     # the stored (rounded) scale and zero are the ones the values are computed against
     scale = ((hi - lo) / 15).clamp(min=1e-10).to(dtype)
@@ -88,7 +101,8 @@ def dequantize(parts: dict[str, Tensor], mode: str) -> Tensor:
         return parts["q"].float() * parts["scale"].float()
     q = unpack_int4(parts["q"]).float()
     out, n = q.shape
-    groups = (q.view(out, n // group_size(n), group_size(n)) - parts["zero"].float()[..., None]) * parts["scale"].float()[..., None]
+    count = parts["scale"].shape[1]  # the groups (their width follows)
+    groups = (q.view(out, count, n // count) - parts["zero"].float()[..., None]) * parts["scale"].float()[..., None]
     return groups.view(out, n)
 
 
@@ -99,30 +113,33 @@ class QuantLinear(nn.Module):
     decoder is the cache's file format. `use_kernel` swaps the reference for the Triton low-bit kernel.
     """
 
-    def __init__(self, in_features: int, out_features: int, mode: str, dtype: torch.dtype, bias: bool):
+    def __init__(self, in_features: int, out_features: int, mode: str, dtype: torch.dtype, bias: bool,
+                 group: int = GROUP):
         super().__init__()
         if mode not in BITS:
             raise ValueError(f"unknown quantization {mode!r}")
         self.in_features, self.out_features, self.mode, self.dtype = in_features, out_features, mode, dtype
+        self.group = group_size(in_features, group) if mode == "int4" else 0
         if mode == "int8":
             self.register_buffer("q", torch.empty(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scale", torch.empty(out_features, 1, dtype=torch.float32))
         else:
             self.register_buffer("q", torch.empty(out_features, in_features // 2, dtype=torch.uint8))
-            groups = in_features // group_size(in_features)
+            groups = in_features // self.group
             self.register_buffer("scale", torch.empty(out_features, groups, dtype=dtype))
             self.register_buffer("zero", torch.empty(out_features, groups, dtype=dtype))
         self.register_buffer("bias", torch.empty(out_features, dtype=dtype) if bias else None)
         self.kernel: nn.Module | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, mode: str, device: torch.device | str | None = None) -> "QuantLinear":
+    def from_linear(cls, linear: nn.Linear, mode: str, device: torch.device | str | None = None,
+                    group: int = GROUP) -> "QuantLinear":
         """Quantize `linear` on `device` (the GPU is fast at it; the layer's own device otherwise)."""
         weight = linear.weight.detach()
         dtype = weight.dtype
         with torch.device("meta"):  # every buffer is replaced below
-            layer = cls(linear.in_features, linear.out_features, mode, dtype, linear.bias is not None)
-        parts = quantize(weight.to(device or weight.device), mode, dtype)
+            layer = cls(linear.in_features, linear.out_features, mode, dtype, linear.bias is not None, group)
+        parts = quantize(weight.to(device or weight.device), mode, dtype, layer.group or GROUP)
         if linear.bias is not None:
             parts["bias"] = linear.bias.detach().to(parts["q"].device)
         for name, value in parts.items():
@@ -137,6 +154,8 @@ class QuantLinear(nn.Module):
 
     def kernel_unavailable(self) -> str | None:
         """None when `plugins.lowbit` can run this layer where its weights are, else why not."""
+        if self.mode == "int4" and self.group != GROUP and self.in_features % GROUP == 0:
+            return f"the int4 kernel runs groups of {GROUP}; these weights keep their file's groups of {self.group}"
         return lowbit.available(self.q.device, self.dtype, BITS[self.mode], self.in_features)
 
     def use_kernel(self, workspace: lowbit.Workspace, silu_mul: bool = False) -> None:
@@ -178,17 +197,19 @@ def quantize_decoder(model: nn.Module, mode: str, device: torch.device | str, pr
     """Replace the layers `quantized_layers` names by `QuantLinear`s made on `device`, one at a time, so
     the float weights (on the CPU) never all sit on the GPU at once; `progress` wraps the layer list
     (a progress bar)."""
+    group = int4_group(model.config)
     for parent, name, layer_mode in progress(list(quantized_layers(model, mode))):
-        setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), layer_mode, device))
+        setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), layer_mode, device, group))
     return model
 
 
 def empty_quantized(model: nn.Module, mode: str) -> nn.Module:
     """Swap a (meta-device) decoder's layers for empty `QuantLinear`s, to load a quantized state dict into."""
+    group = int4_group(model.config)
     for parent, name, layer_mode in quantized_layers(model, mode):
         linear = getattr(parent, name)
         setattr(parent, name, QuantLinear(linear.in_features, linear.out_features, layer_mode, linear.weight.dtype,
-                                          linear.bias is not None))
+                                          linear.bias is not None, group))
     return model
 
 
