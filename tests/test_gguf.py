@@ -21,7 +21,6 @@ import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as reference
 
-import launch
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.demo import CORPUS, _train_bpe
@@ -30,6 +29,7 @@ from pipeline.llm.gguf_quants import SUPPORTED, dequantize
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
 from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, load_tokenizer
 from pipeline.models import embedded_gguf, gguf_files_for_tag, locate
+from studio.compose import run
 
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # every width a multiple of 256, the K-quants' block
@@ -286,15 +286,15 @@ def broken_files(tmp_path_factory, bpe_vocab) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", BROKEN)
 def test_a_broken_file_is_refused_with_one_line(broken_files, name, capsys):
-    """By the reader, by `locate`, and by the CLI's entry point (`launch.main`, in this process: a few
-    seconds of imports less a file; real `launch.py` processes run below)."""
+    """By the reader, by `locate`, and by the front ends' entry (`studio.compose.run`, which `launch.main`
+    calls, in this process: a few seconds of imports less a file; real `launch.py` processes run below)."""
     path = broken_files[name]
     with pytest.raises(UserError, match=BROKEN[name]) as raised:
         read_gguf(path)
     assert "\n" not in str(raised.value) and len(str(raised.value)) < 300
     with pytest.raises(UserError, match=BROKEN[name]):
         locate(str(path))
-    assert launch.main(["--model", str(path), "--check"]) == 2
+    assert run(["--model", str(path), "--check"], lambda args, plan: pytest.fail("--check went on to start")) == 2
     said = capsys.readouterr()
     assert said.out == "" and said.err.startswith("error: ") and said.err.count("\n") == 1, said
     assert re.search(BROKEN[name], said.err)
