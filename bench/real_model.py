@@ -172,24 +172,23 @@ def perplexity_table(folder: Path, float_model, hf, ids: list[int], dtype: torch
                       "how": how, "s": round(time.perf_counter() - start, 1)}
         say(f"perplexity {mode} {s.perplexity:.4f} ({how})")
         del model
-    # What-if, not the app's setting: int4 in groups of 32, the file's own Q4_1 block size (the app picks
-    # 64 for SmolLM2's 576-wide inputs, 128 for the 1536-wide down projection), so each group holds one
-    # Q4_1 block whose 16 levels it can represent again.
+    # What-if, not the app's setting: int4 re-rounded into the kernel's groups of 128 (64 for SmolLM2's
+    # 576-wide inputs), as the app did before a GGUF file's int4 kept the file's own blocks of 32.
     from pipeline.llm import quant
 
-    app_group_size = quant.group_size
-    quant.group_size = lambda n: 32
+    app_group = quant.int4_group
+    quant.int4_group = lambda config: quant.GROUP
     try:
         start = time.perf_counter()
         model, how = torch_decoder(folder, MODEL_ID, "int4", dtype, torch.device(device), None)
         s = score_text(model.eval(), ids)
-        rows["int4_groups_of_32_what_if"] = {
+        rows["int4_kernel_groups_what_if"] = {
             "perplexity": round(s.perplexity, 4), "agreement_vs_float": round(agreement(s, base), 4),
-            "how": f"{how}, groups of 32 (not the app's choice)", "s": round(time.perf_counter() - start, 1)}
-        say(f"perplexity int4 in groups of 32 {s.perplexity:.4f}")
+            "how": f"{how}, groups of 128/64 (not the app's choice)", "s": round(time.perf_counter() - start, 1)}
+        say(f"perplexity int4 in groups of 128/64 {s.perplexity:.4f}")
         del model
     finally:
-        quant.group_size = app_group_size
+        quant.int4_group = app_group
     start = time.perf_counter()
     s = hf_score_text(hf, ids)
     rows["transformers"] = {"perplexity": round(s.perplexity, 4), "agreement_vs_float": round(agreement(s, base), 4),
