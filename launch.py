@@ -2,7 +2,7 @@
 
     python launch.py chat                  # the terminal chat (same model flags), no browser
 
-    python launch.py                       # auto: real weights on a GPU if cached, else the demo model
+    python launch.py                       # auto: a cached 7B on a GPU, else the built-in SmolLM2-135M
     python launch.py --check               # say what would run where, and why, then exit
     python launch.py --model Qwen/Qwen2.5-7B-Instruct --dtype bfloat16
     python launch.py --weights /models/Qwen-7B-Chat --port 8080
