@@ -38,6 +38,20 @@ def llama_demo(studio_cache) -> Path:
     return demo_model_dir("demo/llama-tiny", studio_cache)
 
 
+def train_sentencepiece(folder: Path) -> Path:
+    """A BPE `tokenizer.model` with byte fallback trained here on the demo corpus, set up as LLaMA's own is
+    (identity normalisation, no whitespace folding; <unk>, <s>, </s> at 0, 1, 2)."""
+    import sentencepiece
+
+    from pipeline.llm.demo import CORPUS
+
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.read_text().splitlines()), model_prefix=str(folder / "tokenizer"),
+        vocab_size=600, model_type="bpe", byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1,
+        eos_id=2, pad_id=-1, remove_extra_whitespaces=False, normalization_rule_name="identity", minloglevel=2)
+    return folder / "tokenizer.model"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,9 +21,10 @@ import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as reference
 
+from conftest import train_sentencepiece
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import load_decoder, read_config
-from pipeline.llm.demo import CORPUS, _train_bpe
+from pipeline.llm.demo import _train_bpe
 from pipeline.llm.gguf_file import read_gguf
 from pipeline.llm.gguf_quants import SUPPORTED, dequantize
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
@@ -359,11 +360,7 @@ def sentencepiece_gguf(tmp_path_factory):
     pieces by Viterbi over the scores, which merges ranked by score only approximate.)"""
     spm = pytest.importorskip("sentencepiece")
     folder = tmp_path_factory.mktemp("spm-gguf")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS.read_text().splitlines()),
-                                   model_prefix=str(folder / "tokenizer"), vocab_size=600, model_type="bpe",
-                                   byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2,
-                                   pad_id=-1, remove_extra_whitespaces=False, normalization_rule_name="identity",
-                                   minloglevel=2)
+    train_sentencepiece(folder)
     sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
     ids = range(sp.get_piece_size())
     vocab = {"model": "llama", "tokens": [sp.id_to_piece(i) for i in ids], "scores": [sp.get_score(i) for i in ids],

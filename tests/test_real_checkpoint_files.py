@@ -13,7 +13,7 @@ from pipeline.errors import UserError
 from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
 from pipeline.llm.tokenizer import load_tokenizer
-from pipeline.llm.demo import CORPUS
+from conftest import train_sentencepiece
 
 spm = pytest.importorskip("sentencepiece")
 
@@ -26,11 +26,7 @@ def sentencepiece_folder(tmp_path_factory):
     """A LLaMA-style folder with only `config.json` and a `tokenizer.model` trained here (byte fallback,
     identity normalisation, no whitespace folding: how LLaMA's own model is set up)."""
     folder = tmp_path_factory.mktemp("spm")
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(CORPUS.read_text().splitlines()),
-                                   model_prefix=str(folder / "tokenizer"), vocab_size=600, model_type="bpe",
-                                   byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2,
-                                   pad_id=-1, remove_extra_whitespaces=False, normalization_rule_name="identity",
-                                   minloglevel=2)
+    train_sentencepiece(folder)
     (folder / "tokenizer.vocab").unlink()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return folder
