@@ -13,6 +13,7 @@ from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.llm.families import FAMILIES, QWEN_V1, family_of
+from pipeline.llm.quant_config import scheme_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +106,6 @@ def _quantization(cfg: dict) -> str:
     """`DecoderConfig.quantization` for `quantization_config`; one we cannot run is refused by name."""
     if cfg.get("quantization_config") is None:
         return ""
-    from pipeline.llm.prequantized import scheme_of  # not at the top: it reads configs through this module
-
     return scheme_of(cfg["quantization_config"]).method
 
 
