@@ -18,7 +18,7 @@ from engine_builder.trtllm.prompt_table import content_id, prompt_table_input
 from pipeline.llm.checkpoint import load_decoder, read_config, read_tensors, to_internal
 from pipeline.llm.config import DecoderConfig
 from pipeline.llm.demo import demo_model_dir
-from pipeline.llm.engine import Prompt
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.families import TRTLLM_LAYOUT
 from pipeline.llm.tokenizer import load_tokenizer
 
@@ -154,17 +154,37 @@ def test_build_settings_size_the_prompt_table_for_image_chat():
     assert build_settings(4, 8192)["max_prompt_embedding_table_size"] == 0
 
 
-def test_the_runner_says_why_it_cannot_run():
-    """Here TensorRT-LLM is absent: `unavailable` names the reason the app prints and falls back on."""
+def test_the_runner_says_why_it_cannot_run(qwen2_demo, tmp_path):
+    """Here TensorRT-LLM is absent. The runner class itself refuses to start with the reason
+    (`unavailable`: TensorRT-LLM does not import, see requirements-tensorrt.txt), not a bare
+    ModuleNotFoundError; and a launch with --backend tensorrt prints that reason through the runner's
+    loader and answers on torch."""
+    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.cache import EngineBuildError, EngineCache
+    from engine_builder.trtllm.engine import TrtLlmEngine
+    from pipeline.llm.engine import TorchLLMEngine
+    from studio.backends import load_language_model
+
     reason = trtllm.unavailable()
-    assert reason is not None and "TensorRT-LLM" in reason
+    assert reason is not None and reason.startswith("TensorRT-LLM does not import") \
+        and "requirements-tensorrt.txt" in reason
+    with pytest.raises(EngineBuildError) as refused:
+        TrtLlmEngine(tmp_path, read_config(qwen2_demo), 256, "float32", 1, "no engine")
+    assert str(refused.value) == reason
+
+    report = StartupReport(echo=False)
+    llm = load_language_model(qwen2_demo, "demo/qwen2-tiny", backend="tensorrt", max_context=256, max_batch=1,
+                              engines=EngineOptions(EngineCache(tmp_path / "engines"), report))
+    assert f"demo/qwen2-tiny: the TensorRT-LLM engine failed ({reason}); running on torch instead" in report.lines
+    assert isinstance(llm.engine, TorchLLMEngine)
+    llm.engine.close()
 
 
 def test_responses_reach_the_stream_as_the_torch_engine_delivers_them():
     """The runner's bookkeeping (no executor involved): tokens stream, a stop id ends the reply unsent,
     the executor's final response ends it with its reason."""
     from engine_builder.trtllm.engine import _Request
-    from pipeline.llm.engine import TokenStream
+    from pipeline.llm.engine_types import TokenStream
 
     request = _Request(TokenStream(None, False), stop_ids={7}, submitted=0.0)
     assert not request.take([3, 4], None) and request.take([5, 7, 9], None)

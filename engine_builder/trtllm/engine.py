@@ -76,8 +76,16 @@ class _Request:
 class TrtLlmEngine:
     """An engine folder (`Engine.save` output) served by TensorRT-LLM's executor."""
 
+    @staticmethod
+    def require() -> None:
+        """Raise `EngineBuildError` saying why TensorRT-LLM cannot run here (not installed, or another
+        release line than these modules are written for): what the app prints before it runs on torch."""
+        if (why := trtllm.unavailable()) is not None:
+            raise EngineBuildError(why)
+
     def __init__(self, engine_dir: Path, config: DecoderConfig, context: int, dtype: str, max_batch: int,
                  description: str):
+        self.require()
         from tensorrt_llm.bindings import executor as tx
 
         self._tx = tx
@@ -187,8 +195,7 @@ def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, m
                        reference: Callable[[], TorchLLMEngine]) -> TrtLlmEngine:
     """The TensorRT-LLM engine for a checkpoint folder, built into the engine cache on first use and
     used only once it passes `check_llm` against `reference()` (the float torch engine on the same weights)."""
-    if (why := trtllm.unavailable()) is not None:
-        raise EngineBuildError(why)
+    TrtLlmEngine.require()
     import tensorrt_llm
 
     config = read_config(model_dir)
