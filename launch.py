@@ -12,31 +12,33 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from app.server import serve
-from studio.compose import TOOLS, Plan, build, run
+from app.cli import main as terminal_chat
+from pipeline.service.tools import Tool
+from studio.compose import build, run
+from studio.config import StudioConfig
+from studio.plan import Plan
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "chat":  # the terminal chat: same options, no browser
-        from app.cli import main as terminal_chat
-
         return terminal_chat(argv[1:])
     return run(argv, start_app)
 
 
-def start_app(args: argparse.Namespace, plan: Plan) -> int:
+def start_app(config: StudioConfig, plan: Plan) -> int:
     """Load the chat tool (every tool with --preload / --build-engines), then serve until Ctrl+C."""
-    service = build(args, plan)
-    for name in (TOOLS if args.preload or args.build_engines else ("chat",)):
-        service.load(name)
-    if args.build_engines:
+    service = build(config, plan)
+    for tool in (list(Tool) if config.preload or config.build_engines else [Tool.CHAT]):
+        service.load(tool)
+    if config.build_engines:
         service.close()
         return 0
-    return serve(args, service)
+    from app.server import serve  # gradio takes seconds to import: the terminal chat starts without it
+
+    return serve(config, service)
 
 
 if __name__ == "__main__":

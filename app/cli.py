@@ -10,7 +10,6 @@ Commands: /reset (a new conversation) · /system TEXT (the system prompt; a new 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -21,6 +20,9 @@ from pipeline.errors import UserError
 from pipeline.images import load_image
 from pipeline.llm.sampling import SamplingParams
 from pipeline.service.studio import StudioService, Update
+from studio.compose import build, run as run_studio
+from studio.config import StudioConfig
+from studio.plan import Plan
 
 HELP = "commands: /reset · /system TEXT · /image PATH · /set SETTING VALUE (e.g. /set temperature 0) · /exit"
 
@@ -130,16 +132,12 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.cli` or `python launch.py chat`, with the app's options: the chat tool, then the chat."""
-    from studio import compose
-
-    return compose.run(sys.argv[1:] if argv is None else argv, chat_in_terminal)
+    return run_studio(sys.argv[1:] if argv is None else argv, chat_in_terminal)
 
 
-def chat_in_terminal(args: argparse.Namespace, plan) -> int:
+def chat_in_terminal(config: StudioConfig, plan: Plan) -> int:
     """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
-    from studio.compose import build
-
-    service = build(args, plan, echo=False, say=_status)
+    service = build(config, plan, echo=False, say=_status)
     try:
         service.load("chat", _status)
         return run(TerminalChat(service))

@@ -11,12 +11,12 @@ import gradio as gr
 
 from app.errors import shown_to_user
 from pipeline.progress import lines_of
-from pipeline.service.studio import CHAT, IMAGE_CHAT, SEGMENT, StudioService
-from pipeline.service.tools import size_text
+from pipeline.service.studio import StudioService
+from pipeline.service.tools import Tool, size_text
 
 COLUMNS = ["Model", "Kind", "Family", "Parameters", "GGUF type", "On disk", "Runs as", "GPU memory", "Fits", "Where",
            "In use by"]
-SWITCHES = ((CHAT, "Chat model"), (IMAGE_CHAT, "Image-chat LLM"), (SEGMENT, "Segment (SAM)"))
+SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat LLM"), (Tool.SEGMENT, "Segment (SAM)"))
 
 
 def build_models_tab(service: StudioService) -> dict:
@@ -25,10 +25,10 @@ def build_models_tab(service: StudioService) -> dict:
     downloads: dict[str, threading.Event] = {}  # a session's download in progress, to cancel
 
     def table() -> list[list]:
-        budget = service.host.budget
+        budget = catalog.budget
         using = {tool: catalog.current(tool) for tool, _ in SWITCHES}
         rows = []
-        for e in catalog.find():
+        for e in catalog.models():
             fits = e.fits(budget)
             rows.append([e.id, e.kind, e.family, f"{e.params / 1e9:.2f} B" if e.params else "", e.quant,
                          size_text(e.disk_bytes), e.precision,
@@ -38,14 +38,12 @@ def build_models_tab(service: StudioService) -> dict:
         return rows
 
     def refresh() -> tuple:
-        entries = catalog.find()
+        entries = catalog.refresh()  # the tab opened, or a switch, download or delete ended: look again
         pickers = [gr.Dropdown(choices=[e.id for e in entries if tool in e.tools], value=catalog.current(tool))
                    for tool, _ in SWITCHES]
-        deletable = [e.id for e in entries if e.source in ("Hugging Face cache", "models folder", "cache",
-                                                             "local file")]
-        return table(), *pickers, gr.Dropdown(choices=deletable, value=None)
+        return table(), *pickers, gr.Dropdown(choices=[e.id for e in entries if e.deletable], value=None)
 
-    def switcher(tool: str) -> Callable:
+    def switcher(tool: Tool) -> Callable:
         @shown_to_user
         def switch(model_id: str | None) -> Iterator[str]:
             if not model_id:
@@ -91,7 +89,7 @@ def build_models_tab(service: StudioService) -> dict:
     with gr.Row():
         for tool, label in SWITCHES:
             with gr.Column(min_width=220):
-                pickers.append(gr.Dropdown([], label=label, elem_id=f"models-{tool.replace(' ', '-')}"))
+                pickers.append(gr.Dropdown([], label=label, elem_id=f"models-{tool.flag}"))
                 buttons.append(gr.Button(f"Switch {tool}", size="sm"))
     with gr.Row():
         with gr.Column():

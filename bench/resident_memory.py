@@ -27,6 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from studio import compose  # noqa: E402
+from studio.config import parse_config  # noqa: E402
+from studio.plan import make_plan  # noqa: E402
+from pipeline.service.tools import Tool  # noqa: E402
 from timing import report  # noqa: E402
 from pipeline.llm.checkpoint import write_checkpoint  # noqa: E402
 from pipeline.llm.config import DecoderConfig, config_from_hf  # noqa: E402
@@ -81,12 +84,12 @@ def write_checkpoints(root: Path, smoke: bool, device: str) -> dict[str, Path]:
 
 def launch_all(paths: dict[str, Path], cache: Path, device: str) -> dict:
     os.environ["STUDIO_CACHE"] = str(cache)
-    args = compose.parse_args(["--weights", str(paths["qwen"]), "--sam", str(paths["sam"]),
+    args = parse_config(["--weights", str(paths["qwen"]), "--sam", str(paths["sam"]),
                               "--minigpt4-ckpt", str(paths["vision"] / "prerained_minigpt4_7b.pth"),
                               "--minigpt4-vision", str(paths["vision"]), "--minigpt4-llm", str(paths["vicuna"]),
                               "--quant", "int4", "--gpu-memory", "16", "--max-batch", "1", "--backend", "torch",
                               "--device", device, "--dtype", "bfloat16"])
-    plan = compose.make_plan(args)
+    plan = make_plan(args)
     engines = compose.engine_options(args)
     host = ToolHost(torch.device(device), int(16 * GIB), engines.report.say)
     for spec in compose.tool_specs(args, plan, engines, host):
@@ -95,12 +98,12 @@ def launch_all(paths: dict[str, Path], cache: Path, device: str) -> dict:
     if device == "cuda":
         out["allocated_before_GiB"] = round(torch.cuda.memory_allocated() / GIB, 2)  # 0: nothing left over
         torch.cuda.reset_peak_memory_stats()
-    for name in compose.TOOLS:
+    for name in Tool:
         start = time.perf_counter()
         host.load(name)
         out[f"{name} load_s"] = round(time.perf_counter() - start, 1)
     out["tools"] = host.status()
-    out["all loaded"] = all(host.loaded(n) is not None for n in compose.TOOLS)
+    out["all loaded"] = all(host.loaded(n) is not None for n in Tool)
     if device == "cuda":
         out["peak_GiB"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
         out["allocated_GiB"] = round(torch.cuda.memory_allocated() / GIB, 2)

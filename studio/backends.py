@@ -16,11 +16,13 @@ from engine_builder import onnxruntime_backend, tensorrt_backend, trtllm
 from engine_builder.build import RUNTIMES, EngineOptions, build_engines
 from engine_builder.cache import EngineBuildError
 from engine_builder.onnx_export import minigpt4_graph, sam_graphs
+from engine_builder.trtllm.engine import load_trtllm_engine
 from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
 from pipeline.llm.checkpoint import load_decoder, read_config
-from pipeline.llm.engine import Prompt, TorchLLMEngine
+from pipeline.llm.engine import TorchLLMEngine
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
@@ -190,8 +192,6 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                            f"not {config.quantization.upper()} ones")
         backend = "torch"
     if backend == "tensorrt":
-        from engine_builder.trtllm.engine import load_trtllm_engine
-
         try:
             def reference() -> TorchLLMEngine:  # the float torch engine on the CPU: no second copy on the GPU
                 return load_language_model(model_dir, model_id, "torch", "cpu", dtype, max_context=256,

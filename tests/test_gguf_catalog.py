@@ -112,26 +112,32 @@ def fake_hub_cache(cache: Path, repo: str, files: dict[str, Path]) -> Path:
 # The catalog as the app makes it, over stand-ins for the plan, engines and tool host; runs each action
 # of argv[1] (JSON) and prints one JSON line of results.
 CHILD = """
-import argparse, json, os, sys, threading, types
+import dataclasses, json, os, sys, threading, types
 from pathlib import Path
 from pipeline.errors import UserError
+from pipeline.service.tools import Tool
 from studio import hub_progress
+from studio.backends import BackendChoice
+from studio.compose import configure_process
+from studio.config import StudioConfig
 from studio.model_catalog import ModelCatalog
+from studio.model_finder import ModelFinder
+from studio.plan import Plan
 
 job = json.loads(sys.argv[1])
+configure_process()  # huggingface_hub's reads of 1 MiB, as the app starts with
 hub_progress.EVERY_S = 0  # every read reported
-args = argparse.Namespace(models_dir=job.get("models_dir"), quant="auto", context=256,
-                          minigpt4_llm=Path("unused"))
-plan = types.SimpleNamespace(backends={"chat": types.SimpleNamespace(backend="torch")}, model_id=job["model"],
-                             dtype="float32", device="cpu", sam="demo/sam-tiny")
-engines = types.SimpleNamespace(cache=types.SimpleNamespace(root=job["engines"]))
-catalog = ModelCatalog(args, plan, engines, types.SimpleNamespace(budget=None), lambda line: None)
+config = StudioConfig(models_dir=job.get("models_dir") and Path(job["models_dir"]), context=256,
+                      minigpt4_llm=Path("unused"))
+plan = Plan({"chat": BackendChoice("torch", "test")}, "cpu", "float32", job["model"], "demo/sam-tiny", ())
+finder = ModelFinder(config, "float32", "cpu", None, Path(job["engines"]))
+catalog = ModelCatalog(config, plan, types.SimpleNamespace(budget=None), finder, None, lambda line: None)
 
 
 def entries():
     return [{"id": e.id, "kind": e.kind, "family": e.family, "params": e.params, "quant": e.quant,
              "disk": e.disk_bytes, "source": e.source, "tools": list(e.tools),
-             "path": str(e.path) if e.path else None, "files": [str(f) for f in e.files]} for e in catalog.find()]
+             "path": str(e.path) if e.path else None, "files": [str(f) for f in e.files]} for e in catalog.refresh()]
 
 
 def download(model_id, kept=None):  # kept: cancel once that file is in the cache (progress sums all files)
@@ -157,13 +163,13 @@ def v1_models():
 
 def locate_all():
     from pipeline.models import locate
-    return {e.id: str(locate(e.id).path) == str(e.path) for e in catalog.find() if e.files and e.kind == "LLM"}
+    return {e.id: str(locate(e.id).path) == str(e.path) for e in catalog.models() if e.files and e.kind == "LLM"}
 
 
 ACTIONS = {"find": entries, "download": download, "delete": catalog.delete,
            "delete_plan": lambda model_id: catalog.delete_plan(model_id)[1], "servable": catalog.servable,
            "v1_models": v1_models, "locate_all": locate_all,
-           "run": lambda model_id: setattr(plan, "model_id", model_id)}
+           "run": lambda model_id: setattr(catalog, "plan", dataclasses.replace(plan, model_id=model_id))}
 out = []
 for name, *params in job["actions"]:
     try:
@@ -330,10 +336,12 @@ def test_deleting_a_gguf_model_removes_its_files_only(tmp_path, studio_cache, mo
 # argv[1] (the models folder): Chat switched to it and a short reply from it.
 SWITCH = """
 import json, sys
-from studio.compose import build, make_plan, parse_args
+from studio.compose import build
+from studio.config import parse_config
+from studio.plan import make_plan
 
-args = parse_args(["--model", "demo/qwen-v1-tiny", "--models-dir", sys.argv[1], "--context", "256"])
-service = build(args, make_plan(args), echo=False, say=lambda line: None)
+config = parse_config(["--model", "demo/qwen-v1-tiny", "--models-dir", sys.argv[1], "--context", "256"])
+service = build(config, make_plan(config), echo=False, say=lambda line: None)
 out = []
 for model_id in sys.argv[2:]:
     lines = list(service.switch("chat", model_id))

@@ -211,10 +211,12 @@ def in_process_app(argv: list[str], monkeypatch, cache):
     subprocess hides: (the server module, args, service)."""
     from app import server
     from studio import compose
+    from studio.config import parse_config
+    from studio.plan import make_plan
 
     monkeypatch.setenv("STUDIO_CACHE", str(cache))
-    args = compose.parse_args(["--port", str(free_port()), "--model", TEST_MODEL, *argv])
-    return server, args, compose.build(args, compose.make_plan(args), echo=False, say=lambda line: None)
+    args = parse_config(["--port", str(free_port()), "--model", TEST_MODEL, *argv])
+    return server, args, compose.build(args, make_plan(args), echo=False, say=lambda line: None)
 
 
 def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache):

@@ -16,13 +16,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Run in a child: huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE when it is imported.
 DOWNLOAD = """
-import argparse, json, sys, threading
+import json, sys, tempfile, threading
+from pathlib import Path
 from pipeline.errors import UserError
 from studio import hub_progress
-from studio.model_catalog import ModelCatalog
+from studio.compose import configure_process
+from studio.config import StudioConfig
+from studio.model_files import ModelFiles
+from studio.model_finder import ModelFinder
 
+configure_process()  # huggingface_hub's reads of 1 MiB, as the app starts with
 hub_progress.EVERY_S = 0  # every read reported
-catalog = ModelCatalog(argparse.Namespace(), None, None, None, print)
+catalog = ModelFiles(ModelFinder(StudioConfig(), "float32", "cpu", None, Path(tempfile.mkdtemp())), lambda tool: None,
+                     print)
 said, cancel = [], threading.Event()
 def say(line):
     said.append(line)

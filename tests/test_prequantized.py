@@ -11,14 +11,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from studio import compose
+from studio.sizes import llm_size
 from engine_builder.build import EngineOptions, StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, torch_decoder, weight_bytes
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import from_internal, layout_of, load_decoder, read_config, to_internal, write_checkpoint
 from pipeline.llm.config import CONFIG_WRITERS, config_from_hf
-from pipeline.llm.engine import Prompt
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
 from pipeline.llm.prequantized import load_prequantized
 from pipeline.llm.quant import QuantLinear
@@ -220,7 +220,7 @@ def test_a_prequantized_folder_runs_and_is_budgeted_as_int4_whatever_quant_asks(
     for asked in ("none", "int8", "auto"):
         mode, why = choose_quant(asked, config, torch.float16, gpu, 1 << 40, 256)
         assert mode == "int4" and f"AWQ int4 weights: it runs as int4, not --quant {asked}" in why
-        assert compose.llm_size(folder, asked, torch.float16) == int4  # the memory budget's estimate
+        assert llm_size(folder, asked, torch.float16) == int4  # the memory budget's estimate
     with pytest.raises(UserError, match="AWQ int4 weights: it loads as int4"):
         load_decoder(folder)  # the float loader
 

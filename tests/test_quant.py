@@ -11,7 +11,7 @@ from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, weight_bytes
 from pipeline.llm.checkpoint import load_decoder, read_config
 from pipeline.llm.config import DecoderConfig, config_from_hf
-from pipeline.llm.engine import Prompt
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
 from pipeline.llm.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, quantize_decoder, unpack_int4
 from studio.quantized_weights import quantized_decoder
@@ -183,7 +183,9 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
     import json
 
     from engine_builder.cache import _file_sha256, _stamp
-    from studio import compose
+    from studio.config import parse_config
+    from studio.plan import make_plan
+    from studio.check import check_engines
     from studio.backends import torch_decoder
 
     options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
@@ -205,9 +207,9 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
         said = " ".join(options.report.lines)
         assert "refused (int4 weights against the float layers on probe inputs: int4 layers: worst error" in said
         assert "layers.0.mlp.w_down" in said and "loading the float weights instead" in said
-    args = compose.parse_args(["--device", "cpu", "--dtype", "float32", "--weights", str(qwen2_demo), "--quant",
+    args = parse_config(["--device", "cpu", "--dtype", "float32", "--weights", str(qwen2_demo), "--quant",
                                "int4", "--chat-backend", "torch", "--engine-dir", str(tmp_path / "engines")])
-    (line,) = [line for line in compose.check_engines(args, compose.make_plan(args)) if line.startswith("chat int4")]
+    (line,) = [line for line in check_engines(args, make_plan(args)) if line.startswith("chat int4")]
     assert "refused (int4 weights against the float layers" in line, line  # --check shows the verdict
     options = EngineOptions(EngineCache(tmp_path / "engines", rebuild=True), StartupReport(echo=False))
     model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)

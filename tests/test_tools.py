@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from studio import compose
+from studio.config import parse_config
+from studio.plan import make_plan
+from studio.sizes import weights_size
 from conftest import TEST_MODEL
 from engine_builder.build import StartupReport
 from pipeline.errors import UserError
@@ -109,8 +112,8 @@ def test_the_real_tools_load_on_first_use_and_make_room_for_each_other(studio_ca
     """The app's own loaders (demo models): start-up loads chat only; with a budget that holds two of the
     three tools, using the third unloads the least recently used, which reloads and answers again."""
     monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
-    args = compose.parse_args(["--device", "cpu", "--model", TEST_MODEL])
-    plan = compose.make_plan(args)
+    args = parse_config(["--device", "cpu", "--model", TEST_MODEL])
+    plan = make_plan(args)
     engines = compose.engine_options(args, echo=False)
     host = ToolHost(torch.device("cpu"), None, engines.report.say)
     for spec in compose.tool_specs(args, plan, engines, host):
@@ -176,7 +179,7 @@ def test_sizes_before_a_first_load_count_floats_at_the_loading_width(tmp_path):
         assert loaded_bytes(tmp_path / name, torch.float32) == 250_000 * 4 + 8_000
     (tmp_path / "c.pth").write_bytes(b"\x80" + b"x" * 99)  # a damaged pickle
     assert loaded_bytes(tmp_path / "c.pth", torch.bfloat16) == 100
-    assert compose.weights_size(tmp_path, dtype=torch.bfloat16) == 2 * (250_000 * 2 + 8_000) + 100
+    assert weights_size(tmp_path, dtype=torch.bfloat16) == 2 * (250_000 * 2 + 8_000) + 100
 
 
 class SlowTool:

@@ -204,12 +204,14 @@ def test_a_chat_llm_shared_with_image_chat_is_built_with_a_prompt_table(shared, 
     from pipeline.minigpt4.weights import demo_parts
     from pipeline.service.tools import ToolHost
     from studio import compose
+    from studio.config import parse_config
+    from studio.plan import make_plan
 
     ckpt, vision_dir, llm_dir = demo_parts(studio_cache)
-    args = compose.parse_args(["--device", "cpu", "--weights", str(llm_dir if shared else qwen2_demo),
+    args = parse_config(["--device", "cpu", "--weights", str(llm_dir if shared else qwen2_demo),
                                "--minigpt4-ckpt", str(ckpt), "--minigpt4-vision", str(vision_dir),
                                "--minigpt4-llm", str(llm_dir)])
-    plan = compose.make_plan(args)
+    plan = make_plan(args)
     asked = []
 
     def record(*a, **kw):

@@ -36,11 +36,12 @@ from engine_builder.trtllm.prompt_table import prompt_table_input
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import read_config
 from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine import Prompt, TokenStream, TorchLLMEngine
+from pipeline.llm.engine import TorchLLMEngine
+from pipeline.llm.engine_types import FinishReason, Prompt, TokenStream
 from pipeline.llm.sampling import SamplingParams
 
-FINISH_REASONS = {"END_ID": "stop", "STOP_WORDS": "stop", "LENGTH": "length", "CANCELLED": "cancelled",
-                  "TIMED_OUT": "cancelled"}
+FINISH_REASONS = {"END_ID": FinishReason.STOP, "STOP_WORDS": FinishReason.STOP, "LENGTH": FinishReason.LENGTH,
+                  "CANCELLED": FinishReason.CANCELLED, "TIMED_OUT": FinishReason.CANCELLED}
 
 
 @dataclasses.dataclass
@@ -54,7 +55,7 @@ class _Request:
     first_token_at: float = 0.0
     cancel_sent: bool = False
 
-    def take(self, tokens: list[int], final_reason: str | None) -> bool:
+    def take(self, tokens: list[int], final_reason: FinishReason | None) -> bool:
         """Deliver `tokens`; True once the request is over (a stop id, or the executor's final response)."""
         stats, now = self.stream.stats, time.perf_counter()
         for token in tokens:
@@ -63,7 +64,7 @@ class _Request:
                 stats.time_to_first_token_s = now - self.submitted
             stats.decode_s = now - self.first_token_at
             if token in self.stop_ids:
-                self.stream.end("stop")
+                self.stream.end(FinishReason.STOP)
                 return True
             stats.new_tokens += 1
             self.stream.deliver(token)
@@ -138,7 +139,7 @@ class TrtLlmEngine:
         return stream
 
     def _collect(self) -> None:
-        wait = datetime.timedelta(milliseconds=2)
+        wait = datetime.timedelta(milliseconds=100)  # responses wake it at once; this bounds how late a Stop is sent
         while not self._closed:
             for response in self.executor.await_responses(timeout=wait):
                 with self._lock:
@@ -147,13 +148,14 @@ class TrtLlmEngine:
                     continue
                 if response.has_error():
                     request.stream.deliver(RuntimeError(f"TensorRT-LLM: {response.error_msg}"))
-                    done = request.take([], "error")
+                    done = request.take([], FinishReason.ERROR)
                 else:
                     result = response.result
                     reason = None
                     if result.is_final:
                         name = result.finish_reasons[0].name if result.finish_reasons else "LENGTH"
-                        reason = request.stream.reason if request.stream.cancelled else FINISH_REASONS.get(name, "stop")
+                        reason = request.stream.reason if request.stream.cancelled else \
+                            FINISH_REASONS.get(name, FinishReason.STOP)
                     done = request.take(list(result.output_token_ids[0]), reason)
                 if done:
                     with self._lock:

@@ -16,6 +16,7 @@ from pathlib import Path
 import tiktoken
 
 from pipeline.errors import UserError
+from pipeline.llm.chat_template import ChatTemplate
 
 # Qwen v1 (tokenization_qwen.py): pre-tokenizer pattern and special tokens, numbered right after
 # the mergeable ranks (151643 of them in qwen.tiktoken, so <|endoftext|> is 151643).
@@ -222,8 +223,6 @@ class HFTokenizer(ByteTableTokenizer):
         self.chat_template = source
         self._template = None
         if source is not None:
-            from pipeline.llm.chat_template import ChatTemplate
-
             self._template = ChatTemplate(source, named | {"additional_special_tokens": extra})
 
     def _byte_table(self, decoder: dict) -> list[bytes]:

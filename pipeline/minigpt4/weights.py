@@ -21,6 +21,8 @@ from filelock import FileLock
 from torch import Tensor
 
 from pipeline.errors import UserError
+from pipeline.llm.checkpoint import read_config
+from pipeline.llm.demo import demo_model_dir
 from pipeline.minigpt4.vision import TINY, MiniGPT4Vision, VisionConfig
 from pipeline.random_weights import spread_weights
 from pipeline.weights_io import read_json, read_weight_file, write_weight_file
@@ -162,9 +164,6 @@ DEMO_LLM = "demo/llama-tiny"
 
 def demo_parts(cache_dir: Path) -> tuple[Path, Path, Path]:
     """The demo MiniGPT-4 as (checkpoint, vision folder, LLM folder), built into the cache once."""
-    from pipeline.llm.checkpoint import read_config
-    from pipeline.llm.demo import demo_model_dir
-
     llm_dir = demo_model_dir(DEMO_LLM, cache_dir)
     vision_dir = demo_vision_dir(cache_dir, llm_width=read_config(llm_dir).hidden_size)
     return vision_dir / CHECKPOINT, vision_dir, llm_dir

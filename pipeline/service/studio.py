@@ -17,24 +17,27 @@ import dataclasses
 import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
-from pipeline.llm.engine import GenerationStats
-from pipeline.llm.language_model import TokenLogprob
+from pipeline.llm.engine_types import GenerationStats, TokenLogprob
 from pipeline.llm.prompt import ROLES
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure
 from pipeline.llm.tool_calls import ToolCall
+from pipeline.models import ModelEntry
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of
+from pipeline.service.in_flight import Busy, InFlight
+from pipeline.service.merge import merged
 from pipeline.service.store import ConversationStore, ReplyRecord
-from pipeline.service.tools import ToolHost, ToolSpec
+from pipeline.service.tools import Tool, ToolHost, ToolSpec
 
-CHAT, IMAGE_CHAT, SEGMENT = "chat", "image chat", "segment"
+CHAT, IMAGE_CHAT, SEGMENT = Tool.CHAT, Tool.IMAGE_CHAT, Tool.SEGMENT
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
 STOPPED = "Stopped: the reply so far is kept."
 SWITCH_ATTEMPTS = 3  # a request naming a model retries this often when others switch the chat model under it
@@ -135,51 +138,27 @@ def stats_line(stats: GenerationStats, context: int = 0) -> str:
     return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
 
 
-class Busy(UserError):
-    """A client already has its limit of replies in flight (the API answers 429)."""
-
-
-class InFlight:
-    """Each client's replies running or queued, with their Stop flags."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self._flags: dict[str, list[tuple[str, threading.Event]]] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def running(self, client: str, tool: str, cancel: threading.Event) -> Iterator[threading.Event]:
-        entry = (tool, cancel)
-        with self._lock:
-            flags = self._flags.setdefault(client, [])
-            if len(flags) >= self.limit:
-                raise Busy(f"this client already has {len(flags)} replies in progress: wait for one to "
-                           f"finish, or stop it")
-            flags.append(entry)
-        try:
-            yield cancel
-        finally:
-            with self._lock:
-                flags.remove(entry)
-                if not flags:
-                    del self._flags[client]
-
-    def cancel(self, client: str, tool: str | None) -> int:
-        with self._lock:
-            hit = [flag for t, flag in self._flags.get(client, []) if tool is None or t == tool]
-        for flag in hit:
-            flag.set()
-        return len(hit)
-
-
 class Catalog(Protocol):
-    """The models a tool can switch to (`studio.model_catalog.ModelCatalog`, made by the composition root)."""
+    """The model manager (`studio.model_catalog.ModelCatalog`, made by the composition root): what each
+    tool runs, the models found, switching, downloading and deleting. The Models tab uses only these."""
 
-    def current(self, tool: str) -> str | None: ...
+    budget: int | None  # the tools' memory budget in bytes (None: no limit)
+
+    def current(self, tool: Tool) -> str | None: ...
 
     def servable(self) -> list[str]: ...
 
-    def specs_for(self, tool: str, model_id: str) -> list[ToolSpec]: ...
+    def models(self) -> list[ModelEntry]: ...
+
+    def refresh(self) -> list[ModelEntry]: ...
+
+    def specs_for(self, tool: Tool, model_id: str) -> list[ToolSpec]: ...
+
+    def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path: ...
+
+    def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]: ...
+
+    def delete(self, model_id: str) -> str: ...
 
 
 class StudioService:
@@ -280,23 +259,39 @@ class StudioService:
         what was said, whether it is loading, queued or generating. With `saved`, the question and the
         reply go into that conversation of the store as they happen (a reply stopped, or whose reader
         went away, is kept as it stood, marked cancelled)."""
-        with self._in_flight.running(client, turn.tool, cancel or threading.Event()) as flag:
-            for _ in range(SWITCH_ATTEMPTS):
-                if turn.model is not None and turn.model != self.catalog.current(CHAT):
-                    for line in self.switch(CHAT, turn.model):
-                        yield Update(status=line)
-                for line in self.loading(turn.tool):
+        flag = cancel or threading.Event()
+        with self._in_flight.running(client, turn.tool, flag):
+            yield from self._answer(client, turn, flag, saved)
+
+    def choices(self, client: str, turn: ChatTurn, cancels: Sequence[threading.Event]) -> Iterator[tuple[int, Update]]:
+        """One request of `len(cancels)` replies to `turn` (the API's `n`), counted as that many against
+        `client`'s limit: (choice, update) as each comes. Each reply has its own Stop flag in `cancels`,
+        since a reply sets its own when it ends; choice i of a seeded turn uses seed + i, so the choices
+        differ and the request repeats."""
+        seed = turn.params.seed
+        turns = [turn if seed is None else dataclasses.replace(
+            turn, params=dataclasses.replace(turn.params, seed=(seed + i) % 2**63)) for i in range(len(cancels))]
+        with self._in_flight.running(client, turn.tool, *cancels):
+            yield from merged([self._answer(client, t, flag, None) for t, flag in zip(turns, cancels)], cancels)
+
+    def _answer(self, client: str, turn: ChatTurn, flag: threading.Event, saved: Saved | None) -> Iterator[Update]:
+        """`reply` once its slot is held: switch and load as needed, then stream."""
+        for _ in range(SWITCH_ATTEMPTS):
+            if turn.model is not None and turn.model != self.catalog.current(CHAT):
+                for line in self.switch(CHAT, turn.model):
                     yield Update(status=line)
-                with self.host.using(turn.tool) as pipeline:
-                    if turn.model is None or pipeline.llm.model_id == turn.model:
-                        yield from self._stream(pipeline, client, turn, flag, saved)
-                        return
-            raise UserError(f"other requests switched the chat model away from {turn.model} meanwhile: send it "
-                            f"again", "model")
+            for line in self.loading(turn.tool):
+                yield Update(status=line)
+            with self.host.using(turn.tool) as pipeline:
+                if turn.model is None or pipeline.llm.model_id == turn.model:
+                    yield from self._stream(pipeline, client, turn, flag, saved)
+                    return
+        raise UserError(f"other requests switched the chat model away from {turn.model} meanwhile: send it "
+                        f"again", "model")
 
     def _stream(self, pipeline: Any, client: str, turn: ChatTurn, flag: threading.Event,
                 saved: Saved | None) -> Iterator[Update]:
-        session = f"{turn.tool.replace(' ', '-')}:{client}"  # a placement hint: the cache finds turns by content
+        session = f"{turn.tool.flag}:{client}"  # a placement hint: the cache finds turns by content
         if turn.tool == IMAGE_CHAT:
             events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session, turn.structure)
         elif turn.prompt is not None:

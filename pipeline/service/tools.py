@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import gc
 import threading
 import time
@@ -29,6 +30,20 @@ import torch
 from pipeline.errors import UserError
 
 Say = Callable[[str], None]
+
+
+class Tool(enum.StrEnum):
+    """The studio's tools, by the names users read (status JSON and stored conversations carry them too)."""
+
+    CHAT = "chat"
+    IMAGE_CHAT = "image chat"
+    SEGMENT = "segment"
+
+    @property
+    def flag(self) -> str:
+        """The name in command-line options and identifiers: "image-chat"."""
+        return self.value.replace(" ", "-")
+
 GIB = 2**30
 BUDGET_MARGIN = 2 * GIB  # left free on a GPU by the default budget: the CUDA context, allocator slack
 

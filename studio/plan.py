@@ -1,0 +1,118 @@
+"""The plan: what the configuration means on this machine — device, dtype, each part's backend, the
+chat and segment models — with one note per decision, which the terminal, `--check` and the page show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import UserError
+from pipeline.minigpt4.weights import DEMO_LLM, demo_parts
+from pipeline.models import CHAT_MODELS, auto_model, cache_dir, locate
+from pipeline.sam.weights import DEMO as SAM_DEMO
+from pipeline.sam.weights import locate_sam
+from pipeline.service.tools import Tool
+from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend
+from studio.config import StudioConfig
+
+# The plan's parts: the LLMs and vision networks each tool runs (image chat has one of each).
+CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT = "chat", "image chat LLM", "image chat vision", "segment"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    backends: dict[str, BackendChoice]  # per part above
+    device: str
+    dtype: str
+    model_id: str
+    sam: str
+    notes: tuple[str, ...]
+
+    @property
+    def remote_chat(self) -> bool:
+        return self.backends[CHAT].backend == "remote"
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageChatParts:
+    """MiniGPT-4's checkpoint, vision folder and LLM folder: the given files, or the demo built into the cache."""
+
+    ckpt: Path
+    vision_dir: Path
+    llm_dir: Path
+    llm_id: str
+    is_demo: bool
+
+
+def image_chat_parts(config: StudioConfig) -> ImageChatParts:
+    if config.minigpt4_ckpt:
+        return ImageChatParts(config.minigpt4_ckpt, config.minigpt4_vision, config.minigpt4_llm,
+                              config.minigpt4_llm.name, False)
+    return ImageChatParts(*demo_parts(cache_dir()), DEMO_LLM, True)
+
+
+def _device(config: StudioConfig) -> tuple[str, str]:
+    """(the device, the note saying what it is)."""
+    has_gpu = torch.cuda.is_available()
+    device = ("cuda" if has_gpu else "cpu") if config.device == "auto" else config.device
+    kind, _, index = device.partition(":")
+    if device != "cpu" and (kind != "cuda" or not (index.isdigit() or index == "")):
+        raise UserError(f"--device {device}: use auto, cpu, cuda or cuda:N")
+    if kind == "cuda" and int(index or 0) >= (count := torch.cuda.device_count() if has_gpu else 0):
+        raise UserError(f"--device {device}: PyTorch sees {count} CUDA GPU(s) (torch {torch.__version__})")
+    return device, f"device {device}: " + (torch.cuda.get_device_name(device) if kind == "cuda"
+                                           else "no CUDA GPU found" if config.device == "auto" else "asked for")
+
+
+def _backends(config: StudioConfig, device: str) -> dict[str, BackendChoice]:
+    backends = {CHAT: choose_llm_backend(config.backend_for(Tool.CHAT), device),
+                IMAGE_CHAT_LLM: choose_llm_backend(config.backend_for(Tool.IMAGE_CHAT), device),
+                IMAGE_CHAT_VISION: choose_vision_backend(config.backend_for(Tool.IMAGE_CHAT), device),
+                SEGMENT: choose_vision_backend(config.backend_for(Tool.SEGMENT), device)}
+    if config.llm_endpoint:
+        backends[CHAT] = BackendChoice("remote", f"the OpenAI-compatible server at {config.llm_endpoint}; "
+                                                 f"image chat and segment stay local")
+    return backends
+
+
+def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str]]:
+    if config.llm_endpoint:
+        return config.llm_model or "(the server's first model)", []
+    notes = []
+    if config.model == "auto" and config.weights is None:
+        model_id, why = auto_model(device.startswith("cuda"))
+        notes.append(f"model {model_id}: {why}")
+    else:
+        model_id = config.model if config.model != "auto" else str(config.weights)
+        if model_id not in CHAT_MODELS and not Path(model_id).is_dir() and config.weights is None:
+            notes.append(f"model {model_id}: not in the registry, trying it as a hub id")
+    found = locate(model_id, config.weights)
+    return model_id, notes + [f"weights: {found.source}" + (f" ({found.path})" if found.path else "")]
+
+
+def _sam(config: StudioConfig, device: str) -> tuple[str, list[str]]:
+    sam, notes = config.sam, []
+    if sam == "auto":
+        cached = locate_sam("sam_vit_h", cache_dir())[1] == "cache"
+        sam = "sam_vit_h" if device.startswith("cuda") and cached else SAM_DEMO
+        notes.append(f"segment model {sam}: " + ("CUDA GPU and the checkpoint in the cache" if sam != SAM_DEMO else
+                     "the built-in demo SAM (random weights); pass --sam sam_vit_h to download the real one"))
+    return sam, notes + [f"segment weights: {locate_sam(sam, cache_dir())[1]}"]
+
+
+def make_plan(config: StudioConfig) -> Plan:
+    device, device_note = _device(config)
+    dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    backends = _backends(config, device)
+    model_id, model_notes = _chat_model(config, device)
+    sam, sam_notes = _sam(config, device)
+    notes = [device_note, *(f"{part}: {choice.backend} ({choice.why})" for part, choice in backends.items()),
+             f"LLM weights: --quant {config.quant}" + (" (at load: float where the weights fit the free memory, "
+                                                       "else int8, else int4)" if config.quant == "auto" else ""),
+             *model_notes, *sam_notes,
+             "image chat: MiniGPT-4 from the given files" if config.minigpt4_ckpt else
+             "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one"]
+    return Plan(backends, device, dtype, model_id, sam, tuple(notes))
