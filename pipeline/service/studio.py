@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -25,7 +24,6 @@ import numpy as np
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
 from pipeline.llm.engine_types import GenerationStats, TokenLogprob
-from pipeline.llm.prompt import ROLES
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure
 from pipeline.llm.tool_calls import ToolCall
@@ -34,6 +32,7 @@ from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of
 from pipeline.service.in_flight import Busy, InFlight
 from pipeline.service.merge import merged
+from pipeline.service.messages import last_turn, plain_messages
 from pipeline.service.store import ConversationStore, ReplyRecord
 from pipeline.service.tools import Tool, ToolHost, ToolSpec
 
@@ -60,10 +59,11 @@ class ChatTurn:
 
 @dataclasses.dataclass(frozen=True)
 class Saved:
-    """Where a reply is kept: `user`'s `conversation` in the service's store."""
+    """Where a reply is kept: `user`'s `conversation` in the service's store (None: start one with the
+    first message, `StudioService.send`)."""
 
     user: str
-    conversation: int
+    conversation: int | None = None
 
 
 @dataclasses.dataclass
@@ -76,60 +76,8 @@ class Update:
     notice: str | None = None
     stats: GenerationStats | None = None
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    saved: Saved | None = None  # where the reply is kept (a conversation just started has its id here)
     logprobs: list[TokenLogprob] | None = None
-
-
-def text_of(content: object) -> str:
-    """A message's text, whether it is a string or a list of parts (OpenAI's and Gradio's
-    {"type": "text", "text": …}); other parts carry no text."""
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    parts = content if isinstance(content, list) else [content]
-    return "".join(p.get("text") or "" if isinstance(p, dict) else p if isinstance(p, str) else "" for p in parts)
-
-
-def plain_messages(raw: object, name: str = "messages") -> list[dict]:
-    """`raw` as {role, content: text} messages; anything else is a `UserError` naming `name` (the
-    front end's word for them: the UI's API says "history")."""
-    if raw is None:
-        return []
-    if not isinstance(raw, (list, tuple)):
-        raise UserError(f"{name} must be a list of {{role, content}}, got {type(raw).__name__}", "messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise UserError(f"{name}[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': text}}, "
-                            f"got {m!r:.80}", "messages")
-        content = m.get("content")
-        if content is not None and not isinstance(content, (str, list, dict)):
-            raise UserError(f"{name}[{i}].content must be text or a list of parts", "messages")
-        message = {"role": m["role"], "content": text_of(content)}
-        if m["role"] == "assistant" and m.get("tool_calls"):
-            message["tool_calls"] = _tool_calls(m["tool_calls"], f"{name}[{i}].tool_calls")
-        if m["role"] == "tool":
-            message["tool_call_id"] = str(m.get("tool_call_id") or "")
-        out.append(message)
-    return out
-
-
-def _tool_calls(raw: object, name: str) -> list[dict]:
-    """An assistant message's earlier calls, checked: each a function's name and JSON-object arguments."""
-    calls = []
-    for i, call in enumerate(raw if isinstance(raw, list) else [None]):
-        function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        try:
-            ok = isinstance(function.get("name"), str) and isinstance(json.loads(arguments), dict)
-        except (AttributeError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise UserError(f"{name}[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": …, "
-                            f"\"arguments\": a JSON object as text}}}}", "messages")
-        calls.append({"id": str(call.get("id") or ""), "type": "function",
-                      "function": {"name": function["name"], "arguments": arguments}})
-    return calls
 
 
 def stats_line(stats: GenerationStats, context: int = 0) -> str:
@@ -315,6 +263,36 @@ class StudioService:
         finally:  # stopped, failed, or nobody reads any more (a closed tab): kept as it stands
             if record is not None:
                 record.end(text, "cancelled")
+
+    # ---- conversations: the rules every front end gets -----------------------------------------
+
+    def send(self, client: str, history: object, message: str, sampling: Mapping[str, Any] | None = None, *,
+             tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
+             saved: Saved | None = None) -> Iterator[Update]:
+        """`message` after `history`, answered and (with `saved`) kept: in that conversation, or in a new
+        one (holding the picture, for image chat) whose id the first update's `saved` carries."""
+        turn = self.chat_turn([*plain_messages(history, "history"), {"role": "user", "content": message}],
+                              sampling, system=system, tool=tool, image=image)
+        if saved is not None and saved.conversation is None:
+            picture = Path(image).read_bytes() if isinstance(image, str) else image if isinstance(image, bytes) else None
+            saved = Saved(saved.user, self.store.create(saved.user, tool, system=system or None, image=picture))
+        yield Update(status="", saved=saved)
+        yield from self.reply(client, turn, saved=saved)
+
+    def regenerate(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
+                   tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
+                   saved: Saved | None = None) -> Iterator[Update]:
+        """The last reply again (a new draw unless the seed is fixed): the last message of the user's, resent."""
+        before, message = self.edit_last(history, saved)
+        yield from self.send(client, before, message, sampling, tool=tool, system=system, image=image, saved=saved)
+
+    def edit_last(self, history: object, saved: Saved | None = None) -> tuple[list[dict], str]:
+        """(the conversation before the user's last message, that message): the exchange leaves the
+        conversation (and the store), its text to change and send again."""
+        before, message = last_turn(history)
+        if saved is not None and saved.conversation is not None:
+            self.store.drop_last_turn(saved.user, saved.conversation)
+        return before, message
 
     def stop(self, client: str, tool: str | None = None) -> int:
         """Stop `client`'s replies (of `tool`, else all); how many were stopped."""
