@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llm_engine import GREEDY, QWEN25_7B, UI_DEFAULT, concurrent, random_prompt, random_qwen25_7b, run  # noqa: E402
 from timing import copy_bandwidth_tbps, report  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
-from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine_types import Prompt  # noqa: E402
 from pipeline.llm.model import Decoder  # noqa: E402
 from pipeline.llm.quant import MODES, QuantLinear, dequantize, quantize, quantize_decoder, use_kernels  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402

@@ -27,7 +27,8 @@ from timing import copy_bandwidth_tbps, cuda_ms  # noqa: E402
 from pipeline.llm.checkpoint import to_internal  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
 from pipeline.llm.families import HF_LAYOUT  # noqa: E402
-from pipeline.llm.engine import GenerationStats, Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine_types import GenerationStats, Prompt  # noqa: E402
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
 from plugins.fused import REFERENCE  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402

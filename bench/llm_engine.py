@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import copy_bandwidth_tbps  # noqa: E402
 from pipeline.llm.config import config_from_hf  # noqa: E402
-from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine_types import Prompt  # noqa: E402
 from pipeline.llm.model import Decoder  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
-from pipeline.llm.engine import Prompt  # noqa: E402
+from pipeline.llm.engine_types import Prompt  # noqa: E402
 from engine_builder.onnxruntime_backend import cpu_model  # noqa: E402
 from pipeline.llm.evaluate import TextScore, agreement, score_text, score_windows  # noqa: E402
 from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402

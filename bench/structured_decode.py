@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
-from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine_types import Prompt  # noqa: E402
 from pipeline.llm.grammar import GrammarVocabulary, json_schema_grammar  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 from pipeline.llm.tokenizer import QwenTiktokenTokenizer  # noqa: E402

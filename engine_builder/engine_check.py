@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from engine_builder.cache import Verdict
 from engine_builder.onnx_export import GraphSpec, TensorSpec
 from engine_builder.vision_engines import Session
-from pipeline.llm.engine import LLMEngine, Prompt
+from pipeline.llm.engine_types import LLMEngine, Prompt
 from pipeline.llm.sampling import SamplingParams
 
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 8e-2}  # relative error of each output

@@ -10,7 +10,8 @@ import torch
 
 from engine_builder.engine_check import check_llm
 from pipeline.llm.checkpoint import load_decoder
-from pipeline.llm.engine import Prompt, TorchLLMEngine
+from pipeline.llm.engine import TorchLLMEngine
+from pipeline.llm.engine_types import Prompt
 
 IMAGE_QUERIES, SCALE = 8, 1.0
 

@@ -1,6 +1,6 @@
 """The LLM engine's parts, each alone: `CacheRows` (prefixes found by content through block hashes),
-the `Scheduler` (admission, rows 0..B-1) and the `ModelRunner` (prefill and decode steps match the
-model's own forward pass)."""
+the `Scheduler` (admission, prompt chunks under the step's budget, rows 0..B-1), the `ModelRunner`
+(prefill and decode steps match the model's own forward pass) and the `Sampler`'s draw."""
 
 import threading
 
@@ -10,9 +10,10 @@ from pipeline.llm import cache_rows as cache_rows_module
 from pipeline.llm.cache_rows import BLOCK, CacheRows
 from pipeline.llm.checkpoint import load_decoder
 from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine import Prompt, TokenStream
+from pipeline.llm.engine_types import Prompt, TokenStream
 from pipeline.llm.model import Prefill
 from pipeline.llm.model_runner import ModelRunner
+from pipeline.llm.sampler import Sampler
 from pipeline.llm.sampling import Draws, SamplingParams
 from pipeline.llm.scheduler import Request, Scheduler
 
@@ -89,7 +90,11 @@ def test_the_scheduler_admits_up_to_its_batch_and_keeps_running_requests_in_the_
     for r in joining:
         scheduler.place(r, list(r.prompt.ids))
         rows.hold(r.row, list(r.prompt.ids), 0, None)
-    assert [r.row for r in scheduler.running] == [0, 1]
+    assert [r.row for r in scheduler.prefilling] == [0, 1] and not scheduler.running
+    scheduler.promote(joining[1])  # the second one read its prompt first: it moves to row 0
+    scheduler.promote(joining[0])
+    assert scheduler.running == [joining[1], joining[0]] and [r.row for r in scheduler.running] == [0, 1]
+    assert rows[0].held == list(joining[1].prompt.ids)  # its row moved with it
     scheduler.leave(requests[0], error=False)
     assert requests[1].row == 0 and requests[0].row == -1 and scheduler.running == [requests[1]]
     assert rows[1].held == list(requests[0].prompt.ids)  # the finished request's row keeps its tokens
@@ -110,15 +115,17 @@ def test_the_model_runners_decode_steps_continue_its_prefill_like_one_forward_pa
     ids = [5, 9, 14, 3, 7, 22]
     with torch.inference_mode():
         full = model_logits(model, ids)
-        first = runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=1, start=0, table=0)
+        first = runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=1, start=0, end=4, table=0)
         assert torch.allclose(first, full[3], atol=1e-4)
-        runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=0, start=0, table=0)
+        assert runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=0, start=0, end=2, table=0, logits=False) is None
+        runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=0, start=2, end=4, table=0)  # in two chunks
         step = runner.decode(cache.kv, 2, ([ids[4], ids[4]], [4, 4], [0, 0]), None, 5)
         assert torch.allclose(step[0], full[4], atol=1e-4) and torch.allclose(step[1], full[4], atol=1e-4)
         chained = runner.decode(cache.kv, 2, None, torch.tensor([ids[5], ids[5]]), 6)  # positions one further
         assert torch.allclose(chained[1], full[5], atol=1e-4)
-        drawn = runner.draw([SamplingParams(temperature=0, repetition_penalty=1.0)] * 2, [0.5, 0.5], chained,
-                            cache.seen[:2], cache.counts[:2])
+        sampler = Sampler(cache, vocab, max_batch=2, device=torch.device("cpu"))
+        drawn = sampler.pick([SamplingParams(temperature=0, repetition_penalty=1.0)] * 2, [0.5, 0.5], chained,
+                             cache.seen[:2], cache.counts[:2])
         assert drawn.tolist() == [int(full[5].argmax())] * 2 and cache.seen[0, drawn[0]]
 
 

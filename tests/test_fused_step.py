@@ -17,7 +17,8 @@ SCRIPT = r'''
 import torch
 from plugins import decode_attention, fused
 from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine import Prompt, TorchLLMEngine
+from pipeline.llm.engine import TorchLLMEngine
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.model import Decoder
 from pipeline.llm.sampling import SamplingParams
 

@@ -18,7 +18,8 @@ from studio.backends import load_language_model, sam_engine, vision_encoder  # n
 from pipeline.pipelines.image_chat import ImageChatPipeline  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.demo import demo_model_dir  # noqa: E402
-from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine_types import Prompt  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder  # noqa: E402

@@ -8,7 +8,8 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.llm.checkpoint import load_decoder
-from pipeline.llm.engine import Prompt, TorchLLMEngine
+from pipeline.llm.engine import TorchLLMEngine
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.sampling import SamplingParams, sample, sampling_columns
 
 CONTEXT = 512

@@ -8,7 +8,8 @@ transformers = pytest.importorskip("transformers")
 from pipeline.llm.checkpoint import (convert_qwen_v1_to_hf, load_decoder, read_config,  # noqa: E402
                                      read_tensors, to_internal, write_checkpoint)
 from pipeline.llm.families import HF_LAYOUT  # noqa: E402
-from pipeline.llm.engine import Prompt, TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine_types import Prompt  # noqa: E402
 from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
 from pipeline.llm.sampling import SamplingParams  # noqa: E402
 

@@ -12,7 +12,7 @@ import torch
 import transformers
 
 from pipeline.llm.demo import CORPUS
-from pipeline.llm.engine import Prompt
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.grammar import GrammarVocabulary, json_schema_grammar
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure

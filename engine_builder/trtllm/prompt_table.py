@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine import Prompt
+from pipeline.llm.engine_types import Prompt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,41 +9,24 @@ is set, or when the caller stops listening (a closed tab, a dropped API client).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from pipeline.errors import UserError
-from pipeline.llm.engine import GenerationStats, LLMEngine, Prompt, TokenStream
+from pipeline.llm.engine_types import ChatEvent, ChatModel, FinishReason, LLMEngine, Prompt, TokenLogprob, TokenStream
 from pipeline.llm.grammar import GrammarVocabulary, json_schema_grammar
 from pipeline.llm.prompt import PromptFormat, chat_format, fit_prompt
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.streaming import TextStream
 from pipeline.llm.structure import Structure
 from pipeline.llm.tokenizer import Tokenizer
-from pipeline.llm.tool_calls import CallReader, ToolCall
+from pipeline.llm.tool_calls import CallReader
 
 
-@dataclasses.dataclass
-class TokenLogprob:
-    """A reply token's bytes and log-probability, and the most likely tokens at its place."""
+class LanguageModel(ChatModel):
+    """A tokenizer and a local engine: the `ChatModel` of every local backend."""
 
-    token: bytes
-    logprob: float
-    top: list[tuple[bytes, float]]
-
-
-@dataclasses.dataclass
-class ChatEvent:
-    text: str = ""
-    notice: str | None = None
-    stats: GenerationStats | None = None  # set on the last event only
-    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # completed by this event
-    logprobs: list[TokenLogprob] | None = None  # the tokens read since the last event, where asked for
-
-
-class LanguageModel:
     def __init__(self, tokenizer: Tokenizer, engine: LLMEngine, model_id: str, description: str):
         self.tokenizer, self.engine, self.model_id = tokenizer, engine, model_id
         self.description = description
@@ -147,7 +130,7 @@ class LanguageModel:
                 if event.text or event.tool_calls or event.logprobs:
                     yield event
                 if text.stopped:
-                    stream.cancel("stop")
+                    stream.cancel(FinishReason.STOP)
                     break
         finally:  # the caller stopped listening (GeneratorExit here): the engine drops the request
             if not stream.cancelled:
@@ -156,7 +139,7 @@ class LanguageModel:
         tail = text.finish()
         tail = tail if started else tail.lstrip()
         event = ChatEvent(stats=stats, notice="The reply reached the end of the model's context window."
-                          if stats.finish_reason == "context" else None)
+                          if stats.finish_reason == FinishReason.CONTEXT else None)
         if reader is not None:
             event.text, event.tool_calls = reader.push(tail)
             more, calls = reader.finish()

@@ -277,11 +277,12 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, cache: KVCache, rope: RotaryTables, step: Step, tokens: Tensor | None = None,
-                embeds: Tensor | None = None, last_only: bool = True) -> Tensor:
+                embeds: Tensor | None = None, last_only: bool = True, logits: bool = True) -> Tensor | None:
         """Logits for `tokens` [B, T] (or ready-made `embeds` [B, T, hidden]) placed as `step` says.
 
         A `Prefill` is one row (B = 1) of T tokens; `last_only` skips the LM head for all but its
-        last position. A `Decode` is one token (T = 1) for each of cache rows 0..B-1.
+        last position, and `logits` False skips it altogether (a prompt chunk before the last only
+        writes the cache). A `Decode` is one token (T = 1) for each of cache rows 0..B-1.
         """
         x = self.embed(tokens) if embeds is None else embeds
         bsz, seqlen = x.shape[:2]
@@ -299,6 +300,8 @@ class Decoder(nn.Module):
         delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, logn, mask, cache.k[i], cache.v[i], step)
+        if not logits:
+            return None
         if last_only:
             x, delta = x[:, -1:].contiguous(), delta[:, -1:].contiguous()
         return self.lm_head(self.norm.add(x, delta)[1])

@@ -1,25 +1,20 @@
-"""ModelRunner: runs the decoder for the engine: prefills, decode steps as CUDA graphs, the next-token draw.
+"""ModelRunner: runs the decoder for the engine: prompt chunks, and decode steps as CUDA graphs.
 
 It owns the model, the rotary tables, the captured graphs and the pinned buffers that carry a step's
 inputs up and its tokens down, so the engine thread's host work never waits for the GPU except where
 it reads the drawn tokens (once per step, one step behind). It knows nothing of requests or rows'
-contents: it is handed row numbers, positions and sampling parameters.
+contents: it is handed row numbers and positions.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.model import Decode, Decoder, KVCache, Prefill, RotaryTables
-from pipeline.llm.sampling import COLUMNS, SamplingParams, counts_penalized, sample, sampling_columns
-
-if TYPE_CHECKING:
-    from pipeline.llm.engine import Prompt
 
 GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
@@ -42,15 +37,12 @@ class ModelRunner:
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[tuple[int, int], CapturedCall] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
-        pinned = self.device.type == "cuda"
+        self._pinned = self.device.type == "cuda"
         # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
-        self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=pinned)
+        self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=self._pinned)
         self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
-        self._draw_host = torch.zeros(2, len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
-        self._draw_dev = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=self.device)
-        self._ones = torch.ones(max_batch, 1, dtype=torch.float32, device=self.device)
-        self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=pinned)
-        self._flip = self._flip_columns = 0
+        self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=self._pinned)
+        self._flip = 0
         # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
         # behind decode steps already launched.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -65,23 +57,28 @@ class ModelRunner:
         self._graphs.clear()
         self.model = self.rope = None
 
-    def prefill(self, cache: KVCache, prompt: Prompt, row: int, start: int, table: int) -> Tensor:
-        """Write `prompt`'s positions from `start` into cache row `row`; the last position's logits."""
-        ids = torch.tensor([prompt.ids[start:]], dtype=torch.long, device=self.device)
+    def prefill(self, cache: KVCache, prompt: Prompt, row: int, start: int, end: int, table: int,
+                logits: bool = True) -> Tensor | None:
+        """Write `prompt`'s positions start..end-1 into cache row `row` (a chunk of it, or all that a cached
+        prefix leaves: an image slot may begin before `start` or end after `end`); the chunk's last
+        position's logits where asked for (a prompt's last chunk), else None. The ids go up from pinned
+        memory without waiting for the GPU: a chunk queues behind the decode step in flight."""
+        ids = torch.tensor([prompt.ids[start:end]], dtype=torch.long, pin_memory=self._pinned)
+        ids = ids.to(self.device, non_blocking=True)
         embeds = None
-        if prompt.slots:
+        if any(slot < end and start < slot + length for slot, length in prompt.slots):
             if self._stream is not None:  # the embeddings were made on another thread's stream
                 self._stream.wait_stream(torch.cuda.default_stream(self.device))
                 for values in prompt.embeds:
                     values.record_stream(self._stream)
             embeds = self.model.embed(ids)
             for (slot, length), values in zip(prompt.slots, prompt.embeds):
-                lo, hi = max(slot, start), slot + length
+                lo, hi = max(slot, start), min(slot + length, end)
                 if lo < hi:
-                    embeds[0, lo - start:hi - start] = values[lo - slot:].to(embeds.device, embeds.dtype)
+                    embeds[0, lo - start:hi - start] = values[lo - slot:hi - slot].to(embeds.device, embeds.dtype)
         with sdpa_kernel(PREFILL_ATTENTION):
-            out = self.model(cache, self.rope, Prefill(row, start, table), tokens=ids, embeds=embeds)
-        return out[0, -1, :self.vocab_size]
+            out = self.model(cache, self.rope, Prefill(row, start, table), tokens=ids, embeds=embeds, logits=logits)
+        return out[0, -1, :self.vocab_size] if logits else None
 
     def decode(self, cache: KVCache, n: int, rows: tuple[list[int], list[int], list[int]] | None,
                chained: Tensor | None, kv_len: int) -> Tensor:
@@ -112,25 +109,6 @@ class ModelRunner:
         graph = self._graphs[key]
         graph.inputs[0].copy_(packed)
         return graph.replay()[:n, :self.vocab_size]
-
-    def draw(self, params: list[SamplingParams], uniforms: list[float], logits: Tensor, seen: Tensor,
-             counts: Tensor) -> Tensor:
-        """Each row's next token (on the device) from its logits, parameters, uniform number, repetition
-        mask `seen` and its reply's token `counts` (both updated with the drawn tokens; the counts only
-        while a row of the batch uses them: a row's are reset when its request starts)."""
-        n = len(params)
-        columns = self._draw_dev[:, :n]
-        penalized = counts_penalized(params)
-        if penalized or any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
-            self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
-            host = self._draw_host[self._flip_columns]
-            host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
-            columns.copy_(host[:, :n], non_blocking=True)
-        drawn = sample(logits, params, seen, columns, counts)
-        seen.scatter_(1, drawn[:, None], True)
-        if penalized:
-            counts.scatter_add_(1, drawn[:, None], self._ones[:n])
-        return drawn
 
     def to_host(self, drawn: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
         """Start copying the drawn tokens to the host; the event marks when they are there."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pipeline.errors import UserError
-from pipeline.llm.engine import Prompt
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
 from pipeline.llm.tool_calls import ReActCalls, TaggedCalls, TaggedCallsInMessages
 

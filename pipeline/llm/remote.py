@@ -20,8 +20,7 @@ from collections.abc import Iterator, Sequence
 import httpx
 
 from pipeline.errors import UserError
-from pipeline.llm.engine import GenerationStats
-from pipeline.llm.language_model import ChatEvent, TokenLogprob
+from pipeline.llm.engine_types import ChatEvent, ChatModel, FinishReason, GenerationStats, TokenLogprob
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure
 from pipeline.llm.tool_calls import ToolCall
@@ -29,7 +28,7 @@ from pipeline.llm.tool_calls import ToolCall
 CONNECT_TIMEOUT_S = 10
 
 
-class RemoteLanguageModel:
+class RemoteLanguageModel(ChatModel):
     """`LanguageModel`'s chat over HTTP: the server applies the chat template and tokenizes."""
 
     def __init__(self, url: str, model: str | None = None, api_key: str | None = None):
@@ -116,7 +115,7 @@ class RemoteLanguageModel:
                     item = pieces.get(timeout=0.05)
                 except queue.Empty:
                     if cancel.is_set():
-                        stats.finish_reason = "cancelled"
+                        stats.finish_reason = FinishReason.CANCELLED
                         break
                     continue
                 if isinstance(item, BaseException):
@@ -140,13 +139,13 @@ class RemoteLanguageModel:
                 elif kind == "usage":
                     stats.prompt_tokens, stats.new_tokens = value["prompt_tokens"], value["completion_tokens"]
                 if cancel.is_set():
-                    stats.finish_reason = "cancelled"
+                    stats.finish_reason = FinishReason.CANCELLED
                     break
         finally:  # Stop, an error or a caller that stopped listening: closing the stream cancels it remotely
             client.close()
             self._count(-1)
         stats.decode_s = max(time.perf_counter() - start - stats.time_to_first_token_s, 0.0)
-        stats.finish_reason = stats.finish_reason or "stop"
+        stats.finish_reason = stats.finish_reason or FinishReason.STOP
         yield ChatEvent(stats=stats, tool_calls=[ToolCall(c["name"], c["arguments"], *([c["id"]] if c["id"] else []))
                                                  for _, c in sorted(calls.items())])
 

@@ -1,27 +1,29 @@
-"""Scheduler: which requests wait, which run, and in which cache rows.
+"""Scheduler: which requests wait, which read their prompts, which run, and in which cache rows.
 
-Continuous batching as in vLLM and TensorRT-LLM's executor: up to `max_batch` requests run; new ones
-join between decode steps, and finished or cancelled ones leave at once. Running requests always
-occupy cache rows 0..B-1 (a joining request's row is moved to B, a leaving one's swapped with the
-last), so a decode step reads the cache as a plain view. The engine thread alone changes the running
-set; any thread may add a request.
+Continuous batching as in vLLM and TensorRT-LLM's executor: up to `max_batch` requests hold a row; new
+ones join between decode steps, and finished or cancelled ones leave at once. A joining request
+first reads its prompt, in chunks (vLLM's chunked prefill): each engine step has a budget of
+`step_tokens` positions, one for each running request's decode and the rest for prompt chunks of
+the requests reading theirs, first come first served, so a long prompt no longer stalls the running
+chats for its whole prefill. Rows are kept in one order: running requests in rows 0..R-1 (so a
+decode step reads the cache as a plain view), then the requests reading their prompts; a joining
+request's row is moved to the first free place, a request whose prompt is read moves to row R, and
+a leaving one's row is swapped out of the block. The engine thread alone changes the rows; any
+thread may add a request.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING
+
+from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.cache_rows import CacheRows
+from pipeline.llm.engine_types import Prompt, TokenStream
 from pipeline.llm.grammar import Grammar
 from pipeline.llm.sampling import Draws, SamplingParams
-
-if TYPE_CHECKING:
-    from torch import Tensor
-
-    from pipeline.llm.engine import Prompt, TokenStream
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,19 +38,23 @@ class Request:
     draws: Draws
     submitted: float
     grammar: Grammar | None = None  # the tokens it may draw (structured output)
-    bias: Tensor | None = None  # its logit_bias as one row over the vocabulary, on the device (made at admission)
+    bias: Tensor | None = None  # its logit_bias as one row over the vocabulary, on the device (made at its start)
+    sig: list = dataclasses.field(default_factory=list)  # its prompt's signature (set when it is placed)
     row: int = -1
-    position: int = 0  # where the next fed token goes in the cache
+    position: int = 0  # where the next fed token (while reading its prompt: the next chunk) goes in the cache
     table: int = 0  # rotary table (Qwen v1 dynamic NTK)
     last_token: int = 0
     first_token_at: float = 0.0
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, rows: CacheRows):
-        self.max_batch, self.rows = max_batch, rows
+    """`step_tokens` None or 0: no budget, a joining prompt is read whole in one step (for comparison)."""
+
+    def __init__(self, max_batch: int, rows: CacheRows, step_tokens: int | None = None):
+        self.max_batch, self.rows, self.step_tokens = max_batch, rows, step_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # running[i] runs in cache row i
+        self.prefilling: list[Request] = []  # prefilling[j] reads its prompt in row len(running) + j
         self._wake = threading.Condition()
         self._closed = False
 
@@ -69,42 +75,80 @@ class Scheduler:
     def next_joining(self) -> list[Request] | None:
         """The waiting requests that fit the batch now (waits while there is nothing to do); None once closed."""
         with self._wake:
-            while not self._closed and not self.waiting and not self.running:
+            while not self._closed and not self.waiting and not self.running and not self.prefilling:
                 self._wake.wait()
             if self._closed:
                 return None
-            room = self.max_batch - len(self.running)
+            room = self.max_batch - len(self.running) - len(self.prefilling)
             joining, self.waiting = self.waiting[:room], self.waiting[room:]
             return joining
 
     def place(self, request: Request, sig: list) -> int:
-        """Run `request` in the row after the running ones that holds the longest cached prefix of its
-        signature `sig`; how many positions that row already holds."""
-        row, reused = self.rows.claim(sig, request.table, request.session, len(self.running))
-        request.row = row
-        self.running.append(request)
+        """Give `request` (its prompt's signature `sig`) the first free row, taking the idle row that
+        holds the longest cached prefix of `sig`; how many positions that row already holds."""
+        first_free = len(self.running) + len(self.prefilling)
+        row, reused = self.rows.claim(sig, request.table, request.session, first_free)
+        request.row, request.sig = row, sig
+        self.prefilling.append(request)
         return reused
 
+    def chunks(self) -> list[tuple[Request, int]]:
+        """This step's prompt chunks, as (request, the position its chunk ends at): the budget left
+        after one position per running request, at least one position so that prompts always advance."""
+        if not self.step_tokens:
+            return [(r, len(r.sig)) for r in self.prefilling]
+        room, out = max(self.step_tokens - len(self.running), 1), []
+        for r in self.prefilling:
+            if room == 0:
+                break
+            end = min(r.position + room, len(r.sig))
+            out.append((r, end))
+            room -= end - r.position
+        return out
+
+    def promote(self, request: Request) -> None:
+        """`request` has read its prompt: it joins the running requests, in row len(running)."""
+        j, first = self.prefilling.index(request), len(self.running)
+        self._exchange(self.prefilling, 0, j, first)
+        self.running.append(self.prefilling.pop(0))
+
     def leave(self, request: Request, error: bool) -> None:
-        """`request` stops running; its row keeps its tokens (forgotten after an `error`: unknown)."""
-        if request.row < 0 or request not in self.running:
+        """`request` stops: its row keeps its tokens (what it read of its prompt, for one still reading it;
+        forgotten after an `error`: unknown) and leaves the block of rows in use."""
+        if request in self.running:
+            block, first = self.running, 0
+        elif request in self.prefilling:
+            block, first = self.prefilling, len(self.running)
+            self.rows.hold(request.row, request.sig[:request.position], request.table, request.session)
+        else:
             return
-        i, last = request.row, len(self.running) - 1
         if error:
-            self.rows.forget(i)
-        self.rows.release(i)
-        self.rows.swap(i, last)
-        moved = self.running[last]
-        self.running[i], moved.row = moved, i
-        self.running.pop()
+            self.rows.forget(request.row)
+        self.rows.release(request.row)
+        self._exchange(block, block.index(request), len(block) - 1, first)
+        block.pop()
+        if block is self.running and self.prefilling:  # the row left free must follow the running ones
+            moved = self.prefilling.pop()
+            self.rows.swap(len(self.running), moved.row)
+            moved.row = len(self.running)
+            self.prefilling.insert(0, moved)
         request.row = -1
 
+    def _exchange(self, block: list[Request], i: int, j: int, first: int) -> None:
+        """Swap entries i and j of `block` (whose entry k runs in row first + k) and their rows."""
+        if i == j:
+            return
+        self.rows.swap(first + i, first + j)
+        block[i], block[j] = block[j], block[i]
+        block[i].row, block[j].row = first + i, first + j
+
     def drop_all(self) -> list[Request]:
-        """Every request still waiting or running (the engine closes)."""
+        """Every request still waiting, reading its prompt or running (the engine closes)."""
         with self._wake:
-            left, self.waiting = self.running + self.waiting, []
+            left, self.waiting = self.running + self.prefilling + self.waiting, []
         return left
 
     def status(self) -> dict[str, int]:
-        return {"running": len(self.running), "queued": len(self.waiting), "max_batch": self.max_batch,
-                "cache_rows": len(self.rows)}
+        """Requests holding a row (`running`, those reading their prompts included) and waiting for one."""
+        return {"running": len(self.running) + len(self.prefilling), "prefilling": len(self.prefilling),
+                "queued": len(self.waiting), "max_batch": self.max_batch, "cache_rows": len(self.rows)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pipeline.llm.engine import Prompt
+from pipeline.llm.engine_types import Prompt
 from pipeline.llm.tokenizer import Tokenizer
 
 IMAGE = object()  # where `segments` puts the image

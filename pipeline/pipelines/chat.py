@@ -5,14 +5,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
-from pipeline.llm.language_model import ChatEvent, LanguageModel
-from pipeline.llm.remote import RemoteLanguageModel
+from pipeline.llm.engine_types import ChatEvent, ChatModel
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure
 
 
 class ChatPipeline:
-    def __init__(self, llm: LanguageModel | RemoteLanguageModel, is_demo: bool = False):
+    def __init__(self, llm: ChatModel, is_demo: bool = False):
         llm.check_chat()  # a model with no chat format is refused at load, not at the first message
         self.llm = llm
         self.is_demo = is_demo
@@ -24,11 +23,11 @@ class ChatPipeline:
 
     def stream(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
                session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
-        """Reply to `messages` in the model's chat format, streamed; see `LanguageModel.reply`.
+        """Reply to `messages` in the model's chat format, streamed; see `ChatModel.chat`.
         `session` names the conversation, so its next turn prefills only what is new."""
         return self.llm.chat(messages, params, cancel, session, structure)
 
     def complete(self, text: str, params: SamplingParams, cancel: threading.Event | None = None,
                  session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
-        """Continue plain `text`, streamed; see `LanguageModel.complete`."""
+        """Continue plain `text`, streamed; see `ChatModel.complete`."""
         return self.llm.complete(text, params, cancel, session, structure)

@@ -17,8 +17,8 @@ from PIL import Image
 
 from pipeline.errors import UserError
 from pipeline.images import content_key
-from pipeline.llm.engine import Prompt
-from pipeline.llm.language_model import ChatEvent, LanguageModel
+from pipeline.llm.engine_types import ChatEvent, Prompt
+from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure
 from pipeline.minigpt4.engine import VisionEncoder

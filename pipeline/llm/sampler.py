@@ -1,0 +1,123 @@
+"""Sampler: everything about choosing a request's next token, in one place for the engine.
+
+Its inputs are a step's logits and the requests in consecutive cache rows; in order it applies each
+request's `logit_bias` row (made once when the request starts), its grammar mask (made on the host
+while the GPU runs the forward pass, uploaded in one asynchronous copy), its penalties (the per-row
+`seen` mask and reply `counts`, kept beside the cache rows so that they move with them) and the draw
+(`pipeline.llm.sampling.sample`, fed one uniform number per row from the request's own random
+stream), and reports log-probabilities of the model's own logits where a request asks for them.
+The numbers a draw reads go up through pinned buffers in pairs (one step may be queued while the
+next is prepared), so the host never waits for the GPU here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from pipeline.llm.cache_rows import CacheRows
+from pipeline.llm.grammar import apply_masks, bitmask_words, fill_masks
+from pipeline.llm.sampling import COLUMNS, SamplingParams, counts_penalized, sample, sampling_columns
+from pipeline.llm.scheduler import Request
+
+
+class Sampler:
+    def __init__(self, rows: CacheRows, vocab_size: int, max_batch: int, device: torch.device):
+        self.rows, self.vocab_size, self.max_batch, self.device = rows, vocab_size, max_batch, device
+        pinned = device.type == "cuda"
+        self._columns_host = torch.zeros(2, len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
+        self._columns = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=device)
+        self._ones = torch.ones(max_batch, 1, dtype=torch.float32, device=device)
+        self._bitmask: Tensor | None = None  # grammar masks on the host, two steps' worth (made at first use)
+        self._flip_columns = self._flip_mask = 0
+
+    def start(self, request: Request) -> None:
+        """`request` starts its reply in row `request.row`: the row's penalty state is reset (the prompt's
+        own ids count as seen, as transformers counts them; an image prompt's placeholders do not) and its
+        `logit_bias` becomes one row over the vocabulary, so a step uploads nothing for it."""
+        row, prompt, params = request.row, request.prompt, request.params
+        self.rows.seen[row] = False
+        if counts_penalized([params]):
+            self.rows.counts[row] = 0
+        if not prompt.slots:
+            self.rows.seen[row, torch.tensor(prompt.ids, device=self.device)] = True
+        if params.logit_bias:
+            ids, biases = zip(*params.logit_bias)
+            request.bias = torch.zeros(self.vocab_size, device=self.device).index_put_(
+                (torch.tensor(ids, device=self.device),), torch.tensor(biases, device=self.device))
+
+    def draw(self, requests: Sequence[Request], logits: Tensor, first_row: int) -> tuple[Tensor, Tensor | None]:
+        """Each request's next token (on the device) from its logits row, and where a request asks for
+        them the log-probabilities (see `logprobs_of`); the requests run in the consecutive cache rows
+        from `first_row`."""
+        uniforms = [r.draws.next() for r in requests]  # drawn every step, so a request's stream never shifts
+        rows = slice(first_row, first_row + len(requests))
+        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        # log-softmax of the model's own logits in fp32, before any sampling setting or grammar, as OpenAI reports them
+        logprobs = logits.float().log_softmax(-1) if wanted else None
+        allowed = _biased(requests, logits) if any(r.bias is not None for r in requests) else logits
+        if any(r.grammar is not None for r in requests):
+            allowed = self._masked(requests, allowed)
+        drawn = self.pick([r.params for r in requests], uniforms, allowed, self.rows.seen[rows],
+                          self.rows.counts[rows])
+        return drawn, (_chosen_and_top(logprobs, drawn, max(wanted)) if wanted else None)
+
+    def pick(self, params: list[SamplingParams], uniforms: list[float], logits: Tensor, seen: Tensor,
+             counts: Tensor) -> Tensor:
+        """Each row's next token (on the device) from its logits, parameters, uniform number, repetition
+        mask `seen` and its reply's token `counts` (both updated with the drawn tokens; the counts only
+        while a row of the batch uses them: a row's are reset when its request starts)."""
+        n = len(params)
+        columns = self._columns[:, :n]
+        penalized = counts_penalized(params)
+        if penalized or any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
+            self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
+            host = self._columns_host[self._flip_columns]
+            host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
+            columns.copy_(host[:, :n], non_blocking=True)
+        drawn = sample(logits, params, seen, columns, counts)
+        seen.scatter_(1, drawn[:, None], True)
+        if penalized:
+            counts.scatter_add_(1, drawn[:, None], self._ones[:n])
+        return drawn
+
+    def _masked(self, requests: Sequence[Request], logits: Tensor) -> Tensor:
+        """`logits` with each constrained row's forbidden tokens at -inf: the masks are made on the
+        host, uploaded in one asynchronous copy and applied on the device (other rows stay as they were)."""
+        if self._bitmask is None:
+            self._bitmask = torch.zeros(2, self.max_batch, bitmask_words(self.vocab_size), dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
+        self._flip_mask ^= 1  # the other buffer's upload may still be queued
+        host = self._bitmask[self._flip_mask, :len(requests)]
+        fill_masks([r.grammar for r in requests], host)
+        return apply_masks(logits, host.to(self.device, non_blocking=True))
+
+
+def logprobs_of(values: Tensor, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """A token's row of `Sampler.draw`'s log-probabilities (on the host) as (its log-probability,
+    [(id, log-probability)] of the `k` most likely tokens, most likely first)."""
+    row = values.tolist()
+    return row[0], [(int(i), v) for v, i in zip(row[1:1 + k], row[(len(row) + 1) // 2:][:k])]
+
+
+def _biased(requests: Sequence[Request], logits: Tensor) -> Tensor:
+    """A copy of `logits` in fp32 with each request's `logit_bias` row added (OpenAI's: before any other
+    sampling setting, so +100 all but forces a token and -100 all but bans it). The rows were made when
+    the requests started: a step uploads nothing."""
+    out = logits.to(torch.float32, copy=True)
+    for i, r in enumerate(requests):
+        if r.bias is not None:
+            out[i] += r.bias
+    return out
+
+
+def _chosen_and_top(logprobs: Tensor, drawn: Tensor, k: int) -> Tensor:
+    """Per row [the drawn token's log-probability, the k largest log-probabilities, their ids] (ids as
+    floats: exact below 2^24), so one copy brings them to the host."""
+    parts = [logprobs.gather(1, drawn[:, None])]
+    if k:
+        top = logprobs.topk(k, dim=-1)
+        parts += [top.values, top.indices.float()]
+    return torch.cat(parts, dim=1)
