@@ -1,0 +1,146 @@
+"""Chunked prefill: a joining prompt is read in chunks under each step's token budget, between the running
+requests' decode steps, and gives what the unchunked engine gives (CPU, fp32, the tiny demo decoders)."""
+
+import pytest
+import torch
+
+from pipeline.llm.checkpoint import load_decoder
+from pipeline.llm.engine import TorchLLMEngine
+from pipeline.llm.engine_types import FinishReason, Prompt
+from pipeline.llm.sampling import SamplingParams
+
+CONTEXT = 512
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.1)
+
+
+@pytest.fixture(scope="module", params=["demo/qwen2-tiny", "demo/qwen-v1-tiny"])
+def model(request, qwen_v1_demo, qwen2_demo):
+    """GQA + qkv bias (Qwen2) and Qwen v1 (logn scaling, and a rotary table picked by the whole prompt's
+    length: its 300-token prompt is past the 256 positions it was trained for)."""
+    return load_decoder(qwen2_demo if request.param == "demo/qwen2-tiny" else qwen_v1_demo)
+
+
+def engine_of(model, chunk: int | None) -> TorchLLMEngine:
+    return TorchLLMEngine(model, CONTEXT, model.config.vocab_size, max_batch=4, rows=8, prefill_chunk=chunk)
+
+
+def ids_of(seed: int, length: int) -> tuple[int, ...]:
+    return tuple(torch.randint(3, 600, (length,), generator=torch.Generator().manual_seed(seed)).tolist())
+
+
+def image_prompt(model) -> Prompt:
+    """An image slot over positions 50..89: it crosses the chunk boundaries at 56, 63 and 64 alike."""
+    embeds = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    return Prompt(ids_of(4, 120), slots=((50, 40),)).fill(embeds, "image-hash")
+
+
+def alone(model, prompt: Prompt) -> list[int]:
+    """`prompt`'s greedy tokens from a fresh unchunked engine."""
+    engine = engine_of(model, None)
+    tokens = list(engine.submit(prompt, GREEDY, set()))
+    engine.close()
+    return tokens
+
+
+def held_rows(engine: TorchLLMEngine, sig: list) -> torch.Tensor:
+    """The keys and values [2, layers, kv_heads, positions, head_dim] of `sig`'s positions, from the row
+    that holds them (a later turn's row may hold more)."""
+    row = next(i for i, r in enumerate(engine.rows.rows) if r.held[:len(sig)] == sig)
+    return torch.stack([engine.rows.kv.k[:, row, :, :len(sig)], engine.rows.kv.v[:, row, :, :len(sig)]])
+
+
+def conversation(engine: TorchLLMEngine, model) -> list[tuple[Prompt, list[int], list[torch.Tensor], int]]:
+    """A long prompt joining a running chat, an image prompt, and a second turn over the first's cached
+    tokens: each one's (prompt, greedy tokens, logits, cached tokens)."""
+    running = engine.submit(Prompt(ids_of(1, 9)), SamplingParams(max_new_tokens=60, temperature=0), set(),
+                            keep_logits=True)
+    next(iter(running))  # it decodes while the others read their prompts
+    first, image = Prompt(ids_of(2, 300)), image_prompt(model)
+    streams = [engine.submit(p, GREEDY, set(), keep_logits=True) for p in (first, image)]
+    replies = [list(s) for s in streams]
+    second = Prompt(first.ids + tuple(replies[0]) + ids_of(3, 70))
+    again = engine.submit(second, GREEDY, set(), keep_logits=True)
+    tokens = list(again)
+    running.wait()
+    return [(p, t, s.logits, s.stats.cached_tokens) for p, t, s in
+            zip((first, image, second), replies + [tokens], streams + [again])]
+
+
+@pytest.fixture(scope="module")
+def unchunked(model):
+    engine = engine_of(model, None)
+    results = conversation(engine, model)
+    yield engine, results
+    engine.close()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_greedy_tokens_logits_and_the_kv_cache_match_the_unchunked_engine(model, unchunked, chunk):
+    reference, expected = unchunked
+    engine = engine_of(model, chunk)
+    results = conversation(engine, model)
+    for (prompt, tokens, logits, cached), (_, want, want_logits, want_cached) in zip(results, expected):
+        assert tokens == want and cached == want_cached
+        for a, b in zip(logits, want_logits):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        sig = prompt.signature() + tokens[:-1]  # the last token is drawn, never fed back
+        ours, theirs = held_rows(engine, sig), held_rows(reference, sig)
+        for position in range(len(sig)):
+            torch.testing.assert_close(ours[..., position, :], theirs[..., position, :], rtol=0, atol=1e-5,
+                                       msg=lambda m, p=position: f"position {p}: {m}")
+    assert results[2][3] == len(results[0][0]) + len(results[0][1]) - 1  # the second turn reused the first
+    engine.close()
+
+
+def spy_on_prefill(engine: TorchLLMEngine, each_call) -> None:
+    """Call `each_call(prompt, start, end)` on the engine thread before each prompt chunk is run."""
+    run = engine.runner.prefill
+
+    def spied(cache, prompt, row, start, end, *args, **kwargs):
+        each_call(prompt, start, end)
+        return run(cache, prompt, row, start, end, *args, **kwargs)
+
+    engine.runner.prefill = spied
+
+
+@pytest.mark.parametrize("chunk", [16, None])
+def test_running_requests_keep_getting_tokens_while_a_long_prompt_is_read(model, chunk):
+    """Counted on the engine thread at each of the long prompt's chunks: the tokens the running request
+    had received. Chunked, they grow between the first chunk and the last; unchunked, the prompt is read
+    in one go while the running request waits."""
+    engine = engine_of(model, chunk)
+    running = engine.submit(Prompt(ids_of(1, 9)), SamplingParams(max_new_tokens=400, temperature=0), set())
+    long = Prompt(ids_of(2, 300))
+    received = []
+    spy_on_prefill(engine, lambda prompt, start, end: prompt is long and
+                   received.append((start, end, running.stats.new_tokens)))
+    next(iter(running))
+    assert list(engine.submit(long, GREEDY, set())) == alone(model, long)
+    running.cancel()
+    if chunk:  # each step's budget: one position for the running request's decode, 15 for the prompt
+        assert [end - start for start, end, _ in received] == [15] * 20
+        assert received[-1][2] - received[0][2] == 19
+    else:
+        assert [(start, end) for start, end, _ in received] == [(0, 300)]
+    engine.close()
+
+
+def test_a_request_cancelled_while_its_prompt_is_read_ends_and_keeps_what_it_read(model):
+    engine = engine_of(model, 8)
+    prompt = Prompt(ids_of(6, 200))
+    stream = None
+
+    def cancel_at_the_fifth(p, start, end):
+        if p is prompt and end == 40:
+            stream.cancel()
+
+    spy_on_prefill(engine, cancel_at_the_fifth)
+    stream = engine.submit(prompt, GREEDY, set())
+    assert list(stream) == [] and stream.stats.finish_reason == FinishReason.CANCELLED
+    assert engine.status()["running"] == 0 and engine.status()["prefilled_tokens"] == 40
+    # The row keeps the 40 positions written: the same prompt again reads only the rest, and gets the
+    # unchunked engine's tokens.
+    again = engine.submit(prompt, GREEDY, set())
+    assert list(again) == alone(model, prompt)
+    assert again.stats.cached_tokens == 40
+    engine.close()
