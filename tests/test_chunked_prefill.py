@@ -34,10 +34,10 @@ def image_prompt(model) -> Prompt:
     return Prompt(ids_of(4, 120), slots=((50, 40),)).fill(embeds, "image-hash")
 
 
-def alone(model, prompt: Prompt) -> list[int]:
-    """`prompt`'s greedy tokens from a fresh unchunked engine."""
+def alone(model, prompt: Prompt, params: SamplingParams = GREEDY) -> list[int]:
+    """`prompt`'s tokens from a fresh unchunked engine."""
     engine = engine_of(model, None)
-    tokens = list(engine.submit(prompt, GREEDY, set()))
+    tokens = list(engine.submit(prompt, params, set()))
     engine.close()
     return tokens
 
@@ -143,4 +143,29 @@ def test_a_request_cancelled_while_its_prompt_is_read_ends_and_keeps_what_it_rea
     again = engine.submit(prompt, GREEDY, set())
     assert list(again) == alone(model, prompt)
     assert again.stats.cached_tokens == 40
+    engine.close()
+
+
+def test_a_chunk_that_fails_ends_only_its_request(model):
+    """The error reaches the request whose chunk failed; the running request, whose decode step was in
+    flight meanwhile, loses no token."""
+    engine = engine_of(model, 8)
+    chat, long = Prompt(ids_of(1, 9)), SamplingParams(max_new_tokens=200, temperature=0)
+    running = engine.submit(chat, long, set())
+    failing = Prompt(ids_of(6, 100))
+    beside = []
+
+    def fail_at_the_third(p, start, end):
+        if p is failing and end == 7 * 3:
+            beside.extend(engine.scheduler.running)
+            raise RuntimeError("the GPU fell over")
+
+    spy_on_prefill(engine, fail_at_the_third)
+    tokens = iter(running)
+    first = next(tokens)
+    stream = engine.submit(failing, GREEDY, set())
+    with pytest.raises(RuntimeError, match="fell over"):
+        list(stream)
+    assert stream.stats.finish_reason == FinishReason.ERROR and len(beside) == 1  # the chat was running
+    assert [first, *tokens] == alone(model, chat, long) and running.stats.finish_reason == FinishReason.LENGTH
     engine.close()
