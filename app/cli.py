@@ -5,7 +5,9 @@ stdout; `/image PATH` talks about a picture (image chat) until `/reset`; start-u
 go to stderr, so stdout holds only the conversation.
 
 Commands: /reset (a new conversation) · /system TEXT (the system prompt; a new conversation) ·
-/image PATH · /exit (or end of input). Ctrl+C stops a reply (keeping what was said); at the prompt it exits.
+/image PATH · /regenerate (the last reply again) · /edit TEXT (your last message replaced, answered
+again) · /set SETTING VALUE · /help · /exit (or end of input). Ctrl+C stops a reply (keeping what was
+said); at the prompt it exits. Regenerate and edit are the service's rules, the same as the browser's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from studio.compose import build, run as run_studio
 from studio.config import StudioConfig
 from studio.plan import Plan
 
-HELP = "commands: /reset · /system TEXT · /image PATH · /set SETTING VALUE (e.g. /set temperature 0) · /exit"
+HELP = ("commands: /reset · /system TEXT · /image PATH · /regenerate · /edit TEXT · /set SETTING VALUE "
+        "(e.g. /set temperature 0) · /help · /exit")
 
 
 class TerminalChat:
@@ -40,12 +43,23 @@ class TerminalChat:
     def reset(self) -> None:
         self.history, self.image = [], None
 
-    def command(self, line: str) -> str | None:
-        """Handle a /command; the line to show, or None for /exit."""
+    def command(self, line: str) -> str | Iterator[Update] | None:
+        """Handle a /command: the line to show, a reply to stream (/regenerate, /edit), or None for /exit."""
         name, _, arg = line.partition(" ")
         arg = arg.strip()
         if name == "/exit":
             return None
+        if name == "/help":
+            return f"({HELP})"
+        if name == "/regenerate":
+            self.cancel = threading.Event()
+            return self._kept(self.service.regenerate("cli", self.history, dataclasses.asdict(self.params),
+                                                      system=self.system, image=self.image, cancel=self.cancel))
+        if name == "/edit":
+            before, last = self.service.edit_last(self.history)
+            if not arg:
+                return f"(your last message: {last!r}; /edit TEXT sends TEXT in its place)"
+            return self.reply(arg, before)
         if name == "/reset":
             self.reset()
             return "(new conversation)"
@@ -74,16 +88,21 @@ class TerminalChat:
             return f"({setting} = {getattr(self.params, setting)})"
         return f"(unknown command {name}; {HELP})"
 
-    def reply(self, message: str) -> Iterator[Update]:
-        """Stream the answer to `message`; the turn joins the history once it ends (stopped ones too)."""
+    def reply(self, message: str, history: list[dict] | None = None) -> Iterator[Update]:
+        """Stream the answer to `message` after `history` (the conversation so far); the turn becomes
+        the history once it ends (stopped ones too)."""
         self.cancel = threading.Event()
-        turn = self.history + [{"role": "user", "content": message}]
-        request = self.service.chat_turn(turn, dataclasses.asdict(self.params), system=self.system, image=self.image)
-        answer = ""
-        for update in self.service.reply("cli", request, self.cancel):
+        return self._kept(self.service.send("cli", self.history if history is None else history, message, dataclasses.asdict(self.params),
+                                            system=self.system, image=self.image, cancel=self.cancel))
+
+    def _kept(self, updates: Iterator[Update]) -> Iterator[Update]:
+        """`updates` passed on; once the reply ends, the conversation it followed and the reply are the history."""
+        messages, answer = [], ""
+        for update in updates:
+            messages = list(update.messages) or messages
             answer += update.text
             yield update
-        self.history = turn + [{"role": "assistant", "content": answer}]
+        self.history = [m for m in messages if m["role"] != "system"] + [{"role": "assistant", "content": answer}]
 
 
 def _status(line: str) -> None:
@@ -107,14 +126,14 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
         if not line:
             continue
         try:
-            if line.startswith("/"):
-                said = chat.command(line)
-                if said is None:
-                    return 0
+            said = chat.command(line) if line.startswith("/") else chat.reply(line)
+            if said is None:
+                return 0
+            if isinstance(said, str):
                 print(said, file=stdout, flush=True)
                 continue
             try:
-                for update in chat.reply(line):
+                for update in said:
                     if update.notice:
                         print(f"\n[{update.notice}]", file=sys.stderr, flush=True)
                     print(update.text, end="", file=stdout, flush=True)

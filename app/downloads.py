@@ -18,7 +18,13 @@ import gradio as gr
 from gradio.utils import get_upload_folder
 
 
-KEEP_FILES_S = 3600  # how long uploads and made files stay on disk (`--keep-files`)
+KEEP_FILES_S = 3600  # how long uploads and made files stay on disk (`--keep-files`, set by `keep_files_for`)
+
+
+def keep_files_for(seconds: int) -> None:
+    """Start-up (`app.server`): how long made files stay, from `--keep-files`."""
+    global KEEP_FILES_S
+    KEEP_FILES_S = seconds
 
 
 def write_download(data: bytes, prefix: str, suffix: str) -> str:

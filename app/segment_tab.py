@@ -20,7 +20,8 @@ from app.segment_render import (mask_png, png_bytes, render_candidates, render_e
 from pipeline.errors import UserError
 from pipeline.images import fit_for_display, load_image, masked_crop
 from pipeline.pipelines.segment_session import SegmentSession
-from pipeline.service.studio import SEGMENT, StudioService
+from pipeline.service.studio import StudioService
+from pipeline.service.tools import Tool
 
 POSITIVE, NEGATIVE = "Object (+)", "Background (−)"
 POINTS, BOX = "Points", "Box (two clicks: opposite corners)"
@@ -82,7 +83,7 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
             yield _empty()
             return
         image = load_image(path)
-        for line in service.loading(SEGMENT):
+        for line in service.loading(Tool.SEGMENT):
             yield gr.skip(), gr.skip(), gr.skip(), gr.skip(), line
         session = service.segment_session(image)
         display, scale = fit_for_display(image, device=session.device)  # resized where SAM runs

@@ -7,6 +7,7 @@ import sys
 import time
 import webbrowser
 
+from app.downloads import keep_files_for
 from app.openai_api import mount
 from app.sessions import forget_idle_sessions
 from app.ui import build_app
@@ -24,6 +25,7 @@ def start_server(config: StudioConfig, service: StudioService):
         api_key = secrets.token_urlsafe(24)
         print(f"[studio] the API is reachable from other machines: its key is {api_key} "
               f"(Authorization: Bearer …; set your own with --api-key)", flush=True)
+    keep_files_for(config.keep_files)
     app = build_app(service, config.keep_files).queue(default_concurrency_limit=1)
     server, local_url, share_url = app.launch(server_name=config.host, server_port=config.port, share=config.share,
                                               auth=auth, show_error=True, prevent_thread_lock=True, quiet=True,

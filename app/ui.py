@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import secrets
 from pathlib import Path
 
 import gradio as gr
 
-from app import downloads
 from app.chat_tab import build_chat_tab
 from app.downloads import KEEP_FILES_S
+from app.gradio_api import add_gradio_api
 from app.image_chat_tab import build_image_chat_tab
 from app.models_tab import build_models_tab
 from app.segment_tab import build_segment_tab
 from app.sidebar import NO_CONVERSATION
 from pipeline.files import atomic_write
 from pipeline.models import cache_dir
-from pipeline.service.studio import CHAT, IMAGE_CHAT, SEGMENT, StudioService
+from pipeline.service.studio import StudioService
+from pipeline.service.tools import Tool
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples"
 
@@ -60,14 +60,13 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
     """The UI over `service`, whose start-up report (backends and why, engines built or loaded, with
     times) keeps growing as tools load on first use. Uploads and files made for download are deleted
     `keep_files_s` after they were made."""
-    downloads.KEEP_FILES_S = keep_files_s
     sweep = max(1, min(600, keep_files_s // 2))
     with gr.Blocks(title="AI Studio", delete_cache=(sweep, keep_files_s)) as demo:
         gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
-        if service.is_demo(CHAT):
+        if service.is_demo(Tool.CHAT):
             gr.Markdown(DEMO_WARNING)
-        elif service.notice(CHAT):
-            gr.Markdown(service.notice(CHAT), elem_id="chat-model-notice")
+        elif service.notice(Tool.CHAT):
+            gr.Markdown(service.notice(Tool.CHAT), elem_id="chat-model-notice")
         if service.store.notice:  # a damaged conversation database was set aside
             gr.Markdown(f"**Conversations:** {service.store.notice}", elem_id="store-notice")
         banner = gr.Markdown(tools_line(service), elem_id="tools-status")
@@ -78,11 +77,11 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
             with gr.Tab("Chat", id="chat"):
                 build_chat_tab(service, demo, secret)
             with gr.Tab("Image chat", id="image-chat"):
-                if service.is_demo(IMAGE_CHAT):
+                if service.is_demo(Tool.IMAGE_CHAT):
                     gr.Markdown(MINIGPT4_DEMO_WARNING)
                 image_chat = build_image_chat_tab(service, demo, example_images(), secret)
             with gr.Tab("Segment", id="segment"):
-                if service.is_demo(SEGMENT):
+                if service.is_demo(Tool.SEGMENT):
                     gr.Markdown(SAM_DEMO_WARNING)
                 ask = build_segment_tab(service, example_images())
             if service.catalog is not None:
@@ -100,12 +99,5 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
         gr.Timer(3).tick(refresh, None, [banner, report], api_visibility="private", queue=False)
         demo.load(refresh, None, [banner, report], api_visibility="private", queue=False)
 
-        def engine_status() -> str:
-            """API: JSON with what each LLM engine is doing now ("chat", "image_chat": requests running and
-            queued, batch size, cache rows, decode steps so far, prompt tokens prefilled and found in the
-            cache; {"loaded": false} while the tool is not loaded), "tools": each tool's state and size,
-            and "startup": the start-up report's lines."""
-            return json.dumps(service.status())
-
-        gr.api(engine_status, api_name="engine_status")
+        add_gradio_api(service)
     return demo

@@ -6,7 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import TEST_MODEL
+
+from app.cli import TerminalChat
+from pipeline.errors import UserError
+from studio.compose import build
+from studio.config import parse_config
+from studio.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = r"prompt (\d+) tokens(?: \(\d+ found in the cache\))? · ended"
@@ -57,3 +64,37 @@ def test_the_terminal_chats_second_turn_prefills_only_what_is_new(studio_cache):
     assert len(found) == 2, done.stderr[-3000:]
     (first, _), (second, cached) = found
     assert int(second) > int(first) and int(cached or 0) >= int(first)  # the whole first prompt came from the cache
+
+
+def test_the_terminal_chat_regenerates_and_edits_through_the_services_rules(studio_cache, monkeypatch):
+    """/regenerate and /edit are the service's regenerate and edit-last (the browser's own): the turn is
+    replaced, never added; a fixed seed draws the same reply again, another seed another; an edited
+    message is answered as a fresh conversation would answer it; with nothing to redo, a clear message."""
+    monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
+    config = parse_config(["--model", TEST_MODEL, "--context", "1024"])
+    service = build(config, make_plan(config), echo=False, say=lambda line: None)
+
+    def said(updates) -> str:
+        return "".join(update.text for update in updates)
+
+    try:
+        chat = TerminalChat(service)
+        for line in ("/set seed 7", "/set max_new_tokens 8", "/set temperature 1"):
+            chat.command(line)
+        with pytest.raises(UserError, match="there is no message of yours"):
+            said(chat.command("/regenerate"))
+        first = said(chat.reply("Hello there"))
+        assert [m["content"] for m in chat.history] == ["Hello there", first] and first
+        assert said(chat.command("/regenerate")) == first  # the same seed: the same draw
+        assert [m["content"] for m in chat.history] == ["Hello there", first]
+        chat.command("/set seed 8")
+        other = said(chat.command("/regenerate"))
+        assert other != first and [m["content"] for m in chat.history] == ["Hello there", other]
+        assert "your last message: 'Hello there'" in chat.command("/edit")
+        edited = said(chat.command("/edit How are you?"))
+        assert [m["content"] for m in chat.history] == ["How are you?", edited]
+        fresh = TerminalChat(service, params=chat.params)
+        assert said(fresh.reply("How are you?")) == edited
+        assert "/regenerate" in chat.command("/help")
+    finally:
+        service.close()

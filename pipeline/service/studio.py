@@ -77,6 +77,7 @@ class Update:
     stats: GenerationStats | None = None
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
     saved: Saved | None = None  # where the reply is kept (a conversation just started has its id here)
+    messages: tuple[dict, ...] = ()  # in the first update: the conversation the reply follows, checked
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -268,23 +269,25 @@ class StudioService:
 
     def send(self, client: str, history: object, message: str, sampling: Mapping[str, Any] | None = None, *,
              tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
-             saved: Saved | None = None) -> Iterator[Update]:
+             saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
         """`message` after `history`, answered and (with `saved`) kept: in that conversation, or in a new
-        one (holding the picture, for image chat) whose id the first update's `saved` carries."""
+        one (holding the picture, for image chat) whose id the first update's `saved` carries, with the
+        checked conversation the reply follows (`messages`)."""
         turn = self.chat_turn([*plain_messages(history, "history"), {"role": "user", "content": message}],
                               sampling, system=system, tool=tool, image=image)
         if saved is not None and saved.conversation is None:
             picture = Path(image).read_bytes() if isinstance(image, str) else image if isinstance(image, bytes) else None
             saved = Saved(saved.user, self.store.create(saved.user, tool, system=system or None, image=picture))
-        yield Update(status="", saved=saved)
-        yield from self.reply(client, turn, saved=saved)
+        yield Update(saved=saved, messages=turn.messages)
+        yield from self.reply(client, turn, cancel, saved)
 
     def regenerate(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
                    tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
-                   saved: Saved | None = None) -> Iterator[Update]:
+                   saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
         """The last reply again (a new draw unless the seed is fixed): the last message of the user's, resent."""
         before, message = self.edit_last(history, saved)
-        yield from self.send(client, before, message, sampling, tool=tool, system=system, image=image, saved=saved)
+        yield from self.send(client, before, message, sampling, tool=tool, system=system, image=image, saved=saved,
+                             cancel=cancel)
 
     def edit_last(self, history: object, saved: Saved | None = None) -> tuple[list[dict], str]:
         """(the conversation before the user's last message, that message): the exchange leaves the
