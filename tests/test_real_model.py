@@ -164,7 +164,7 @@ def test_greedy_tokens_match_transformers_generate(ours, hf_tokenizer, hf_model)
     drifted from the template shows here as other tokens."""
     tokenizer, model = hf_tokenizer, hf_model
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
-    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, repetition_penalty=1.0).validated()
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, repetition_penalty=1.0)
     streams = [ours.engine.submit(ours.format.render(messages), params, ours.format.stop_ids)
                for messages in conversations]
     got = [list(stream) for stream in streams]

@@ -113,7 +113,6 @@ class TrtLlmEngine:
                             "engine: start the app with --backend torch for them",
                             "response_format" if grammar else "logprobs" if params.logprobs is not None
                             else "logit_bias")
-        params = params.validated()
         if not 0 < len(prompt) < self.context:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
         tx = self._tx

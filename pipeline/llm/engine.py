@@ -101,7 +101,6 @@ class TorchLLMEngine:
         """Queue a request; its tokens arrive on the returned stream (with their log-probabilities in
         `stream.logprobs` where `params.logprobs` asks; only tokens `grammar` allows, given one).
         Raises `UserError` at once for a prompt that cannot fit."""
-        params = params.validated()
         if not 0 < len(prompt) < self.context:
             raise UserError(f"a prompt of {len(prompt)} tokens does not fit the context of {self.context}")
         if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:

@@ -69,7 +69,6 @@ class LanguageModel(ChatModel):
         for JSON. Raises `UserError` for bad input or out-of-memory; a set `cancel` ends the reply
         early, keeping what was said so far.
         """
-        params = params.validated()
         calls = fmt.tool_calls
         uses_tools = structure.offers_tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
         if uses_tools and calls is None:
@@ -98,7 +97,6 @@ class LanguageModel(ChatModel):
                  session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
         """Continue the plain `text` (no chat format: `/v1/completions`) until an end-of-text id, a stop
         string or the token limit."""
-        params = params.validated()
         if structure.tools:
             raise UserError("a plain completion cannot call tools: use chat completions", "tools")
         ids = ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []) + self.tokenizer.encode(text)

@@ -80,29 +80,27 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings (an API client's `stop`)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to its logit before sampling
 
+    def __post_init__(self) -> None:
+        """Checked where it is made, so a `SamplingParams` that exists is valid and nothing downstream checks
+        again; values are kept in their plain form (whole numbers as int, a stop list as a tuple)."""
+        for name, limit in LIMITS.items():
+            value = getattr(self, name)
+            if value is not None or name not in OPTIONAL:
+                object.__setattr__(self, name, limit.check(name, value))
+        for name, check in LISTS.items():
+            object.__setattr__(self, name, check(name, getattr(self, name)))
+
     @classmethod
     def from_values(cls, **values) -> "SamplingParams":
-        """The one check every front end's sampling values go through (values of None keep the default,
-        a seed of -1 is random):
-        the same out-of-range value gets the same message from the UI, the API and the terminal chat."""
+        """Every front end's sampling values, by name (values of None keep the default, a seed of -1 is
+        random): the same out-of-range value gets the same message from the UI, the API and the terminal chat."""
         if values.get("seed") == -1:  # the UI's "random" (its seed box shows -1)
             values = {**values, "seed": None}
         unknown = set(values) - set(LIMITS) - set(LISTS)
         if unknown:
             raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of "
                             f"{', '.join([*LIMITS, *LISTS])}")
-        checked = {name: (LISTS[name] if name in LISTS else LIMITS[name].check)(name, value)
-                   for name, value in values.items() if value is not None}
-        return cls(**checked)
-
-    def validated(self) -> "SamplingParams":
-        for name, limit in LIMITS.items():
-            value = getattr(self, name)
-            if value is not None or name not in OPTIONAL:
-                limit.check(name, value)
-        for name, check in LISTS.items():
-            check(name, getattr(self, name))
-        return self
+        return cls(**{name: value for name, value in values.items() if value is not None})
 
 
 def _stop_strings(name: str, value) -> tuple[str, ...]:
