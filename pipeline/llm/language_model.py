@@ -53,22 +53,17 @@ class LanguageModel(ChatModel):
         return self.engine.status()
 
     def chat(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
-             session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:
-        """Reply to `messages` in the model's own chat format; see `reply`."""
-        return self.reply(self.format, messages, params, cancel, session, structure=structure)
-
-    def reply(self, fmt: PromptFormat, messages: Sequence[dict], params: SamplingParams,
-              cancel: threading.Event | None = None, session: str | None = None,
-              fill: Callable[[Prompt], Prompt] | None = None,
-              structure: Structure = Structure()) -> Iterator[ChatEvent]:
-        """Reply to `messages` in prompt format `fmt`, a few characters at a time (the last message
-        the user's or a tool's; an assistant's is continued).
+             session: str | None = None, structure: Structure = Structure(), fmt: PromptFormat | None = None,
+             fill: Callable[[Prompt], Prompt] | None = None) -> Iterator[ChatEvent]:
+        """Reply to `messages` in prompt format `fmt` (default: the model's own chat format), a few
+        characters at a time (the last message the user's or a tool's; an assistant's is continued).
 
         `fill` completes the prompt's embedding slots (image chat's image); `session` names the
         conversation so the engine can reuse its earlier turns; `structure` offers tools and asks
         for JSON. Raises `UserError` for bad input or out-of-memory; a set `cancel` ends the reply
         early, keeping what was said so far.
         """
+        fmt = fmt or self.format
         calls = fmt.tool_calls
         uses_tools = structure.offers_tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
         if uses_tools and calls is None:

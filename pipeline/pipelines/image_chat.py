@@ -98,4 +98,4 @@ class ImageChatPipeline:
         def fill(prompt: Prompt) -> Prompt:
             return prompt.fill(embeds, key)
 
-        return self.llm.reply(self.format, messages, params, cancel, session, fill=fill, structure=structure)
+        return self.llm.chat(messages, params, cancel, session, structure, self.format, fill)
