@@ -28,6 +28,8 @@ from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure
 from pipeline.llm.tool_calls import ToolCall
 from pipeline.models import ModelEntry
+from pipeline.pipelines.chat import ChatPipeline
+from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of
 from pipeline.service.in_flight import Busy, InFlight
@@ -238,7 +240,7 @@ class StudioService:
         raise UserError(f"other requests switched the chat model away from {turn.model} meanwhile: send it "
                         f"again", "model")
 
-    def _stream(self, pipeline: Any, client: str, turn: ChatTurn, flag: threading.Event,
+    def _stream(self, pipeline: ChatPipeline | ImageChatPipeline, client: str, turn: ChatTurn, flag: threading.Event,
                 saved: Saved | None) -> Iterator[Update]:
         session = f"{turn.tool.flag}:{client}"  # a placement hint: the cache finds turns by content
         if turn.tool == IMAGE_CHAT:

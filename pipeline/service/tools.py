@@ -23,7 +23,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -77,6 +77,16 @@ def default_budget(device: torch.device) -> int | None:
     return torch.cuda.get_device_properties(device).total_memory - BUDGET_MARGIN
 
 
+class LoadedTool(Protocol):
+    """What the host needs of a tool's pipeline (`ChatPipeline`, `ImageChatPipeline`, `SegmentPipeline`):
+    what to call it, and how to let go of its memory."""
+
+    description: str
+    is_demo: bool
+
+    def close(self) -> None: ...
+
+
 @dataclasses.dataclass
 class ToolSpec:
     """How to load a tool: `load(say, free_bytes)` returns its pipeline (with a `close()`), telling
@@ -84,10 +94,10 @@ class ToolSpec:
     `estimate` is its expected size before it has ever loaded; `needs` are tools it uses (loaded first);
     `notice`: what the UI says about its model (the small built-in chat model)."""
 
-    name: str
-    load: Callable[[Say, int | None], Any]
+    name: Tool
+    load: Callable[[Say, int | None], LoadedTool]
     estimate: int
-    needs: tuple[str, ...] = ()
+    needs: tuple[Tool, ...] = ()
     is_demo: bool = False
     notice: str = ""
 
@@ -95,7 +105,7 @@ class ToolSpec:
 @dataclasses.dataclass(eq=False)  # compared by identity: a replaced slot is told apart from its successor
 class _Slot:
     spec: ToolSpec
-    pipeline: Any = None
+    pipeline: LoadedTool | None = None
     size: int | None = None  # measured at its last load
     busy: int = 0
     last_used: float = 0.0
@@ -124,7 +134,7 @@ class ToolHost:
     def spec(self, name: str) -> ToolSpec:
         return self._slots[name].spec
 
-    def loaded(self, name: str) -> Any | None:
+    def loaded(self, name: str) -> LoadedTool | None:
         """The tool's pipeline if it is loaded now, else None (never loads)."""
         return self._slots[name].pipeline
 
@@ -133,7 +143,7 @@ class ToolHost:
         return self._slots[name].loads
 
     @contextlib.contextmanager
-    def using(self, name: str, say: Say | None = None) -> Iterator[Any]:
+    def using(self, name: str, say: Say | None = None) -> Iterator[LoadedTool]:
         """The tool's pipeline, loaded if needed (progress to `say` too); the tool, and the tools it
         needs, count as busy until the block ends, so they are not unloaded under a request."""
         while True:
@@ -178,7 +188,7 @@ class ToolHost:
         self._free()
         self.say(f"unloaded the old {slot.spec.name} ({size_text(slot.size)}): replaced")
 
-    def load(self, name: str, say: Say | None = None) -> Any:
+    def load(self, name: str, say: Say | None = None) -> LoadedTool:
         """Load `name` now (start-up, `--preload`), without holding it busy."""
         return self._ensure(name, say)
 
@@ -237,7 +247,7 @@ class ToolHost:
         return sum((s.size or 0) + (s.pipeline.held_bytes() if hasattr(s.pipeline, "held_bytes") else 0)
                    for s in [*self._slots.values(), *self._retiring] if s.pipeline is not None)
 
-    def _ensure(self, name: str, say: Say | None) -> Any:
+    def _ensure(self, name: str, say: Say | None) -> LoadedTool:
         """The loaded pipeline of `name`, loading it (and what it needs) first if it is not; called
         without the host's lock, which it takes only around bookkeeping."""
         slot = self._slots[name]
@@ -251,7 +261,7 @@ class ToolHost:
             with self._loading:
                 return self._load(name, say)
 
-    def _load(self, name: str, say: Say | None) -> Any:
+    def _load(self, name: str, say: Say | None) -> LoadedTool:
         slot = self._slots[name]
 
         def tell(line: str) -> None:
