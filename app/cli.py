@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 
 from pipeline.errors import UserError
+from pipeline.service.tools import Tool
 from pipeline.images import load_image
 from pipeline.llm.sampling import SamplingParams
 from pipeline.service.studio import StudioService, Update
@@ -158,7 +159,7 @@ def chat_in_terminal(config: StudioConfig, plan: Plan) -> int:
     """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
     service = build(config, plan, echo=False, say=_status)
     try:
-        service.load("chat", _status)
+        service.load(Tool.CHAT, _status)
         return run(TerminalChat(service))
     finally:
         service.close()

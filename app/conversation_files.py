@@ -8,6 +8,7 @@ import json
 import re
 
 from pipeline.errors import UserError
+from pipeline.service.tools import Tool
 
 FORMAT = "ai-studio-conversation"
 HEADINGS = {"user": "User", "assistant": "Assistant", "system": "System"}
@@ -89,4 +90,4 @@ def read_conversations(data: bytes, name: str) -> list[dict]:
                     raise UserError(f"{name} is an archive without its list of conversations")
                 return found["conversations"]
     messages, system = read_conversation(data, name)
-    return [{"tool": "chat", "title": "", "system": system, "messages": messages}]
+    return [{"tool": Tool.CHAT.value, "title": "", "system": system, "messages": messages}]

@@ -16,6 +16,7 @@ from app.conversation_files import read_conversations, to_archive
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from pipeline.errors import UserError
+from pipeline.service.tools import Tool
 from pipeline.service.studio import StudioService
 
 NEW_TITLE = "New conversation"
@@ -46,10 +47,10 @@ class Sidebar:
     """The sidebar's components (`current`: the open conversation's id, kept in the browser), made in
     the column being built, then wired once the tab's own components exist."""
 
-    def __init__(self, tool: str, prefix: str, secret: str):
+    def __init__(self, tool: Tool, prefix: str, secret: str):
         """`tool`'s sidebar; element ids start with `prefix`."""
         self.tool, self.prefix = tool, prefix
-        self.new = gr.Button("New chat" if tool == "chat" else "New conversation", variant="secondary")
+        self.new = gr.Button("New chat" if tool == Tool.CHAT else "New conversation", variant="secondary")
         self.search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id=f"{prefix}-search")
         self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations")
         self.title = gr.Textbox(label="Title", elem_id=f"{prefix}-title")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import UserError
+from pipeline.service.tools import Tool
 
 FILE = "conversations.sqlite3"
 BUSY_TIMEOUT_S = 10
@@ -276,7 +277,7 @@ class ConversationStore:
         """Conversations from `export` into `user`'s (new ids); a malformed entry is a `UserError`."""
         ids = []
         for i, c in enumerate(conversations):
-            if not isinstance(c, dict) or c.get("tool") not in ("chat", "image chat") or \
+            if not isinstance(c, dict) or c.get("tool") not in (Tool.CHAT, Tool.IMAGE_CHAT) or \
                     not isinstance(c.get("messages"), list):
                 raise UserError(f"conversation {i} of the file is not one this app exported")
             image = bytes.fromhex(c["image"]) if c.get("image") else None
