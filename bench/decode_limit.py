@@ -337,7 +337,8 @@ def one_launch(folder: Path, engines: Path, spawned: float) -> None:
     from the start of the load (`ready_s`), from the process's start (`process_ready_s`: Python, torch and
     the app's imports too), and from the moment the quantized weights are on disk, with each log line's
     time."""
-    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.build import EngineOptions
+    from studio.startup_report import StartupReport
     from engine_builder.cache import EngineCache
     from studio.backends import load_language_model
 

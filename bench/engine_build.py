@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
-from engine_builder.build import EngineOptions, StartupReport  # noqa: E402
+from engine_builder.build import EngineOptions  # noqa: E402
+from studio.startup_report import StartupReport  # noqa: E402
 from engine_builder.cache import EngineCache  # noqa: E402
 from studio.backends import sam_engine, vision_encoder  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402

@@ -10,13 +10,13 @@ both show; a refused engine is reported with the check and its numbers, and the 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -52,29 +52,10 @@ RUNTIMES = {
 }
 
 
-class StartupReport:
-    """What start-up did, one line each: printed as it happens and kept for the UI's status."""
+class Reporter(Protocol):
+    """Who hears what a build does, line by line (the composition root's start-up report)."""
 
-    def __init__(self, echo: bool = True):
-        self.lines: list[str] = []
-        self.echo = echo
-        self._listeners: list[Callable[[str], None]] = []
-
-    def say(self, line: str) -> None:
-        self.lines.append(line)
-        if self.echo:
-            print(f"[studio] {line}", flush=True)
-        for listener in list(self._listeners):
-            listener(line)
-
-    @contextlib.contextmanager
-    def listening(self, listener: Callable[[str], None]) -> Iterator[None]:
-        """Also hand every line said inside the block to `listener` (a UI request waiting on a tool's load)."""
-        self._listeners.append(listener)
-        try:
-            yield
-        finally:
-            self._listeners.remove(listener)
+    def say(self, line: str) -> None: ...
 
 
 @dataclasses.dataclass
@@ -82,7 +63,7 @@ class EngineOptions:
     """Where engines live and who hears about them (`--engine-dir`, `--rebuild`, the start-up report)."""
 
     cache: EngineCache
-    report: StartupReport
+    report: Reporter
 
 
 def engine_keys(graphs: tuple[GraphSpec, ...], sources: list[Path], runtime: Runtime, dtype: str,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from huggingface_hub import constants as hub_constants
 
-from engine_builder.build import EngineOptions, StartupReport
+from engine_builder.build import EngineOptions
 from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.sampling import SamplingParams
@@ -40,6 +40,7 @@ from studio.model_catalog import ModelCatalog
 from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, image_chat_parts, make_plan
 from studio.sizes import llm_size, weights_size
+from studio.startup_report import StartupReport
 
 # The engine threads and the request threads hand the GIL around constantly; Python's default 5 ms
 # switch interval would let a busy engine thread hold up a click by several of them.

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from engine_builder import trtllm
-from engine_builder.build import RUNTIMES, EngineOptions, StartupReport
+from engine_builder.build import RUNTIMES, EngineOptions
+from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import load_language_model, sam_engine, vision_encoder
 from pipeline.llm.demo import DEMO_MODELS, demo_model_dir

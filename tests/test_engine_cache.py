@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from engine_builder import build as engine_build
-from engine_builder.build import EngineOptions, StartupReport
+from engine_builder.build import EngineOptions
+from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from engine_builder.vision_engines import SessionVisionEncoder
 from studio.backends import vision_encoder

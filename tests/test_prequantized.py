@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from studio.sizes import llm_size
-from engine_builder.build import EngineOptions, StartupReport
+from engine_builder.build import EngineOptions
+from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, torch_decoder, weight_bytes
 from pipeline.errors import UserError

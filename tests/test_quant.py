@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine_builder.build import EngineOptions, StartupReport
+from engine_builder.build import EngineOptions
+
+from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, weight_bytes
 from pipeline.llm.checkpoint import load_decoder, read_config

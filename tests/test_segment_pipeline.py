@@ -69,7 +69,8 @@ def test_encoder_runs_once_per_image(checkpoint, photo):
 
 
 def test_the_factory_picks_the_cpu_engine(checkpoint, photo, tmp_path):
-    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.build import EngineOptions
+    from studio.startup_report import StartupReport
     from engine_builder.cache import EngineCache
     from studio.backends import sam_engine
 

@@ -14,7 +14,7 @@ from studio.config import parse_config
 from studio.plan import make_plan
 from studio.sizes import weights_size
 from conftest import TEST_MODEL
-from engine_builder.build import StartupReport
+from studio.startup_report import StartupReport
 from pipeline.errors import UserError
 from pipeline.llm.sampling import SamplingParams
 from pipeline.service.tools import ToolHost, ToolSpec

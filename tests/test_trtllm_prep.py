@@ -159,7 +159,8 @@ def test_the_runner_says_why_it_cannot_run(qwen2_demo, tmp_path):
     (`unavailable`: TensorRT-LLM does not import, see requirements-tensorrt.txt), not a bare
     ModuleNotFoundError; and a launch with --backend tensorrt prints that reason through the runner's
     loader and answers on torch."""
-    from engine_builder.build import EngineOptions, StartupReport
+    from engine_builder.build import EngineOptions
+    from studio.startup_report import StartupReport
     from engine_builder.cache import EngineBuildError, EngineCache
     from engine_builder.trtllm.engine import TrtLlmEngine
     from pipeline.llm.engine import TorchLLMEngine
