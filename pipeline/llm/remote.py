@@ -4,15 +4,15 @@ stay local.
 
 The remote server applies the chat template and tokenizes, so this works at the level of messages:
 `RemoteLanguageModel.chat` has `LanguageModel.chat`'s signature and yields the same `ChatEvent`s,
-so the chat pipeline, the UI and the API treat it like a local model. Stop (the cancel flag) closes
-the HTTP stream, which a serving engine takes as a cancelled request; remote errors become one-line
-`UserError`s naming the server.
+so the chat pipeline, the UI and the API treat it like a local model. The stream is read as it
+arrives, blocking (nothing polls): Stop (the cancel flag) is seen at the server's next chunk and
+closes the HTTP stream, which a serving engine takes as a cancelled request; remote errors become
+one-line `UserError`s naming the server.
 """
 
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -83,7 +83,6 @@ class RemoteLanguageModel(ChatModel):
 
     def _generate(self, path: str, request: dict, params: SamplingParams, cancel: threading.Event | None,
                   structure: Structure) -> Iterator[ChatEvent]:
-        params = params.validated()
         body = {"model": self.model_id, **request, **structure.fields, "stream": True,
                 "stream_options": {"include_usage": True}, "max_tokens": params.max_new_tokens,
                 "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
@@ -101,97 +100,76 @@ class RemoteLanguageModel(ChatModel):
             body |= {"logprobs": True, "top_logprobs": params.logprobs} if path == "chat/completions" else \
                 {"logprobs": params.logprobs}
         cancel = cancel or threading.Event()
-        pieces: queue.SimpleQueue = queue.SimpleQueue()
         stats, start = GenerationStats(), time.perf_counter()
         calls: dict[int, dict] = {}  # streamed tool calls by index, put together as their deltas come
-        client = httpx.Client(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S))
-        reader = threading.Thread(target=self._read, args=(client, path, body, pieces), daemon=True,
-                                  name="remote-llm")
         self._count(+1)
-        reader.start()
-        try:
-            while True:
-                try:
-                    item = pieces.get(timeout=0.05)
-                except queue.Empty:
+        try:  # the stream is read here, blocking: Stop is seen at the server's next chunk, and leaving closes it
+            with httpx.Client(timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S)) as client, \
+                    client.stream("POST", f"{self.url}/{path}", json=body, headers=self.headers) as answer:
+                if answer.status_code != 200:
+                    answer.read()
+                    _checked(answer, self.url)
+                for kind, value in _pieces(answer, self.url):
                     if cancel.is_set():
                         stats.finish_reason = FinishReason.CANCELLED
                         break
-                    continue
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None:
-                    break
-                kind, value = item
-                if kind in ("text", "logprobs"):
-                    if not stats.time_to_first_token_s:
-                        stats.time_to_first_token_s = time.perf_counter() - start
-                    stats.new_tokens += 1
-                    yield ChatEvent(text=value) if kind == "text" else ChatEvent(logprobs=value)
-                elif kind == "call":
-                    call = calls.setdefault(value.get("index", 0), {"id": None, "name": "", "arguments": ""})
-                    call["id"] = value.get("id") or call["id"]
-                    function = value.get("function") or {}
-                    call["name"] += function.get("name") or ""
-                    call["arguments"] += function.get("arguments") or ""
-                elif kind == "finish":
-                    stats.finish_reason = value
-                elif kind == "usage":
-                    stats.prompt_tokens, stats.new_tokens = value["prompt_tokens"], value["completion_tokens"]
-                if cancel.is_set():
-                    stats.finish_reason = FinishReason.CANCELLED
-                    break
-        finally:  # Stop, an error or a caller that stopped listening: closing the stream cancels it remotely
-            client.close()
+                    if kind in ("text", "logprobs"):
+                        if not stats.time_to_first_token_s:
+                            stats.time_to_first_token_s = time.perf_counter() - start
+                        stats.new_tokens += 1
+                        yield ChatEvent(text=value) if kind == "text" else ChatEvent(logprobs=value)
+                    elif kind == "call":
+                        call = calls.setdefault(value.get("index", 0), {"id": None, "name": "", "arguments": ""})
+                        call["id"] = value.get("id") or call["id"]
+                        function = value.get("function") or {}
+                        call["name"] += function.get("name") or ""
+                        call["arguments"] += function.get("arguments") or ""
+                    elif kind == "finish":
+                        stats.finish_reason = value
+                    elif kind == "usage":
+                        stats.prompt_tokens, stats.new_tokens = value["prompt_tokens"], value["completion_tokens"]
+        except httpx.HTTPError as e:
+            raise UserError(f"lost the chat server at {self.url} ({type(e).__name__})") from None
+        finally:  # Stop, an error or a caller that stopped listening: the closed stream cancels it remotely
             self._count(-1)
         stats.decode_s = max(time.perf_counter() - start - stats.time_to_first_token_s, 0.0)
         stats.finish_reason = stats.finish_reason or FinishReason.STOP
         yield ChatEvent(stats=stats, tool_calls=[ToolCall(c["name"], c["arguments"], *([c["id"]] if c["id"] else []))
                                                  for _, c in sorted(calls.items())])
 
-    def _read(self, client: httpx.Client, path: str, body: dict, pieces: queue.SimpleQueue) -> None:
+
+def _pieces(answer: httpx.Response, url: str) -> Iterator[tuple[str, object]]:
+    """A streamed answer's pieces as they arrive: ("text", str), ("call", a tool call's delta),
+    ("logprobs", [TokenLogprob]), ("finish", reason), ("usage", dict)."""
+    for line in answer.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
         try:
-            with client.stream("POST", f"{self.url}/{path}", json=body, headers=self.headers) as answer:
-                if answer.status_code != 200:
-                    answer.read()
-                    _checked(answer, self.url)
-                for line in answer.iter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise UserError(f"the chat server at {self.url} failed: {chunk['error'].get('message')}")
-                    for choice in chunk.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        if delta.get("content") or choice.get("text"):
-                            pieces.put(("text", delta.get("content") or choice["text"]))
-                        for call in delta.get("tool_calls") or []:
-                            pieces.put(("call", call))
-                        logprobs = choice.get("logprobs") or {}
-                        if logprobs.get("content"):  # chat completions' layout
-                            pieces.put(("logprobs", [_token_logprob(e) for e in logprobs["content"]]))
-                        elif logprobs.get("tokens"):  # completions' layout
-                            tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
-                            pieces.put(("logprobs", [TokenLogprob(t.encode(), v, [(k.encode(), x) for k, x in
-                                                                                  (top or {}).items()])
-                                                     for t, v, top in zip(logprobs["tokens"],
-                                                                          logprobs["token_logprobs"], tops)]))
-                        if choice.get("finish_reason"):
-                            pieces.put(("finish", choice["finish_reason"]))
-                    if chunk.get("usage"):
-                        pieces.put(("usage", chunk["usage"]))
-            pieces.put(None)
-        except httpx.HTTPError as e:
-            if client.is_closed:  # closed on purpose (Stop): not an error
-                pieces.put(None)
-            else:
-                pieces.put(UserError(f"lost the chat server at {self.url} ({type(e).__name__})"))
-        except (UserError, ValueError) as e:
-            pieces.put(e if isinstance(e, UserError) else UserError(f"the chat server at {self.url} sent "
-                                                                    f"something that is not OpenAI's format ({e})"))
+            chunk = json.loads(data)
+        except ValueError as e:
+            raise UserError(f"the chat server at {url} sent something that is not OpenAI's format ({e})") from None
+        if "error" in chunk:
+            raise UserError(f"the chat server at {url} failed: {chunk['error'].get('message')}")
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content") or choice.get("text"):
+                yield "text", delta.get("content") or choice["text"]
+            for call in delta.get("tool_calls") or []:
+                yield "call", call
+            logprobs = choice.get("logprobs") or {}
+            if logprobs.get("content"):  # chat completions' layout
+                yield "logprobs", [_token_logprob(e) for e in logprobs["content"]]
+            elif logprobs.get("tokens"):  # completions' layout
+                tops = logprobs.get("top_logprobs") or [None] * len(logprobs["tokens"])
+                yield "logprobs", [TokenLogprob(t.encode(), v, [(k.encode(), x) for k, x in (top or {}).items()])
+                                   for t, v, top in zip(logprobs["tokens"], logprobs["token_logprobs"], tops)]
+            if choice.get("finish_reason"):
+                yield "finish", choice["finish_reason"]
+        if chunk.get("usage"):
+            yield "usage", chunk["usage"]
 
 
 def _token_logprob(entry: dict) -> TokenLogprob:
