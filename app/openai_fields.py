@@ -4,13 +4,18 @@ One table per endpoint: the request parsers refuse what the table refuses, with 
 field, and the README shows the tables as `fields_markdown` writes them (a test keeps them equal). Nothing a client sends
 is silently ignored: a field is implemented, refused, or accepted where its value changes nothing here
 (a neutral value, such as `logprobs: false`), and an unknown field is refused, as OpenAI refuses it.
+The table is also the protocol's one table of its own limits (`Field.limit`); every other value is
+checked by the studio service, as it is for the UI.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from pipeline.llm.sampling import Limit
+
 IMPLEMENTED, REFUSED, NO_EFFECT = "implemented", "refused", "accepted, changes nothing here"
+CHOICES = Limit(1, 8, whole=True)  # `n`: each choice is a row of the engine's batch of 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +24,7 @@ class Field:
     status: str
     note: str
     neutral: tuple = (None,)  # values accepted even when the field is refused: they ask for nothing
+    limit: Limit | None = None  # a limit of the protocol's own (the service checks every other value)
 
     def refuses(self, value: object) -> bool:
         return self.status == REFUSED and not any(value == n and type(value) is type(n) for n in self.neutral)
@@ -38,8 +44,8 @@ CHAT_FIELDS = [
     Field("top_p", IMPLEMENTED, "(0, 1]"),
     Field("seed", IMPLEMENTED, "the same seed and request give the same reply"),
     Field("stop", IMPLEMENTED, "a string or up to 4"),
-    Field("n", IMPLEMENTED, "1–8 choices, decoded side by side in the batch; a seeded request's choice i uses "
-                            "seed + i"),
+    Field("n", IMPLEMENTED, f"{CHOICES.low}–{CHOICES.high} choices, decoded side by side in the batch, each one of "
+                            f"the client's replies in flight; a seeded request's choice i uses seed + i", limit=CHOICES),
     Field("user", IMPLEMENTED, "the client whose replies in flight are limited (429 past 4)"),
     Field("top_k", IMPLEMENTED, "extension: 0–1000 (0: off)"),
     Field("repetition_penalty", IMPLEMENTED, "extension: 0.5–3 (transformers' rule, prompt included)"),
@@ -83,6 +89,11 @@ COMPLETION_FIELDS = [
     Field("suffix", REFUSED, "no fill-in-the-middle", (None, "")),
     Field("best_of", REFUSED, "1 only", (None, 1)),
 ]
+
+
+def limit_of(name: str, table: list[Field] = CHAT_FIELDS) -> Limit:
+    """The protocol's own limit on field `name`."""
+    return next(f.limit for f in table if f.name == name and f.limit is not None)
 
 
 def refused_field(body: dict, table: list[Field] = CHAT_FIELDS) -> tuple[str, str] | None:

@@ -263,23 +263,37 @@ def test_stop_strings_end_the_reply_before_them(api):
 
 
 def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
-    """The service's per-client limit holds for API clients too (a client is its `user`): the fifth
-    endless reply of one user is refused with 429, another user (even with more choices than the limit)
-    and a request without `user` are served, and closing the streams ends the four."""
+    """The service's per-client limit holds for API clients too (a client is its `user`), and a
+    request's `n` choices count as n replies: the fifth endless reply of one user is refused with 429;
+    another user's request of more choices than the limit is refused, and so is one of 3 choices while
+    2 of that user's replies run, but 2 are served; a request without `user` is served; closing the
+    streams ends them all."""
     from pipeline.service.studio import MAX_IN_FLIGHT
 
     client, url = api
     endless = dict(model=CHAT, messages=[{"role": "user", "content": "Write a very long story"}], max_tokens=4000,
                    temperature=0, extra_body={"repetition_penalty": 1.0}, user="alice")
-    streams = [client.chat.completions.create(**endless, stream=True) for _ in range(MAX_IN_FLIGHT)]
-    for stream in streams:  # the role chunk, then text: each reply is running
-        chunks = iter(stream)
-        next(chunks), next(chunks)
-    with pytest.raises(openai.RateLimitError) as caught:
-        client.chat.completions.create(**endless)
-    assert f"already has {MAX_IN_FLIGHT} replies in progress" in caught.value.body["message"]
-    other = client.chat.completions.create(**{**endless, "user": "bob", "max_tokens": 2, "n": MAX_IN_FLIGHT + 2})
-    assert len(other.choices) == MAX_IN_FLIGHT + 2  # a request's choices count once against the limit
+
+    def running(count: int, user: str) -> list:
+        streams = [client.chat.completions.create(**{**endless, "user": user}, stream=True) for _ in range(count)]
+        for stream in streams:  # the role chunk, then text: each reply is running
+            chunks = iter(stream)
+            next(chunks), next(chunks)
+        return streams
+
+    def refused(**ask) -> str:
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(**{**endless, **ask})
+        return caught.value.body["message"]
+
+    streams = running(MAX_IN_FLIGHT, "alice")
+    assert f"already has {MAX_IN_FLIGHT} replies in progress" in refused()
+    assert f"{MAX_IN_FLIGHT + 1} replies at once are more than the {MAX_IN_FLIGHT} one client may have" in \
+        refused(user="bob", n=MAX_IN_FLIGHT + 1)
+    streams += running(2, "bob")
+    assert f"already has 2 replies in progress, and 3 more would pass its limit of {MAX_IN_FLIGHT}" in \
+        refused(user="bob", n=3)
+    assert len(client.chat.completions.create(**{**endless, "user": "bob", "max_tokens": 2, "n": 2}).choices) == 2
     anonymous = {k: v for k, v in endless.items() if k != "user"}
     assert client.chat.completions.create(**{**anonymous, "max_tokens": 2}).choices[0].message.content is not None
     for stream in streams:
@@ -598,3 +612,36 @@ def test_n_choices_each_equal_the_seeded_single_reply(api, stream):
         assert len({text for text, _ in choices}) > 1  # the choices differ
         assert usage.prompt_tokens == alone[0].usage.prompt_tokens
         assert usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_50_concurrent_streams_each_end_with_their_whole_reply(api):
+    """50 streams open at once (six times the engine's batch: most wait their turn, pushed nothing until
+    then) each end with the reply the same request gets unstreamed, its finish and its usage; 10 seeds,
+    so a token sent to the wrong stream shows."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, _ = api
+    ask = dict(model=CHAT, messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=24, **SAMPLED)
+    expected = []
+    for seed in range(10):
+        reply = client.chat.completions.create(**ask, seed=seed)
+        expected.append((reply.choices[0].message.content, reply.choices[0].finish_reason,
+                         reply.usage.completion_tokens))
+    opened = threading.Barrier(50)
+
+    def streamed(i: int) -> tuple[str, str, int]:
+        stream = client.chat.completions.create(**ask, seed=i % 10, stream=True, stream_options={"include_usage": True})
+        opened.wait(timeout=120)  # every stream is open before any is read
+        text, finish, usage = "", None, None
+        for chunk in stream:
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return text, finish, usage.completion_tokens
+
+    with ThreadPoolExecutor(50) as pool:
+        got = list(pool.map(streamed, range(50)))
+    assert got == [expected[i % 10] for i in range(50)]
+    assert len({text for text, _, _ in expected}) > 5 and all(text for text, _, _ in expected)
