@@ -262,7 +262,7 @@ class StudioService:
                     else:
                         record.progress(text)
                 status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
-                yield Update(event.text, status, event.notice, event.stats, event.tool_calls, event.logprobs)
+                yield Update(event.text, status, event.notice, event.stats, event.tool_calls, logprobs=event.logprobs)
         finally:  # stopped, failed, or nobody reads any more (a closed tab): kept as it stands
             if record is not None:
                 record.end(text, "cancelled")
