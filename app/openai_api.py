@@ -84,7 +84,8 @@ async def _sse(req: ChatRequest, response: Response, items: asyncio.Queue, first
             cancel.set()
 
 
-async def _answer(service: StudioService, req: ChatRequest, request: Request):
+async def _answer(service: StudioService, req: ChatRequest,
+                  request: Request) -> JSONResponse | StreamingResponse | dict:
     """The response to a checked request: an error if it fails before its first update, else the
     stream, or the whole response once every choice has ended."""
     cancels = [threading.Event() for _ in range(req.n)]
