@@ -12,7 +12,8 @@ from app.sampling_form import SamplingForm
 from app.sidebar import NO_CONVERSATION, Sidebar, history_of
 from pipeline.errors import UserError
 from pipeline.service.messages import plain_messages
-from pipeline.service.studio import Saved, StudioService
+from pipeline.service.requests import Saved
+from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 DEFAULT_SYSTEM = "You are a helpful assistant."

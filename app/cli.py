@@ -22,7 +22,8 @@ from pipeline.errors import UserError
 from pipeline.service.tools import Tool
 from pipeline.images import load_image
 from pipeline.llm.sampling import SamplingParams
-from pipeline.service.studio import StudioService, Update
+from pipeline.service.requests import Update
+from pipeline.service.studio import StudioService
 from studio.compose import build, run as run_studio
 from studio.config import StudioConfig
 from studio.plan import Plan

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import gradio as gr
 
 from app.errors import shown_to_user
-from pipeline.service.studio import StudioService, Update
+from pipeline.service.requests import Update
+from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page

@@ -11,7 +11,8 @@ from app.conversation import client_of, streamed, user_of, wire_stop
 from app.errors import shown_to_user
 from app.sampling_form import SamplingForm
 from app.sidebar import NO_CONVERSATION, Sidebar, history_of, image_file
-from pipeline.service.studio import Saved, StudioService
+from pipeline.service.requests import Saved
+from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 IMAGE_CHAT_MAX_NEW_TOKENS = 300  # answers about a picture are short: the tab's default, and its API's

@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.openai_protocol import IMAGE_MODEL, MAX_BODY_BYTES, ApiError, ChatRequest, api_error, parse_request
 from app.openai_shapes import Response, error_event
 from pipeline.errors import UserError
-from pipeline.service.studio import StudioService, Update
+from pipeline.service.requests import Update
+from pipeline.service.studio import StudioService
 
 Item = tuple[int, Update]
 

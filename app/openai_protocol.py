@@ -24,7 +24,10 @@ from fastapi.responses import JSONResponse
 from app.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, limit_of, refused_field
 from pipeline.errors import UserError
 from pipeline.llm.structure import Structure
-from pipeline.service.studio import CHAT, IMAGE_CHAT, Busy, ChatTurn, StudioService, Update
+from pipeline.service.in_flight import Busy
+from pipeline.service.requests import ChatTurn, Update
+from pipeline.service.studio import StudioService
+from pipeline.service.tools import Tool
 
 IMAGE_MODEL = "minigpt4"
 MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not
@@ -175,12 +178,12 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
         else:
             messages, image = _messages(body.get("messages"), allow_files)
             mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
-            turn = service.chat_turn(messages, sampling, tool=IMAGE_CHAT if model == IMAGE_MODEL or image else CHAT,
+            turn = service.chat_turn(messages, sampling, tool=Tool.IMAGE_CHAT if model == IMAGE_MODEL or image else Tool.CHAT,
                                      image=image, mask=mask, model=model, structure=structure)
     except UserError as e:
         raise api_error(e, names) from None
     options = body.get("stream_options") or {}
-    return ChatRequest(IMAGE_MODEL if turn.tool == IMAGE_CHAT else model, turn, n,
+    return ChatRequest(IMAGE_MODEL if turn.tool == Tool.IMAGE_CHAT else model, turn, n,
                        f"api:user:{user}" if user else f"api:request:{secrets.token_hex(8)}", completion,
                        bool(_flag(body, "stream")), bool(isinstance(options, dict) and options.get("include_usage")),
                        1 if _flag(body, "parallel_tool_calls") is False else None, names)

@@ -14,7 +14,7 @@ import time
 
 from pipeline.llm.engine_types import GenerationStats, TokenLogprob
 from pipeline.llm.tool_calls import ToolCall
-from pipeline.service.studio import Update
+from pipeline.service.requests import Update
 
 
 def _spelled(token: bytes) -> str:

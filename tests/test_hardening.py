@@ -17,7 +17,8 @@ from conftest import ROOT, TEST_MODEL, free_port
 from pipeline.llm.prompt import chat_format, fit_prompt
 from pipeline.llm.tokenizer import load_tokenizer
 from pipeline.pipelines.chat import ChatPipeline
-from pipeline.service.studio import STOPPED, StudioService
+from pipeline.service.requests import STOPPED
+from pipeline.service.studio import StudioService
 from pipeline.service.tools import ToolHost, ToolSpec
 from studio.backends import load_language_model
 

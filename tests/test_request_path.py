@@ -11,7 +11,8 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.llm.engine_types import ChatEvent, GenerationStats
-from pipeline.service.studio import Busy, StudioService
+from pipeline.service.in_flight import Busy
+from pipeline.service.studio import StudioService
 from pipeline.service.tools import ToolHost, ToolSpec
 
 ROOT = Path(__file__).resolve().parents[1]

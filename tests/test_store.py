@@ -202,7 +202,8 @@ def test_the_service_saves_each_turn_and_keeps_a_reply_stopped_midway(qwen2_demo
     """Through the studio service: the question and the finished reply are written with the model and
     sampling that made them; a reply whose reader goes away (a closed tab) is kept as it stood, cancelled."""
     from pipeline.pipelines.chat import ChatPipeline
-    from pipeline.service.studio import Saved, StudioService
+    from pipeline.service.requests import Saved
+    from pipeline.service.studio import StudioService
     from pipeline.service.tools import ToolHost, ToolSpec
     from studio.backends import load_language_model
     import torch

@@ -23,70 +23,20 @@ import numpy as np
 
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
-from pipeline.llm.engine_types import GenerationStats, TokenLogprob
 from pipeline.llm.sampling import SamplingParams
 from pipeline.llm.structure import Structure
-from pipeline.llm.tool_calls import ToolCall
 from pipeline.models import ModelEntry
-from pipeline.pipelines.chat import ChatPipeline
-from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of
-from pipeline.service.in_flight import Busy, InFlight
+from pipeline.service.in_flight import InFlight
 from pipeline.service.merge import merged
 from pipeline.service.messages import last_turn, plain_messages
+from pipeline.service.requests import ChatTurn, ImageSource, Saved, Update, stats_line
 from pipeline.service.store import ConversationStore, ReplyRecord
 from pipeline.service.tools import Tool, ToolHost, ToolSpec
 
-CHAT, IMAGE_CHAT, SEGMENT = Tool.CHAT, Tool.IMAGE_CHAT, Tool.SEGMENT
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
-STOPPED = "Stopped: the reply so far is kept."
 SWITCH_ATTEMPTS = 3  # a request naming a model retries this often when others switch the chat model under it
-ImageSource = str | bytes | np.ndarray
-
-
-@dataclasses.dataclass(frozen=True)
-class ChatTurn:
-    """A checked request for a reply: the tool that answers, plain {role, content} messages ending
-    with the user's, the sampling parameters, and the picture for image chat."""
-
-    tool: str
-    messages: tuple[dict, ...]
-    params: SamplingParams
-    image: np.ndarray | None = dataclasses.field(default=None, repr=False)
-    model: str | None = None  # the chat model asked for (switched to first if another runs); None: the one running
-    structure: Structure = Structure()  # tools offered, a JSON schema the reply follows
-    prompt: str | None = None  # a plain text to continue instead of `messages` (`/v1/completions`)
-
-
-@dataclasses.dataclass(frozen=True)
-class Saved:
-    """Where a reply is kept: `user`'s `conversation` in the service's store (None: start one with the
-    first message, `StudioService.send`)."""
-
-    user: str
-    conversation: int | None = None
-
-
-@dataclasses.dataclass
-class Update:
-    """One step of a reply as a front end shows it: more `text`, the `status` line (loading progress,
-    "generating…", then the statistics), a `notice` to show once, and the statistics at the end."""
-
-    text: str = ""
-    status: str = ""
-    notice: str | None = None
-    stats: GenerationStats | None = None
-    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
-    saved: Saved | None = None  # where the reply is kept (a conversation just started has its id here)
-    messages: tuple[dict, ...] = ()  # in the first update: the conversation the reply follows, checked
-    logprobs: list[TokenLogprob] | None = None
-
-
-def stats_line(stats: GenerationStats, context: int = 0) -> str:
-    """The reply's statistics line, marked when the user stopped it."""
-    line = stats.summary(context)
-    return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
 
 
 class Catalog(Protocol):
@@ -128,7 +78,7 @@ class StudioService:
     # ---- chat and image chat ------------------------------------------------------------------
 
     def chat_turn(self, messages: object, sampling: Mapping[str, Any] | None = None, *, system: object = None,
-                  tool: str | None = None, image: ImageSource | None = None,
+                  tool: Tool | str | None = None, image: ImageSource | None = None,
                   mask: ImageSource | None = None, model: str | None = None,
                   structure: Structure = Structure()) -> ChatTurn:
         """A checked request, or a `UserError` naming what is wrong. `system`: a system prompt to put
@@ -143,23 +93,23 @@ class StudioService:
         if isinstance(image, (str, bytes)) and not image:  # an empty upload field
             image = None
         plain = [m for m in plain_messages(messages) if m["role"] != "system" or m["content"].strip()]
-        tool = tool or (IMAGE_CHAT if image is not None else CHAT)
+        if tool is not None and tool not in (Tool.CHAT, Tool.IMAGE_CHAT):
+            raise UserError(f"there is no chat tool {tool!r}: use '{Tool.CHAT}' or '{Tool.IMAGE_CHAT}'", "model")
+        tool = Tool(tool) if tool else Tool.IMAGE_CHAT if image is not None else Tool.CHAT
         last = plain[-1]["role"] if plain else None
-        if last not in (("user",) if tool == IMAGE_CHAT else ("user", "tool", "assistant")) \
+        if last not in (("user",) if tool == Tool.IMAGE_CHAT else ("user", "tool", "assistant")) \
                 or last in ("user", "assistant") and not plain[-1]["content"].strip():
             raise UserError("the message is empty: the last message must be the user's, with text (in chat also a "
                             "tool's result, or an assistant reply to continue)", "messages")
-        if tool not in (CHAT, IMAGE_CHAT):
-            raise UserError(f"there is no chat tool {tool!r}: use {CHAT!r} or {IMAGE_CHAT!r}", "model")
         pixels = None
-        if tool == IMAGE_CHAT:
+        if tool == Tool.IMAGE_CHAT:
             if image is None:
                 raise UserError("upload an image first: image chat talks about one picture", "image")
             pixels = self._picture(image, mask)
             plain = [m for m in plain if m["role"] != "system"]  # MiniGPT-4's template has its own
         elif mask is not None:
             raise UserError("a mask needs an image to ask about", "mask")
-        if tool == IMAGE_CHAT or not self.switches_to(model):
+        if tool == Tool.IMAGE_CHAT or not self.switches_to(model):
             model = None
         return ChatTurn(tool, tuple(plain), params, pixels, model, structure)
 
@@ -171,7 +121,7 @@ class StudioService:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise UserError("prompt must be a non-empty string (or a list of one)", "prompt")
-        return ChatTurn(CHAT, (), params, None, model if self.switches_to(model) else None, structure, prompt)
+        return ChatTurn(Tool.CHAT, (), params, None, model if self.switches_to(model) else None, structure, prompt)
 
     def _switchable(self) -> list[str]:
         return self.catalog.servable() if self.catalog is not None else []
@@ -187,7 +137,7 @@ class StudioService:
 
     def running_chat_model(self) -> str:
         """The chat model answering now (at --llm-endpoint: the id that server gives)."""
-        current = self.catalog.current(CHAT) if self.catalog is not None else None
+        current = self.catalog.current(Tool.CHAT) if self.catalog is not None else None
         return current if current is not None else self.chat_model()
 
     @staticmethod
@@ -226,60 +176,62 @@ class StudioService:
             yield from merged([self._answer(client, t, flag, None) for t, flag in zip(turns, cancels)], cancels)
 
     def _answer(self, client: str, turn: ChatTurn, flag: threading.Event, saved: Saved | None) -> Iterator[Update]:
-        """`reply` once its slot is held: switch and load as needed, then stream."""
+        """`reply` once its slot is held: switch and load as needed, then stream, kept in `saved` as it goes
+        (a reply stopped, failed, or whose reader went away, as it stood)."""
         for _ in range(SWITCH_ATTEMPTS):
-            if turn.model is not None and turn.model != self.catalog.current(CHAT):
-                for line in self.switch(CHAT, turn.model):
+            if turn.model is not None and turn.model != self.catalog.current(Tool.CHAT):
+                for line in self.switch(Tool.CHAT, turn.model):
                     yield Update(status=line)
             for line in self.loading(turn.tool):
                 yield Update(status=line)
             with self.host.using(turn.tool) as pipeline:
-                if turn.model is None or pipeline.llm.model_id == turn.model:
-                    yield from self._stream(pipeline, client, turn, flag, saved)
-                    return
+                if turn.model is not None and pipeline.llm.model_id != turn.model:
+                    continue
+                session = f"{turn.tool.flag}:{client}"  # a placement hint: the cache finds turns by content
+                if turn.tool == Tool.IMAGE_CHAT:
+                    events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session, turn.structure)
+                elif turn.prompt is not None:
+                    events = pipeline.complete(turn.prompt, turn.params, flag, session, turn.structure)
+                else:
+                    events = pipeline.stream(turn.messages, turn.params, flag, session, turn.structure)
+                record = None if saved is None else ReplyRecord(
+                    self.store, saved.user, saved.conversation, turn.messages[-1]["content"], pipeline.llm.model_id,
+                    dataclasses.asdict(turn.params))
+                text = ""
+                try:
+                    for event in events:
+                        text += event.text
+                        if record is not None and event.stats is not None:
+                            record.end(text, event.stats.finish_reason)
+                        elif record is not None:
+                            record.progress(text)
+                        status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
+                        yield Update(event.text, status, event.notice, event.stats, event.tool_calls,
+                                     logprobs=event.logprobs)
+                finally:
+                    if record is not None:
+                        record.end(text, "cancelled")
+                return
         raise UserError(f"other requests switched the chat model away from {turn.model} meanwhile: send it "
                         f"again", "model")
-
-    def _stream(self, pipeline: ChatPipeline | ImageChatPipeline, client: str, turn: ChatTurn, flag: threading.Event,
-                saved: Saved | None) -> Iterator[Update]:
-        session = f"{turn.tool.flag}:{client}"  # a placement hint: the cache finds turns by content
-        if turn.tool == IMAGE_CHAT:
-            events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session, turn.structure)
-        elif turn.prompt is not None:
-            events = pipeline.complete(turn.prompt, turn.params, flag, session, turn.structure)
-        else:
-            events = pipeline.stream(turn.messages, turn.params, flag, session, turn.structure)
-        record = None if saved is None else ReplyRecord(
-            self.store, saved.user, saved.conversation, turn.messages[-1]["content"], pipeline.llm.model_id,
-            dataclasses.asdict(turn.params))
-        text = ""
-        try:
-            for event in events:
-                text += event.text
-                if record is not None:
-                    if event.stats is not None:
-                        record.end(text, event.stats.finish_reason)
-                    else:
-                        record.progress(text)
-                status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
-                yield Update(event.text, status, event.notice, event.stats, event.tool_calls, logprobs=event.logprobs)
-        finally:  # stopped, failed, or nobody reads any more (a closed tab): kept as it stands
-            if record is not None:
-                record.end(text, "cancelled")
 
     # ---- conversations: the rules every front end gets -----------------------------------------
 
     def send(self, client: str, history: object, message: str, sampling: Mapping[str, Any] | None = None, *,
              tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
-             saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
+             saved: Saved | None = None, cancel: threading.Event | None = None,
+             replaces_last: bool = False) -> Iterator[Update]:
         """`message` after `history`, answered and (with `saved`) kept: in that conversation, or in a new
         one (holding the picture, for image chat) whose id the first update's `saved` carries, with the
-        checked conversation the reply follows (`messages`)."""
+        checked conversation the reply follows (`messages`). `replaces_last`: the stored conversation's
+        last exchange leaves it first (regenerate, edit), once the new request is known to be good."""
         turn = self.chat_turn([*plain_messages(history, "history"), {"role": "user", "content": message}],
                               sampling, system=system, tool=tool, image=image)
         if saved is not None and saved.conversation is None:
             picture = Path(image).read_bytes() if isinstance(image, str) else image if isinstance(image, bytes) else None
             saved = Saved(saved.user, self.store.create(saved.user, tool, system=system or None, image=picture))
+        elif saved is not None and replaces_last:
+            self.store.drop_last_turn(saved.user, saved.conversation)
         yield Update(saved=saved, messages=turn.messages)
         yield from self.reply(client, turn, cancel, saved)
 
@@ -287,9 +239,9 @@ class StudioService:
                    tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
                    saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
         """The last reply again (a new draw unless the seed is fixed): the last message of the user's, resent."""
-        before, message = self.edit_last(history, saved)
+        before, message = last_turn(history)
         yield from self.send(client, before, message, sampling, tool=tool, system=system, image=image, saved=saved,
-                             cancel=cancel)
+                             cancel=cancel, replaces_last=True)
 
     def edit_last(self, history: object, saved: Saved | None = None) -> tuple[list[dict], str]:
         """(the conversation before the user's last message, that message): the exchange leaves the
@@ -299,7 +251,7 @@ class StudioService:
             self.store.drop_last_turn(saved.user, saved.conversation)
         return before, message
 
-    def stop(self, client: str, tool: str | None = None) -> int:
+    def stop(self, client: str, tool: Tool | None = None) -> int:
         """Stop `client`'s replies (of `tool`, else all); how many were stopped."""
         return self._in_flight.cancel(client, tool)
 
@@ -309,14 +261,14 @@ class StudioService:
         """A prompting session on `image` (encoded now, unless cached), masks at the image's size
         until its `shown` size is set."""
         pixels = load_image(image)
-        with self.host.using(SEGMENT) as seg:
+        with self.host.using(Tool.SEGMENT) as seg:
             return SegmentSession(seg, pixels)
 
     @contextlib.contextmanager
     def segmenting(self, session: SegmentSession) -> Iterator[SegmentSession]:
         """`session` on the loaded SAM (loaded again, and the image re-encoded, if the memory budget
         unloaded it since), held busy while the block runs."""
-        with self.host.using(SEGMENT) as seg:
+        with self.host.using(Tool.SEGMENT) as seg:
             if session.pipeline is not seg:
                 session.rebind(seg)
             yield session
@@ -335,7 +287,7 @@ class StudioService:
 
     # ---- models -------------------------------------------------------------------------------
 
-    def switch(self, tool: str, model_id: str) -> Iterator[str]:
+    def switch(self, tool: Tool, model_id: str) -> Iterator[str]:
         """Switch `tool` to `model_id` through the tool host, and load it: one line per step. Requests in
         flight finish on the old model; every later one (from any session) gets the new one."""
         if self.catalog is None:
@@ -357,7 +309,7 @@ class StudioService:
 
     # ---- loading and status -------------------------------------------------------------------
 
-    def loading(self, tool: str) -> Iterator[str]:
+    def loading(self, tool: Tool) -> Iterator[str]:
         """While `tool` loads (first use, or after the memory budget unloaded it), one line per
         progress step; nothing when it is loaded. Raises what the load raised."""
         if self.host.loaded(tool) is not None:
@@ -366,14 +318,14 @@ class StudioService:
         for line in lines_of(lambda say: self.host.load(tool, say), f"load-{tool}"):
             yield f"Loading {tool}: {line}"
 
-    def load(self, tool: str, say: Callable[[str], None] | None = None) -> None:
+    def load(self, tool: Tool, say: Callable[[str], None] | None = None) -> None:
         """Load `tool` now (start-up, `--preload`, `--build-engines`), its progress to `say` too."""
         self.host.load(tool, say)
 
-    def is_demo(self, tool: str) -> bool:
+    def is_demo(self, tool: Tool) -> bool:
         return self.host.spec(tool).is_demo
 
-    def notice(self, tool: str) -> str:
+    def notice(self, tool: Tool) -> str:
         return self.host.spec(tool).notice
 
     def tools(self) -> dict[str, tuple[str, str | None]]:
@@ -388,16 +340,16 @@ class StudioService:
         """What each LLM engine is doing ("chat", "image_chat": requests running and queued, decode
         steps, prompt tokens prefilled and found in the cache; {"loaded": false} when not loaded),
         each tool's state and size ("tools"), and the start-up report ("startup")."""
-        def engine(tool: str) -> dict:
+        def engine(tool: Tool) -> dict:
             pipeline = self.host.loaded(tool)
             return pipeline.llm.status() if pipeline is not None else {"loaded": False}
 
-        return {"chat": engine(CHAT), "image_chat": engine(IMAGE_CHAT), "tools": self.host.status(),
+        return {"chat": engine(Tool.CHAT), "image_chat": engine(Tool.IMAGE_CHAT), "tools": self.host.status(),
                 "startup": list(self.startup)}
 
     def chat_model(self) -> str:
         """The chat tool's model id (loading it if needed): what `/v1/models` lists."""
-        with self.host.using(CHAT) as chat:
+        with self.host.using(Tool.CHAT) as chat:
             return chat.llm.model_id
 
     def close(self) -> None:

@@ -1,0 +1,61 @@
+"""The service's message types, a leaf every front end imports: a checked request (`ChatTurn`), where a
+reply is kept (`Saved`), and one step of a reply as it reaches a front end (`Update`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pipeline.llm.engine_types import GenerationStats, TokenLogprob
+from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.structure import Structure
+from pipeline.llm.tool_calls import ToolCall
+from pipeline.service.tools import Tool
+
+STOPPED = "Stopped: the reply so far is kept."
+ImageSource = str | bytes | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """A checked request for a reply: the tool that answers, plain {role, content} messages ending
+    with the user's, the sampling parameters, and the picture for image chat."""
+
+    tool: Tool
+    messages: tuple[dict, ...]
+    params: SamplingParams
+    image: np.ndarray | None = dataclasses.field(default=None, repr=False)
+    model: str | None = None  # the chat model asked for (switched to first if another runs); None: the one running
+    structure: Structure = Structure()  # tools offered, a JSON schema the reply follows
+    prompt: str | None = None  # a plain text to continue instead of `messages` (`/v1/completions`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Where a reply is kept: `user`'s `conversation` in the service's store (None: start one with the
+    first message, `StudioService.send`)."""
+
+    user: str
+    conversation: int | None = None
+
+
+@dataclasses.dataclass
+class Update:
+    """One step of a reply as a front end shows it: more `text`, the `status` line (loading progress,
+    "generating…", then the statistics), a `notice` to show once, and the statistics at the end."""
+
+    text: str = ""
+    status: str = ""
+    notice: str | None = None
+    stats: GenerationStats | None = None
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)
+    saved: Saved | None = None  # where the reply is kept (a conversation just started has its id here)
+    messages: tuple[dict, ...] = ()  # in the first update: the conversation the reply follows, checked
+    logprobs: list[TokenLogprob] | None = None
+
+
+def stats_line(stats: GenerationStats, context: int = 0) -> str:
+    """The reply's statistics line, marked when the user stopped it."""
+    line = stats.summary(context)
+    return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line
