@@ -1,5 +1,5 @@
-"""Chunked prefill: a joining prompt is read in chunks under each step's token budget, between the running
-requests' decode steps, and gives what the unchunked engine gives (CPU, fp32, the tiny demo decoders)."""
+"""Chunked prefill: while requests run, a joining prompt is read in chunks under each step's token budget,
+between their decode steps, and gives what the unchunked engine gives (CPU, fp32, the tiny demo decoders)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from pipeline.llm.engine import TorchLLMEngine
 from pipeline.llm.engine_types import FinishReason, Prompt
 from pipeline.llm.sampling import SamplingParams
 
-CONTEXT = 512
+CONTEXT = 1024
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.1)
 
 
@@ -52,8 +52,7 @@ def held_rows(engine: TorchLLMEngine, sig: list) -> torch.Tensor:
 def conversation(engine: TorchLLMEngine, model) -> list[tuple[Prompt, list[int], list[torch.Tensor], int]]:
     """A long prompt joining a running chat, an image prompt, and a second turn over the first's cached
     tokens: each one's (prompt, greedy tokens, logits, cached tokens)."""
-    running = engine.submit(Prompt(ids_of(1, 9)), SamplingParams(max_new_tokens=60, temperature=0), set(),
-                            keep_logits=True)
+    running = engine.submit(Prompt(ids_of(1, 9)), SamplingParams(max_new_tokens=900, temperature=0), set())
     next(iter(running))  # it decodes while the others read their prompts
     first, image = Prompt(ids_of(2, 300)), image_prompt(model)
     streams = [engine.submit(p, GREEDY, set(), keep_logits=True) for p in (first, image)]
@@ -61,6 +60,7 @@ def conversation(engine: TorchLLMEngine, model) -> list[tuple[Prompt, list[int],
     second = Prompt(first.ids + tuple(replies[0]) + ids_of(3, 70))
     again = engine.submit(second, GREEDY, set(), keep_logits=True)
     tokens = list(again)
+    running.cancel()
     running.wait()
     return [(p, t, s.logits, s.stats.cached_tokens) for p, t, s in
             zip((first, image, second), replies + [tokens], streams + [again])]
@@ -126,7 +126,7 @@ def test_running_requests_keep_getting_tokens_while_a_long_prompt_is_read(model,
 
 
 def test_a_request_cancelled_while_its_prompt_is_read_ends_and_keeps_what_it_read(model):
-    engine = engine_of(model, 8)
+    engine = engine_of(model, 9)  # 8 positions a step beside the running chat's one
     prompt = Prompt(ids_of(6, 200))
     stream = None
 
@@ -135,14 +135,18 @@ def test_a_request_cancelled_while_its_prompt_is_read_ends_and_keeps_what_it_rea
             stream.cancel()
 
     spy_on_prefill(engine, cancel_at_the_fifth)
+    running = engine.submit(Prompt(ids_of(1, 9)), SamplingParams(max_new_tokens=400, temperature=0), set())
+    next(iter(running))
+    read_before = engine.status()["prefilled_tokens"]
     stream = engine.submit(prompt, GREEDY, set())
     assert list(stream) == [] and stream.stats.finish_reason == FinishReason.CANCELLED
-    assert engine.status()["running"] == 0 and engine.status()["prefilled_tokens"] == 40
+    assert engine.status()["running"] == 1 and engine.status()["prefilled_tokens"] - read_before == 40
     # The row keeps the 40 positions written: the same prompt again reads only the rest, and gets the
     # unchunked engine's tokens.
     again = engine.submit(prompt, GREEDY, set())
     assert list(again) == alone(model, prompt)
     assert again.stats.cached_tokens == 40
+    running.cancel()
     engine.close()
 
 

@@ -107,6 +107,42 @@ def test_the_scheduler_admits_up_to_its_batch_and_keeps_running_requests_in_the_
     assert done.wait(5)
 
 
+def test_prompt_chunks_share_the_steps_budget_with_the_running_decodes():
+    rows = rows_of(4)
+    scheduler = Scheduler(4, rows, step_tokens=10)
+    requests = [request(5), request(30), request(12)]
+    for r in requests:
+        scheduler.place(r, list(r.prompt.ids))
+    assert scheduler.chunks() == [(r, len(r.sig)) for r in requests]  # none runs: each prompt is read whole
+    scheduler.promote(requests[0])
+    requests[1].position = 4  # read so far
+    # 9 positions beside the one running request's decode, first come first served
+    assert scheduler.chunks() == [(requests[1], 13)]
+    requests[1].position = 28
+    assert scheduler.chunks() == [(requests[1], 30), (requests[2], 7)]
+    for r in [request(1) for _ in range(9)]:  # more running requests than the budget: prompts still advance
+        scheduler.running.append(r)
+    assert scheduler.chunks() == [(requests[1], 29)]
+
+
+def test_a_running_request_that_leaves_hands_its_row_to_a_prompt_being_read():
+    rows = rows_of(4)
+    scheduler = Scheduler(4, rows, step_tokens=10)
+    chat, other, reading = request(5), request(6), request(20)
+    for r in (chat, other, reading):
+        scheduler.place(r, list(r.prompt.ids))
+        rows.hold(r.row, list(r.prompt.ids)[:3], 0, None)
+    scheduler.promote(chat)
+    scheduler.promote(other)
+    assert reading.row == 2
+    reading.position = 3
+    scheduler.leave(chat, error=False)
+    assert [r.row for r in scheduler.running] == [0] and reading.row == 1  # the rows in use stay 0..2
+    assert rows[1].held == list(reading.prompt.ids)[:3]  # its positions moved with it
+    scheduler.leave(reading, error=False)  # cancelled while reading: its row keeps what it read
+    assert reading.row == -1 and rows[1].held == list(reading.prompt.ids)[:3] and scheduler.prefilling == []
+
+
 def test_the_model_runners_decode_steps_continue_its_prefill_like_one_forward_pass(qwen2_demo):
     model = load_decoder(qwen2_demo)
     vocab = model.config.vocab_size

@@ -142,8 +142,10 @@ class CacheRows:
         if a == b:
             return
         self.kv.swap_rows(a, b, max(self.rows[a].written, self.rows[b].written))
-        self.seen[[a, b]] = self.seen[[b, a]]
-        self.counts[[a, b]] = self.counts[[b, a]]
+        for t in (self.seen, self.counts):  # by slices: no index list to upload (that would wait for the GPU)
+            held = t[a].clone()
+            t[a] = t[b]
+            t[b] = held
         self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
 
     def release(self, i: int) -> None:

@@ -40,9 +40,10 @@ from pipeline.llm.scheduler import Request, Scheduler
 
 @dataclasses.dataclass
 class _Step:
-    """A launched decode step: who ran in it, the drawn tokens (on the device and, once `copied`
-    is done, on the host, with their log-probabilities where asked for), and the logits where a
-    request keeps them. `consumed`: its tokens have advanced the requests' grammars."""
+    """A launched decode step, or the first draw of a request whose prompt is read: who ran in it, the
+    drawn tokens (on the device and, once `copied` is done, on the host, with their log-probabilities
+    where asked for), and the logits where a request keeps them. `consumed`: its tokens have advanced
+    the requests' grammars."""
 
     requests: list[Request]
     drawn: Tensor
@@ -57,13 +58,15 @@ class TorchLLMEngine:
 
     `max_batch` (a power of two) requests decode together; `rows` cache rows (≥ max_batch) keep
     idle sessions' turns for reuse. Decode steps replay a CUDA graph per (batch bucket, context
-    bucket) on a GPU and run eagerly on the CPU. `prefill_chunk`: each step's token budget, shared by
-    the running requests' decodes and the prompt chunks of joining ones (None or 0: a joining prompt is
-    read whole at once, stalling the running requests meanwhile).
+    bucket) on a GPU and run eagerly on the CPU. `prefill_chunk`: each step's token budget while
+    requests run, shared by their decodes and the prompt chunks of joining ones (None or 0: a joining
+    prompt is read whole at once, stalling the running requests meanwhile). 256 keeps the longest wait
+    between two tokens of a running chat within 3 decode steps while a 4,000-token prompt joins, at
+    Qwen2.5-7B's shapes on an H100 (`bench/chunked_prefill.py`).
     """
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
-                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 512):
+                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 256):
         if max_batch < 1 or max_batch & (max_batch - 1):
             raise ValueError(f"max_batch must be a power of two, got {max_batch}")
         c = model.config
@@ -77,6 +80,7 @@ class TorchLLMEngine:
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
         self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
+        self._starting: list[_Step] = []  # first tokens drawn after prompts' last chunks, read a step later
         self.steps = 0  # decode steps run (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
@@ -140,9 +144,12 @@ class TorchLLMEngine:
                 for r in [r for r in scheduler.running + scheduler.prefilling if r.stream.cancelled]:
                     self._finish(r, r.stream.reason)
                 self._guarded(list(scheduler.running), self._decode_step)
+                starting, self._starting = self._starting, []
+                for step in starting:
+                    self._guarded(step.requests, self._read, step, True)
                 for request, end in scheduler.chunks():
                     self._guarded([request], self._prefill, request, end)
-            self._pending = None
+            self._pending, self._starting = None, []
             for request in scheduler.drop_all():
                 self._finish(request, FinishReason.CANCELLED)
 
@@ -176,8 +183,9 @@ class TorchLLMEngine:
         self.reused_tokens += reused
 
     def _prefill(self, request: Request, end: int) -> None:
-        """Read the request's prompt up to position `end`; at its end, the request joins the running ones
-        with its first token."""
+        """Read the request's prompt up to position `end`; at its end, draw its first token, read at the
+        next step (as a decode step's tokens are: the host does not wait for this chunk), when the request
+        joins the running ones."""
         last = end == len(request.sig)
         logits = self.runner.prefill(self.rows.kv, request.prompt, request.row, request.position, end,
                                      request.table, logits=last)
@@ -186,13 +194,10 @@ class TorchLLMEngine:
         if not last:
             return
         self.rows.hold(request.row, request.sig, request.table, request.session)
-        self.scheduler.promote(request)
         self.sampler.start(request)
         drawn, logprobs = self.sampler.draw([request], logits[None], request.row)
-        token = drawn.tolist()[0]
-        if request.grammar is not None:
-            request.grammar.consume(token)
-        self._deliver(request, token, logits, None if logprobs is None else logprobs.cpu()[0])
+        kept = logits[None] if request.stream.logits is not None else None
+        self._starting.append(self._launched([request], drawn, kept, logprobs))
 
     def _decode_step(self) -> None:
         """Launch a decode step for every running request, then read the previous step's tokens
@@ -218,12 +223,16 @@ class TorchLLMEngine:
             self._consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
         kept = logits.clone() if any(r.stream.logits is not None for r in active) else None  # graphs reuse theirs
         drawn, logprobs = self.sampler.draw(active, logits, 0)
-        if logprobs is not None:
-            logprobs = logprobs.to("cpu", non_blocking=True)  # pinned: ready with the tokens' copy
-        launched = _Step(active, drawn, kept, logprobs, self.runner.to_host(drawn))
-        previous, self._pending = self._pending, launched
+        previous, self._pending = self._pending, self._launched(active, drawn, kept, logprobs)
         if previous is not None:
             self._read(previous)
+
+    def _launched(self, requests: list[Request], drawn: Tensor, kept: Tensor | None,
+                  logprobs: Tensor | None) -> _Step:
+        """A step whose tokens `drawn` (and log-probabilities) start their way to the host."""
+        if logprobs is not None:
+            logprobs = logprobs.to("cpu", non_blocking=True)  # pinned: ready with the tokens' copy
+        return _Step(requests, drawn, kept, logprobs, self.runner.to_host(drawn))
 
     def _drain(self) -> None:
         if self._pending is not None:
@@ -242,8 +251,9 @@ class TorchLLMEngine:
             if r.grammar is not None and r.row >= 0 and not r.stream.cancelled:
                 r.grammar.consume(token)
 
-    def _read(self, step: _Step) -> None:
-        """Hand out a finished step's tokens to the requests still running."""
+    def _read(self, step: _Step, starting: bool = False) -> None:
+        """Hand out a finished step's tokens to the requests still running (`starting`: their first
+        tokens, with which they join the running ones)."""
         self._consume(step)
         host, _ = step.copied
         rows = step.logits if step.logits is not None else [None] * len(step.requests)
@@ -254,7 +264,10 @@ class TorchLLMEngine:
             if r.stream.cancelled:
                 self._finish(r, r.stream.reason)
                 continue
-            self.rows.append(r.row, r.last_token)
+            if starting:
+                self.scheduler.promote(r)
+            else:
+                self.rows.append(r.row, r.last_token)
             self._deliver(r, token, row_logits, row_logprobs)
 
     def _deliver(self, r: Request, token: int, logits: Tensor | None, logprobs: Tensor | None = None) -> None:

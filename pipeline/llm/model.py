@@ -21,6 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from pipeline.llm.config import DecoderConfig
 from plugins.fused import FUSED, Kernels
@@ -195,11 +196,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: Tensor | None,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: CausalBias | None,
                 k_cache: Tensor, v_cache: Tensor, step: Step) -> Tensor:
         """`k_cache`/`v_cache` are this layer's [rows, kv_heads, max_seq, head_dim]. For a prefill, `mask`
-        None means a fresh one (positions 0..T-1): plain causal attention, which lets SDPA pick its flash
-        kernel instead of the masked one; a decode step masks by its rows' positions itself."""
+        None means a fresh one (positions 0..T-1): plain causal attention; else the causal mask aligned
+        to the last key (a chunk after cached positions), which SDPA's flash kernel takes as it is, grouped
+        KV heads included; a decode step masks by its rows' positions itself."""
         c = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -220,15 +222,8 @@ class Attention(nn.Module):
             q = q * logn[:, :, None, None].to(q.dtype)
         if isinstance(step, Decode):  # each row's own valid positions, read in place
             return self.wo(self.kernels.decode_attention(q[:, 0], k_cache, v_cache, step.lengths, step.kv_len)[:, None])
-        q = q.transpose(1, 2)
-        grouped = c.num_heads != c.num_kv_heads
-        if grouped and mask is not None and seqlen > 1:
-            # A prefill after a cached prefix: SDPA has no fast masked kernel for grouped heads
-            # (bench/sdpa_first_call.py), so the few cached KV heads are repeated for this one call.
-            group = c.num_heads // c.num_kv_heads
-            keys, values, grouped = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1), False
-        y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=grouped)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=c.num_heads != c.num_kv_heads)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, c.q_size))
 
 
@@ -255,7 +250,7 @@ class Block(nn.Module):
         self.mlp = FeedForward(config, kernels)
 
     def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, logn: Tensor | None,
-                mask: Tensor | None, k_cache: Tensor, v_cache: Tensor, step: Step) -> tuple[Tensor, Tensor]:
+                mask: CausalBias | None, k_cache: Tensor, v_cache: Tensor, step: Step) -> tuple[Tensor, Tensor]:
         """The residual stream is `x + delta`; returns the stream and this block's own delta (its MLP's
         output), left for the next norm to add: each add is fused into the norm that follows it."""
         x, h = self.attn_norm.add(x, delta)
@@ -289,8 +284,7 @@ class Decoder(nn.Module):
         if isinstance(step, Prefill):
             positions = torch.arange(step.start, step.start + seqlen, device=x.device)[None]
             cos, sin = rope.cos[step.table, positions], rope.sin[step.table, positions]
-            keys = torch.arange(step.start + seqlen, device=x.device)
-            mask = None if step.start == 0 else (keys[None] <= positions[0, :, None])[None, None]
+            mask = None if step.start == 0 else causal_lower_right(seqlen, step.start + seqlen)
         else:  # the decode attention masks each row by its own length
             step = dataclasses.replace(step, lengths=step.positions + 1)
             positions = step.positions[:, None]

@@ -41,8 +41,6 @@ class ModelRunner:
         # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
         self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=self._pinned)
         self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
-        self._drawn_host = torch.zeros(2, max_batch, dtype=torch.long, pin_memory=self._pinned)
-        self._flip = 0
         # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
         # behind decode steps already launched.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -110,11 +108,10 @@ class ModelRunner:
         graph.inputs[0].copy_(packed)
         return graph.replay()[:n, :self.vocab_size]
 
-    def to_host(self, drawn: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-        """Start copying the drawn tokens to the host; the event marks when they are there."""
-        self._flip ^= 1
-        host = self._drawn_host[self._flip, :len(drawn)]
-        host.copy_(drawn, non_blocking=True)
+    def to_host(self, values: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Start copying `values` to the host, into page-locked memory of their own (an earlier copy not yet
+        read is never overwritten); the event marks when they are there."""
+        host = values.to("cpu", non_blocking=True)
         if self.device.type != "cuda":
             return host, None
         done = torch.cuda.Event()

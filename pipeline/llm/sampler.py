@@ -41,12 +41,18 @@ class Sampler:
         self.rows.seen[row] = False
         if counts_penalized([params]):
             self.rows.counts[row] = 0
-        if not prompt.slots:
-            self.rows.seen[row, torch.tensor(prompt.ids, device=self.device)] = True
+        if not prompt.slots:  # scatter, not index_put_: that waits for the GPU
+            self.rows.seen[row].scatter_(0, self._upload(prompt.ids, torch.long), True)
         if params.logit_bias:
             ids, biases = zip(*params.logit_bias)
-            request.bias = torch.zeros(self.vocab_size, device=self.device).index_put_(
-                (torch.tensor(ids, device=self.device),), torch.tensor(biases, device=self.device))
+            request.bias = torch.zeros(self.vocab_size, device=self.device).scatter_(
+                0, self._upload(ids, torch.long), self._upload(biases, torch.float32))
+
+    def _upload(self, values: Sequence, dtype: torch.dtype) -> Tensor:
+        """`values` on the device without waiting for the GPU (from page-locked memory): a request starts
+        while the steps before it still run."""
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)
 
     def draw(self, requests: Sequence[Request], logits: Tensor, first_row: int) -> tuple[Tensor, Tensor | None]:
         """Each request's next token (on the device) from its logits row, and where a request asks for

@@ -2,10 +2,10 @@
 
 Continuous batching as in vLLM and TensorRT-LLM's executor: up to `max_batch` requests hold a row; new
 ones join between decode steps, and finished or cancelled ones leave at once. A joining request
-first reads its prompt, in chunks (vLLM's chunked prefill): each engine step has a budget of
-`step_tokens` positions, one for each running request's decode and the rest for prompt chunks of
-the requests reading theirs, first come first served, so a long prompt no longer stalls the running
-chats for its whole prefill. Rows are kept in one order: running requests in rows 0..R-1 (so a
+first reads its prompt, in chunks (vLLM's chunked prefill): while requests run, each engine step has
+a budget of `step_tokens` positions, one for each running request's decode and the rest for prompt
+chunks of the requests reading theirs, first come first served, so a long prompt no longer stalls
+the running chats for its whole prefill. Rows are kept in one order: running requests in rows 0..R-1 (so a
 decode step reads the cache as a plain view), then the requests reading their prompts; a joining
 request's row is moved to the first free place, a request whose prompt is read moves to row R, and
 a leaving one's row is swapped out of the block. The engine thread alone changes the rows; any
@@ -94,8 +94,10 @@ class Scheduler:
 
     def chunks(self) -> list[tuple[Request, int]]:
         """This step's prompt chunks, as (request, the position its chunk ends at): the budget left
-        after one position per running request, at least one position so that prompts always advance."""
-        if not self.step_tokens:
+        after one position per running request, at least one position so that prompts always advance.
+        With no request running there is nothing to keep flowing: prompts are read whole (a chunk
+        costs its own launches)."""
+        if not self.step_tokens or not self.running:
             return [(r, len(r.sig)) for r in self.prefilling]
         room, out = max(self.step_tokens - len(self.running), 1), []
         for r in self.prefilling:
