@@ -27,7 +27,7 @@ from engine_builder.cache import EngineBuildError, EngineCache, EngineKey, Verdi
 from engine_builder.engine_check import check_engine
 from engine_builder.fingerprint import fingerprint
 from engine_builder.onnx_export import GraphSpec, export_onnx
-from engine_builder.vision_engines import Session
+from pipeline.engine_session import Session
 
 
 @dataclasses.dataclass(frozen=True)

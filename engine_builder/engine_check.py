@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from engine_builder.cache import Verdict
 from engine_builder.onnx_export import GraphSpec, TensorSpec
-from engine_builder.vision_engines import Session
+from pipeline.engine_session import Session
 from pipeline.llm.engine_types import LLMEngine, Prompt
 from pipeline.llm.sampling import SamplingParams
 

@@ -17,7 +17,8 @@ from engine_builder.build import RUNTIMES, EngineOptions, build_engines
 from engine_builder.cache import EngineBuildError
 from engine_builder.onnx_export import minigpt4_graph, sam_graphs
 from engine_builder.trtllm.engine import load_trtllm_engine
-from engine_builder.vision_engines import SessionSamEngine, SessionVisionEncoder
+from pipeline.minigpt4.engine import SessionVisionEncoder
+from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
 from pipeline.llm.checkpoint import load_decoder, read_config

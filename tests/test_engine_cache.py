@@ -14,7 +14,7 @@ from engine_builder import build as engine_build
 from engine_builder.build import EngineOptions
 from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
-from engine_builder.vision_engines import SessionVisionEncoder
+from pipeline.minigpt4.engine import SessionVisionEncoder
 from studio.backends import vision_encoder
 from pipeline.minigpt4.engine import TorchVisionEncoder
 from pipeline.minigpt4.weights import build_demo, load_vision_folder

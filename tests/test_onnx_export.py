@@ -9,7 +9,7 @@ import torch
 
 from engine_builder import onnxruntime_backend
 from engine_builder.onnx_export import export_onnx, minigpt4_graph, sam_graphs
-from engine_builder.vision_engines import SessionSamEngine
+from pipeline.sam.engine import SessionSamEngine
 from pipeline.minigpt4.vision import TINY, MiniGPT4Vision
 from pipeline.random_weights import spread_weights
 from pipeline.sam.engine import TorchSamEngine

@@ -1,7 +1,7 @@
 """The MiniGPT-4 vision engine seam: image pixels → the LLM prompt's query embeddings.
 
 `ImageChatPipeline` preprocesses and caches; an engine only runs the network (EVA ViT-g,
-Q-Former, projection), so the built engines (`engine_builder.vision_engines`) plug in and the
+Q-Former, projection), so the built engines (`SessionVisionEncoder`) plug in and the
 pipeline does not change. On a GPU the encoder is ~600 small kernels whose launches cost more
 than their math, so the torch engine replays it as one captured CUDA graph; the CPU runs eagerly.
 """
@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from pipeline.cuda_graphs import CapturedCall
+from pipeline.engine_session import Session
 from pipeline.minigpt4.vision import MiniGPT4Vision, VisionConfig
 
 
@@ -51,3 +52,16 @@ class TorchVisionEncoder:
         with self._lock:
             self._graph = self._graph or CapturedCall(self.model, x)
             return self._graph(x)[0]
+
+
+class SessionVisionEncoder:
+    """MiniGPT-4's vision side (EVA ViT-g + Q-Former + projection) on one built engine."""
+
+    def __init__(self, config: VisionConfig, session: Session, name: str, precision: str, device: torch.device,
+                 dtype: torch.dtype):
+        self.config, self.session, self.name, self.precision = config, session, name, precision
+        self.device, self.dtype = device, dtype  # where the LLM wants the embeddings
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor) -> Tensor:
+        return self.session.run({"pixels": pixels})[0][0].to(self.device, self.dtype)

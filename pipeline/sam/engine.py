@@ -2,7 +2,7 @@
 
 `SegmentPipeline` does all image and prompt handling (`pipeline.sam.transforms`, caching, sessions)
 and asks an engine only to encode a preprocessed image and to decode prompts against an embedding,
-so the built engines (ONNX Runtime, TensorRT: `engine_builder.vision_engines`) plug in and nothing
+so the built engines (ONNX Runtime, TensorRT sessions: `SessionSamEngine`) plug in and nothing
 else changes.
 
 On a GPU one click is ~100 small kernels and an encode hundreds more: launched one by one they cost
@@ -19,7 +19,10 @@ import torch
 from torch import Tensor
 
 from pipeline.cuda_graphs import CapturedCall
+from pipeline.engine_session import Session
+from pipeline.sam.mask_decoder import select_masks
 from pipeline.sam.model import Sam, SamConfig
+from pipeline.sam.prompt_encoder import labelled_points
 
 Points = tuple[Tensor, Tensor]  # coordinates [B, N, 2] in model-input pixels, labels [B, N] (1 object, 0 background)
 
@@ -105,3 +108,31 @@ class GraphedSamEngine(TorchSamEngine):
 def torch_sam_engine(model: Sam) -> SamEngine:
     """Replayed CUDA graphs on a GPU, eager elsewhere."""
     return GraphedSamEngine(model) if model.device.type == "cuda" else TorchSamEngine(model)
+
+
+class SessionSamEngine:
+    """SAM on two built engines: the image encoder and the prompt encoder + mask decoder."""
+
+    def __init__(self, config: SamConfig, encoder: Session, decoder: Session, name: str, precision: str):
+        self.config, self.encoder, self.decoder = config, encoder, decoder
+        self.device = decoder.device
+        self.name, self.precision = name, precision
+
+    @torch.inference_mode()
+    def encode(self, pixels: Tensor) -> Tensor:
+        return self.encoder.run({"pixels": pixels})[0].float()
+
+    @torch.inference_mode()
+    def decode(self, embedding: Tensor, points: Points | None, box: Tensor | None, mask_input: Tensor | None,
+               multimask: bool) -> tuple[Tensor, Tensor]:
+        prompt = labelled_points(points, box)
+        if prompt is None:
+            raise ValueError("the exported decoder needs at least one point or a box")
+        coords, labels = prompt
+        grid = 4 * self.config.embedding_size
+        has_mask = torch.ones(1) if mask_input is not None else torch.zeros(1)
+        masks, iou = self.decoder.run({
+            "image_embeddings": embedding, "point_coords": coords, "point_labels": labels,
+            "mask_input": mask_input if mask_input is not None else torch.zeros(1, 1, grid, grid),
+            "has_mask_input": has_mask})
+        return select_masks(masks.to(self.device), iou.to(self.device), multimask)
