@@ -1,0 +1,145 @@
+"""Chunked prefill on the GPU: 7 chats decoding while an 8th joins with a 4,000-token prompt.
+
+Qwen2.5-7B shapes, random bf16 weights (`llm_engine.random_qwen25_7b`), through `TorchLLMEngine` as
+the app runs it (CUDA graphs, continuous batching, the pipelined decode step). Per mode (the prompt
+read in chunks under a per-step budget of 256, 384 and 512 tokens, the engine's default, and whole
+at once) on a fresh engine, after one untimed run of the same shapes that captures the graphs
+(other prompts: nothing is reused):
+
+- the largest gap between two consecutive tokens of a running chat while the 8th joins (from its
+  submission to its last token), the median gap over the whole run (a decode step as a chat sees
+  it), and their ratio (target with chunks: largest ≤ 3 × median); chat 0's gaps meanwhile; also the
+  largest gap of the whole run and when it came (a decode graph captured for a batch and context
+  bucket that the untimed run did not meet, as chats end, stalls a step too);
+- the 8th chat's time to first token, and how many decode steps ran while its prompt was read;
+- whether the greedy tokens of all 8 chats are the same in every mode: in bf16 at full depth, and in
+  fp32 with 4 layers (the same widths). bf16 rounds differently wherever the kernels differ (a chunk's
+  attention and its GEMMs' row counts; for the running chats the decode attention's context bucket,
+  which grows when the 8th joins, a few steps later with chunks), so greedy replies of random weights
+  part after a while; in fp32 they must not.
+
+Tokens are stamped on the engine thread as it hands them over (the stream's `deliver` wrapped), so no
+consumer thread's scheduling is in the numbers.
+
+    python bench/chunked_prefill.py [--layers 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
+from timing import report  # noqa: E402
+from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine_types import Prompt, TokenStream  # noqa: E402
+from pipeline.llm.sampling import SamplingParams  # noqa: E402
+
+CHATS, CHAT_PROMPT, LONG_PROMPT = 7, 128, 4000
+WARM_TOKENS = 16  # tokens each running chat has received before the 8th joins
+RUNNING = SamplingParams(max_new_tokens=160, temperature=0, repetition_penalty=1.0)
+JOINING = SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.0)
+MODES = (("chunks of 256", 256), ("chunks of 384", 384), ("chunks of 512", 512), ("whole prompt", None))
+
+
+def stamped(stream: TokenStream) -> list[float]:
+    """The times at which the engine thread hands `stream` its tokens (from now on)."""
+    times: list[float] = []
+    deliver = stream.deliver
+
+    def stamp(item: int | BaseException) -> None:
+        times.append(time.perf_counter())
+        deliver(item)
+
+    stream.deliver = stamp
+    return times
+
+
+def scenario(engine: TorchLLMEngine, seed: int) -> dict:
+    """7 chats decode; once each has WARM_TOKENS tokens the 8th submits its long prompt. The join window
+    runs from its submission to its last token (32 steps after its first, all 8 decoding)."""
+    chats = [engine.submit(Prompt(random_prompt(seed + i, CHAT_PROMPT)), RUNNING, set()) for i in range(CHATS)]
+    times = [stamped(s) for s in chats]
+    readers = [iter(s) for s in chats]
+    tokens = [[next(r) for _ in range(WARM_TOKENS)] for r in readers]
+    submitted = time.perf_counter()
+    joining = engine.submit(Prompt(random_prompt(seed + 100, LONG_PROMPT)), JOINING, set())
+    joined = stamped(joining)
+    tokens.append(list(joining))
+    for mine, reader in zip(tokens, readers):
+        mine += list(reader)
+    gaps = [(b - a, a) for t in times for a, b in zip(t[WARM_TOKENS:], t[WARM_TOKENS + 1:])]
+    median = statistics.median(g for g, _ in gaps)
+    joining_gap = max(g for g, a in gaps if submitted <= a <= joined[-1])
+    largest, at = max(gaps)
+    return {"largest_gap_while_joining_ms": round(joining_gap * 1e3, 2), "median_step_ms": round(median * 1e3, 2),
+            "ratio": round(joining_gap / median, 2),
+            "joining_ttft_ms": round(joining.stats.time_to_first_token_s * 1e3, 1),
+            "chat_tokens_while_prompt_read": sum(submitted < t < joined[0] for t in times[0]),
+            "chat0_gaps_while_joining_ms": [round((b - a) * 1e3, 2) for a, b in zip(times[0], times[0][1:])
+                                            if submitted - 0.02 < a < joined[0] + 0.05],
+            "largest_gap_of_the_run_ms": round(largest * 1e3, 2),
+            "largest_gap_of_the_run_at_ms_after_submission": round((at - submitted) * 1e3, 1),
+            "tokens": tokens}
+
+
+def measured(model, chunk: int | None) -> tuple[dict, list[list[int]]]:
+    """The scenario's numbers and every chat's tokens on a fresh engine, after one run that captures the
+    graphs of every batch and context bucket."""
+    with torch.inference_mode():
+        engine = TorchLLMEngine(model, 8192, model.config.vocab_size, max_batch=8, rows=8, prefill_chunk=chunk)
+        scenario(engine, seed=1000)
+        gc.collect()
+        numbers = scenario(engine, seed=0)
+        engine.close()
+    return numbers, numbers.pop("tokens")
+
+
+def agreement(res: dict, tokens: dict, same: str, matching: str) -> None:
+    """Per chunked mode: whether every chat's tokens equal the whole-prompt mode's, and how many do."""
+    reference = tokens["whole prompt"]
+    for name, _ in MODES[:-1]:
+        res[name][same] = tokens[name] == reference
+        res[name][matching] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+                               for x, y in zip(tokens[name], reference)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=28)
+    args = ap.parse_args()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+                 "shapes": f"Qwen2.5-7B ({args.layers} layers), bf16, random weights", "chats": CHATS,
+                 "joining_prompt_tokens": LONG_PROMPT}
+    model = random_qwen25_7b(args.layers)
+    tokens = {}
+    for name, chunk in MODES:
+        res[name], tokens[name] = measured(model, chunk)
+    agreement(res, tokens, "greedy_tokens_identical_to_whole", "tokens_matching_whole_per_chat")
+    del model
+    fp32 = random_qwen25_7b(4).float()
+    tokens = {name: measured(fp32, chunk)[1] for name, chunk in MODES}
+    agreement(res, tokens, "fp32_4_layers_greedy_identical_to_whole", "fp32_4_layers_tokens_matching_whole")
+    report("chunked_prefill", res)
+    print(f"\n{res['device']} · {res['shapes']} · {CHATS} chats decoding, an 8th joins with {LONG_PROMPT} tokens")
+    print(f"{'mode':15s} {'largest gap':>12s} {'median step':>12s} {'ratio':>6s} {'8th TTFT':>10s} "
+          f"{'steps while read':>17s} {'greedy = whole: bf16':>21s} {'fp32':>6s}")
+    for name, _ in MODES:
+        m = res[name]
+        print(f"{name:15s} {m['largest_gap_while_joining_ms']:10.2f}ms {m['median_step_ms']:10.2f}ms {m['ratio']:6.2f} "
+              f"{m['joining_ttft_ms']:8.1f}ms {m['chat_tokens_while_prompt_read']:17d} "
+              f"{str(m.get('greedy_tokens_identical_to_whole', '-')):>21s} "
+              f"{str(m.get('fp32_4_layers_greedy_identical_to_whole', '-')):>6s}")
+
+
+if __name__ == "__main__":
+    main()
