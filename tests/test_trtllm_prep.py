@@ -201,7 +201,6 @@ def test_a_chat_llm_shared_with_image_chat_is_built_with_a_prompt_table(shared, 
                                                                         monkeypatch):
     """When image chat names the chat's own weights it runs on the chat's LLM, so that LLM's engine
     must take image embeddings (a TensorRT-LLM engine built without a prompt table would drop them)."""
-    import studio.backends
     from pipeline.minigpt4.weights import demo_parts
     from pipeline.service.tools import ToolHost
     from studio import compose
@@ -210,8 +209,8 @@ def test_a_chat_llm_shared_with_image_chat_is_built_with_a_prompt_table(shared, 
 
     ckpt, vision_dir, llm_dir = demo_parts(studio_cache)
     args = parse_config(["--device", "cpu", "--weights", str(llm_dir if shared else qwen2_demo),
-                               "--minigpt4-ckpt", str(ckpt), "--minigpt4-vision", str(vision_dir),
-                               "--minigpt4-llm", str(llm_dir)])
+                         "--minigpt4-ckpt", str(ckpt), "--minigpt4-vision", str(vision_dir),
+                         "--minigpt4-llm", str(llm_dir)])
     plan = make_plan(args)
     asked = []
 
@@ -219,7 +218,7 @@ def test_a_chat_llm_shared_with_image_chat_is_built_with_a_prompt_table(shared, 
         asked.append(kw["image_queries"])
         raise RuntimeError("recorded")
 
-    monkeypatch.setattr(studio.backends, "load_language_model", record)
+    monkeypatch.setattr(compose, "load_language_model", record)  # what the chat's loader calls
     host = ToolHost(torch.device("cpu"), None, lambda line: None)
     specs = {s.name: s for s in compose.tool_specs(args, plan, compose.engine_options(args, echo=False), host)}
     assert specs["image chat"].needs == (("chat",) if shared else ())
