@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 
 from app.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, limit_of, refused_field
 from pipeline.errors import UserError
-from pipeline.llm.structure import Structure
+from pipeline.llm.text.structure import Structure
 from pipeline.service.in_flight import Busy
 from pipeline.service.requests import ChatTurn, Update
 from pipeline.service.studio import StudioService

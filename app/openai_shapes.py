@@ -12,8 +12,8 @@ import json
 import secrets
 import time
 
-from pipeline.llm.engine_types import GenerationStats, TokenLogprob
-from pipeline.llm.tool_calls import ToolCall
+from pipeline.llm.engine.seam import GenerationStats, TokenLogprob
+from pipeline.llm.text.tool_calls import ToolCall
 from pipeline.service.requests import Update
 
 

@@ -44,12 +44,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llm_engine import GREEDY, QWEN25_7B, UI_DEFAULT, concurrent, random_prompt, random_qwen25_7b, run  # noqa: E402
 from timing import copy_bandwidth_tbps, report  # noqa: E402
-from pipeline.llm.config import config_from_hf  # noqa: E402
-from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine_types import Prompt  # noqa: E402
+from pipeline.llm.weights.config import config_from_hf  # noqa: E402
+from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine.seam import Prompt  # noqa: E402
 from pipeline.llm.model import Decoder  # noqa: E402
-from pipeline.llm.quant import MODES, QuantLinear, dequantize, quantize, quantize_decoder, use_kernels  # noqa: E402
-from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.weights.quant import MODES, QuantLinear, dequantize, quantize, quantize_decoder, use_kernels  # noqa: E402
+from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 from plugins import lowbit  # noqa: E402
 from plugins.fused import FUSED, REFERENCE  # noqa: E402
 from plugins.lowbit_tuning import TunedConfigs, fastest, graphed_us  # noqa: E402
@@ -255,7 +255,7 @@ def real_checkpoint_part(res: dict) -> None:
     `save_pretrained` and read through our loader in each mode: last-token logits against transformers'."""
     import transformers
 
-    from pipeline.llm.checkpoint import load_decoder
+    from pipeline.llm.weights.checkpoint import load_decoder
 
     config = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
                                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
@@ -292,8 +292,8 @@ def launch_part(res: dict, layers: int) -> None:
     Triton's); and "quantized on disk": the quantized weights cached, but no tuned configs and an empty
     Triton cache, as a first launch of pre-quantized weights (AWQ/GPTQ, or the cache on a new GPU) is."""
     from engine_builder.cache import EngineCache
-    from pipeline.llm.checkpoint import write_checkpoint
-    from pipeline.llm.demo import _qwen2_tokenizer
+    from pipeline.llm.weights.checkpoint import write_checkpoint
+    from pipeline.llm.weights.demo import _qwen2_tokenizer
     from plugins.lowbit_tuning import TunedConfigs
 
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
@@ -311,7 +311,7 @@ def launch_part(res: dict, layers: int) -> None:
         pycache = {"PYTHONPYCACHEPREFIX": str(Path(tmp) / "pycache")}
         here = Path(__file__).resolve().parent
         subprocess.run([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(here.parent)!r}, {str(here)!r}]; "
-                        "import decode_limit, studio.backends, pipeline.llm.chat_template, tokenizers"],
+                        "import decode_limit, studio.backends, pipeline.llm.text.chat_template, tokenizers"],
                        env={**os.environ, **pycache}, timeout=300)
         times = {}
         for attempt in ("first", "second", "quantized_on_disk"):

@@ -24,14 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import copy_bandwidth_tbps, cuda_ms  # noqa: E402
-from pipeline.llm.checkpoint import to_internal  # noqa: E402
-from pipeline.llm.config import config_from_hf  # noqa: E402
-from pipeline.llm.families import HF_LAYOUT  # noqa: E402
-from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine_types import GenerationStats, Prompt  # noqa: E402
+from pipeline.llm.weights.checkpoint import to_internal  # noqa: E402
+from pipeline.llm.weights.config import config_from_hf  # noqa: E402
+from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
+from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine.seam import GenerationStats, Prompt  # noqa: E402
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
 from plugins.fused import REFERENCE  # noqa: E402
-from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 GREEDY = SamplingParams(max_new_tokens=256, temperature=0, repetition_penalty=1.0)

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.llm.checkpoint import to_internal  # noqa: E402
-from pipeline.llm.config import config_from_hf  # noqa: E402
-from pipeline.llm.families import HF_LAYOUT  # noqa: E402
+from pipeline.llm.weights.checkpoint import to_internal  # noqa: E402
+from pipeline.llm.weights.config import config_from_hf  # noqa: E402
+from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
 
 

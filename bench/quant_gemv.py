@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import copy_bandwidth_tbps, report  # noqa: E402
-from pipeline.llm.quant import dequantize, quantize  # noqa: E402
+from pipeline.llm.weights.quant import dequantize, quantize  # noqa: E402
 from plugins import lowbit  # noqa: E402
 from plugins.lowbit_tuning import CANDIDATES, graphed_us  # noqa: E402
 

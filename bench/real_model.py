@@ -43,11 +43,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
-from pipeline.llm.engine_types import Prompt  # noqa: E402
+from pipeline.llm.engine.seam import Prompt  # noqa: E402
 from engine_builder.onnxruntime_backend import cpu_model  # noqa: E402
 from pipeline.llm.evaluate import TextScore, agreement, score_text, score_windows  # noqa: E402
 from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
-from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 
 MODEL_ID = "builtin/smollm2-135m-instruct"
 DATE = "2026-11-26"
@@ -162,7 +162,7 @@ def perplexity_table(folder: Path, float_model, hf, ids: list[int], dtype: torch
         del model
     # What-if, not the app's setting: int4 re-rounded into the kernel's groups of 128 (64 for SmolLM2's
     # 576-wide inputs), as the app did before a GGUF file's int4 kept the file's own blocks of 32.
-    from pipeline.llm import quant
+    from pipeline.llm.weights import quant
 
     app_group = quant.int4_group
     quant.int4_group = lambda config: quant.GROUP
@@ -337,7 +337,7 @@ def step_breakdown(model, hf, ids: tuple[int, ...], steps: int) -> dict:
 def cpu(args) -> dict:
     os.environ.setdefault("STUDIO_CACHE", str(ROOT / ".bench" / "real_model" / "cache"))
     from pipeline.models import embedded_gguf, locate
-    from pipeline.llm.tokenizer import load_tokenizer
+    from pipeline.llm.text.tokenizer import load_tokenizer
 
     file = embedded_gguf()
     if file is None:
@@ -440,8 +440,8 @@ def cpu(args) -> dict:
 def gpu(args) -> dict:
     os.environ.setdefault("STUDIO_CACHE", "/tmp/real_model_cache")
     from pipeline.models import locate
-    from pipeline.llm.checkpoint import load_decoder
-    from pipeline.llm.tokenizer import load_tokenizer
+    from pipeline.llm.weights.checkpoint import load_decoder
+    from pipeline.llm.text.tokenizer import load_tokenizer
     import transformers
 
     file = Path(args.gguf).resolve()

@@ -27,9 +27,9 @@ from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
 from timing import report  # noqa: E402
 from studio.backends import sam_engine  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
-from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine_types import Prompt  # noqa: E402
-from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine.seam import Prompt  # noqa: E402
+from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
 from pipeline.pipelines.segment import SegmentPipeline  # noqa: E402
 

@@ -4,7 +4,7 @@ unconstrained decoding at batch 1 and 8, in the same run, through `TorchLLMEngin
 Qwen2.5-7B shapes (random bf16 weights: speed does not depend on values) with the real 151,851-token
 Qwen vocabulary (`qwen.tiktoken`), so each step's grammar mask is the size the app computes. The
 constrained rows follow a schema of objects with strings, numbers, enums and arrays (llguidance, as
-`pipeline.llm.grammar`); all rows sample with the UI's settings. Also a mixed batch (4 constrained +
+`pipeline.llm.text.grammar`); all rows sample with the UI's settings. Also a mixed batch (4 constrained +
 4 not): what the unconstrained rows pay for sharing it.
 
     python bench/structured_decode.py --vocab .whl/qwen.tiktoken [--layers 28]
@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
-from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine_types import Prompt  # noqa: E402
-from pipeline.llm.grammar import GrammarVocabulary, json_schema_grammar  # noqa: E402
-from pipeline.llm.sampling import SamplingParams  # noqa: E402
-from pipeline.llm.tokenizer import QwenTiktokenTokenizer  # noqa: E402
+from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine.seam import Prompt  # noqa: E402
+from pipeline.llm.text.grammar import GrammarVocabulary, json_schema_grammar  # noqa: E402
+from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.text.tokenizer import QwenTiktokenTokenizer  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 PERSON = {"type": "object", "properties": {

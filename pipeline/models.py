@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
-from pipeline.llm.gguf_file import SPLIT
-from pipeline.llm.gguf_folder import gguf_model_dir
+from pipeline.llm.weights.demo import DEMO_MODELS, demo_model_dir
+from pipeline.llm.weights.gguf_file import SPLIT
+from pipeline.llm.weights.gguf_folder import gguf_model_dir
 
 CHAT_MODELS = {
     "Qwen/Qwen-7B-Chat": "Qwen v1, 7B, tiktoken tokenizer, 8k context",

@@ -25,7 +25,7 @@ then an int→float conversion at 16 per SM per clock, per row of the batch) fal
 - Launch shapes (kernel, tile, loop step, split) are timed per GPU and layer shape
   (`plugins/lowbit_tuning.py`): whichever kernel is fastest for a shape and batch runs it.
 
-Layouts (`kernel_bytes`): the canonical bytes of `pipeline/llm/quant.py` (int8 with its sign
+Layouts (`kernel_bytes`): the canonical bytes of `pipeline/llm/weights/quant.py` (int8 with its sign
 bit flipped), rows stored in tiles of 256 so that a program's loads are long contiguous runs (the
 GEMV reached 0.97 of copy bandwidth reading this layout, 0.85 reading plain rows: H100, 2026-11-23);
 `scale` [groups, out] in the model's dtype (int4; `zero` likewise) or float32 [1, out]. The file
@@ -371,7 +371,7 @@ class LowBitWeight:
     @classmethod
     def from_parts(cls, parts: dict[str, Tensor], bits: int, dtype: torch.dtype, bias: Tensor | None,
                    workspace: Workspace, gated: bool = False) -> "LowBitWeight":
-        """From the canonical format's tensors (`pipeline.llm.quant.quantize`: q, scale[, zero])."""
+        """From the canonical format's tensors (`pipeline.llm.weights.quant.quantize`: q, scale[, zero])."""
         if bits == 4:
             scale, zero = parts["scale"].t().contiguous(), parts["zero"].t().contiguous()
         else:

@@ -1,6 +1,6 @@
 """Top-k / top-p sampling of a decode step's logits in two Triton kernels.
 
-Why: the reference (`pipeline.llm.sampling.sample`) is about twenty torch kernels over the whole
+Why: the reference (`pipeline.llm.engine.sampling.sample`) is about twenty torch kernels over the whole
 vocabulary (penalty, temperature, a radix top-k, softmaxes, cumulative sums, a search, gathers),
 which cost ~0.15 ms per token on an H100: more than a decoder layer. Here:
 
@@ -88,7 +88,7 @@ def applies(top_ks: list[int], temperatures: list[float], device: torch.device) 
 
 def sample_top_k(logits: Tensor, seen: Tensor, columns: Tensor, block: int = BLOCK) -> Tensor:
     """Token ids [B] (int64) from `logits` [B, V] with the repetition mask `seen` [B, V] (bool) and the
-    per-row numbers `columns` [5, B] (`pipeline.llm.sampling.COLUMNS`: uniform, temperature, top-k,
+    per-row numbers `columns` [5, B] (`pipeline.llm.engine.sampling.COLUMNS`: uniform, temperature, top-k,
     top-p, penalty; float32, on the logits' device). `block`: vocabulary entries per first-kernel program
     (a power of two ≥ K_MAX; smaller in the interpreter's tests, where sorting 4096 entries takes seconds)."""
     rows, vocab = logits.shape

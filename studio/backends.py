@@ -21,15 +21,15 @@ from pipeline.minigpt4.engine import SessionVisionEncoder
 from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
-from pipeline.llm.checkpoint import load_decoder, read_config
-from pipeline.llm.engine import TorchLLMEngine
-from pipeline.llm.engine_types import Prompt
+from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
-from pipeline.llm.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
+from pipeline.llm.weights.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
 from studio.quantized_weights import quantized_decoder
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.tokenizer import load_tokenizer
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.tokenizer import load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine

@@ -20,7 +20,7 @@ from huggingface_hub import constants as hub_constants
 from engine_builder.build import EngineOptions
 from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.minigpt4.weights import load_vision_folder
 from pipeline.models import EMBEDDED, cache_dir, data_dir, locate, resolve
 from pipeline.pipelines.chat import ChatPipeline

@@ -29,10 +29,10 @@ import torch
 from huggingface_hub import scan_cache_dir
 
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import read_config
-from pipeline.llm.demo import DEMO_MODELS
-from pipeline.llm.gguf_file import SPLIT
-from pipeline.llm.gguf_folder import gguf_model_dir
+from pipeline.llm.weights.checkpoint import read_config
+from pipeline.llm.weights.demo import DEMO_MODELS
+from pipeline.llm.weights.gguf_file import SPLIT
+from pipeline.llm.weights.gguf_folder import gguf_model_dir
 from pipeline.llm.model import KVCache
 from pipeline.models import EMBEDDED, HUB_GGUF, ModelEntry, cache_dir, embedded_gguf, gguf_files_for_tag
 from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam

@@ -26,10 +26,10 @@ from tqdm.auto import tqdm
 
 from engine_builder.cache import EngineCache, EngineKey, Verdict
 from engine_builder.fingerprint import fingerprint
-from pipeline.llm.checkpoint import build_decoder, load_decoder, read_config
+from pipeline.llm.weights.checkpoint import build_decoder, load_decoder, read_config
 from pipeline.llm.model import Decoder
-from pipeline.llm.prequantized import load_prequantized
-from pipeline.llm.quant import int4_group, quantize_decoder, quantized_layers
+from pipeline.llm.weights.prequantized import load_prequantized
+from pipeline.llm.weights.quant import int4_group, quantize_decoder, quantized_layers
 from pipeline.weights_io import read_weight_file
 
 FORMAT = "3"  # bump when the stored layout of quantized weights changes (2: the LM head in int8; 3: probes)

@@ -8,7 +8,7 @@ import torch
 
 from engine_builder.fingerprint import weight_files
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import read_config
+from pipeline.llm.weights.checkpoint import read_config
 from pipeline.weights_io import loaded_bytes
 from studio.backends import weight_bytes
 

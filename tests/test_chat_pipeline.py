@@ -11,9 +11,9 @@ from pipeline.pipelines.chat import ChatPipeline
 from studio.backends import load_language_model
 from pipeline.errors import UserError
 from pipeline.llm.model import RotaryTables, qwen_logn_scale, qwen_ntk_alpha
-from pipeline.llm.prompt import ChatMLFormat, chat_format, fit_prompt
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.tokenizer import load_tokenizer
+from pipeline.llm.text.prompt import ChatMLFormat, chat_format, fit_prompt
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
 
@@ -114,7 +114,7 @@ def test_qwen_v1_long_context_factors():
 
 
 def test_qwen_v1_rotary_tables_follow_the_prompt_length(qwen_v1_demo):
-    from pipeline.llm.checkpoint import read_config
+    from pipeline.llm.weights.checkpoint import read_config
 
     rope = RotaryTables(read_config(qwen_v1_demo), 1025, "cpu")  # trained on 256 positions
     assert rope.alphas == [1, 3, 7, 15]
@@ -175,7 +175,7 @@ def test_reply_fills_context_with_notice(qwen_v1_demo):
 
 
 def test_a_model_without_chat_format_is_refused_clearly(studio_cache):
-    from pipeline.llm.demo import demo_model_dir
+    from pipeline.llm.weights.demo import demo_model_dir
 
     with pytest.raises(UserError, match="neither a chat template nor ChatML"):
         make_pipeline(demo_model_dir("demo/llama-tiny", studio_cache), "demo/llama-tiny", 64)

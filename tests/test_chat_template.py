@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import UserError
-from pipeline.llm.tokenizer import HFTokenizer, load_tokenizer
+from pipeline.llm.text.tokenizer import HFTokenizer, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["Hello, world!", "你好，世界！", "emoji 🎉👨‍👩‍👧 naïve café", "code:\n\tx = [1, 2]  # ok\r\n  ",
@@ -147,7 +147,7 @@ def test_a_damaged_tokenizer_json_is_named(tmp_path, qwen2_demo):
 
 
 def test_loading_a_chat_model_does_not_import_transformers(qwen2_demo):
-    code = ("import sys; from pipeline.llm.tokenizer import load_tokenizer; from pipeline.llm.prompt import chat_format;"
+    code = ("import sys; from pipeline.llm.text.tokenizer import load_tokenizer; from pipeline.llm.text.prompt import chat_format;"
             f"t = load_tokenizer({str(qwen2_demo)!r}); chat_format(t).render([{{'role': 'user', 'content': 'hi'}}]);"
             "print('transformers' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -4,10 +4,10 @@ between their decode steps, and gives what the unchunked engine gives (CPU, fp32
 import pytest
 import torch
 
-from pipeline.llm.checkpoint import load_decoder
-from pipeline.llm.engine import TorchLLMEngine
-from pipeline.llm.engine_types import FinishReason, Prompt
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.weights.checkpoint import load_decoder
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.engine.seam import FinishReason, Prompt
+from pipeline.llm.engine.sampling import SamplingParams
 
 CONTEXT = 1024
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.1)

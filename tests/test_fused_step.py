@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r'''
 import torch
 from plugins import decode_attention, fused
-from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine import TorchLLMEngine
-from pipeline.llm.engine_types import Prompt
+from pipeline.llm.weights.config import DecoderConfig
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.model import Decoder
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.engine.sampling import SamplingParams
 
 fused._use_triton = decode_attention._use_triton = lambda x: True  # the interpreter runs them on CPU tensors
 configs = [

@@ -23,12 +23,12 @@ from gguf import quants as reference
 
 from conftest import train_sentencepiece
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import load_decoder, read_config
-from pipeline.llm.demo import _train_bpe
-from pipeline.llm.gguf_file import read_gguf
-from pipeline.llm.gguf_quants import SUPPORTED, dequantize
+from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.weights.demo import _train_bpe
+from pipeline.llm.weights.gguf_file import read_gguf
+from pipeline.llm.weights.gguf_quants import SUPPORTED, dequantize
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
-from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, load_tokenizer
+from pipeline.llm.text.tokenizer import ENDOFTEXT, IM_END, IM_START, load_tokenizer
 from pipeline.models import embedded_gguf, gguf_files_for_tag, locate
 from studio.compose import run
 

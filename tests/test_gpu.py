@@ -17,10 +17,10 @@ from pipeline.pipelines.chat import ChatPipeline  # noqa: E402
 from studio.backends import load_language_model, sam_engine, vision_encoder  # noqa: E402
 from pipeline.pipelines.image_chat import ImageChatPipeline  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
-from pipeline.llm.demo import demo_model_dir  # noqa: E402
-from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine_types import Prompt  # noqa: E402
-from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.weights.demo import demo_model_dir  # noqa: E402
+from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine.seam import Prompt  # noqa: E402
+from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder  # noqa: E402
 from pipeline.sam.model import load_sam  # noqa: E402
@@ -168,7 +168,7 @@ def test_lowbit_kernels_match_the_dequantizing_reference(mode):
     reference's numbers on our stored format: a wrong nibble order, zero point or scale layout would
     be far off; the split-K counters are left at zero."""
     from plugins import lowbit
-    from pipeline.llm.quant import QuantLinear
+    from pipeline.llm.weights.quant import QuantLinear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for n_in, n_out in ((3584, 4608), (18944, 3584), (896, 1152)):  # Qwen2.5-7B's qkv and down; 0.5B's qkv
@@ -196,9 +196,9 @@ def test_quantized_chat_graphs_match_eager():
     """int4 through the low-bit kernel (tuned, split-K) in the graphed engine gives the eager int4
     engine's tokens, at batch 1 and with three chats at once (the demo models are too narrow for the
     kernel's 128-input groups, so a small random decoder of kernel-sized widths)."""
-    from pipeline.llm.config import DecoderConfig
+    from pipeline.llm.weights.config import DecoderConfig
     from pipeline.llm.model import Decoder
-    from pipeline.llm.quant import quantize_decoder, use_kernels
+    from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit_tuning import TunedConfigs
 
     config = DecoderConfig(family="qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
@@ -253,7 +253,7 @@ def test_the_sampling_kernels_draw_the_reference_tokens_at_qwens_vocabulary(monk
     settings, greedy rows with a penalty and wide top-k rows, 20 draws each. Greedy rows always agree; a
     sampled row may differ only where a cumulative probability lies at its uniform number (float sums
     in another order): at most 2 of 160 draws (a wrong filter or order differs in most)."""
-    from pipeline.llm.sampling import sample, sampling_columns
+    from pipeline.llm.engine.sampling import sample, sampling_columns
     from plugins import topk_sampling
 
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -14,8 +14,8 @@ from gradio_client import Client
 from gradio_client.exceptions import AppError
 
 from conftest import ROOT, TEST_MODEL, free_port
-from pipeline.llm.prompt import chat_format, fit_prompt
-from pipeline.llm.tokenizer import load_tokenizer
+from pipeline.llm.text.prompt import chat_format, fit_prompt
+from pipeline.llm.text.tokenizer import load_tokenizer
 from pipeline.pipelines.chat import ChatPipeline
 from pipeline.service.requests import STOPPED
 from pipeline.service.studio import StudioService

@@ -7,10 +7,10 @@ import torch
 from pipeline.errors import UserError
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.images import load_image
-from pipeline.llm.demo import demo_model_dir
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.weights.demo import demo_model_dir
+from pipeline.llm.engine.sampling import SamplingParams
 from studio.backends import load_language_model, vision_encoder
-from pipeline.llm.engine_types import TokenStream
+from pipeline.llm.engine.seam import TokenStream
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
 from pipeline.minigpt4.template import IMAGE, MINIGPT4_SYSTEM, PLACEHOLDER_ID, MiniGPT4Format
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import load_decoder
-from pipeline.llm.engine import TorchLLMEngine
-from pipeline.llm.engine_types import Prompt
-from pipeline.llm.sampling import SamplingParams, sample, sampling_columns
+from pipeline.llm.weights.checkpoint import load_decoder
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.engine.sampling import SamplingParams, sample, sampling_columns
 
 CONTEXT = 512
 

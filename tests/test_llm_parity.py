@@ -5,13 +5,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pipeline.llm.checkpoint import (convert_qwen_v1_to_hf, load_decoder, read_config,  # noqa: E402
+from pipeline.llm.weights.checkpoint import (convert_qwen_v1_to_hf, load_decoder, read_config,  # noqa: E402
                                      read_tensors, to_internal, write_checkpoint)
-from pipeline.llm.families import HF_LAYOUT  # noqa: E402
-from pipeline.llm.engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine_types import Prompt  # noqa: E402
+from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
+from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.engine.seam import Prompt  # noqa: E402
 from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
-from pipeline.llm.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3, max_position_embeddings=512)
 CASES = {

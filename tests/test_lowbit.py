@@ -1,5 +1,5 @@
 """The low-bit kernel of `plugins/lowbit.py` runs on the CPU through Triton's interpreter
-(TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/quant.py`: int4 and int8,
+(TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/weights/quant.py`: int4 and int8,
 bf16 and fp16 activations, with and without bias, split-K (whose counters must be left at zero for the
 next call), batches 1 (the tensor-core kernel and the CUDA-core GEMV), 2–4, 5–16 and prefill, plain
 and gated (SiLU(gate)·up made in the kernel's last step), and widths that leave a partial output tile.
@@ -19,7 +19,7 @@ SCRIPT = r'''
 import itertools
 import torch
 from plugins import lowbit
-from pipeline.llm.quant import dequantize, quantize
+from pipeline.llm.weights.quant import dequantize, quantize
 torch.manual_seed(0)
 
 def rel(a, b):
@@ -59,9 +59,9 @@ print("ok")
 
 MLP_SCRIPT = r'''
 import torch
-from pipeline.llm.config import DecoderConfig
+from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.model import Decoder
-from pipeline.llm.quant import quantize_decoder, use_kernels
+from pipeline.llm.weights.quant import quantize_decoder, use_kernels
 torch.manual_seed(0)
 config = DecoderConfig(family="qwen2", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=1,
                        num_heads=2, num_kv_heads=1, head_dim=64, max_position_embeddings=256, qkv_bias=True)

@@ -532,8 +532,8 @@ def test_unconstrained_replies_are_unchanged_beside_json_schema_ones(api):
 def test_logprobs_are_the_log_softmax_of_the_models_logits(api, qwen2_demo, stream):
     """The API's logprobs, streamed and not, against log-softmax (fp32, CPU) of the logits transformers
     computes for the same prompt and reply tokens from the same checkpoint."""
-    from pipeline.llm.prompt import chat_format
-    from pipeline.llm.tokenizer import load_tokenizer
+    from pipeline.llm.text.prompt import chat_format
+    from pipeline.llm.text.tokenizer import load_tokenizer
 
     client, _ = api
     messages = [{"role": "user", "content": "Tell me a story"}]
@@ -562,7 +562,7 @@ def test_logit_bias_bans_and_forces_tokens(api, qwen2_demo, stream):
     """-100 on the greedy reply's first token: the reply starts with the runner-up instead; +100 on one
     token: a sampled reply is that token throughout. Ids outside the vocabulary or biases outside ±100:
     400 naming logit_bias."""
-    from pipeline.llm.tokenizer import load_tokenizer
+    from pipeline.llm.text.tokenizer import load_tokenizer
 
     client, _ = api
     tokenizer = load_tokenizer(qwen2_demo)

@@ -17,13 +17,13 @@ from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, torch_decoder, weight_bytes
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import from_internal, layout_of, load_decoder, read_config, to_internal, write_checkpoint
-from pipeline.llm.config import CONFIG_WRITERS, config_from_hf
-from pipeline.llm.engine_types import Prompt
+from pipeline.llm.weights.checkpoint import from_internal, layout_of, load_decoder, read_config, to_internal, write_checkpoint
+from pipeline.llm.weights.config import CONFIG_WRITERS, config_from_hf
+from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
-from pipeline.llm.prequantized import load_prequantized
-from pipeline.llm.quant import QuantLinear
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.weights.prequantized import load_prequantized
+from pipeline.llm.weights.quant import QuantLinear
+from pipeline.llm.engine.sampling import SamplingParams
 
 GROUP = 128
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble k of a word holds output AWQ_PACK_ORDER[k]

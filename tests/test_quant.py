@@ -11,11 +11,11 @@ from engine_builder.build import EngineOptions
 from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, weight_bytes
-from pipeline.llm.checkpoint import load_decoder, read_config
-from pipeline.llm.config import DecoderConfig, config_from_hf
-from pipeline.llm.engine_types import Prompt
+from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.weights.config import DecoderConfig, config_from_hf
+from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
-from pipeline.llm.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, quantize_decoder, unpack_int4
+from pipeline.llm.weights.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, quantize_decoder, unpack_int4
 from studio.quantized_weights import quantized_decoder
 
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,
@@ -158,7 +158,7 @@ def test_the_chat_model_loads_quantized_and_says_how_it_runs(qwen_v1_demo, tmp_p
 
 
 def _greedy(n):
-    from pipeline.llm.sampling import SamplingParams
+    from pipeline.llm.engine.sampling import SamplingParams
 
     return SamplingParams(max_new_tokens=n, temperature=0, repetition_penalty=1.0)
 

@@ -10,9 +10,9 @@ import torch
 import transformers
 
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import load_decoder, read_config
+from pipeline.llm.weights.checkpoint import load_decoder, read_config
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
-from pipeline.llm.tokenizer import load_tokenizer
+from pipeline.llm.text.tokenizer import load_tokenizer
 from conftest import train_sentencepiece
 
 spm = pytest.importorskip("sentencepiece")

@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from pipeline.llm.evaluate import agreement, score_text
-from pipeline.llm.gguf_folder import gguf_model_dir
-from pipeline.llm.prompt import chat_format
-from pipeline.llm.quant import quantize_decoder
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.tokenizer import load_tokenizer
-from pipeline.llm.tool_calls import TaggedCallsInMessages
+from pipeline.llm.weights.gguf_folder import gguf_model_dir
+from pipeline.llm.text.prompt import chat_format
+from pipeline.llm.weights.quant import quantize_decoder
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.tokenizer import load_tokenizer
+from pipeline.llm.text.tool_calls import TaggedCallsInMessages
 from pipeline.models import EMBEDDED, embedded_gguf
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.engine_types import ChatEvent, GenerationStats
+from pipeline.llm.engine.seam import ChatEvent, GenerationStats
 from pipeline.service.in_flight import Busy
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import ToolHost, ToolSpec

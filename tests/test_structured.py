@@ -11,12 +11,12 @@ import sentencepiece as spm
 import torch
 import transformers
 
-from pipeline.llm.demo import CORPUS
-from pipeline.llm.engine_types import Prompt
-from pipeline.llm.grammar import GrammarVocabulary, json_schema_grammar
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.structure import Structure
-from pipeline.llm.tool_calls import ReActReader, TaggedReader
+from pipeline.llm.weights.demo import CORPUS
+from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.text.grammar import GrammarVocabulary, json_schema_grammar
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.structure import Structure
+from pipeline.llm.text.tool_calls import ReActReader, TaggedReader
 from studio.backends import load_language_model
 
 SCHEMA = {"type": "object", "properties": {

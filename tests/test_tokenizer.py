@@ -4,8 +4,8 @@ import base64
 
 import pytest
 
-from pipeline.llm.streaming import TextStream
-from pipeline.llm.tokenizer import HFTokenizer, QwenTiktokenTokenizer, load_tokenizer
+from pipeline.llm.text.streaming import TextStream
+from pipeline.llm.text.tokenizer import HFTokenizer, QwenTiktokenTokenizer, load_tokenizer
 
 TEXTS = {
     "english": "Hello, world! The quick brown fox jumps over the lazy dog.",

@@ -1,5 +1,5 @@
 """The two-kernel top-k/top-p sampler (`plugins/topk_sampling.py`) under Triton's interpreter against the
-reference sampler (`pipeline.llm.sampling.sample`): the same token for every row, with repetition
+reference sampler (`pipeline.llm.engine.sampling.sample`): the same token for every row, with repetition
 penalty, temperature, top-k, top-p and greedy rows mixed in one batch; ties go to the lower id. A small
 vocabulary and 256-entry blocks keep the interpreter's sorts short; `tests/test_gpu.py` checks the
 compiled kernels at Qwen's vocabulary."""
@@ -13,7 +13,7 @@ pytest.importorskip("triton", reason="Triton is not installed")
 SCRIPT = r'''
 import torch
 from plugins import topk_sampling
-from pipeline.llm.sampling import SamplingParams, sample, sampling_columns
+from pipeline.llm.engine.sampling import SamplingParams, sample, sampling_columns
 torch.manual_seed(0)
 vocab = 500
 kinds = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),

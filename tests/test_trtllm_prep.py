@@ -15,12 +15,12 @@ from engine_builder import trtllm
 from engine_builder.trtllm.build import build_settings
 from engine_builder.trtllm.checkpoint import write_trtllm_checkpoint
 from engine_builder.trtllm.prompt_table import content_id, prompt_table_input
-from pipeline.llm.checkpoint import load_decoder, read_config, read_tensors, to_internal
-from pipeline.llm.config import DecoderConfig
-from pipeline.llm.demo import demo_model_dir
-from pipeline.llm.engine_types import Prompt
-from pipeline.llm.families import TRTLLM_LAYOUT
-from pipeline.llm.tokenizer import load_tokenizer
+from pipeline.llm.weights.checkpoint import load_decoder, read_config, read_tensors, to_internal
+from pipeline.llm.weights.config import DecoderConfig
+from pipeline.llm.weights.demo import demo_model_dir
+from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.weights.families import TRTLLM_LAYOUT
+from pipeline.llm.text.tokenizer import load_tokenizer
 
 MANDATORY = {"architecture", "dtype", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
              "hidden_act"}
@@ -163,7 +163,7 @@ def test_the_runner_says_why_it_cannot_run(qwen2_demo, tmp_path):
     from studio.startup_report import StartupReport
     from engine_builder.cache import EngineBuildError, EngineCache
     from engine_builder.trtllm.engine import TrtLlmEngine
-    from pipeline.llm.engine import TorchLLMEngine
+    from pipeline.llm.engine.torch_engine import TorchLLMEngine
     from studio.backends import load_language_model
 
     reason = trtllm.unavailable()
@@ -185,7 +185,7 @@ def test_responses_reach_the_stream_as_the_torch_engine_delivers_them():
     """The runner's bookkeeping (no executor involved): tokens stream, a stop id ends the reply unsent,
     the executor's final response ends it with its reason."""
     from engine_builder.trtllm.engine import _Request
-    from pipeline.llm.engine_types import TokenStream
+    from pipeline.llm.engine.seam import TokenStream
 
     request = _Request(TokenStream(None, False), stop_ids={7}, submitted=0.0)
     assert not request.take([3, 4], None) and request.take([5, 7, 9], None)

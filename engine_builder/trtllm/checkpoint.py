@@ -27,9 +27,9 @@ import torch
 from safetensors.torch import save_file
 
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import from_internal, layout_of, read_config, read_tensors, to_internal
-from pipeline.llm.config import DecoderConfig
-from pipeline.llm.families import TRTLLM_LAYOUT
+from pipeline.llm.weights.checkpoint import from_internal, layout_of, read_config, read_tensors, to_internal
+from pipeline.llm.weights.config import DecoderConfig
+from pipeline.llm.weights.families import TRTLLM_LAYOUT
 
 # Our family → (TensorRT-LLM architecture, qwen_type)
 ARCHITECTURES = {"qwen": ("Qwen2ForCausalLM", "qwen2"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),

@@ -34,11 +34,11 @@ from engine_builder.trtllm.build import build_engine, build_settings
 from engine_builder.trtllm.checkpoint import DTYPES, engine_context, write_trtllm_checkpoint
 from engine_builder.trtllm.prompt_table import prompt_table_input
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import read_config
-from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine import TorchLLMEngine
-from pipeline.llm.engine_types import FinishReason, Prompt, TokenStream
-from pipeline.llm.sampling import SamplingParams
+from pipeline.llm.weights.checkpoint import read_config
+from pipeline.llm.weights.config import DecoderConfig
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.engine.seam import FinishReason, Prompt, TokenStream
+from pipeline.llm.engine.sampling import SamplingParams
 
 FINISH_REASONS = {"END_ID": FinishReason.STOP, "STOP_WORDS": FinishReason.STOP, "LENGTH": FinishReason.LENGTH,
                   "CANCELLED": FinishReason.CANCELLED, "TIMED_OUT": FinishReason.CANCELLED}

@@ -18,8 +18,8 @@ import hashlib
 import torch
 from torch import Tensor
 
-from pipeline.llm.config import DecoderConfig
-from pipeline.llm.engine_types import Prompt
+from pipeline.llm.weights.config import DecoderConfig
+from pipeline.llm.engine.seam import Prompt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,14 +14,14 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from pipeline.errors import UserError
-from pipeline.llm.engine_types import ChatEvent, ChatModel, FinishReason, LLMEngine, Prompt, TokenLogprob, TokenStream
-from pipeline.llm.grammar import GrammarVocabulary, json_schema_grammar
-from pipeline.llm.prompt import PromptFormat, chat_format, fit_prompt
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.streaming import TextStream
-from pipeline.llm.structure import Structure
-from pipeline.llm.tokenizer import Tokenizer
-from pipeline.llm.tool_calls import CallReader
+from pipeline.llm.engine.seam import ChatEvent, ChatModel, FinishReason, LLMEngine, Prompt, TokenLogprob, TokenStream
+from pipeline.llm.text.grammar import GrammarVocabulary, json_schema_grammar
+from pipeline.llm.text.prompt import PromptFormat, chat_format, fit_prompt
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.streaming import TextStream
+from pipeline.llm.text.structure import Structure
+from pipeline.llm.text.tokenizer import Tokenizer
+from pipeline.llm.text.tool_calls import CallReader
 
 
 class LanguageModel(ChatModel):

@@ -3,7 +3,7 @@
 gpt-fast style: plain modules, fused q/k/v and gate/up projections (one GEMM each instead of three
 and two). Family differences are switches on `DecoderConfig`: qkv bias, qk-norm, GQA, and Qwen v1's
 logn scaling and dynamic NTK. The model holds weights only: the KV cache and the rotary tables
-belong to the engine that schedules requests (`pipeline/llm/engine.py`) and come in as arguments,
+belong to the engine that schedules requests (`pipeline/llm/engine/torch_engine.py`) and come in as arguments,
 with a `Prefill` (one request's new tokens into one cache row) or a `Decode` (one token for each of
 the cache's first B rows, each at its own position).
 
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from pipeline.llm.config import DecoderConfig
+from pipeline.llm.weights.config import DecoderConfig
 from plugins.fused import FUSED, Kernels
 
 

@@ -20,10 +20,10 @@ from collections.abc import Iterator, Sequence
 import httpx
 
 from pipeline.errors import UserError
-from pipeline.llm.engine_types import ChatEvent, ChatModel, FinishReason, GenerationStats, TokenLogprob
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.structure import Structure
-from pipeline.llm.tool_calls import ToolCall
+from pipeline.llm.engine.seam import ChatEvent, ChatModel, FinishReason, GenerationStats, TokenLogprob
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.structure import Structure
+from pipeline.llm.text.tool_calls import ToolCall
 
 CONNECT_TIMEOUT_S = 10
 

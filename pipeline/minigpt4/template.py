@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pipeline.llm.engine_types import Prompt
-from pipeline.llm.tokenizer import Tokenizer
+from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.text.tokenizer import Tokenizer
 
 IMAGE = object()  # where `segments` puts the image
 PLACEHOLDER_ID = 0  # the id a prompt carries inside the image slot (never read: embeddings replace it)

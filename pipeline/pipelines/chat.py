@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 
-from pipeline.llm.engine_types import ChatEvent, ChatModel
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.structure import Structure
+from pipeline.llm.engine.seam import ChatEvent, ChatModel
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.structure import Structure
 
 
 class ChatPipeline:

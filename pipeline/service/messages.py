@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from pipeline.errors import UserError
-from pipeline.llm.prompt import ROLES
+from pipeline.llm.text.prompt import ROLES
 
 
 def text_of(content: object) -> str:

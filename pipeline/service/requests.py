@@ -7,10 +7,10 @@ import dataclasses
 
 import numpy as np
 
-from pipeline.llm.engine_types import GenerationStats, TokenLogprob
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.structure import Structure
-from pipeline.llm.tool_calls import ToolCall
+from pipeline.llm.engine.seam import GenerationStats, TokenLogprob
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.structure import Structure
+from pipeline.llm.text.tool_calls import ToolCall
 from pipeline.service.tools import Tool
 
 STOPPED = "Stopped: the reply so far is kept."

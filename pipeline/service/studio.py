@@ -23,8 +23,8 @@ import numpy as np
 
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.structure import Structure
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.structure import Structure
 from pipeline.models import ModelEntry
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of

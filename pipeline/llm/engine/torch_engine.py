@@ -1,5 +1,5 @@
 """The torch LLM engine: one thread that serves many chats at once behind the `LLMEngine` seam
-(`pipeline.llm.engine_types`).
+(`pipeline.llm.engine.seam`).
 
 `TorchLLMEngine` works like a serving engine (vLLM, TensorRT-LLM's executor): one engine thread runs
 continuous batching over four parts, each testable alone: the `Scheduler` (which requests wait, which
@@ -28,14 +28,14 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.cache_rows import CacheRows
-from pipeline.llm.engine_types import FinishReason, Prompt, TokenStream
-from pipeline.llm.grammar import Grammar
+from pipeline.llm.engine.cache_rows import CacheRows
+from pipeline.llm.engine.seam import FinishReason, Prompt, TokenStream
+from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.model import Decoder
-from pipeline.llm.model_runner import ModelRunner
-from pipeline.llm.sampler import Sampler, logprobs_of
-from pipeline.llm.sampling import Draws, InvalidSampling, SamplingParams
-from pipeline.llm.scheduler import Request, Scheduler
+from pipeline.llm.engine.model_runner import ModelRunner
+from pipeline.llm.engine.sampler import Sampler, logprobs_of
+from pipeline.llm.engine.sampling import Draws, InvalidSampling, SamplingParams
+from pipeline.llm.engine.scheduler import Request, Scheduler
 
 
 @dataclasses.dataclass

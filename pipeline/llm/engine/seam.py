@@ -20,10 +20,10 @@ from typing import Protocol
 
 from torch import Tensor
 
-from pipeline.llm.grammar import Grammar
-from pipeline.llm.sampling import SamplingParams
-from pipeline.llm.structure import Structure
-from pipeline.llm.tool_calls import ToolCall
+from pipeline.llm.text.grammar import Grammar
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.structure import Structure
+from pipeline.llm.text.tool_calls import ToolCall
 
 
 class FinishReason(enum.StrEnum):

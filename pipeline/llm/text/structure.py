@@ -1,6 +1,6 @@
 """What a request asks of a reply's form, in OpenAI's terms: tools it may (or must) call, and a JSON
 schema its content must follow. Checked once here, whichever front end sent it; the language model
-turns it into a prompt, a grammar and a reader of calls (`pipeline.llm.tool_calls`), and a remote
+turns it into a prompt, a grammar and a reader of calls (`pipeline.llm.text.tool_calls`), and a remote
 server (`--llm-endpoint`) gets the fields as they came.
 """
 

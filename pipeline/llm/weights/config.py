@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 from pipeline.errors import UserError
-from pipeline.llm.families import FAMILIES, QWEN_V1, family_of
-from pipeline.llm.quant_config import scheme_of
+from pipeline.llm.weights.families import FAMILIES, QWEN_V1, family_of
+from pipeline.llm.weights.quant_config import scheme_of
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.errors import UserError
-from pipeline.llm.quant import GROUP
+from pipeline.llm.weights.quant import GROUP
 
 GPTQ_ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format → what a stored zero lacks
 

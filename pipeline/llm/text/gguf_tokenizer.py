@@ -16,8 +16,8 @@ import json
 from typing import Any
 
 from pipeline.errors import UserError
-from pipeline.llm.gguf_file import GGUFModel
-from pipeline.llm.tokenizer import QWEN_PAT_STR
+from pipeline.llm.weights.gguf_file import GGUFModel
+from pipeline.llm.text.tokenizer import QWEN_PAT_STR
 
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = (r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""

@@ -20,13 +20,13 @@ import torch
 from filelock import FileLock
 
 from pipeline.files import atomic_folder
-from pipeline.llm.checkpoint import write_checkpoint_files
-from pipeline.llm.config import DecoderConfig
+from pipeline.llm.weights.checkpoint import write_checkpoint_files
+from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.model import Decoder
-from pipeline.llm.tokenizer import (ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, byte_level_alphabet,
+from pipeline.llm.text.tokenizer import (ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, byte_level_alphabet,
                                     write_tiktoken_ranks)
 
-CORPUS = Path(__file__).resolve().parents[2] / "assets" / "demo_corpus.txt"
+CORPUS = Path(__file__).resolve().parents[3] / "assets" / "demo_corpus.txt"
 BPE_VOCAB = 640
 SEED = 1234
 # Qwen2.5's way of writing tools (our own template, the same prompt layout): the functions as JSON in

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.tokenizer import Tokenizer
+from pipeline.llm.text.tokenizer import Tokenizer
 
 # A reply's JSON written as the models write it: one space after ':' and ',', no free whitespace runs
 # (a sampled model could otherwise pad a reply with whitespace until it runs out of tokens).

@@ -20,10 +20,10 @@ import threading
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.cache_rows import CacheRows
-from pipeline.llm.engine_types import Prompt, TokenStream
-from pipeline.llm.grammar import Grammar
-from pipeline.llm.sampling import Draws, SamplingParams
+from pipeline.llm.engine.cache_rows import CacheRows
+from pipeline.llm.engine.seam import Prompt, TokenStream
+from pipeline.llm.text.grammar import Grammar
+from pipeline.llm.engine.sampling import Draws, SamplingParams
 
 
 @dataclasses.dataclass(eq=False)

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.checkpoint import StateDict, build_decoder, layout_of, read_config, read_tensors, take, to_internal
+from pipeline.llm.weights.checkpoint import StateDict, build_decoder, layout_of, read_config, read_tensors, take, to_internal
 from pipeline.llm.model import Decoder
-from pipeline.llm.quant import GROUP, HEAD_MODE, pack_int4, quantize
-from pipeline.llm.quant_config import Scheme, scheme_of
+from pipeline.llm.weights.quant import GROUP, HEAD_MODE, pack_int4, quantize
+from pipeline.llm.weights.quant_config import Scheme, scheme_of
 from pipeline.weights_io import read_json
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output (of 8) each nibble of an AWQ word holds

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
-from pipeline.llm.engine_types import Prompt
+from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.model import Decode, Decoder, KVCache, Prefill, RotaryTables
 
 GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this

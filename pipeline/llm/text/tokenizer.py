@@ -16,7 +16,7 @@ from pathlib import Path
 import tiktoken
 
 from pipeline.errors import UserError
-from pipeline.llm.chat_template import ChatTemplate
+from pipeline.llm.text.chat_template import ChatTemplate
 
 # Qwen v1 (tokenization_qwen.py): pre-tokenizer pattern and special tokens, numbered right after
 # the mergeable ranks (151643 of them in qwen.tiktoken, so <|endoftext|> is 151643).
@@ -190,7 +190,7 @@ def _chat_template_source(folder: Path, config: dict) -> str | None:
 class HFTokenizer(ByteTableTokenizer):
     """A `tokenizer.json` (the `tokenizers` library, as transformers' fast tokenizers run it) with a
     byte-level (Qwen2/3) or byte-fallback (LLaMA) vocabulary, its `tokenizer_config.json` special
-    tokens, and its chat template (`pipeline.llm.chat_template`). transformers is not imported: it is
+    tokens, and its chat template (`pipeline.llm.text.chat_template`). transformers is not imported: it is
     the slowest import of a launch."""
 
     def __init__(self, folder: Path):

@@ -21,11 +21,11 @@ from tqdm.auto import tqdm
 
 from pipeline.errors import UserError
 from pipeline.files import atomic_folder
-from pipeline.llm.config import CONFIG_WRITERS, DecoderConfig, config_from_hf
-from pipeline.llm.families import QWEN_V1, Layout, family_of
-from pipeline.llm.gguf_file import hf_tensors, read_gguf
+from pipeline.llm.weights.config import CONFIG_WRITERS, DecoderConfig, config_from_hf
+from pipeline.llm.weights.families import QWEN_V1, Layout, family_of
+from pipeline.llm.weights.gguf_file import hf_tensors, read_gguf
 from pipeline.llm.model import Decoder
-from pipeline.llm.quant import empty_quantized
+from pipeline.llm.weights.quant import empty_quantized
 from pipeline.weights_io import read_json, read_weight_file
 
 StateDict = dict[str, Tensor]
@@ -231,7 +231,7 @@ def convert_qwen_v1_to_hf(src: Path, dst: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pipeline.llm.checkpoint QWEN_V1_FOLDER OUT_FOLDER`: the Qwen2-format copy that
+    """`python -m pipeline.llm.weights.checkpoint QWEN_V1_FOLDER OUT_FOLDER`: the Qwen2-format copy that
     `trtllm-serve`, vLLM and transformers read (the README's multi-GPU recipe)."""
     import argparse
 

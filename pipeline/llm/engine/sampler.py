@@ -4,7 +4,7 @@ Its inputs are a step's logits and the requests in consecutive cache rows; in or
 request's `logit_bias` row (made once when the request starts), its grammar mask (made on the host
 while the GPU runs the forward pass, uploaded in one asynchronous copy), its penalties (the per-row
 `seen` mask and reply `counts`, kept beside the cache rows so that they move with them) and the draw
-(`pipeline.llm.sampling.sample`, fed one uniform number per row from the request's own random
+(`pipeline.llm.engine.sampling.sample`, fed one uniform number per row from the request's own random
 stream), and reports log-probabilities of the model's own logits where a request asks for them.
 The numbers a draw reads go up through pinned buffers in pairs (one step may be queued while the
 next is prepared), so the host never waits for the GPU here.
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from pipeline.llm.cache_rows import CacheRows
-from pipeline.llm.grammar import apply_masks, bitmask_words, fill_masks
-from pipeline.llm.sampling import COLUMNS, SamplingParams, counts_penalized, sample, sampling_columns
-from pipeline.llm.scheduler import Request
+from pipeline.llm.engine.cache_rows import CacheRows
+from pipeline.llm.text.grammar import apply_masks, bitmask_words, fill_masks
+from pipeline.llm.engine.sampling import COLUMNS, SamplingParams, counts_penalized, sample, sampling_columns
+from pipeline.llm.engine.scheduler import Request
 
 
 class Sampler:

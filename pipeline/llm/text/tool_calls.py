@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Sequence
 from typing import Protocol
 
-from pipeline.llm.grammar import lark_json
+from pipeline.llm.text.grammar import lark_json
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

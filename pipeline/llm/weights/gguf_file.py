@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.gguf_quants import SUPPORTED, dequantize
+from pipeline.llm.weights.gguf_quants import SUPPORTED, dequantize
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pipeline.errors import UserError
-from pipeline.llm.engine_types import Prompt
-from pipeline.llm.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
-from pipeline.llm.tool_calls import ReActCalls, TaggedCalls, TaggedCallsInMessages
+from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.text.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
+from pipeline.llm.text.tool_calls import ReActCalls, TaggedCalls, TaggedCallsInMessages
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from pipeline.llm.tokenizer import Tokenizer
+from pipeline.llm.text.tokenizer import Tokenizer
 
 
 class TextStream:
