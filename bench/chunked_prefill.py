@@ -2,7 +2,7 @@
 
 Qwen2.5-7B shapes, random bf16 weights (`llm_engine.random_qwen25_7b`), through `TorchLLMEngine` as
 the app runs it (CUDA graphs, continuous batching, the pipelined decode step). Per mode (the prompt
-read in chunks under a per-step budget of 256, 384 and 512 tokens, the engine's default, and whole
+read in chunks under a per-step budget of 256 tokens (the engine's default), 384 and 512, and whole
 at once) on a fresh engine, after one untimed run of the same shapes that captures the graphs
 (other prompts: nothing is reused):
 

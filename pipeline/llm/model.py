@@ -171,6 +171,20 @@ class Prefill:
 
 
 @dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A prompt chunk of cache row `row` [1] at positions `start` [1].. with rotary table `table` [1],
+    all tensors, attending to the row's first `kv_len` positions (a mask hides those past each query):
+    its shapes stay the same from chunk to chunk, so a CUDA graph replays it. `positions` [T] are made
+    by the decoder."""
+
+    row: Tensor
+    start: Tensor
+    table: Tensor
+    kv_len: int
+    positions: Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Decode:
     """One token for each cache row 0..B-1, at `positions` [B], with rotary `tables` [B]; attention
     reads at most the first `kv_len` positions of each row, and of row b its first positions[b] + 1
@@ -182,7 +196,7 @@ class Decode:
     lengths: Tensor | None = None
 
 
-Step = Prefill | Decode
+Step = Prefill | Chunk | Decode
 
 
 class Attention(nn.Module):
@@ -196,12 +210,13 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: CausalBias | None,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: CausalBias | Tensor | None,
                 k_cache: Tensor, v_cache: Tensor, step: Step) -> Tensor:
         """`k_cache`/`v_cache` are this layer's [rows, kv_heads, max_seq, head_dim]. For a prefill, `mask`
         None means a fresh one (positions 0..T-1): plain causal attention; else the causal mask aligned
         to the last key (a chunk after cached positions), which SDPA's flash kernel takes as it is, grouped
-        KV heads included; a decode step masks by its rows' positions itself."""
+        KV heads included. A `Chunk`'s mask is a boolean [T, kv_len] (positions given as tensors); a
+        decode step masks by its rows' positions itself."""
         c = self.config
         bsz, seqlen, _ = x.shape
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
@@ -216,6 +231,14 @@ class Attention(nn.Module):
             k_cache[step.row, :, step.start:end] = k[0].transpose(0, 1)
             v_cache[step.row, :, step.start:end] = v[0].transpose(0, 1)
             keys, values = k_cache[step.row:step.row + 1, :, :end], v_cache[step.row:step.row + 1, :, :end]
+        elif isinstance(step, Chunk):
+            q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
+            k_cache[step.row, :, step.positions] = k[0]
+            v_cache[step.row, :, step.positions] = v[0]
+            keys = k_cache[:, :, :step.kv_len].index_select(0, step.row)
+            values = v_cache[:, :, :step.kv_len].index_select(0, step.row)
+            if logn is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+                return self.wo(_flash_chunk(q[0], keys[0], values[0], step).reshape(bsz, seqlen, c.q_size))
         else:
             q = self.kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, step.positions)
         if logn is not None:
@@ -223,8 +246,21 @@ class Attention(nn.Module):
         if isinstance(step, Decode):  # each row's own valid positions, read in place
             return self.wo(self.kernels.decode_attention(q[:, 0], k_cache, v_cache, step.lengths, step.kv_len)[:, None])
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=c.num_heads != c.num_kv_heads)
+                                           enable_gqa=keys.shape[1] != c.num_heads)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, c.q_size))
+
+
+def _flash_chunk(q: Tensor, keys: Tensor, values: Tensor, step: Chunk) -> Tensor:
+    """A chunk's attention [T, heads, head_dim] by FlashAttention's variable-length kernel: the key count
+    (the chunk's end) is read from the device, so the shapes stay fixed under a CUDA graph, and the
+    causal mask is aligned to the last key, grouped KV heads read as they are (SDPA's flash takes no
+    key count, and its masked kernels run several times slower here)."""
+    seqlen, dev = q.shape[0], q.device
+    cum_q = torch.arange(2, device=dev, dtype=torch.int32) * seqlen
+    cum_k = torch.cat([torch.zeros(1, device=dev, dtype=torch.int32), (step.start + seqlen).to(torch.int32)])
+    return torch.ops.aten._flash_attention_forward(q, keys.transpose(0, 1), values.transpose(0, 1), cum_q, cum_k,
+                                                   seqlen, step.kv_len, 0.0, True, False,
+                                                   scale=q.shape[-1] ** -0.5)[0]
 
 
 class FeedForward(nn.Module):
@@ -272,12 +308,13 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, cache: KVCache, rope: RotaryTables, step: Step, tokens: Tensor | None = None,
-                embeds: Tensor | None = None, last_only: bool = True, logits: bool = True) -> Tensor | None:
+                embeds: Tensor | None = None, last_only: bool = True, logits: bool = True,
+                last: Tensor | None = None) -> Tensor | None:
         """Logits for `tokens` [B, T] (or ready-made `embeds` [B, T, hidden]) placed as `step` says.
 
-        A `Prefill` is one row (B = 1) of T tokens; `last_only` skips the LM head for all but its
-        last position, and `logits` False skips it altogether (a prompt chunk before the last only
-        writes the cache). A `Decode` is one token (T = 1) for each of cache rows 0..B-1.
+        A `Prefill` or a `Chunk` is one row (B = 1) of T tokens; `last_only` skips the LM head for all
+        but its last position, and `logits` False skips it altogether (a prompt chunk before the last
+        only writes the cache). A `Decode` is one token (T = 1) for each of cache rows 0..B-1.
         """
         x = self.embed(tokens) if embeds is None else embeds
         bsz, seqlen = x.shape[:2]
@@ -285,6 +322,11 @@ class Decoder(nn.Module):
             positions = torch.arange(step.start, step.start + seqlen, device=x.device)[None]
             cos, sin = rope.cos[step.table, positions], rope.sin[step.table, positions]
             mask = None if step.start == 0 else causal_lower_right(seqlen, step.start + seqlen)
+        elif isinstance(step, Chunk):
+            step = dataclasses.replace(step, positions=step.start + torch.arange(seqlen, device=x.device))
+            positions = step.positions[None]
+            cos, sin = rope.cos[step.table[:, None], positions], rope.sin[step.table[:, None], positions]
+            mask = torch.arange(step.kv_len, device=x.device)[None] <= step.positions[:, None]
         else:  # the decode attention masks each row by its own length
             step = dataclasses.replace(step, lengths=step.positions + 1)
             positions = step.positions[:, None]
@@ -296,6 +338,8 @@ class Decoder(nn.Module):
             x, delta = layer(x, delta, cos, sin, logn, mask, cache.k[i], cache.v[i], step)
         if not logits:
             return None
-        if last_only:
+        if last is not None:
+            x, delta = x.index_select(1, last), delta.index_select(1, last)
+        elif last_only:
             x, delta = x[:, -1:].contiguous(), delta[:, -1:].contiguous()
         return self.lm_head(self.norm.add(x, delta)[1])

@@ -14,12 +14,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.engine.seam import Prompt
-from pipeline.llm.model import Decode, Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.model import Chunk, Decode, Decoder, KVCache, Prefill, RotaryTables
 
 GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
 # turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CHUNK_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # a `Chunk` off FlashAttention has a mask
+MAX_GRAPHED_CHUNK = 512  # longer prompt reads (a lone prompt, read whole) run eagerly: a graph per length would not pay
 
 
 def pow2_at_least(n: int) -> int:
@@ -56,11 +58,16 @@ class ModelRunner:
         self.model = self.rope = None
 
     def prefill(self, cache: KVCache, prompt: Prompt, row: int, start: int, end: int, table: int,
-                logits: bool = True) -> Tensor | None:
+                logits: bool = True, graphed: bool = False) -> Tensor | None:
         """Write `prompt`'s positions start..end-1 into cache row `row` (a chunk of it, or all that a cached
         prefix leaves: an image slot may begin before `start` or end after `end`); the chunk's last
         position's logits where asked for (a prompt's last chunk), else None. The ids go up from pinned
-        memory without waiting for the GPU: a chunk queues behind the decode step in flight."""
+        memory without waiting for the GPU: a chunk queues behind the decode step in flight. `graphed`:
+        a chunk read while other requests decode, which must not keep them waiting on the host
+        (`_chunk`)."""
+        if graphed and end - start <= MAX_GRAPHED_CHUNK and start + pow2_at_least(end - start) <= self.scratch + 1 \
+                and not any(slot < end and start < slot + length for slot, length in prompt.slots):
+            return self._chunk(cache, prompt.ids[start:end], row, start, table, logits)
         ids = torch.tensor([prompt.ids[start:end]], dtype=torch.long, pin_memory=self._pinned)
         ids = ids.to(self.device, non_blocking=True)
         embeds = None
@@ -77,6 +84,37 @@ class ModelRunner:
         with sdpa_kernel(PREFILL_ATTENTION):
             out = self.model(cache, self.rope, Prefill(row, start, table), tokens=ids, embeds=embeds, logits=logits)
         return out[0, -1, :self.vocab_size] if logits else None
+
+    def _chunk(self, cache: KVCache, ids: tuple[int, ...], row: int, start: int, table: int,
+               logits: bool) -> Tensor | None:
+        """A prompt chunk (no image slot) as a `Chunk` step: its ids padded to a power of two, with row,
+        start, table and last real position in one tensor, its keys read up to a power of two, so on a
+        GPU one captured graph per (length, key length, logits) replays it. The padding's cache entries
+        lie past the prompt, where nothing reads before a decode step writes them. Launched eagerly, a
+        chunk costs 13–25 ms of host time on an H100 machine, more than the GPU takes for it
+        (bench/chunked_prefill.py): the running chats' next token would wait for the host."""
+        n, size = len(ids), pow2_at_least(len(ids))
+        host = torch.tensor([*ids, *[0] * (size - n), row, start, table, n - 1], dtype=torch.long,
+                            pin_memory=self._pinned)
+        packed = host.to(self.device, non_blocking=True)
+        kv_len = min(pow2_at_least(start + size), self.scratch + 1)
+
+        def step(inputs: Tensor) -> Tensor | None:
+            chunk = Chunk(inputs[size:size + 1], inputs[size + 1:size + 2], inputs[size + 2:size + 3], kv_len)
+            with sdpa_kernel(CHUNK_ATTENTION):
+                return self.model(cache, self.rope, chunk, tokens=inputs[None, :size], logits=logits,
+                                  last=inputs[size + 3:size + 4])
+
+        if not self.use_cuda_graphs:
+            out = step(packed)
+        else:
+            key = (-size, kv_len, logits)  # apart from the decode graphs' (batch, kv_len) keys
+            if key not in self._graphs:
+                self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
+            graph = self._graphs[key]
+            graph.inputs[0].copy_(packed)
+            out = graph.replay()
+        return out[0, -1, :self.vocab_size].clone() if logits else None  # the graph's buffer is reused
 
     def decode(self, cache: KVCache, n: int, rows: tuple[list[int], list[int], list[int]] | None,
                chained: Tensor | None, kv_len: int) -> Tensor:

@@ -60,14 +60,14 @@ class TorchLLMEngine:
     idle sessions' turns for reuse. Decode steps replay a CUDA graph per (batch bucket, context
     bucket) on a GPU and run eagerly on the CPU. `prefill_chunk`: each step's token budget while
     requests run, shared by their decodes and the prompt chunks of joining ones (None or 0: a joining
-    prompt is read whole at once, stalling the running requests meanwhile). With 512, while a 4,000-token
-    prompt joins 7 chats at Qwen2.5-7B's shapes on an H100, a running chat waits at most ~3.6 decode
-    steps for a token instead of ~16, and the prompt's first token comes in ~170 ms instead of ~110
-    (`bench/chunked_prefill.py`; smaller chunks cost their launches on the host).
+    prompt is read whole at once, stalling the running requests meanwhile). With 256, while a 4,000-token
+    prompt joins 7 chats at Qwen2.5-7B's shapes on an H100, a running chat waits at most ~3 decode steps
+    for a token instead of ~14, and the prompt's first token comes in ~290 ms instead of ~110
+    (`bench/chunked_prefill.py`; on a GPU the chunks replay CUDA graphs, `ModelRunner._chunk`).
     """
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
-                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 512):
+                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 256):
         if max_batch < 1 or max_batch & (max_batch - 1):
             raise ValueError(f"max_batch must be a power of two, got {max_batch}")
         c = model.config
@@ -189,7 +189,7 @@ class TorchLLMEngine:
         joins the running ones."""
         last = end == len(request.sig)
         logits = self.runner.prefill(self.rows.kv, request.prompt, request.row, request.position, end,
-                                     request.table, logits=last)
+                                     request.table, logits=last, graphed=bool(self.scheduler.running))
         self.prefilled_tokens += end - request.position
         request.position = self.rows[request.row].written = end
         if not last:
