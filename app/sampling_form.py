@@ -14,7 +14,7 @@ from pipeline.llm.engine.sampling import LIMITS, SamplingParams
 
 # The settings the page shows (the API takes every field); labels and slider steps are the page's own words.
 LABELS = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p", "top_k": "Top-k (0 = off)",
-          "repetition_penalty": "Repetition penalty", "max_new_tokens": "Max new tokens", "seed": "Seed (empty = random)"}
+          "repetition_penalty": "Repetition penalty", "max_new_tokens": "Max new tokens", "seed": "Seed (-1 = random)"}
 STEPS = {"temperature": 0.05, "top_p": 0.05, "top_k": 1, "repetition_penalty": 0.01, "max_new_tokens": 1}
 UI_MAX = {"max_new_tokens": 4096}  # a slider's usable span; typing a larger value in its box still works
 SHOWN = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name in LABELS)
@@ -35,8 +35,9 @@ class SamplingForm:
                     low = limit.low + (STEPS[name] if limit.low_open else 0)
                     self.controls[name] = gr.Slider(low, UI_MAX.get(name, limit.high), value=getattr(start, name),
                                                     step=STEPS[name], label=LABELS[name], elem_id=element)
-                else:
-                    self.controls[name] = gr.Number(getattr(start, name), precision=0, label=LABELS[name],
+                else:  # the seed: None (random) shows as -1, which `from_values` reads back as None
+                    value = getattr(start, name)
+                    self.controls[name] = gr.Number(-1 if value is None else value, precision=0, label=LABELS[name],
                                                     elem_id=element)
 
     @property
