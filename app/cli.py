@@ -28,6 +28,14 @@ from studio.compose import build, run as run_studio
 from studio.config import StudioConfig
 from studio.plan import Plan
 
+DESCRIPTION = ("The AI Studio terminal chat: the app's chat model and options, no browser. Type a message to get a "
+               "reply; Ctrl+C stops a reply.\n\nCommands:\n  /reset             a new conversation\n"
+               "  /system TEXT       the system prompt (a new conversation)\n"
+               "  /image PATH        talk about a picture (image chat) until /reset\n"
+               "  /regenerate        your last message answered again\n"
+               "  /edit TEXT         your last message replaced with TEXT, and answered\n"
+               "  /set SETTING VALUE a sampling setting, e.g. /set temperature 0\n"
+               "  /help · /exit")
 HELP = ("commands: /reset · /system TEXT · /image PATH · /regenerate · /edit TEXT · /set SETTING VALUE "
         "(e.g. /set temperature 0) · /help · /exit")
 
@@ -153,14 +161,14 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.cli` or `python launch.py chat`, with the app's options: the chat tool, then the chat."""
-    return run_studio(sys.argv[1:] if argv is None else argv, chat_in_terminal)
+    return run_studio(sys.argv[1:] if argv is None else argv, chat_in_terminal, DESCRIPTION, "launch.py chat")
 
 
 def chat_in_terminal(config: StudioConfig, plan: Plan) -> int:
     """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
-    service = build(config, plan, echo=False, say=_status)
+    service = build(config, plan, echo=False, say=_status, shown=(Tool.CHAT,))
     try:
-        service.load(Tool.CHAT, _status)
+        service.load(Tool.CHAT)  # its progress reaches `_status` once, as the tool host's
         return run(TerminalChat(service))
     finally:
         service.close()

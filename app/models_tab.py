@@ -12,10 +12,35 @@ import gradio as gr
 from app.errors import shown_to_user
 from pipeline.progress import lines_of
 from pipeline.service.studio import StudioService
+from pipeline.models import ModelEntry
 from pipeline.service.tools import Tool, size_text
 
 COLUMNS = ["Model", "Kind", "Family", "Parameters", "GGUF type", "On disk", "Runs as", "GPU memory", "Fits", "Where",
            "In use by"]
+GPU_COLUMNS = ("GPU memory", "Fits")  # shown only where there is a GPU budget to fit
+
+
+def count_text(n: int | None) -> str:
+    """A parameter count as people write it: 0.2 M, 135 M, 7.6 B."""
+    if not n:
+        return ""
+    value, unit = (n / 1e9, "B") if n >= 1e9 else (n / 1e6, "M")
+    return f"{value:.2g} {unit}" if value < 10 else f"{value:.0f} {unit}"
+
+
+def model_table(entries: list[ModelEntry], budget: int | None, using: dict[Tool, str | None]) -> tuple[list, list]:
+    """(the columns, a row per model); the GPU columns only with a budget (a GPU: on the CPU there is none)."""
+    rows = []
+    for e in entries:
+        fits = e.fits(budget)
+        rows.append([e.id, e.kind, e.family, count_text(e.params), e.quant, size_text(e.disk_bytes) if e.path else "",
+                     e.precision, size_text(e.gpu_bytes) if e.gpu_bytes is not None else "",
+                     "yes" if fits else f"no ({size_text(budget)} budget)" if fits is not None else "",
+                     e.source, ", ".join(t for t, m in using.items() if m in (e.id, str(e.path))) or ""])
+    if budget is None:
+        keep = [i for i, column in enumerate(COLUMNS) if column not in GPU_COLUMNS]
+        return [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in rows]
+    return COLUMNS, rows
 SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat LLM"), (Tool.SEGMENT, "Segment (SAM)"))
 
 
@@ -24,18 +49,9 @@ def build_models_tab(service: StudioService) -> dict:
     catalog = service.catalog
     downloads: dict[str, threading.Event] = {}  # a session's download in progress, to cancel
 
-    def table() -> list[list]:
-        budget = catalog.budget
-        using = {tool: catalog.current(tool) for tool, _ in SWITCHES}
-        rows = []
-        for e in catalog.models():
-            fits = e.fits(budget)
-            rows.append([e.id, e.kind, e.family, f"{e.params / 1e9:.2f} B" if e.params else "", e.quant,
-                         size_text(e.disk_bytes), e.precision,
-                         size_text(e.gpu_bytes) if e.gpu_bytes is not None else "",
-                         "no limit" if fits is None else "yes" if fits else f"no ({size_text(budget)} budget)",
-                         e.source, ", ".join(t for t, m in using.items() if m in (e.id, str(e.path))) or ""])
-        return rows
+    def table() -> gr.Dataframe:
+        headers, rows = model_table(catalog.models(), catalog.budget, {t: catalog.current(t) for t, _ in SWITCHES})
+        return gr.Dataframe(rows, headers=headers)
 
     def refresh() -> tuple:
         entries = catalog.refresh()  # the tab opened, or a switch, download or delete ended: look again
@@ -83,7 +99,7 @@ def build_models_tab(service: StudioService) -> dict:
                 "comes with the app and the weights behind cached engines; a GGUF file is listed as "
                 "`owner/repo:TAG` (its quantization) or by its path. A switch loads the new model now; replies "
                 "already streaming finish on the old one.")
-    models = gr.Dataframe(headers=COLUMNS, value=table, interactive=False, elem_id="models-table", wrap=True)
+    models = gr.Dataframe(interactive=False, elem_id="models-table", wrap=True)
     status = gr.Markdown("", elem_id="models-status")
     pickers, buttons = [], []
     with gr.Row():

@@ -146,13 +146,23 @@ def render_candidates(s: SegmentSession, small: np.ndarray) -> list[tuple[np.nda
         return []
     masks = s.prediction.mask_tensor
     small_masks, canvas = shrink(masks, small), to_device(small, masks.device)
-    return [(render_overlay(canvas, m, device=masks.device), f"{'✓ ' if i == s.chosen else ''}#{i + 1} · IoU {score:.2f}")
+    return [(render_overlay(canvas, m, device=masks.device),
+             f"{'✓ ' if i == s.chosen else ''}#{i + 1} · quality {quality(score):.2f}")
             for i, (m, score) in enumerate(zip(small_masks, s.prediction.scores))]
 
 
+def quality(score: float) -> float:
+    """SAM's predicted IoU as a 0–1 quality: the raw value can run past either end (−0.9 reads as an error);
+    the API keeps the raw scores."""
+    return min(max(float(score), 0.0), 1.0)
+
+
 def status_line(s: SegmentSession) -> str:
-    """What the user has prompted, and what their own session cost."""
+    """What the user has prompted (and why there is nothing to download, where the chosen mask is
+    empty), and what their own session cost."""
     st, n = s.stats, len(s.prompts.points)
-    return (f"{n} point{'' if n == 1 else 's'}{' + box' if s.prompts.box is not None else ''} · "
+    empty = " · the chosen mask is empty: nothing to download or ask about" if s.mask is not None and \
+        not s.mask.any() else ""
+    return (f"{n} point{'' if n == 1 else 's'}{' + box' if s.prompts.box is not None else ''}{empty} · "
             f"encoder runs {st.encoder_runs} (last {st.last_encoder_ms:.0f} ms), cached embeddings reused "
             f"{st.cache_hits}× · decoder {st.last_decoder_ms:.1f} ms")

@@ -48,7 +48,7 @@ def _render(t: TabState):
     full-size mask PNG is made only when the user downloads (a 12 MP one costs ~0.15 s, not per click)."""
     s = t.session
     return (render_session(s, s.display_copy(t.display), t.scale, s.device), t, render_candidates(s, t.small),
-            gr.Button(interactive=s.prediction is not None), status_line(s))
+            gr.Button(interactive=s.mask is not None and bool(s.mask.any())), status_line(s))
 
 
 @dataclasses.dataclass
@@ -118,7 +118,7 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
             n, demo = session.pipeline.everything_grid, session.pipeline.is_demo
         found = (f"{len(masks)} masks found from a {n}×{n} grid of points" if masks else
                  "no confident, stable masks found" + (" (the demo SAM has random weights)" if demo else ""))
-        return (render_everything(t.display, masks),
+        return (render_everything(t.display, masks), [], gr.Button(interactive=False),  # no stale candidates
                 f"Segment everything: {found}. Click the image to go back to prompting.")
 
     state = gr.State(None, time_to_live=3600)  # a session idle for an hour lets go of its photo and embeddings
@@ -153,7 +153,7 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
     undo.click(on_undo, [state, multimask], outputs, api_visibility="private")
     clear.click(on_clear, state, outputs, api_visibility="private")
     gallery.select(on_choose, state, outputs, api_visibility="private")
-    everything.click(on_everything, state, [canvas, status], api_visibility="private")
+    everything.click(on_everything, state, [canvas, gallery, download, status], api_visibility="private")
 
     @shown_to_user
     def on_download(t: TabState | None) -> str:
@@ -161,6 +161,8 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
         with session_of(t, missing) as session:
             if session.mask is None:
                 raise UserError(missing)
+            if not session.mask.any():
+                raise UserError("the chosen mask is empty: click on the object again, or pick another candidate")
             return _write_png(mask_png(session.full_mask()))
 
     download_on_click(download, on_download, state, "segment-mask-file")

@@ -74,10 +74,14 @@ class Sidebar:
         store = service.store
 
         def listing(query: str, current: int, request: gr.Request) -> gr.Radio:
-            """This user's conversations of `tool`, newest first, or those whose messages hold every word of `query`."""
+            """This user's conversations of `tool`, newest first, or those whose title or messages hold every
+            word of `query` (saying so when none does)."""
             user = user_of(request)
-            found = store.search(user, query) if query and query.strip() else store.list(user, tool)
-            return gr.Radio(choices=[(c["title"] or NEW_TITLE, c["id"]) for c in found if c["tool"] == tool],
+            searching = bool(query and query.strip())
+            found = [c for c in (store.search(user, query) if searching else store.list(user, tool))
+                     if c["tool"] == tool]
+            label = f"No conversations match “{query.strip()}”" if searching and not found else "Conversations"
+            return gr.Radio(choices=[(c["title"] or NEW_TITLE, c["id"]) for c in found], label=label,
                             value=current if current != NO_CONVERSATION else None)
 
         def opened(conversation: int, request: gr.Request) -> tuple:
@@ -144,7 +148,8 @@ class Sidebar:
                        **private).then(**relist)
         self.conversations.input(open_conversation, [self.conversations], [*view, current, title], **private)
         self.search.change(**relist)
-        self.rename.click(rename, [current, title], None, **private).success(**relist)
+        for renaming in (self.rename.click, self.title.submit):  # the button, or Enter in the title box
+            renaming(rename, [current, title], None, **private).success(**relist)
         self.delete.click(delete, [current], [*view, current, title, status], **private).success(**relist)
         download_on_click(self.export_one, export, [current], f"{self.prefix}-export-one")
         download_on_click(self.export_all, export_all, None, f"{self.prefix}-export-all")

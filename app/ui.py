@@ -6,6 +6,7 @@ import secrets
 from pathlib import Path
 
 import gradio as gr
+import torch
 
 from app.chat_tab import build_chat_tab
 from app.downloads import KEEP_FILES_S
@@ -46,6 +47,11 @@ def browser_storage_secret() -> str:
     return path.read_text().strip()
 
 
+def heading(device: torch.device) -> str:
+    """The page's title, saying where the tools run (a laptop user reads "GPU" as something missing)."""
+    return f"## AI Studio — chat, image chat and segmentation on this machine's {'GPU' if device.type == 'cuda' else 'CPU'}"
+
+
 def tools_line(service: StudioService) -> str:
     """One line per tool: what it is when loaded, else whether it is waiting for its first use."""
     return "\n".join(f"- **{name}**: {state}" + (f" · {description}" if description else "")
@@ -62,7 +68,7 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
     `keep_files_s` after they were made."""
     sweep = max(1, min(600, keep_files_s // 2))
     with gr.Blocks(title="AI Studio", delete_cache=(sweep, keep_files_s)) as demo:
-        gr.Markdown("## AI Studio — chat, image chat and segmentation on your own GPU")
+        gr.Markdown(heading(service.host.device), elem_id="heading")
         if service.is_demo(Tool.CHAT):
             gr.Markdown(DEMO_WARNING)
         elif service.notice(Tool.CHAT):

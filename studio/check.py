@@ -74,4 +74,5 @@ def models_line(config: StudioConfig, plan: Plan) -> str:
 
 def check_report(config: StudioConfig, plan: Plan) -> str:
     return "\n".join([f"AI Studio would run {plan.model_id} on {plan.device}/{plan.dtype}"]
-                     + [f"  - {n}" for n in (*plan.notes, *check_engines(config, plan), models_line(config, plan))])
+                     + [f"  - {n}" for n in (*(note for _, note in plan.notes), *check_engines(config, plan),
+                                            models_line(config, plan))])

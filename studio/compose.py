@@ -10,7 +10,7 @@ imports `launch`. Process-wide settings are made in one place, `configure_proces
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import numpy as np
@@ -134,14 +134,16 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                      is_demo=plan.sam == SAM_DEMO)]
 
 
-def build(config: StudioConfig, plan: Plan, echo: bool = True, say: Callable[[str], None] | None = None) -> StudioService:
+def build(config: StudioConfig, plan: Plan, echo: bool = True, say: Callable[[str], None] | None = None,
+          shown: Collection[Tool] = tuple(Tool)) -> StudioService:
     """The studio service for `plan`, every tool added to its host (none loaded yet), its start-up
     report the engines' report. `echo`: the report prints its lines (the browser app); `say`: where
-    lines go instead."""
+    lines go instead; `shown`: the tools whose plan notes are said (what the front end offers up front)."""
     engines = engine_options(config, echo=echo)
     say = say or engines.report.say
-    for note in plan.notes:
-        say(note)
+    for tool, note in plan.notes:
+        if tool is None or tool in shown:
+            say(note)
     budget = budget_of(config, plan.device)
     host = ToolHost(torch.device(plan.device), budget, say)
     say("memory budget: " + (f"{budget / GIB:.1f} GiB; tools load on first use and the least recently used idle "
@@ -160,11 +162,13 @@ def build(config: StudioConfig, plan: Plan, echo: bool = True, say: Callable[[st
                          catalog=ModelCatalog(config, plan, host, finder, respec, say))
 
 
-def run(argv: list[str], start: Callable[[StudioConfig, Plan], int]) -> int:
-    """A front end's `main`: read the configuration, plan, answer `--check`, then `start(config, plan)`;
-    a `UserError` ends in one line (exit 2), Ctrl+C quietly (130)."""
+def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,
+        prog: str | None = None) -> int:
+    """A front end's `main`: read the configuration (`description` and `prog` head its --help), plan,
+    answer `--check`, then `start(config, plan)`; a `UserError` ends in one line (exit 2), Ctrl+C
+    quietly (130)."""
     try:
-        config = parse_config(argv)
+        config = parse_config(argv, description, prog)
         plan = make_plan(config)
         if config.check:
             print(check_report(config, plan))

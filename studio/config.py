@@ -70,8 +70,9 @@ class StudioConfig:
         return self.minigpt4_ckpt is not None
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="AI Studio: local chat, image chat and segmentation.")
+def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog, description=description or "AI Studio: local chat, image chat and segmentation.",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), a hub GGUF repo and tag "
@@ -134,9 +135,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str]) -> StudioConfig:
-    """The configuration the command line `argv` asks for, or a `UserError` naming the wrong option."""
-    values = vars(_parser().parse_args(argv))
+def parse_config(argv: list[str], description: str | None = None, prog: str | None = None) -> StudioConfig:
+    """The configuration the command line `argv` asks for, or a `UserError` naming the wrong option;
+    `description` and `prog` head `--help` (a front end's own: the terminal chat's)."""
+    values = vars(_parser(description, prog).parse_args(argv))
     overrides = tuple((tool, b) for tool in Tool if (b := values.pop(f"{tool.flag.replace('-', '_')}_backend")))
     auth = tuple(_user(entry) for entry in values.pop("auth") or ())
     config = StudioConfig(**values, tool_backends=overrides, auth=auth)

@@ -20,6 +20,7 @@ from studio.config import StudioConfig
 
 # The plan's parts: the LLMs and vision networks each tool runs (image chat has one of each).
 CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT = "chat", "image chat LLM", "image chat vision", "segment"
+PART_TOOLS = {CHAT: Tool.CHAT, IMAGE_CHAT_LLM: Tool.IMAGE_CHAT, IMAGE_CHAT_VISION: Tool.IMAGE_CHAT, SEGMENT: Tool.SEGMENT}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Plan:
     dtype: str
     model_id: str
     sam: str
-    notes: tuple[str, ...]
+    notes: tuple[tuple[Tool | None, str], ...]  # (the tool it is about, None: all; the note)
 
     @property
     def remote_chat(self) -> bool:
@@ -109,10 +110,12 @@ def make_plan(config: StudioConfig) -> Plan:
     backends = _backends(config, device)
     model_id, model_notes = _chat_model(config, device)
     sam, sam_notes = _sam(config, device)
-    notes = [device_note, *(f"{part}: {choice.backend} ({choice.why})" for part, choice in backends.items()),
-             f"LLM weights: --quant {config.quant}" + (" (at load: float where the weights fit the free memory, "
-                                                       "else int8, else int4)" if config.quant == "auto" else ""),
-             *model_notes, *sam_notes,
-             "image chat: MiniGPT-4 from the given files" if config.minigpt4_ckpt else
-             "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one"]
+    quant = f"LLM weights: --quant {config.quant}" + (" (at load: float where the weights fit the free memory, "
+                                                      "else int8, else int4)" if config.quant == "auto" else "")
+    image = "image chat: MiniGPT-4 from the given files" if config.minigpt4_ckpt else \
+        "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one"
+    notes = [(None, device_note), *((PART_TOOLS[part], f"{part}: {choice.backend} ({choice.why})")
+                                    for part, choice in backends.items()),
+             (Tool.CHAT, quant), *((Tool.CHAT, n) for n in model_notes), *((Tool.SEGMENT, n) for n in sam_notes),
+             (Tool.IMAGE_CHAT, image)]
     return Plan(backends, device, dtype, model_id, sam, tuple(notes))

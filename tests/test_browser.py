@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import re
 
 import numpy as np
 import pytest
@@ -103,7 +104,8 @@ def test_segment_tab_clicks_undo_and_box(page):
     status.get_by_text("1 point ").wait_for()
     runs = status.inner_text().split("encoder runs ")[1].split(" ")[0]
     page.locator("#segment-candidates img").nth(2).wait_for()  # three candidates
-    assert page.get_by_text("IoU").count() >= 3
+    captions = re.findall(r"quality (-?[0-9.]+)", page.locator("#segment-candidates").inner_text())
+    assert len(captions) >= 3 and all(0 <= float(q) <= 1 for q in captions), captions  # SAM's raw IoU, clamped
     page.get_by_label("Background (−)").check()
     image.click(position={"x": box["width"] * 0.7, "y": box["height"] * 0.6})
     status.get_by_text("2 points").wait_for()
@@ -120,6 +122,8 @@ def test_segment_tab_clicks_undo_and_box(page):
     assert mask.format == "PNG" and mask.size == (800, 600) and set(np.unique(np.asarray(mask))) <= {0, 255}
     page.get_by_role("button", name="Segment everything").click()
     status.get_by_text("Segment everything:").wait_for()
+    assert page.locator("#segment-candidates img").count() == 0  # the last prompt's candidates are gone
+    assert page.get_by_role("button", name="Download chosen mask (PNG)").is_disabled()  # nothing stale to save
 
 
 def test_image_chat_tab_two_turns_and_restart(page):
@@ -141,6 +145,14 @@ def test_image_chat_tab_two_turns_and_restart(page):
     page.locator("#image-chat-history").get_by_text("What is unusual here?").wait_for(state="detached")
     # the conversation is kept: the sidebar lists it by its first question
     page.locator("#image-chat-conversations").get_by_text("What is unusual here?").wait_for()
+
+
+def set_controls(page, **values) -> None:
+    """Type values into the Chat tab's sampling boxes (a fixed seed makes the demo's replies the same every run)."""
+    for name, value in values.items():
+        box = page.locator(f"#chat-{name.replace('_', '-')} input[type=number]")
+        box.fill(str(value))
+        box.press("Enter")
 
 
 def _chat_texts(page) -> list[str]:
@@ -265,6 +277,7 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
     questions = ["First question about apples", "Second one about bananas", "Third about cherries"]
     with launched(tmp_path / "first.log", studio_cache, *data) as (url, *_), browser_page(browser, url) as page:
         sidebar = page.locator("#chat-conversations")
+        set_controls(page, seed=5)  # the same replies every run: the search below takes a word of the first
         replies = []
         for i, question in enumerate(questions):
             if i:
@@ -279,7 +292,7 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         sidebar.get_by_text(questions[1]).click()  # open the second, rename it
         page.locator("#chat-history").get_by_text(questions[1]).wait_for()
         page.locator("#chat-title textarea, #chat-title input").first.fill("Fruit talk")
-        page.get_by_role("button", name="Rename").click()
+        page.locator("#chat-title textarea, #chat-title input").first.press("Enter")  # Enter renames
         sidebar.get_by_text("Fruit talk").wait_for()
 
         word = max("".join(c if c.isalnum() else " " for c in replies[0]).split(), key=len)
@@ -287,7 +300,13 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         if word not in replies[2]:
             sidebar.get_by_text(questions[2]).wait_for(state="detached")  # the list narrows to the matches
         assert sidebar.get_by_text(questions[0]).count() == 1  # found by a word of its reply
-        page.locator("#chat-search textarea, #chat-search input").first.fill("")
+        search = page.locator("#chat-search textarea, #chat-search input").first
+        search.fill("fruit")  # the renamed one, by its title, whatever the case
+        sidebar.get_by_text(questions[0]).wait_for(state="detached")
+        assert sidebar.get_by_text("Fruit talk").count() == 1
+        search.fill("qqzzxx")
+        sidebar.get_by_text("No conversations match “qqzzxx”").wait_for()
+        search.fill("")
         sidebar.get_by_text(questions[2]).wait_for()
 
         sidebar.get_by_text(questions[2]).click()  # open the third, delete it
@@ -387,12 +406,6 @@ def test_a_killed_server_keeps_every_completed_message(browser, tmp_path, studio
     from conftest import launched
 
     data = tmp_path / "data"
-
-    def set_controls(page, **values) -> None:
-        for name, value in values.items():
-            box = page.locator(f"#chat-{name.replace('_', '-')} input[type=number]")
-            box.fill(str(value))
-            box.press("Enter")
 
     def reply_saved_midway() -> bool:
         with contextlib.closing(sqlite3.connect(data / "conversations.sqlite3")) as db:

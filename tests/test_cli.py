@@ -48,6 +48,17 @@ def test_terminal_chat_explains_a_bad_image_and_carries_on(studio_cache):
     assert "error: " in done.stderr and "/image needs a path" in done.stderr
     assert "unknown command /frobnicate" in done.stdout
     assert "ended:" in done.stderr  # the chat still answered
+    lines = [line for line in done.stderr.splitlines() if line.startswith("[studio]")]
+    assert len(lines) == len(set(lines)), lines  # each start-up line once
+    assert not [line for line in lines if "segment" in line or "image chat" in line], lines  # only what it uses
+
+
+def test_the_terminal_chat_has_its_own_help():
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: launch.py chat"), done.stdout[:300]
+    for command in ("/reset", "/system TEXT", "/image PATH", "/regenerate", "/edit TEXT", "/set SETTING VALUE", "/help"):
+        assert command in done.stdout, command
 
 
 def test_the_terminal_chats_second_turn_prefills_only_what_is_new(studio_cache):

@@ -53,8 +53,20 @@ def test_search_finds_words_of_old_replies_and_takes_any_text_literally(store):
     found = store.search("ann", "crust")
     assert [c["id"] for c in found] == [a] and "[crust]" in found[0]["snippet"]
     assert store.search("ann", "MAGMA rises") and not store.search("ann", "magma banana")
-    for hostile in ('NEAR("a" OR *', '"', "crust) OR (", "*"):
+    for hostile in ('NEAR("a" OR *', '"', "crust) OR (", "*", "%", "_"):
         store.search("ann", hostile)  # no FTS syntax error reaches the user
+    assert store.search("ann", "%") == [] and store.search("ann", "_") == []  # nor LIKE's wildcards
+
+
+def test_search_matches_titles_whatever_their_case(store):
+    a = store.create("ann", "chat")
+    store.add("ann", a, "user", "Why are they striped?")
+    store.rename("ann", a, "Zebra stripes")
+    b = store.create("ann", "chat")
+    store.add("ann", b, "user", "A zebra crossing")
+    assert [c["id"] for c in store.search("ann", "zebra")] == [b, a]  # a title and a message, newest first
+    assert [c["id"] for c in store.search("ann", "STRIPES zeBra")] == [a]
+    assert store.search("bob", "zebra") == []
 
 
 def test_one_user_cannot_see_or_touch_anothers_conversations(store):

@@ -203,20 +203,24 @@ class ConversationStore:
             db.execute("DELETE FROM images WHERE hash NOT IN (SELECT image FROM conversations WHERE image IS NOT NULL)")
 
     def search(self, user: str, text: str) -> list[dict[str, Any]]:
-        """`user`'s conversations holding every word of `text` in a message, newest first, with a snippet."""
-        words = "".join(c if c.isalnum() else " " for c in text).split()
+        """`user`'s conversations whose title holds every word of `text`, or one of whose messages does
+        (with a snippet), case-insensitively, newest first."""
+        words = "".join(c if c.isalnum() else " " for c in text).split()  # no FTS or LIKE syntax from users
         if not words:
             return []
-        query = " ".join(f'"{w}"' for w in words)  # each word a quoted term: no FTS syntax from users
-        rows = self._query(
+        titled = self._query(
+            "SELECT id, tool, title, updated, title AS snippet FROM conversations WHERE user = ? AND "
+            + " AND ".join(["title LIKE ?"] * len(words)), (user, *(f"%{w}%" for w in words)))
+        query = " ".join(f'"{w}"' for w in words)  # each word a quoted term
+        said = self._query(
             "SELECT c.id, c.tool, c.title, c.updated, snippet(messages_text, 0, '[', ']', '…', 12) AS snippet "
             "FROM messages_text JOIN messages m ON m.id = messages_text.rowid "
             "JOIN conversations c ON c.id = m.conversation "
             "WHERE messages_text MATCH ? AND c.user = ? ORDER BY c.updated DESC, rank", (query, user))
         seen: dict[int, dict[str, Any]] = {}
-        for r in rows:
+        for r in [*titled, *said]:
             seen.setdefault(r["id"], dict(r))
-        return list(seen.values())
+        return sorted(seen.values(), key=lambda c: -c["updated"])
 
     # ---- messages -----------------------------------------------------------------------------
 
