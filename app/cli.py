@@ -168,7 +168,7 @@ def chat_in_terminal(config: StudioConfig, plan: Plan) -> int:
     """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
     service = build(config, plan, echo=False, say=_status, shown=(Tool.CHAT,))
     try:
-        service.load(Tool.CHAT)  # its progress reaches `_status` once, as the tool host's
+        service.load(Tool.CHAT, _status)
         return run(TerminalChat(service))
     finally:
         service.close()

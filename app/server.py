@@ -40,11 +40,12 @@ def start_server(config: StudioConfig, service: StudioService):
 def serve(config: StudioConfig, service: StudioService) -> int:
     """`start_server`, then: the browser opened when run from a terminal; idle sessions dropped every
     minute; Ctrl+C shuts down cleanly (engines stopped, caches untouched)."""
-    app, url = start_server(config, service)
-    if not config.no_browser and sys.stdout.isatty():
-        webbrowser.open(url)
-    swept = time.monotonic()
-    try:
+    app = None
+    try:  # from the start: a Ctrl+C right after the ready line must still shut the server down
+        app, url = start_server(config, service)
+        if not config.no_browser and sys.stdout.isatty():
+            webbrowser.open(url)
+        swept = time.monotonic()
         while app.is_running:
             time.sleep(0.2)
             if time.monotonic() - swept > 60:
@@ -53,6 +54,7 @@ def serve(config: StudioConfig, service: StudioService) -> int:
     except KeyboardInterrupt:
         print("\n[studio] shutting down…", flush=True)
     finally:
-        app.close()
+        if app is not None:
+            app.close()
         service.close()
     return 0

@@ -266,7 +266,7 @@ class ToolHost:
 
         def tell(line: str) -> None:
             self.say(line)
-            if say is not None:
+            if say is not None and say is not self.say:  # a requester who is the host's own listener hears it once
                 say(line)
 
         with self._lock:
