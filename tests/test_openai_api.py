@@ -171,8 +171,9 @@ def test_ctrl_c_shuts_the_app_down_cleanly(tmp_path, studio_cache):
         ready = [line for line in log.read_text().splitlines() if "ready: " in line]
         assert ready == [f"[studio] ready: http://127.0.0.1:{port}/ (OpenAI-compatible API at "
                          f"http://127.0.0.1:{port}/v1) · Ctrl+C to stop"], log.read_text()[-2000:]
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).status_code == 200  # in use, as people stop it
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
     finally:
         proc.kill()
     text = log.read_text()
