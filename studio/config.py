@@ -65,10 +65,6 @@ class StudioConfig:
     def backend_for(self, tool: Tool) -> str:
         return dict(self.tool_backends).get(tool, self.backend)
 
-    @property
-    def minigpt4_given(self) -> bool:
-        return self.minigpt4_ckpt is not None
-
 
 def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog, description=description or "AI Studio: local chat, image chat and segmentation.",
