@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import gradio as gr
 
-from app.conversation import client_of, streamed, user_of, wire_stop
+from app.composer import Composer
+from app.conversation import client_of, streamed, user_of
 from app.conversation_files import to_json, to_markdown
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from app.sampling_form import SamplingForm
 from app.sidebar import NO_CONVERSATION, Sidebar, history_of
+from app.versions import neighbour, shown, switcher_label, switcher_target
 from pipeline.errors import UserError
 from pipeline.service.messages import plain_messages
-from pipeline.service.requests import Saved
+from pipeline.service.requests import Revision, Saved
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
@@ -25,36 +29,87 @@ PRESETS = {  # system prompts people reach for, one click away
     "Translator": "Translate everything the user writes into English, keeping its tone. Output only the translation.",
     "Teacher": "You are a patient teacher. Explain step by step and check understanding with a question.",
 }
+GREETING = "**What can I help with?** Ask anything, or start from one of these:"
+EXAMPLE_PROMPTS = ("Explain what a large language model is to a ten-year-old.",
+                   "Write a Python function that tells whether a word is a palindrome.",
+                   "Give me three ideas for a rainy weekend.")
+EDITING = "Editing your last message: Enter sends it as a new version (the old one stays); Cancel edit keeps it."
 
 
 def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) -> None:
     """`storage_secret` encrypts which conversation is open, kept in the browser's localStorage so a
     reload reopens it (the conversations themselves are in the store)."""
+    store = service.store
 
-    def saved(current: int, request: gr.Request) -> Saved:
-        return Saved(user_of(request), None if current == NO_CONVERSATION else current)
+    def saved(current: int, request: gr.Request, revision: Revision = Revision.NEW) -> Saved:
+        return Saved(user_of(request), None if current == NO_CONVERSATION else current, revision)
 
     @shown_to_user
     def respond(data: dict, request: gr.Request):
-        """Stream a reply to the message, kept in the open conversation (a new one if none is open)."""
+        """Stream a reply to the message, kept in the open conversation (a new one if none is open); an
+        edited last message is kept as another version of it."""
+        revision = Revision.QUESTION if data[editing] is not None else Revision.NEW
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
-                               system=data[system_prompt], saved=saved(data[current], request))
-        yield from streamed(updates, data[current])
+                               system=data[system_prompt], saved=saved(data[current], request, revision))
+        for shown_now in streamed(updates, data[current]):
+            yield *shown_now, None, gr.Button(visible=False)
 
     @shown_to_user
     def regenerate(data: dict, request: gr.Request):
-        """The last reply again (a new draw, unless the seed is fixed)."""
+        """Another reply to the last message (a new draw, unless the seed is fixed); the old one stays as a version."""
+        if data[editing] is not None:
+            raise UserError("send or cancel the edit first")
         updates = service.regenerate(client_of(request), data[chatbot], form.values(data),
                                      system=data[system_prompt], saved=saved(data[current], request))
-        yield from streamed(updates, data[current])
+        for shown_now in streamed(updates, data[current]):
+            yield *shown_now, None, gr.Button(visible=False)
 
     @shown_to_user
-    def edit_last(history: list, conversation: int, request: gr.Request) -> tuple[str, list[dict], str]:
-        """The last message back in the textbox to edit and resend; it and its reply leave the chat."""
-        before, last = service.edit_last(history, saved(conversation, request))
-        return last, before, "Editing your last message: change it and press Enter."
+    def edit_last(history: list, before_edit: list | None) -> tuple:
+        """The last message back in the textbox to change; it and its reply leave the view until Send
+        (a new version) or Cancel edit (as it was)."""
+        before, last = service.edit_last(history)
+        return last, before, EDITING, before_edit if before_edit is not None else history, gr.Button(visible=True)
 
-    @shown_to_user
+    def cancel_edit(before_edit: list | None) -> tuple:
+        return "", before_edit if before_edit is not None else gr.skip(), "Edit cancelled.", None, \
+            gr.Button(visible=False)
+
+    def versions_of(conversation: int, wanted: int | None, request: gr.Request) -> tuple:
+        """The switcher (shown or not, its label, the message it is about) for `wanted`, or the last exchange."""
+        target = None if conversation == NO_CONVERSATION else switcher_target(
+            store.open(user_of(request), conversation)["messages"], wanted)
+        return gr.Row(visible=target is not None), switcher_label(target) if target else "", \
+            target["id"] if target else None
+
+    def switcher_for(found: dict) -> tuple:
+        target = switcher_target(found["messages"], None)
+        return gr.Row(visible=target is not None), switcher_label(target) if target else "", \
+            target["id"] if target else None
+
+    def stepping(step: int) -> Callable:
+        @shown_to_user
+        def step_version(conversation: int, wanted: int | None, request: gr.Request) -> tuple:
+            """The version `step` away of the message the switcher is about, shown with its branch."""
+            user = user_of(request)
+            target = switcher_target(store.open(user, conversation)["messages"], wanted) \
+                if conversation != NO_CONVERSATION else None
+            other = neighbour(target, step) if target is not None else None
+            if other is None:
+                raise UserError("there is no " + ("older" if step < 0 else "newer") + " version")
+            store.choose(user, conversation, other)
+            return history_of(store.open(user, conversation)), *versions_of(conversation, other, request)
+        return step_version
+
+    def pick(conversation: int, evt: gr.SelectData, request: gr.Request) -> tuple:
+        """A message clicked: the switcher offers its versions, if it has others."""
+        index = evt.index if isinstance(evt.index, int) else evt.index[0]
+        visible = [] if conversation == NO_CONVERSATION else shown(store.open(user_of(request), conversation)["messages"])
+        return versions_of(conversation, visible[index]["id"] if index < len(visible) else None, request)
+
+    def example(evt: gr.SelectData) -> str:
+        return evt.value["text"]
+
     def export(history: list, system_prompt: str, kind: str) -> str:
         history = plain_messages(history)
         if not history:
@@ -63,41 +118,51 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         return write_download(text.encode(), "conversation-", f".{kind if kind == 'json' else 'md'}")
 
     with gr.Row():
-        with gr.Column(scale=1, min_width=200):
-            sidebar = Sidebar(Tool.CHAT, "chat", storage_secret)
+        sidebar = Sidebar(Tool.CHAT, "chat", storage_secret)
         with gr.Column(scale=4):
-            chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history")
+            chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history",
+                                 placeholder=GREETING, examples=[{"text": p} for p in EXAMPLE_PROMPTS])
+            with gr.Row(visible=False, elem_id="chat-versions", equal_height=True) as switcher:
+                older = gr.Button("‹ older", size="sm", min_width=70, elem_id="chat-version-older")
+                label = gr.Markdown("", elem_id="chat-version-label")
+                newer = gr.Button("newer ›", size="sm", min_width=70, elem_id="chat-version-newer")
+            composer = Composer(Tool.CHAT, "chat", "Type a message, Enter to send")
+            message = composer.message
             with gr.Row():
-                message = gr.Textbox(placeholder="Type a message, Enter to send", show_label=False, scale=6,
-                                     autofocus=True)
-                send = gr.Button("Send", variant="primary", scale=1)
-            with gr.Row():
-                stop = gr.Button("Stop")
-                regen = gr.Button("Regenerate")
-                edit = gr.Button("Edit last")
-            with gr.Row():
+                regen = gr.Button("Regenerate", size="sm")
+                edit = gr.Button("Edit last", size="sm")
+                cancel = gr.Button("Cancel edit", size="sm", visible=False, elem_id="chat-cancel-edit")
                 export_json = gr.Button("Export JSON", size="sm")
                 export_md = gr.Button("Export Markdown", size="sm")
             status = gr.Markdown("", elem_id="chat-status")
-        with gr.Column(scale=2):
+        with gr.Column(scale=2, min_width=240):
             preset = gr.Dropdown(list(PRESETS), value="Helpful assistant", label="System prompt preset",
                                  elem_id="chat-preset")
             system_prompt = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=3, elem_id="chat-system")
             form = SamplingForm("chat")
+    editing = gr.State(None)  # while editing: the conversation as shown before, for Cancel edit
+    target = gr.State(None)  # the message whose versions the switcher offers (None: the last exchange's)
 
     current = sidebar.current
-    sidebar.wire(service, app, [chatbot, system_prompt],
-                 lambda found: (history_of(found), found["system"] if found["system"] is not None else gr.skip()),
-                 lambda: ([], gr.skip()), status)
-    inputs = {message, chatbot, system_prompt, current, *form.components}
-    outputs = [message, chatbot, status, current]
-    # No concurrency limit: the engine batches every session's reply (and queues past its batch).
-    for event in (message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
-                  send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
-                  regen.click(regenerate, inputs, outputs, api_visibility="private", concurrency_limit=None)):
-        event.then(**sidebar.relist)
-    edit.click(edit_last, [chatbot, current], [message, chatbot, status], api_visibility="private")
-    preset.change(lambda name: PRESETS[name], preset, system_prompt, api_visibility="private")
+    sidebar.wire(service, app, [chatbot, system_prompt, switcher, label, target],
+                 lambda found: (history_of(found), found["system"] if found["system"] is not None else gr.skip(),
+                                *switcher_for(found)),
+                 lambda: ([], gr.skip(), gr.Row(visible=False), "", None), status)
+    inputs = {message, chatbot, system_prompt, current, editing, *form.components}
+    outputs = [message, chatbot, status, current, editing, cancel]
+    private = dict(api_visibility="private")
+    versions = dict(fn=versions_of, inputs=[current, target], outputs=[switcher, label, target], **private)
+    for ended in [*composer.streams([message.submit, composer.send.click], respond, inputs, outputs),
+                  *composer.streams([regen.click], regenerate, inputs, outputs)]:
+        ended.then(**sidebar.relist).then(**versions)
+    composer.wire_stop(service, "stop")
+    edit.click(edit_last, [chatbot, editing], [message, chatbot, status, editing, cancel], **private)
+    cancel.click(cancel_edit, editing, [message, chatbot, status, editing, cancel], **private)
+    for button, step in ((older, -1), (newer, 1)):
+        button.click(stepping(step), [current, target], [chatbot, switcher, label, target],
+                     **private).then(**sidebar.relist)
+    chatbot.select(pick, current, [switcher, label, target], **private)
+    chatbot.example_select(example, None, message, **private)
+    preset.change(lambda name: PRESETS[name], preset, system_prompt, **private)
     download_on_click(export_json, lambda h, s: export(h, s, "json"), [chatbot, system_prompt], "chat-export-json")
     download_on_click(export_md, lambda h, s: export(h, s, "md"), [chatbot, system_prompt], "chat-export-md")
-    wire_stop(stop, service, Tool.CHAT, "stop")

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import gradio as gr
 
-from app.errors import shown_to_user
 from pipeline.service.requests import Update
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
@@ -29,7 +28,6 @@ def user_of(request: gr.Request | None) -> str:
     return (request.username if request is not None else None) or "local"
 
 
-@shown_to_user
 def streamed(updates: Iterator[Update], conversation: int) -> Iterator[tuple[str, list[dict], str, int]]:
     """The service's `updates` of a reply (`StudioService.send`) as (cleared textbox, the conversation with
     the growing answer, status, the id of the conversation it is kept in)."""
@@ -53,10 +51,10 @@ def streamed(updates: Iterator[Update], conversation: int) -> Iterator[tuple[str
         yield "", history, " · ".join(notices + [update.status]), conversation
 
 
-def wire_stop(stop: gr.Button, service: StudioService, tool: Tool, api_name: str):
+def wire_stop(stop: gr.Button, service: StudioService, tool: Tool, api_name: str) -> None:
     """Stop ends this session's replies of `tool`: the engine drops them at its next step, and each
     reply's last update (the text so far, "Stopped: …" and its statistics) still reaches the page."""
     def stop_replies(request: gr.Request) -> None:
         service.stop(client_of(request), tool)
 
-    return stop.click(stop_replies, None, None, api_name=api_name)
+    stop.click(stop_replies, None, None, api_name=api_name)

@@ -17,6 +17,8 @@ from pathlib import Path
 import gradio as gr
 from gradio.utils import get_upload_folder
 
+from app.errors import raised_to_client
+
 
 KEEP_FILES_S = 3600  # how long uploads and made files stay on disk (`--keep-files`, set by `keep_files_for`)
 
@@ -44,8 +46,9 @@ def write_download(data: bytes, prefix: str, suffix: str) -> str:
 
 
 def download_on_click(button: gr.Button, make: Callable[..., str], inputs, elem_id: str) -> None:
-    """When `button` is pressed, `make(*inputs)` returns a file's path and the browser downloads it."""
+    """When `button` is pressed, `make(*inputs)` returns a file's path and the browser downloads it. A
+    `UserError` is an error toast and nothing downloads (its only output is hidden: no badge shows)."""
     hidden = gr.DownloadButton(visible="hidden", elem_id=elem_id)
-    button.click(make, inputs, hidden, api_visibility="private").success(
+    button.click(raised_to_client(make), inputs, hidden, api_visibility="private").success(
         None, js=f"() => {{ const e = document.querySelector('#{elem_id}'); "
                  "(e.matches('a,button') ? e : e.querySelector('a,button')).click(); }")

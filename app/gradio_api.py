@@ -11,6 +11,7 @@ import gradio as gr
 from gradio.data_classes import FileData
 
 from app.conversation import client_of, streamed
+from app.errors import raised_to_client
 from app.image_chat_tab import IMAGE_CHAT_MAX_NEW_TOKENS
 from app.sidebar import NO_CONVERSATION
 from pipeline.service.studio import StudioService
@@ -20,6 +21,7 @@ from pipeline.service.tools import Tool
 def add_gradio_api(service: StudioService) -> None:
     """Register the endpoints (call inside the `gr.Blocks` being built)."""
 
+    @raised_to_client
     def chat(message: str, history: list[dict] | None = None, system_prompt: str | None = None,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
              repetition_penalty: float | None = None, max_new_tokens: int | None = None, seed: int | None = None,
@@ -33,6 +35,7 @@ def add_gradio_api(service: StudioService) -> None:
         for textbox, shown, status, _ in streamed(updates, NO_CONVERSATION):
             yield textbox, shown, status
 
+    @raised_to_client
     def image_chat(image: FileData | None, message: str, history: list[dict], temperature: float | None = None,
                    top_p: float | None = None, top_k: int | None = None, repetition_penalty: float | None = None,
                    max_new_tokens: int | None = None, seed: int | None = None,

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from app.conversation import client_of, streamed, user_of, wire_stop
+from app.composer import Composer
+from app.conversation import client_of, streamed, user_of
 from app.errors import shown_to_user
 from app.sampling_form import SamplingForm
 from app.sidebar import NO_CONVERSATION, Sidebar, history_of, image_file
@@ -20,14 +21,15 @@ IMAGE_CHAT_MAX_NEW_TOKENS = 300  # answers about a picture are short: the tab's 
 
 @dataclasses.dataclass
 class ImageChatTab:
-    """What other tabs drive: put an image and a question here, then run `respond` (Segment's "Ask about this")."""
+    """What other tabs drive (Segment's "Ask about this"): `ask(picture, question, data, request)` starts
+    a conversation about `picture` and streams its answer into `outputs`, with the sampling settings
+    read from `data` (it holds `inputs`); `relist` refreshes the sidebar after."""
 
-    image: gr.Image
-    message: gr.Textbox
-    respond: Callable
+    composer: Composer
+    ask: Callable
     inputs: set
     outputs: list
-    fresh: list  # what a new picture resets: the conversation shown and which one is open
+    relist: dict
 
 
 def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list[str],
@@ -42,9 +44,16 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                                tool=Tool.IMAGE_CHAT, image=data[image], saved=saved)
         yield from streamed(updates, current)
 
+    def ask(picture: str, question: str, data: dict, request: gr.Request):
+        """A new conversation about `picture` (shown at once, with `question`), answered."""
+        yield picture, question, [], "", NO_CONVERSATION
+        updates = service.send(client_of(request), [], question, form.values(data), tool=Tool.IMAGE_CHAT,
+                               image=picture, saved=Saved(user_of(request)))
+        for textbox, history, line, conversation in streamed(updates, NO_CONVERSATION):
+            yield gr.skip(), textbox, history, line, conversation
+
     with gr.Row():
-        with gr.Column(scale=1, min_width=200):
-            sidebar = Sidebar(Tool.IMAGE_CHAT, "image-chat", storage_secret)
+        sidebar = Sidebar(Tool.IMAGE_CHAT, "image-chat", storage_secret)
         with gr.Column(scale=2):
             image = gr.Image(label="Image (a new one starts a new conversation)", type="filepath", image_mode=None,
                              sources=["upload", "clipboard"], height=420, elem_id="image-chat-image")
@@ -52,12 +61,9 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Conversation about the image", height=420, buttons=["copy", "copy_all"],
                                  elem_id="image-chat-history")
-            with gr.Row():
-                message = gr.Textbox(placeholder="Ask about the image, Enter to send", show_label=False, scale=6)
-                send = gr.Button("Send", variant="primary", scale=1)
-            with gr.Row():
-                stop = gr.Button("Stop")
-                restart = gr.Button("Restart conversation")
+            composer = Composer(Tool.IMAGE_CHAT, "image-chat", "Ask about the image, Enter to send")
+            message = composer.message
+            restart = gr.Button("Restart conversation", size="sm")
             status = gr.Markdown("", elem_id="image-chat-status")
             form = SamplingForm("image-chat", max_new_tokens=IMAGE_CHAT_MAX_NEW_TOKENS)
 
@@ -67,10 +73,9 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                  lambda: ([], None), status)
     inputs = {image, message, chatbot, current, *form.components}
     outputs = [message, chatbot, status, current]
-    for event in (message.submit(respond, inputs, outputs, api_visibility="private", concurrency_limit=None),
-                  send.click(respond, inputs, outputs, api_visibility="private", concurrency_limit=None)):
-        event.then(**sidebar.relist)
-    wire_stop(stop, service, Tool.IMAGE_CHAT, "image_chat_stop")
+    for ended in composer.streams([message.submit, composer.send.click], respond, inputs, outputs):
+        ended.then(**sidebar.relist)
+    composer.wire_stop(service, "image_chat_stop")
     # A new picture, or Restart, starts a new conversation (the old one stays in the sidebar). Only the
     # user's own changes count: opening a stored conversation sets the picture too.
     fresh = dict(fn=lambda: ([], "", NO_CONVERSATION), inputs=None, outputs=[chatbot, status, current],
@@ -79,4 +84,4 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                   samples.load_input_event.then(**fresh)):
         event.then(**sidebar.relist)
 
-    return ImageChatTab(image, message, respond, inputs, outputs, [chatbot, current])
+    return ImageChatTab(composer, ask, set(form.components), [image, message, chatbot, status, current], sidebar.relist)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 import gradio as gr
 
 from app.errors import shown_to_user
+from pipeline.errors import UserError
 from pipeline.progress import lines_of
 from pipeline.service.studio import StudioService
 from pipeline.models import ModelEntry
@@ -44,8 +45,9 @@ def model_table(entries: list[ModelEntry], budget: int | None, using: dict[Tool,
 SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat LLM"), (Tool.SEGMENT, "Segment (SAM)"))
 
 
-def build_models_tab(service: StudioService) -> dict:
-    """The tab's components; returns the event arguments that refresh its lists (on opening the tab)."""
+def build_models_tab(service: StudioService, header: dict) -> dict:
+    """The tab's components; returns the event arguments that refresh its lists (on opening the tab).
+    `header`: the event arguments that refresh the page's header, run once a switch ends."""
     catalog = service.catalog
     downloads: dict[str, threading.Event] = {}  # a session's download in progress, to cancel
 
@@ -63,7 +65,7 @@ def build_models_tab(service: StudioService) -> dict:
         @shown_to_user
         def switch(model_id: str | None) -> Iterator[str]:
             if not model_id:
-                raise gr.Error(f"pick the {tool} model to switch to")
+                raise UserError(f"pick the {tool} model to switch to")
             said: list[str] = []
             for line in service.switch(tool, model_id):
                 said.append(line)
@@ -88,7 +90,7 @@ def build_models_tab(service: StudioService) -> dict:
     @shown_to_user
     def ask_delete(model_id: str | None) -> tuple:
         if not model_id:
-            raise gr.Error("pick the model to delete")
+            raise UserError("pick the model to delete")
         return catalog.delete_plan(model_id)[1], gr.Button(visible=True)
 
     @shown_to_user
@@ -123,7 +125,8 @@ def build_models_tab(service: StudioService) -> dict:
     outputs = [models, *pickers, doomed]
     relist = dict(fn=refresh, inputs=None, outputs=outputs, api_visibility="private")
     for (tool, _), picker, button in zip(SWITCHES, pickers, buttons):
-        button.click(switcher(tool), picker, status, api_visibility="private", concurrency_limit=None).then(**relist)
+        button.click(switcher(tool), picker, status, api_visibility="private",
+                     concurrency_limit=None).then(**relist).then(**header)
     fetch.click(download, repo, status, api_visibility="private", concurrency_limit=None).then(**relist)
     cancel.click(cancel_download, None, None, api_visibility="private")
     ask.click(ask_delete, doomed, [status, confirm], api_visibility="private")

@@ -14,7 +14,7 @@ import numpy as np
 from gradio.data_classes import FileData
 
 from app.downloads import download_on_click, write_download
-from app.errors import shown_to_user
+from app.errors import raised_to_client, shown_to_user
 from app.segment_render import (mask_png, png_bytes, render_candidates, render_everything, render_session, status_line,
                                 thumbnail)
 from pipeline.errors import UserError
@@ -155,7 +155,6 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
     gallery.select(on_choose, state, outputs, api_visibility="private")
     everything.click(on_everything, state, [canvas, gallery, download, status], api_visibility="private")
 
-    @shown_to_user
     def on_download(t: TabState | None) -> str:
         missing = "click on an object first: there is no mask to download yet"
         with session_of(t, missing) as session:
@@ -167,7 +166,6 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
 
     download_on_click(download, on_download, state, "segment-mask-file")
 
-    @shown_to_user
     def selection(t: TabState | None, text: str) -> tuple[str, str]:
         missing = "click on an object first: there is nothing selected to ask about"
         with session_of(t, missing) as session:
@@ -176,7 +174,7 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
             crop = masked_crop(session.handle.image, session.full_mask())
         return write_download(png_bytes(crop), "selection-", ".png"), (text or "").strip() or "What is this?"
 
-    @shown_to_user
+    @raised_to_client
     def segment(image: FileData, points: str = "[]", box: str = "", multimask: bool = True) -> tuple[FileData, str]:
         """API: masks for `points` (JSON [[x, y, label], …], label 1 object / 0 background) and/or `box`
         (JSON [x0, y0, x1, y1]) on `image`. Returns the best mask as a PNG of the image's size, and

@@ -4,7 +4,9 @@ queries decide whose conversations these are, so a forged id opens nothing."""
 
 from __future__ import annotations
 
+import datetime
 import io
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,11 +18,35 @@ from app.conversation_files import read_conversations, to_archive
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from pipeline.errors import UserError
-from pipeline.service.tools import Tool
+from pipeline.service.store import UNDO_S
 from pipeline.service.studio import StudioService
+from pipeline.service.tools import Tool
 
 NEW_TITLE = "New conversation"
 NO_CONVERSATION = -1  # `current` when none is open (the browser keeps no falsy value); ids start at 1
+SIDEBAR_CLASS, TOGGLE_CLASS = "studio-sidebar", "studio-sidebar-toggle"  # a phone shows the list behind a button
+TOGGLE_JS = f"() => document.querySelectorAll('.{SIDEBAR_CLASS}').forEach(e => e.classList.toggle('open'))"
+
+
+def ago(then: float, now: float) -> str:
+    """When something happened, as people say it: "just now", "5 min ago", "3 h ago", "yesterday",
+    "4 days ago", then the date."""
+    seconds, days = now - then, (datetime.date.fromtimestamp(now) - datetime.date.fromtimestamp(then)).days
+    if seconds < 60:
+        return "just now"
+    if seconds < 3600:
+        return f"{int(seconds // 60)} min ago"
+    if days < 1:
+        return f"{int(seconds // 3600)} h ago"
+    if days < 7:
+        return "yesterday" if days == 1 else f"{days} days ago"
+    date = datetime.date.fromtimestamp(then)
+    return f"{date:%b} {date.day}" + (f", {date.year}" if date.year != datetime.date.fromtimestamp(now).year else "")
+
+
+def listed(conversation: dict, now: float) -> str:
+    """A conversation's line in the list: its title and when it last changed."""
+    return f"{conversation['title'] or NEW_TITLE} · {ago(conversation['updated'], now)}"
 
 
 def history_of(found: dict) -> list[dict]:
@@ -48,20 +74,27 @@ class Sidebar:
     the column being built, then wired once the tab's own components exist."""
 
     def __init__(self, tool: Tool, prefix: str, secret: str):
-        """`tool`'s sidebar; element ids start with `prefix`."""
+        """`tool`'s sidebar, a column of the row being built (behind a button on a phone); element ids
+        start with `prefix`."""
         self.tool, self.prefix = tool, prefix
-        self.new = gr.Button("New chat" if tool == Tool.CHAT else "New conversation", variant="secondary")
-        self.search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id=f"{prefix}-search")
-        self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations")
-        self.title = gr.Textbox(label="Title", elem_id=f"{prefix}-title")
-        with gr.Row():
-            self.rename = gr.Button("Rename", size="sm")
-            self.delete = gr.Button("Delete", size="sm", variant="stop")
-        with gr.Row():
-            self.export_one = gr.Button("Export this", size="sm")
-            self.export_all = gr.Button("Export all", size="sm")
-            self.importer = gr.UploadButton("Import conversation", file_types=[".json", ".md"], size="sm",
-                                            elem_id=f"{prefix}-import")
+        self.toggle = gr.Button("☰ Conversations", size="sm", elem_classes=[TOGGLE_CLASS],
+                                elem_id=f"{prefix}-sidebar-toggle")
+        with gr.Column(scale=1, min_width=200, elem_classes=[SIDEBAR_CLASS], elem_id=f"{prefix}-sidebar"):
+            self.new = gr.Button("New chat" if tool == Tool.CHAT else "New conversation", variant="secondary")
+            self.search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id=f"{prefix}-search")
+            self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations")
+            self.title = gr.Textbox(label="Title (Enter renames)", elem_id=f"{prefix}-title")
+            with gr.Row():
+                self.rename = gr.Button("Rename", size="sm")
+                self.delete = gr.Button("Delete", size="sm", variant="stop")
+                self.undo = gr.Button("Undo delete", size="sm", visible=False, elem_id=f"{prefix}-undo")
+            with gr.Row():
+                self.export_one = gr.Button("Export this", size="sm")
+                self.export_all = gr.Button("Export all", size="sm")
+                self.importer = gr.UploadButton("Import conversation", file_types=[".json", ".md"], size="sm",
+                                                elem_id=f"{prefix}-import")
+        self.deleted = gr.State(NO_CONVERSATION)  # the conversation Undo brings back
+        self.undo_ends = gr.Timer(UNDO_S, active=False)  # then the offer to undo goes
         self.current = gr.BrowserState(NO_CONVERSATION, storage_key=f"ai-studio-{prefix}-conversation",
                                        secret=secret)
         self.relist: dict = {}  # event arguments that refresh the list (`event.then(**sidebar.relist)`), once wired
@@ -81,7 +114,8 @@ class Sidebar:
             found = [c for c in (store.search(user, query) if searching else store.list(user, tool))
                      if c["tool"] == tool]
             label = f"No conversations match “{query.strip()}”" if searching and not found else "Conversations"
-            return gr.Radio(choices=[(c["title"] or NEW_TITLE, c["id"]) for c in found], label=label,
+            now = time.time()
+            return gr.Radio(choices=[(listed(c, now), c["id"]) for c in found], label=label,
                             value=current if current != NO_CONVERSATION else None)
 
         def opened(conversation: int, request: gr.Request) -> tuple:
@@ -110,11 +144,18 @@ class Sidebar:
 
         @shown_to_user
         def delete(conversation: int, request: gr.Request) -> tuple:
+            """Deleted, with Undo offered for `UNDO_S` seconds."""
             needs_one(conversation, "delete")
-            store.delete(user_of(request), conversation)
-            return *empty(), NO_CONVERSATION, "", "Deleted."
+            title = store.delete(user_of(request), conversation) or NEW_TITLE
+            return (*empty(), NO_CONVERSATION, "", f"Deleted “{title}”. Undo brings it back for {UNDO_S} s.",
+                    conversation, gr.Button(visible=True), gr.Timer(active=True))
 
         @shown_to_user
+        def undo(conversation: int, request: gr.Request) -> tuple:
+            store.restore(user_of(request), conversation)
+            return *opened(conversation, request), "Restored.", NO_CONVERSATION, gr.Button(visible=False), \
+                gr.Timer(active=False)
+
         def export(conversation: int | None, request: gr.Request) -> str:
             """One conversation (with its picture), or all of this user's when `conversation` is None."""
             needs_one(conversation, "export")
@@ -150,7 +191,12 @@ class Sidebar:
         self.search.change(**relist)
         for renaming in (self.rename.click, self.title.submit):  # the button, or Enter in the title box
             renaming(rename, [current, title], None, **private).success(**relist)
-        self.delete.click(delete, [current], [*view, current, title, status], **private).success(**relist)
+        undoing = [self.deleted, self.undo, self.undo_ends]
+        self.delete.click(delete, [current], [*view, current, title, status, *undoing], **private).success(**relist)
+        self.undo.click(undo, [self.deleted], [*view, current, title, status, *undoing], **private).success(**relist)
+        self.undo_ends.tick(lambda: (NO_CONVERSATION, gr.Button(visible=False), gr.Timer(active=False)), None,
+                            undoing, **private)
+        self.toggle.click(None, js=TOGGLE_JS, **private)
         download_on_click(self.export_one, export, [current], f"{self.prefix}-export-one")
         download_on_click(self.export_all, export_all, None, f"{self.prefix}-export-all")
         self.importer.upload(import_file, [self.importer], [*view, current, title, status], **private).success(**relist)

@@ -10,11 +10,11 @@ import torch
 
 from app.chat_tab import build_chat_tab
 from app.downloads import KEEP_FILES_S
+from app.errors import shown_to_user
 from app.gradio_api import add_gradio_api
 from app.image_chat_tab import build_image_chat_tab
 from app.models_tab import build_models_tab
 from app.segment_tab import build_segment_tab
-from app.sidebar import NO_CONVERSATION
 from pipeline.files import atomic_write
 from pipeline.models import cache_dir
 from pipeline.service.studio import StudioService
@@ -62,6 +62,11 @@ def startup_lines(service: StudioService) -> str:
     return "\n".join(f"- {line}" for line in service.startup)
 
 
+def header_lines(service: StudioService) -> tuple[str, str]:
+    """The page's header: the tools line and the start-up report, as they are now."""
+    return tools_line(service), startup_lines(service)
+
+
 def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Blocks:
     """The UI over `service`, whose start-up report (backends and why, engines built or loaded, with
     times) keeps growing as tools load on first use. Uploads and files made for download are deleted
@@ -70,7 +75,7 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
     with gr.Blocks(title="AI Studio", delete_cache=(sweep, keep_files_s)) as demo:
         gr.Markdown(heading(service.host.device), elem_id="heading")
         if service.is_demo(Tool.CHAT):
-            gr.Markdown(DEMO_WARNING)
+            gr.Markdown(DEMO_WARNING, elem_classes=["studio-banner"])
         elif service.notice(Tool.CHAT):
             gr.Markdown(service.notice(Tool.CHAT), elem_id="chat-model-notice")
         if service.store.notice:  # a damaged conversation database was set aside
@@ -90,20 +95,26 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
                 if service.is_demo(Tool.SEGMENT):
                     gr.Markdown(SAM_DEMO_WARNING)
                 ask = build_segment_tab(service, example_images())
+            header = dict(fn=lambda: header_lines(service), inputs=None, outputs=[banner, report], api_visibility="private", queue=False)
             if service.catalog is not None:
                 with gr.Tab("Models", id="models") as models_tab:
-                    models_tab.select(**build_models_tab(service))
-        # "Ask about this": the selected object (a masked crop) and the question go to image chat, which answers
-        ask.button.click(lambda t, q: (*ask.selection(t, q), gr.Tabs(selected="image-chat"), [], NO_CONVERSATION),
-                         [ask.state, ask.question], [image_chat.image, image_chat.message, tabs, *image_chat.fresh],
-                         api_visibility="private").success(
-            image_chat.respond, image_chat.inputs, image_chat.outputs, api_visibility="private", concurrency_limit=None)
+                    models_tab.select(**build_models_tab(service, header))
 
-        def refresh() -> tuple[str, str]:
-            return tools_line(service), startup_lines(service)
+        @shown_to_user
+        def ask_about(data: dict, request: gr.Request):
+            """"Ask about this": the selected object (a masked crop) and the question go to image chat, in a
+            new conversation there, which answers."""
+            picture, question = ask.selection(data[ask.state], data[ask.question])
+            yield gr.Tabs(selected="image-chat"), *(gr.skip() for _ in image_chat.outputs)
+            for shown in image_chat.ask(picture, question, data, request):
+                yield gr.skip(), *shown
 
-        gr.Timer(3).tick(refresh, None, [banner, report], api_visibility="private", queue=False)
-        demo.load(refresh, None, [banner, report], api_visibility="private", queue=False)
+        for ended in image_chat.composer.streams([ask.button.click], ask_about,
+                                                 {ask.state, ask.question, *image_chat.inputs},
+                                                 [tabs, *image_chat.outputs]):
+            ended.then(**image_chat.relist)
+        gr.Timer(3).tick(**header)
+        demo.load(**header)
 
         add_gradio_api(service)
     return demo

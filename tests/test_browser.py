@@ -46,6 +46,11 @@ def page(browser, running_app):
         yield page
 
 
+# Greedy without a repetition penalty, this prompt makes the demo model write 4,000 tokens without an end
+# token (seen: "ended: length"): a reply that is still running when Stop comes, whatever the CPU's speed.
+ENDLESS = dict(max_new_tokens=4000, temperature=0, repetition_penalty=1)
+
+
 def send(page, text: str) -> None:
     box = page.get_by_placeholder("Type a message, Enter to send")
     box.fill(text)
@@ -74,10 +79,7 @@ def test_chat_streams_survives_reload_and_clears(page):
 
 
 def test_stop_keeps_the_partial_reply(page):
-    # Greedy: the random demo model then never samples an end token, so the reply is still running.
-    for control, value in (("#chat-max-new-tokens", "4000"), ("#chat-temperature", "0")):
-        page.locator(f"{control} input[type=number]").fill(value)
-        page.locator(f"{control} input[type=number]").press("Enter")
+    set_controls(page, **ENDLESS)
     send(page, "A very long story please")
     page.locator("#chat-status").get_by_text("generating…").wait_for()
     reply = page.locator("#chat-history [data-testid=bot]").last
@@ -169,35 +171,138 @@ def _new_chat(page) -> None:
         page.locator(f"{control} input[type=number]").press("Enter")
 
 
-def test_regenerate_replaces_the_last_reply_and_the_meter_shows_the_context(page):
+def _version(page, label: str) -> None:
+    page.locator("#chat-version-label").get_by_text(label).wait_for()
+
+
+def test_regenerate_keeps_every_reply_as_a_version_and_the_meter_shows_the_context(page, tmp_path):
     _new_chat(page)
     send(page, "Tell me something")
     status = page.locator("#chat-status")
     status.get_by_text("ended:").wait_for()
     assert "context: " in status.inner_text() and " of 4096 tokens" in status.inner_text()
     first = _chat_texts(page)
-    assert len(first) == 2
+    assert len(first) == 2 and not page.locator("#chat-versions").is_visible()  # one version: no switcher
     page.get_by_role("button", name="Regenerate").click()
-    page.wait_for_function("old => { const b = document.querySelector('#chat-history [data-testid=bot]'); "
-                           "return b && b.innerText.trim() !== old; }", arg=first[1])
+    _version(page, "Reply 2 / 2")
     status.get_by_text("ended:").wait_for()
     again = _chat_texts(page)
-    assert len(again) == 2 and again[0] == first[0] and again[1] != first[1]  # a new draw for the same message
+    assert len(again) == 2 and again[0] == first[0]
+    page.get_by_role("button", name="‹ older").click()
+    _version(page, "Reply 1 / 2")
+    assert _chat_texts(page) == first  # the first reply, kept
+    page.get_by_role("button", name="newer ›").click()
+    _version(page, "Reply 2 / 2")
+    assert _chat_texts(page) == again
+    with page.expect_download() as download:  # both replies are in the conversation's export
+        page.get_by_role("button", name="Export this").first.click()
+    download.value.save_as(tmp_path / "versions.json")
+    (exported,) = __import__("json").loads((tmp_path / "versions.json").read_text())["conversations"]
+    replies = [m for m in exported["messages"] if m["role"] == "assistant"]
+    assert len(replies) == 2 and replies[0]["parent"] == replies[1]["parent"]
 
 
-def test_edit_and_resend_the_last_message(page):
+def test_edit_can_be_cancelled_and_keeps_the_old_question_as_a_version(page):
     _new_chat(page)
-    send(page, "Wrong question")
+    send(page, "Wrong **question**")
     page.locator("#chat-status").get_by_text("ended:").wait_for()
+    before = _chat_texts(page)
+    sidebar = page.locator("#chat-conversations")
+    sidebar.get_by_text("Wrong question · just now").wait_for()  # a plain-text title, and when
     page.get_by_role("button", name="Edit last").click()
     box = page.get_by_placeholder("Type a message, Enter to send")
     page.wait_for_function("() => document.querySelector('#chat-history .message-row') === null")
-    assert box.input_value() == "Wrong question"
+    assert box.input_value() == "Wrong **question**"
+    page.get_by_role("button", name="Cancel edit").click()
+    page.locator("#chat-history .message-row").nth(1).wait_for()
+    assert _chat_texts(page) == before and box.input_value() == ""  # as it was
+    page.get_by_role("button", name="Edit last").click()
+    page.wait_for_function("() => document.querySelector('#chat-history .message-row') === null")
     box.fill("Right question")
     box.press("Enter")
+    _version(page, "Your message 2 / 2")
     page.locator("#chat-status").get_by_text("ended:").wait_for()
     texts = _chat_texts(page)
-    assert texts[0] == "Right question" and len(texts) == 2 and "Wrong question" not in " ".join(texts)
+    assert texts[0] == "Right question" and len(texts) == 2
+    sidebar.get_by_text("Right question").wait_for()  # the title follows the edited first message
+    page.get_by_role("button", name="‹ older").click()
+    _version(page, "Your message 1 / 2")
+    assert _chat_texts(page) == before  # the old question, with its reply
+
+
+def test_delete_offers_undo(page):
+    _new_chat(page)
+    send(page, "Keep me please")
+    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    sidebar = page.locator("#chat-conversations")
+    sidebar.get_by_text("Keep me please").wait_for()
+    page.get_by_role("button", name="Delete", exact=True).click()
+    sidebar.get_by_text("Keep me please").wait_for(state="detached")
+    page.locator("#chat-status").get_by_text("Deleted “Keep me please”.").wait_for()
+    page.get_by_role("button", name="Undo delete").click()
+    sidebar.get_by_text("Keep me please").wait_for()
+    page.locator("#chat-history").get_by_text("Keep me please").wait_for()  # reopened, messages and all
+    assert not page.get_by_role("button", name="Undo delete").is_visible()
+
+
+def test_a_new_chat_greets_with_examples_and_send_becomes_stop(page):
+    _new_chat(page)
+    page.get_by_text("What can I help with?").wait_for()
+    page.get_by_text("Write a Python function that tells whether a word is a palindrome.").click()
+    box = page.get_by_placeholder("Type a message, Enter to send")
+    page.wait_for_function("() => document.querySelector('#chat-input textarea').value.includes('palindrome')")
+    set_controls(page, **ENDLESS)
+    where = page.locator("#chat-send").bounding_box()
+    box.press("Enter")
+    stop = page.locator("#chat-stop")
+    stop.wait_for(state="visible")
+    assert not page.locator("#chat-send").is_visible()
+    placed = stop.bounding_box()  # in Send's place, Send's size
+    assert abs(placed["x"] - where["x"]) < 2 and abs(placed["width"] - where["width"]) < 2, (placed, where)
+    page.locator("#chat-status").get_by_text("generating…").wait_for()
+    box.press("Escape")  # Escape in the box stops it
+    page.locator("#chat-status").get_by_text("Stopped: the reply so far is kept.").wait_for()
+    page.locator("#chat-send").wait_for(state="visible")
+    page.wait_for_function("() => document.activeElement === document.querySelector('#chat-input textarea')")
+    set_controls(page, max_new_tokens=12, temperature=1, repetition_penalty=1.05)
+
+
+def test_a_mistake_is_a_toast_that_leaves_the_page_as_it_was(page, running_app):
+    page.get_by_role("tab", name="Image chat").click()
+    page.get_by_role("button", name="New conversation").click()
+    box = page.get_by_placeholder("Ask about the image, Enter to send")
+    box.fill("What is this?")
+    box.press("Enter")  # no picture yet
+    page.locator(".toast-body").get_by_text("upload an image first").wait_for()
+    page.locator("#image-chat-send").wait_for(state="visible")
+    assert box.input_value() == "What is this?"  # the question stays to send once there is a picture
+    assert page.get_by_text("Error", exact=True).count() == 0  # no red badges over the components
+    page.get_by_role("tab", name="Models").click()
+    page.get_by_role("button", name="Delete…").click()  # no model picked
+    page.locator(".toast-body").get_by_text("pick the model to delete").wait_for()
+    assert page.get_by_text("Error", exact=True).count() == 0
+    log = running_app.log.read_text()
+    assert "not done (a user's request): pick the model to delete" in log and "Traceback" not in log
+    page.get_by_role("tab", name="Chat", exact=True).click()
+
+
+def test_the_first_screen_at_phone_width_shows_the_tabs_and_folds_the_sidebar(browser, running_app):
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    try:
+        phone = context.new_page()
+        phone.set_default_timeout(60_000)
+        phone.goto(running_app.url)
+        phone.get_by_text("What can I help with?").wait_for()
+        tabs = phone.get_by_role("tab", name="Chat", exact=True).bounding_box()
+        assert phone.evaluate("window.scrollY") == 0 and tabs["y"] + tabs["height"] <= 844
+        assert not phone.locator("#chat-sidebar").is_visible()
+        phone.get_by_role("button", name="☰ Conversations").first.click()
+        phone.locator("#chat-sidebar").get_by_role("button", name="New chat").wait_for()
+        phone.get_by_role("tab", name="Models").click()
+        phone.locator("#models-table").get_by_text("demo/qwen-v1-tiny").first.wait_for()
+        assert phone.evaluate("document.documentElement.scrollWidth") <= 390  # the table scrolls in its box
+    finally:
+        context.close()
 
 
 def _import(page, path) -> None:
@@ -236,6 +341,7 @@ def test_export_and_import_round_trip_with_highlighted_code(page, tmp_path):
     page.locator("#chat-history .message-row").first.wait_for(state="detached")
     _import(page, with_code)
     page.locator("#chat-status").get_by_text("Imported 4 messages.").wait_for()
+    page.locator("#chat-history pre code").get_by_text("def square(x):").wait_for()  # rendered after the text
     texts = _chat_texts(page)
     assert texts[:2] == before and "def square(x):" in texts[3]
     code = page.locator("#chat-history pre code").first
@@ -260,12 +366,15 @@ def test_ask_about_the_selected_object(page):
     status.get_by_text("1 point").wait_for()
     page.locator("#segment-question textarea").fill("What colour is this shape?")
     page.get_by_role("button", name="Ask about this").click()
-    page.locator("#image-chat-status").get_by_text("tok/s").wait_for()  # image chat answered, in its own tab
+    page.locator("#image-chat-history").get_by_text("What colour is this shape?").wait_for()  # asked in its tab
+    page.locator("#image-chat-send").wait_for(state="visible")  # and answered: Stop is Send again
+    assert "tok/s" in page.locator("#image-chat-status").inner_text()
     assert page.get_by_role("tab", name="Image chat").get_attribute("aria-selected") == "true"
-    assert page.get_by_text("What colour is this shape?").count() >= 1
     shown = page.locator("#image-chat-image img").first
     shown.wait_for()
-    assert "selection-" in shown.get_attribute("src")  # the masked crop, not the whole photo
+    assert "selection-" in shown.get_attribute("src")  # the object, its surroundings dimmed
+    # the new conversation is in image chat's sidebar without a reload
+    page.locator("#image-chat-conversations").get_by_text("What colour is this shape?").wait_for()
 
 
 def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(browser, tmp_path, studio_cache):

@@ -12,7 +12,9 @@ import pytest
 
 from conftest import ROOT
 from pipeline.errors import UserError
-from pipeline.service.store import FILE, ConversationStore, title_from
+from pipeline.service import store as store_module
+from pipeline.service.store import FILE, ConversationStore
+from pipeline.service.store_schema import MIGRATIONS, title_from
 
 
 @pytest.fixture
@@ -43,6 +45,89 @@ def test_conversations_are_listed_newest_first_titled_renamed_and_deleted(store)
         store.rename("ann", first, "   ")
     assert title_from("word " * 40).endswith("…") and len(title_from("word " * 40)) <= 61
 
+
+
+def contents(store, c) -> list[str]:
+    return [m["content"] for m in store.open("ann", c)["messages"]]
+
+
+def test_regenerated_replies_and_edited_questions_are_kept_as_versions(store):
+    """Regenerate adds a reply beside the old one, Edit a question beside the old one (with its own
+    replies); `choose` shows any version's branch; the title follows the first question shown."""
+    c = store.create("ann", "chat")
+    store.add("ann", c, "user", "First")
+    store.add("ann", c, "assistant", "Reply A")
+    store.add("ann", c, "user", "Second")
+    old = store.add("ann", c, "assistant", "Reply B")
+    store.rewind_last_turn("ann", c, keep_question=True)  # regenerate
+    new = store.add("ann", c, "assistant", "Reply B2")
+    last = store.open("ann", c)["messages"][-1]
+    assert contents(store, c) == ["First", "Reply A", "Second", "Reply B2"] and last["versions"] == [old, new]
+    store.choose("ann", c, old)
+    assert contents(store, c) == ["First", "Reply A", "Second", "Reply B"]
+    store.rewind_last_turn("ann", c, keep_question=False)  # edit the last question
+    store.add("ann", c, "user", "Second, edited")
+    store.add("ann", c, "assistant", "Reply C")
+    shown = store.open("ann", c)["messages"]
+    assert contents(store, c) == ["First", "Reply A", "Second, edited", "Reply C"] and len(shown[2]["versions"]) == 2
+    store.choose("ann", c, shown[2]["versions"][0])  # the old question: its newest reply comes back with it
+    assert contents(store, c) == ["First", "Reply A", "Second", "Reply B2"]
+    assert store.list("ann")[0]["title"] == "First"
+    store.rewind_last_turn("ann", c, keep_question=False)
+    store.rewind_last_turn("ann", c, keep_question=False)  # back to the first question: edit it
+    store.add("ann", c, "user", "**Better** first")
+    assert contents(store, c) == ["**Better** first"] and store.list("ann")[0]["title"] == "Better first"
+    store.rename("ann", c, "Mine")
+    store.choose("ann", c, store.open("ann", c)["messages"][0]["versions"][0])
+    assert store.list("ann")[0]["title"] == "Mine"  # a title the user chose stays
+    with pytest.raises(UserError, match="not in conversation"):
+        store.choose("ann", c, 10_000)
+    with pytest.raises(UserError, match="no conversation"):
+        store.choose("bob", c, old)
+
+
+def test_a_deleted_conversation_can_be_restored_until_it_is_purged(store, monkeypatch):
+    c = store.create("ann", "image chat", image=b"photo")
+    store.add("ann", c, "user", "What is it?")
+    assert store.delete("ann", c) == "What is it?"
+    assert store.list("ann") == [] and store.search("ann", "what") == []
+    with pytest.raises(UserError, match="no conversation"):
+        store.open("ann", c)
+    with pytest.raises(UserError, match="cannot be restored"):
+        store.restore("bob", c)
+    store.restore("ann", c)
+    assert contents(store, c) == ["What is it?"]
+    store.delete("ann", c)
+    now = time.time()
+    monkeypatch.setattr(store_module.time, "time", lambda: now + store_module.UNDO_S + 1)
+    with pytest.raises(UserError, match="deleted for good"):
+        store.restore("ann", c)
+    assert store._query("SELECT COUNT(*) FROM messages")[0][0] == 0  # purged, with its messages
+    assert store._query("SELECT COUNT(*) FROM images")[0][0] == 0  # and the image nothing else shows
+
+
+def test_titles_are_plain_text():
+    assert title_from("```python\ndef add(a, b):\n    return a + b\n```") == "def add(a, b): return a + b"
+    assert title_from("# Why is **the sky** _blue_? See [this](http://x.org)") == "Why is the sky blue? See this"
+    assert title_from("keep snake_case and 2*3") == "keep snake_case and 2*3"
+
+
+def test_a_database_of_the_first_schema_opens_with_every_message_on_one_branch(tmp_path):
+    with sqlite3.connect(tmp_path / FILE) as db:
+        for statement in MIGRATIONS[0]:
+            db.execute(statement)
+        db.execute("PRAGMA user_version = 1")
+        db.execute("INSERT INTO conversations VALUES (1, 'ann', 'chat', 'Old', NULL, NULL, 0, 0)")
+        for i, role in enumerate(["user", "assistant", "user", "assistant"]):
+            db.execute("INSERT INTO messages(conversation, role, content, created) VALUES (1, ?, ?, 0)", (role, f"m{i}"))
+    store = ConversationStore(tmp_path)
+    try:
+        assert contents(store, 1) == ["m0", "m1", "m2", "m3"]
+        store.rewind_last_turn("ann", 1, keep_question=True)
+        store.add("ann", 1, "assistant", "m3 again")
+        assert contents(store, 1) == ["m0", "m1", "m2", "m3 again"]
+    finally:
+        store.close()
 
 def test_search_finds_words_of_old_replies_and_takes_any_text_literally(store):
     a = store.create("ann", "chat")
@@ -83,7 +168,7 @@ def test_one_user_cannot_see_or_touch_anothers_conversations(store):
     assert store.open("ann", mine)["messages"][0]["content"] == "my secret plan"
 
 
-def test_an_image_is_stored_once_and_reopens_with_its_conversation(store):
+def test_an_image_is_stored_once_and_reopens_with_its_conversation(store, monkeypatch):
     photo = b"\x89PNG fake bytes of a photo"
     a = store.create("ann", "image chat", image=photo)
     b = store.create("ann", "image chat", image=photo)
@@ -91,8 +176,13 @@ def test_an_image_is_stored_once_and_reopens_with_its_conversation(store):
         assert store._db.execute("SELECT COUNT(*) FROM images").fetchone()[0] == 1
     assert store.open("ann", a)["image_data"] == photo and store.list("ann")[0]["has_image"]
     store.delete("ann", a)
+    now = time.time()
+    monkeypatch.setattr(store_module.time, "time", lambda: now + store_module.UNDO_S + 1)
+    store.list("ann")  # a's deletion is final now
     assert store.open("ann", b)["image_data"] == photo  # still shown by b
     store.delete("ann", b)
+    monkeypatch.setattr(store_module.time, "time", lambda: now + 2 * store_module.UNDO_S + 2)
+    store.list("ann")
     with store._lock:
         assert store._db.execute("SELECT COUNT(*) FROM images").fetchone()[0] == 0
 
@@ -107,9 +197,11 @@ def test_a_stopped_reply_is_saved_as_it_stood(store):
     assert (last["content"], last["state"]) == ("Once upon a time", "cancelled")
 
 
-def test_export_and_import_round_trip_every_conversation(store, tmp_path):
+def test_export_and_import_round_trip_every_conversation_with_its_versions(store, tmp_path):
     a = store.create("ann", "image chat", system="Be brief.", image=b"photo")
     store.add("ann", a, "user", "What is this?", "m", {"seed": 1})
+    store.add("ann", a, "assistant", "A dog.", "m", {"seed": 1})
+    store.rewind_last_turn("ann", a, keep_question=True)
     store.add("ann", a, "assistant", "A cat.", "m", {"seed": 1})
     other = ConversationStore(tmp_path / "other")
     try:
@@ -118,6 +210,11 @@ def test_export_and_import_round_trip_every_conversation(store, tmp_path):
         assert (copy["tool"], copy["system"], copy["image_data"]) == ("image chat", "Be brief.", b"photo")
         assert [(m["role"], m["content"], m["sampling"]) for m in copy["messages"]] == [
             ("user", "What is this?", {"seed": 1}), ("assistant", "A cat.", {"seed": 1})]
+        assert len(copy["messages"][1]["versions"]) == 2 and copy["title"] == "What is this?"
+        for hostile in ([{"role": "user", "content": "x", "parent": 5}], [{"role": "user", "content": "x", "id": [1]}],
+                        [{"role": "user", "content": "x", "id": 1, "parent": {}}]):
+            with pytest.raises(UserError, match="malformed message"):
+                other.import_("bob", [{"tool": "chat", "messages": hostile}])
         with pytest.raises(UserError, match="not one this app exported"):
             other.import_("bob", [{"tool": "email"}])
     finally:

@@ -4,6 +4,7 @@ reply is kept (`Saved`), and one step of a reply as it reaches a front end (`Upd
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
@@ -31,13 +32,23 @@ class ChatTurn:
     prompt: str | None = None  # a plain text to continue instead of `messages` (`/v1/completions`)
 
 
+class Revision(enum.StrEnum):
+    """What a message sent to a stored conversation is: a new turn, another reply to the last question
+    (regenerate) or another version of the last question (edit). The old ones stay, as versions."""
+
+    NEW = "new"
+    REPLY = "reply"
+    QUESTION = "question"
+
+
 @dataclasses.dataclass(frozen=True)
 class Saved:
     """Where a reply is kept: `user`'s `conversation` in the service's store (None: start one with the
-    first message, `StudioService.send`)."""
+    first message, `StudioService.send`), as a new turn or another version of the last one."""
 
     user: str
     conversation: int | None = None
+    revision: Revision = Revision.NEW
 
 
 @dataclasses.dataclass

@@ -8,9 +8,13 @@ a writer waits `BUSY_TIMEOUT_S` for the other). Nothing here knows about the UI.
 - Every query names its user: one user's conversations are invisible to another, whatever an id says.
 - A message records the model and sampling settings that produced it, and its state: "complete", or
   "cancelled" for a reply stopped or cut off (saved as it stood).
+- Nothing a user made is lost by one click: a message hangs under the one before it, so a regenerated
+  reply or an edited question is another *version* beside the old one (`open` shows the branch that
+  ends at the conversation's head, each message with its versions; `choose` switches branch), and a
+  deleted conversation can be restored for `UNDO_S` seconds before it is purged.
 - An image-chat conversation's image is stored once by content hash (the same photo in ten
   conversations is one row).
-- The schema has a version (`PRAGMA user_version`) and migrations run in order at open.
+- The schema has a version (`PRAGMA user_version`); migrations (`store_schema`) run in order at open.
 - A damaged or unreadable database never stops the app: it is moved aside under a dated name, a
   fresh one is started, and `notice` says so plainly.
 """
@@ -20,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sqlite3
 import threading
 import time
@@ -29,58 +32,17 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import UserError
+from pipeline.service.store_schema import MIGRATIONS, title_from
 from pipeline.service.tools import Tool
 
 FILE = "conversations.sqlite3"
 BUSY_TIMEOUT_S = 10
-TITLE_CHARS = 60
-
-MIGRATIONS = [  # MIGRATIONS[i] takes the schema from version i to i + 1; idempotent (two processes may race)
-    """
-    CREATE TABLE IF NOT EXISTS conversations (
-        id INTEGER PRIMARY KEY,
-        user TEXT NOT NULL,
-        tool TEXT NOT NULL,
-        title TEXT NOT NULL,
-        system TEXT,
-        image TEXT REFERENCES images(hash),
-        created REAL NOT NULL,
-        updated REAL NOT NULL
-    );
-    CREATE INDEX IF NOT EXISTS conversations_by_user ON conversations(user, updated DESC);
-    CREATE TABLE IF NOT EXISTS messages (
-        id INTEGER PRIMARY KEY,
-        conversation INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-        role TEXT NOT NULL,
-        content TEXT NOT NULL,
-        model TEXT,
-        sampling TEXT,
-        state TEXT NOT NULL DEFAULT 'complete',
-        created REAL NOT NULL
-    );
-    CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation, id);
-    CREATE TABLE IF NOT EXISTS images (hash TEXT PRIMARY KEY, data BLOB NOT NULL);
-    CREATE VIRTUAL TABLE IF NOT EXISTS messages_text USING fts5(content, content='messages', content_rowid='id');
-    CREATE TRIGGER IF NOT EXISTS messages_added AFTER INSERT ON messages BEGIN
-        INSERT INTO messages_text(rowid, content) VALUES (new.id, new.content);
-    END;
-    CREATE TRIGGER IF NOT EXISTS messages_removed AFTER DELETE ON messages BEGIN
-        INSERT INTO messages_text(messages_text, rowid, content) VALUES ('delete', old.id, old.content);
-    END;
-    CREATE TRIGGER IF NOT EXISTS messages_changed AFTER UPDATE OF content ON messages BEGIN
-        INSERT INTO messages_text(messages_text, rowid, content) VALUES ('delete', old.id, old.content);
-        INSERT INTO messages_text(rowid, content) VALUES (new.id, new.content);
-    END;
-    """,
-]
-
-
-def title_from(question: str) -> str:
-    """A conversation's automatic title: its first question, on one line, cut at a word."""
-    line = " ".join(question.split())
-    if len(line) <= TITLE_CHARS:
-        return line or "New conversation"
-    return line[:TITLE_CHARS].rsplit(" ", 1)[0] + "…"
+UNDO_S = 10  # a deleted conversation can be restored this long
+HEAD = -1  # `add`'s default parent: the end of the branch shown
+PATH = """WITH RECURSIVE path(id) AS (SELECT head FROM conversations WHERE id = ?
+          UNION ALL SELECT m.parent FROM messages m JOIN path ON m.id = path.id WHERE m.parent IS NOT NULL)
+          SELECT m.id, m.parent, m.role, m.content, m.model, m.sampling, m.state, m.created
+          FROM messages m JOIN path ON m.id = path.id ORDER BY m.id"""
 
 
 class ConversationStore:
@@ -114,12 +76,20 @@ class ConversationStore:
 
     @staticmethod
     def _migrate(db: sqlite3.Connection) -> None:
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > len(MIGRATIONS):
-            raise UserError(f"the conversation database was written by a newer version of the app (schema "
-                            f"{version}, this one knows {len(MIGRATIONS)}): update the app")
-        for number in range(version, len(MIGRATIONS)):  # each step one transaction, with its version
-            db.executescript(f"BEGIN IMMEDIATE;\n{MIGRATIONS[number]}\nPRAGMA user_version = {number + 1};\nCOMMIT;")
+        """Each step in one transaction that reads the version again, so two processes opening an old
+        database at once run it once."""
+        for number, statements in enumerate(MIGRATIONS):
+            db.execute("BEGIN IMMEDIATE")
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                db.execute("ROLLBACK")
+                raise UserError(f"the conversation database was written by a newer version of the app (schema "
+                                f"{version}, this one knows {len(MIGRATIONS)}): update the app")
+            if version == number:
+                for statement in statements:
+                    db.execute(statement)
+                db.execute(f"PRAGMA user_version = {number + 1}")
+            db.execute("COMMIT")
 
     def _set_aside(self, error: Exception) -> sqlite3.Connection:
         """Move the damaged database (and its journal files) aside under a dated name; start a fresh one."""
@@ -152,55 +122,88 @@ class ConversationStore:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    @staticmethod
+    def _owned(db: sqlite3.Connection, user: str, conversation: int) -> sqlite3.Row:
+        """The conversation's row if it is `user`'s and not deleted, else a `UserError`."""
+        row = db.execute("SELECT * FROM conversations WHERE id = ? AND user = ? AND deleted IS NULL",
+                         (conversation, user)).fetchone()
+        if row is None:
+            raise UserError(f"there is no conversation {conversation} of yours")
+        return row
+
     # ---- conversations ------------------------------------------------------------------------
 
     def create(self, user: str, tool: str, title: str = "", system: str | None = None,
                image: bytes | None = None) -> int:
-        """A new conversation of `user` in `tool` ("chat" or "image chat"); `image` is its picture's file bytes."""
+        """A new conversation of `user` in `tool` ("chat" or "image chat"); `image` is its picture's file
+        bytes. A `title` given here is kept (an automatic one follows the first question)."""
         now = time.time()
         with self._transaction() as db:
             key = None
             if image is not None:
                 key = hashlib.sha256(image).hexdigest()
                 db.execute("INSERT OR IGNORE INTO images(hash, data) VALUES (?, ?)", (key, image))
-            cursor = db.execute("INSERT INTO conversations(user, tool, title, system, image, created, updated) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?)", (user, tool, title, system, key, now, now))
+            cursor = db.execute("INSERT INTO conversations(user, tool, title, system, image, created, updated, renamed) "
+                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (user, tool, title, system, key, now, now, bool(title)))
             return cursor.lastrowid
 
     def list(self, user: str, tool: str | None = None) -> list[dict[str, Any]]:
         """`user`'s conversations, newest first."""
+        self._purge()
         rows = self._query("SELECT id, tool, title, updated, image IS NOT NULL AS has_image FROM conversations "
-                           "WHERE user = ? AND (? IS NULL OR tool = ?) ORDER BY updated DESC, id DESC",
-                           (user, tool, tool))
+                           "WHERE user = ? AND deleted IS NULL AND (? IS NULL OR tool = ?) "
+                           "ORDER BY updated DESC, id DESC", (user, tool, tool))
         return [dict(r) for r in rows]
 
     def open(self, user: str, conversation: int) -> dict[str, Any]:
-        """A conversation with its messages (and its image's bytes, if it has one)."""
-        rows = self._query("SELECT c.*, i.data AS image_data FROM conversations c LEFT JOIN images i ON i.hash = c.image "
-                           "WHERE c.id = ? AND c.user = ?", (conversation, user))
-        if not rows:
-            raise UserError(f"there is no conversation {conversation} of yours")
-        found = dict(rows[0])
-        found["messages"] = [
-            {**dict(m), "sampling": json.loads(m["sampling"]) if m["sampling"] else None}
-            for m in self._query("SELECT id, role, content, model, sampling, state, created FROM messages "
-                                 "WHERE conversation = ? ORDER BY id", (conversation,))]
+        """A conversation with the messages of the branch shown (each with `versions`: the ids of the
+        messages in its place, oldest first, itself among them) and its image's bytes, if it has one."""
+        with self._lock:
+            found = dict(self._owned(self._db, user, conversation))
+            image = self._db.execute("SELECT data FROM images WHERE hash = ?", (found["image"],)).fetchone()
+            path = self._db.execute(PATH, (conversation,)).fetchall()
+            places = self._db.execute("SELECT id, parent, role FROM messages WHERE conversation = ? ORDER BY id",
+                                      (conversation,)).fetchall()
+        versions: dict[tuple, list[int]] = {}
+        for m in places:
+            versions.setdefault((m["parent"], m["role"]), []).append(m["id"])
+        found["image_data"] = image["data"] if image is not None else None
+        found["messages"] = [{**dict(m), "sampling": json.loads(m["sampling"]) if m["sampling"] else None,
+                              "versions": versions[(m["parent"], m["role"])]} for m in path]
         return found
 
     def rename(self, user: str, conversation: int, title: str) -> None:
+        """The user's own title (it no longer follows the first question)."""
         title = " ".join(str(title).split())
         if not title:
             raise UserError("a title cannot be empty")
-        self._owned_update(user, conversation, "UPDATE conversations SET title = ? WHERE id = ? AND user = ?",
-                           (title[:200], conversation, user))
-
-    def delete(self, user: str, conversation: int) -> None:
-        """Delete a conversation and its messages (its image too, when nothing else shows it)."""
         with self._transaction() as db:
-            gone = db.execute("DELETE FROM conversations WHERE id = ? AND user = ?", (conversation, user)).rowcount
-            if not gone:
-                raise UserError(f"there is no conversation {conversation} of yours")
-            db.execute("DELETE FROM images WHERE hash NOT IN (SELECT image FROM conversations WHERE image IS NOT NULL)")
+            self._owned(db, user, conversation)
+            db.execute("UPDATE conversations SET title = ?, renamed = 1 WHERE id = ?", (title[:200], conversation))
+
+    def delete(self, user: str, conversation: int) -> str:
+        """Delete a conversation (`restore` brings it back for `UNDO_S` seconds); its title."""
+        with self._transaction() as db:
+            title = self._owned(db, user, conversation)["title"]
+            db.execute("UPDATE conversations SET deleted = ? WHERE id = ?", (time.time(), conversation))
+        self._purge()
+        return title
+
+    def restore(self, user: str, conversation: int) -> None:
+        """Undo `delete`, if it was less than `UNDO_S` seconds ago."""
+        self._purge()
+        with self._transaction() as db:
+            if not db.execute("UPDATE conversations SET deleted = NULL WHERE id = ? AND user = ? AND deleted IS NOT NULL",
+                              (conversation, user)).rowcount:
+                raise UserError(f"conversation {conversation} cannot be restored: it was deleted for good "
+                                f"({UNDO_S} s after Delete) or is not yours")
+
+    def _purge(self) -> None:
+        """Delete for good what was deleted more than `UNDO_S` ago, with its messages (and images nothing else shows)."""
+        with self._transaction() as db:
+            if db.execute("DELETE FROM conversations WHERE deleted < ?", (time.time() - UNDO_S,)).rowcount:
+                db.execute("DELETE FROM images WHERE hash NOT IN "
+                           "(SELECT image FROM conversations WHERE image IS NOT NULL)")
 
     def search(self, user: str, text: str) -> list[dict[str, Any]]:
         """`user`'s conversations whose title holds every word of `text`, or one of whose messages does
@@ -209,34 +212,38 @@ class ConversationStore:
         if not words:
             return []
         titled = self._query(
-            "SELECT id, tool, title, updated, title AS snippet FROM conversations WHERE user = ? AND "
-            + " AND ".join(["title LIKE ?"] * len(words)), (user, *(f"%{w}%" for w in words)))
+            "SELECT id, tool, title, updated, title AS snippet FROM conversations WHERE user = ? AND deleted IS NULL "
+            "AND " + " AND ".join(["title LIKE ?"] * len(words)), (user, *(f"%{w}%" for w in words)))
         query = " ".join(f'"{w}"' for w in words)  # each word a quoted term
         said = self._query(
             "SELECT c.id, c.tool, c.title, c.updated, snippet(messages_text, 0, '[', ']', '…', 12) AS snippet "
             "FROM messages_text JOIN messages m ON m.id = messages_text.rowid "
             "JOIN conversations c ON c.id = m.conversation "
-            "WHERE messages_text MATCH ? AND c.user = ? ORDER BY c.updated DESC, rank", (query, user))
+            "WHERE messages_text MATCH ? AND c.user = ? AND c.deleted IS NULL ORDER BY c.updated DESC, rank",
+            (query, user))
         seen: dict[int, dict[str, Any]] = {}
         for r in [*titled, *said]:
             seen.setdefault(r["id"], dict(r))
         return sorted(seen.values(), key=lambda c: -c["updated"])
 
-    # ---- messages -----------------------------------------------------------------------------
+    # ---- messages and their versions ----------------------------------------------------------
 
     def add(self, user: str, conversation: int, role: str, content: str, model: str | None = None,
-            sampling: dict | None = None, state: str = "complete") -> int:
-        """Append a message (committed now); the first user message titles an untitled conversation."""
+            sampling: dict | None = None, state: str = "complete", parent: int | None = HEAD) -> int:
+        """Append a message under `parent` (by default the end of the branch shown; None: first), committed
+        now; it becomes the end of the branch shown."""
         now = time.time()
         with self._transaction() as db:
-            row = db.execute("SELECT title FROM conversations WHERE id = ? AND user = ?", (conversation, user)).fetchone()
-            if row is None:
-                raise UserError(f"there is no conversation {conversation} of yours")
-            cursor = db.execute("INSERT INTO messages(conversation, role, content, model, sampling, state, created) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?)", (conversation, role, content, model,
-                                                                  json.dumps(sampling) if sampling else None, state, now))
-            title = row["title"] or (title_from(content) if role == "user" else "")
-            db.execute("UPDATE conversations SET updated = ?, title = ? WHERE id = ?", (now, title, conversation))
+            row = self._owned(db, user, conversation)
+            parent = row["head"] if parent == HEAD else parent
+            if parent is not None and not db.execute("SELECT 1 FROM messages WHERE id = ? AND conversation = ?",
+                                                     (parent, conversation)).fetchone():
+                raise UserError(f"message {parent} is not in conversation {conversation}")
+            cursor = db.execute("INSERT INTO messages(conversation, parent, role, content, model, sampling, state, "
+                                "created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                                (conversation, parent, role, content, model, json.dumps(sampling) if sampling else None,
+                                 state, now))
+            self._show(db, row, cursor.lastrowid, now)
             return cursor.lastrowid
 
     def update(self, user: str, message: int, content: str, state: str) -> None:
@@ -248,78 +255,78 @@ class ConversationStore:
                 raise UserError(f"there is no message {message} of yours")
             db.execute("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message))
 
-    def drop_last_turn(self, user: str, conversation: int) -> None:
-        """Remove the last user message and everything after it (regenerate, edit-and-resend)."""
+    def rewind_last_turn(self, user: str, conversation: int, keep_question: bool) -> None:
+        """Make room for another version of the last exchange: the branch shown ends before the last reply
+        (`keep_question`: regenerate) or before the last question (edit); both stay as versions."""
         with self._transaction() as db:
-            if not db.execute("SELECT 1 FROM conversations WHERE id = ? AND user = ?", (conversation, user)).fetchone():
-                raise UserError(f"there is no conversation {conversation} of yours")
-            last = db.execute("SELECT MAX(id) FROM messages WHERE conversation = ? AND role = 'user'",
-                              (conversation,)).fetchone()[0]
-            if last is not None:
-                db.execute("DELETE FROM messages WHERE conversation = ? AND id >= ?", (conversation, last))
+            row = self._owned(db, user, conversation)
+            asked = [m for m in db.execute(PATH, (conversation,)).fetchall() if m["role"] == "user"]
+            if not asked:
+                raise UserError("there is no message of yours in this conversation to answer again")
+            head = asked[-1]["id"] if keep_question else asked[-1]["parent"]
+            self._show(db, row, head, row["updated"])
 
-    def _owned_update(self, user: str, conversation: int, sql: str, args: tuple) -> None:
+    def choose(self, user: str, conversation: int, message: int) -> None:
+        """Show the branch through `message` (one of the versions `open` lists), to its newest end."""
         with self._transaction() as db:
-            if not db.execute(sql, args).rowcount:
-                raise UserError(f"there is no conversation {conversation} of yours")
+            row = self._owned(db, user, conversation)
+            if not db.execute("SELECT 1 FROM messages WHERE id = ? AND conversation = ?",
+                              (message, conversation)).fetchone():
+                raise UserError(f"message {message} is not in conversation {conversation}")
+            head = message
+            while (child := db.execute("SELECT MAX(id) FROM messages WHERE conversation = ? AND parent = ?",
+                                       (conversation, head)).fetchone()[0]) is not None:
+                head = child
+            self._show(db, row, head, row["updated"])
+
+    @staticmethod
+    def _show(db: sqlite3.Connection, row: sqlite3.Row, head: int | None, updated: float) -> None:
+        """End the branch shown at `head`; an automatic title follows the branch's first question."""
+        db.execute("UPDATE conversations SET head = ?, updated = ? WHERE id = ?", (head, updated, row["id"]))
+        if not row["renamed"]:
+            first = db.execute(f"SELECT content FROM ({PATH}) WHERE role = 'user' LIMIT 1", (row["id"],)).fetchone()
+            if first is not None:
+                db.execute("UPDATE conversations SET title = ? WHERE id = ?", (title_from(first["content"]), row["id"]))
 
     # ---- export and import --------------------------------------------------------------------
 
     def export(self, user: str, conversation: int | None = None) -> list[dict[str, Any]]:
-        """One conversation, or all of `user`'s, as plain data (images as hex) that `import_` reads back."""
+        """One conversation, or all of `user`'s, as plain data that `import_` reads back: every version
+        of every message (`id`, `parent`; `head` ends the branch shown), images as hex."""
         ids = [conversation] if conversation is not None else [c["id"] for c in self.list(user)]
         out = []
         for cid in ids:
             c = self.open(user, cid)
-            out.append({"tool": c["tool"], "title": c["title"], "system": c["system"],
-                        "image": c["image_data"].hex() if c["image_data"] is not None else None,
-                        "messages": [{k: m[k] for k in ("role", "content", "model", "sampling", "state")}
-                                     for m in c["messages"]]})
+            messages = self._query("SELECT id, parent, role, content, model, sampling, state FROM messages "
+                                   "WHERE conversation = ? ORDER BY id", (cid,))
+            out.append({"tool": c["tool"], "title": c["title"], "renamed": bool(c["renamed"]), "system": c["system"],
+                        "image": c["image_data"].hex() if c["image_data"] is not None else None, "head": c["head"],
+                        "messages": [{**dict(m), "sampling": json.loads(m["sampling"]) if m["sampling"] else None}
+                                     for m in messages]})
         return out
 
     def import_(self, user: str, conversations: list[dict[str, Any]]) -> list[int]:
-        """Conversations from `export` into `user`'s (new ids); a malformed entry is a `UserError`."""
+        """Conversations from `export` (or plain message lists, one after another) into `user`'s, as new
+        ones; a malformed entry is a `UserError`."""
         ids = []
         for i, c in enumerate(conversations):
             if not isinstance(c, dict) or c.get("tool") not in (Tool.CHAT, Tool.IMAGE_CHAT) or \
                     not isinstance(c.get("messages"), list):
                 raise UserError(f"conversation {i} of the file is not one this app exported")
             image = bytes.fromhex(c["image"]) if c.get("image") else None
-            cid = self.create(user, c["tool"], str(c.get("title") or ""), c.get("system"), image)
+            title = str(c.get("title") or "") if c.get("renamed", True) else ""
+            cid = self.create(user, c["tool"], title, c.get("system"), image)
+            new: dict[object, int] = {}  # the file's message ids → ours
             for m in c["messages"]:
-                if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
+                above = m.get("parent") if isinstance(m, dict) else None
+                if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system") or \
+                        not isinstance(m.get("id", 0), int) or above is not None and (
+                        not isinstance(above, int) or above not in new):
                     raise UserError(f"conversation {i} of the file has a malformed message")
-                self.add(user, cid, m["role"], str(m.get("content", "")), m.get("model"), m.get("sampling"),
-                         m.get("state") or "complete")
+                parent = new[above] if above is not None else None if "parent" in m else HEAD
+                new[m.get("id", len(new))] = self.add(user, cid, m["role"], str(m.get("content", "")), m.get("model"),
+                                                      m.get("sampling"), m.get("state") or "complete", parent)
+            if isinstance(c.get("head"), int) and c["head"] in new:
+                self.choose(user, cid, new[c["head"]])
             ids.append(cid)
         return ids
-
-
-# A reply in progress is written at most this often (and when it ends); $STUDIO_SAVE_EVERY_S changes it (the
-# crash test sets 0, so a reply is on disk from its first words whatever the machine's speed).
-SAVE_EVERY_S = float(os.environ.get("STUDIO_SAVE_EVERY_S", "2"))
-
-
-class ReplyRecord:
-    """One turn being saved: the question at once, the reply as it grows (every `SAVE_EVERY_S`), and its
-    end: "complete", or "cancelled" when stopped, cut off by a closed tab or failed."""
-
-    def __init__(self, store: ConversationStore, user: str, conversation: int, question: str, model: str,
-                 sampling: dict):
-        self.store, self.user = store, user
-        store.add(user, conversation, "user", question, model, sampling)
-        self.message = store.add(user, conversation, "assistant", "", model, sampling, "streaming")
-        self.saved_at = time.monotonic()
-        self.ended = False
-
-    def progress(self, text: str) -> None:
-        if time.monotonic() - self.saved_at >= SAVE_EVERY_S:
-            self.store.update(self.user, self.message, text, "streaming")
-            self.saved_at = time.monotonic()
-
-    def end(self, text: str, finish_reason: str) -> None:
-        """Write the reply as it stands; only the first call counts."""
-        if not self.ended:
-            self.ended = True
-            self.store.update(self.user, self.message, text, "cancelled" if finish_reason in ("cancelled", "error")
-                              else "complete")

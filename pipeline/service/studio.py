@@ -31,8 +31,9 @@ from pipeline.progress import lines_of
 from pipeline.service.in_flight import InFlight
 from pipeline.service.merge import merged
 from pipeline.service.messages import last_turn, plain_messages
-from pipeline.service.requests import ChatTurn, ImageSource, Saved, Update, stats_line
-from pipeline.service.store import ConversationStore, ReplyRecord
+from pipeline.service.reply_record import ReplyRecord
+from pipeline.service.requests import ChatTurn, ImageSource, Revision, Saved, Update, stats_line
+from pipeline.service.store import ConversationStore
 from pipeline.service.tools import Tool, ToolHost, ToolSpec
 
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
@@ -194,8 +195,9 @@ class StudioService:
                     events = pipeline.complete(turn.prompt, turn.params, flag, session, turn.structure)
                 else:
                     events = pipeline.stream(turn.messages, turn.params, flag, session, turn.structure)
+                question = None if saved is None or saved.revision == Revision.REPLY else turn.messages[-1]["content"]
                 record = None if saved is None else ReplyRecord(
-                    self.store, saved.user, saved.conversation, turn.messages[-1]["content"], pipeline.llm.model_id,
+                    self.store, saved.user, saved.conversation, question, pipeline.llm.model_id,
                     dataclasses.asdict(turn.params))
                 text = ""
                 try:
@@ -219,37 +221,37 @@ class StudioService:
 
     def send(self, client: str, history: object, message: str, sampling: Mapping[str, Any] | None = None, *,
              tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
-             saved: Saved | None = None, cancel: threading.Event | None = None,
-             replaces_last: bool = False) -> Iterator[Update]:
+             saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
         """`message` after `history`, answered and (with `saved`) kept: in that conversation, or in a new
         one (holding the picture, for image chat) whose id the first update's `saved` carries, with the
-        checked conversation the reply follows (`messages`). `replaces_last`: the stored conversation's
-        last exchange leaves it first (regenerate, edit), once the new request is known to be good."""
+        checked conversation the reply follows (`messages`). A `saved` revision other than NEW makes the
+        reply another version of the stored last exchange, once the new request is known to be good."""
         turn = self.chat_turn([*plain_messages(history, "history"), {"role": "user", "content": message}],
                               sampling, system=system, tool=tool, image=image)
         if saved is not None and saved.conversation is None:
             picture = Path(image).read_bytes() if isinstance(image, str) else image if isinstance(image, bytes) else None
             saved = Saved(saved.user, self.store.create(saved.user, tool, system=system or None, image=picture))
-        elif saved is not None and replaces_last:
-            self.store.drop_last_turn(saved.user, saved.conversation)
+        elif saved is not None and saved.revision != Revision.NEW:
+            self.store.rewind_last_turn(saved.user, saved.conversation, keep_question=saved.revision == Revision.REPLY)
         yield Update(saved=saved, messages=turn.messages)
         yield from self.reply(client, turn, cancel, saved)
 
     def regenerate(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
                    tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
                    saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
-        """The last reply again (a new draw unless the seed is fixed): the last message of the user's, resent."""
-        before, message = last_turn(history)
-        yield from self.send(client, before, message, sampling, tool=tool, system=system, image=image, saved=saved,
-                             cancel=cancel, replaces_last=True)
-
-    def edit_last(self, history: object, saved: Saved | None = None) -> tuple[list[dict], str]:
-        """(the conversation before the user's last message, that message): the exchange leaves the
-        conversation (and the store), its text to change and send again."""
+        """Another reply to the last message of the user's (a new draw unless the seed is fixed); the
+        stored ones stay as versions."""
         before, message = last_turn(history)
         if saved is not None and saved.conversation is not None:
-            self.store.drop_last_turn(saved.user, saved.conversation)
-        return before, message
+            saved = dataclasses.replace(saved, revision=Revision.REPLY)
+        yield from self.send(client, before, message, sampling, tool=tool, system=system, image=image, saved=saved,
+                             cancel=cancel)
+
+    @staticmethod
+    def edit_last(history: object) -> tuple[list[dict], str]:
+        """(the conversation before the user's last message, that message) to change and send again as
+        another version (`Saved(..., revision=Revision.QUESTION)`); nothing changes until it is sent."""
+        return last_turn(history)
 
     def stop(self, client: str, tool: Tool | None = None) -> int:
         """Stop `client`'s replies (of `tool`, else all); how many were stopped."""
