@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def chat_in_terminal(config: StudioConfig, plan: Plan) -> int:
     """Load the chat tool (its progress on stderr), then the terminal chat until /exit or end of input."""
-    service = build(config, plan, echo=False, say=_status, shown=(Tool.CHAT,))
+    service = build(config, plan, out=_status, shown=(Tool.CHAT,))
     try:
-        service.load(Tool.CHAT, _status)
+        service.load(Tool.CHAT)
         return run(TerminalChat(service))
     finally:
         service.close()

@@ -53,7 +53,10 @@ RUNTIMES = {
 
 
 class Reporter(Protocol):
-    """Who hears what a build does, line by line (the composition root's start-up report)."""
+    """Who hears what a build does, line by line (the composition root's start-up report): `tell` for
+    what every user sees (a build's progress, a fallback), `say` for details."""
+
+    def tell(self, line: str) -> None: ...
 
     def say(self, line: str) -> None: ...
 
@@ -95,7 +98,7 @@ def build_engines(tool: str, graphs: tuple[GraphSpec, ...], module: nn.Module, s
         label = f"{tool}: {graph.component} engine ({rt.name} {key.builder_version}, {key.precision})"
 
         def build(folder: Path, reason: str, graph: GraphSpec = graph, key: EngineKey = key, label: str = label) -> None:
-            options.report.say(f"{label}: building ({reason})")
+            options.report.tell(f"{label}: building ({reason})")
             with tempfile.TemporaryDirectory(prefix=key.slot() + ".onnx.", dir=options.cache.root) as tmp, \
                     tqdm(total=2, desc=graph.component, unit="step", file=sys.stderr, leave=True) as bar:
                 onnx_path = Path(tmp) / "graph.onnx"
@@ -109,13 +112,11 @@ def build_engines(tool: str, graphs: tuple[GraphSpec, ...], module: nn.Module, s
                 bar.update()
 
         def verify(session: Session, graph: GraphSpec = graph, key: EngineKey = key, label: str = label) -> Verdict:
-            options.report.say(f"{label}: checking it against torch on probe inputs")
+            options.report.tell(f"{label}: checking it against torch on probe inputs")
             return check_engine(graph, module, session, key.precision)
 
         session, cached = options.cache.get(key, build, rt.load, verify)
-        options.report.say(f"{label}: " + (f"built in {cached.seconds:.1f} s" if cached.built
-                                           else f"loaded from cache in {cached.seconds:.2f} s")
-                           + f", {cached.verdict.line()}")
+        (options.report.tell if cached.built else options.report.say)(f"{label}: {cached.outcome()}")
         sessions.append(session)
     return sessions
 

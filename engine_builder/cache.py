@@ -68,6 +68,11 @@ class CachedEngine:
     reason: str  # why it was built ("not built yet", "the weights changed", ...) or "cached"
     verdict: Verdict | None = None  # its check against the torch reference (None: none asked for)
 
+    def outcome(self) -> str:
+        """"built in 41.2 s, verified (…)" or "loaded from cache in 0.31 s, verified (…)"."""
+        how = f"built in {self.seconds:.1f} s" if self.built else f"loaded from cache in {self.seconds:.2f} s"
+        return how + (f", {self.verdict.line()}" if self.verdict is not None else "")
+
 
 class EngineBuildError(RuntimeError):
     """A build or the engine it produced failed; the caller falls back to another backend."""

@@ -136,7 +136,7 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
 def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype, device: torch.device,
                   engines: EngineOptions | None) -> tuple[Decoder, str]:
     """The decoder with `mode` weights on `device`, and how its layers run."""
-    say = engines.report.say if engines is not None else (lambda line: None)
+    say = engines.report.tell if engines is not None else (lambda line: None)  # long work and fallbacks
     if mode == "none":
         gguf_type = read_config(model_dir).gguf_type
         if gguf_type:  # read anew each launch (seconds for a 7B): say so, in the terminal and the UI
@@ -202,14 +202,14 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                                         max_batch, image_queries, engines, reference)
             return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}")
         except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
-            engines.report.say(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
+            engines.report.tell(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
     model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines)
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)
     engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows)
     if target.type == "cuda":
-        warm_up(engine, model_id, engines.report.say if engines is not None else (lambda line: None))
+        warm_up(engine, model_id, engines.report.tell if engines is not None else (lambda line: None))
     params = weight_bytes(config, "none", torch.float32) / 4e6
     description = (f"{model_id} ({config.family}, {params:.1f} M params) · {engine.description} · "
                    f"{device} · {weights}")
@@ -228,7 +228,7 @@ def sam_engine(model: Sam, backend: str = "torch", weights: Path | None = None,
             return SessionSamEngine(model.config, encoder, decoder, f"{backend} engine",
                                     RUNTIMES[backend].precision(dtype))
         except Exception as e:  # noqa: BLE001
-            engines.report.say(f"segment: the {backend} engine failed ({failure(e)}); running on torch instead")
+            engines.report.tell(f"segment: the {backend} engine failed ({failure(e)}); running on torch instead")
     return torch_sam_engine(model)
 
 
@@ -244,8 +244,8 @@ def vision_encoder(model: MiniGPT4Vision, backend: str = "torch", weights: list[
             return SessionVisionEncoder(model.config, session, f"{backend} engine", RUNTIMES[backend].precision(dtype),
                                         weight.device, weight.dtype)
         except Exception as e:  # noqa: BLE001
-            engines.report.say(f"image chat: the {backend} vision engine failed ({failure(e)}); running on torch "
-                               f"instead")
+            engines.report.tell(f"image chat: the {backend} vision engine failed ({failure(e)}); running on torch "
+                                f"instead")
     return TorchVisionEncoder(model)
 
 

@@ -38,9 +38,9 @@ from studio.config import StudioConfig, parse_config
 from studio.hub_progress import READ_BYTES
 from studio.model_catalog import ModelCatalog
 from studio.model_finder import ModelFinder
-from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, image_chat_parts, make_plan
+from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, headlines, image_chat_parts, make_plan
 from studio.sizes import llm_size, weights_size
-from studio.startup_report import StartupReport
+from studio.startup_report import StartupReport, print_line
 
 # The engine threads and the request threads hand the GIL around constantly; Python's default 5 ms
 # switch interval would let a busy engine thread hold up a click by several of them.
@@ -58,8 +58,9 @@ def configure_process() -> None:
     hub_constants.DOWNLOAD_CHUNK_SIZE = READ_BYTES
 
 
-def engine_options(config: StudioConfig, echo: bool = True) -> EngineOptions:
-    return EngineOptions(engine_cache(config), StartupReport(echo))
+def engine_options(config: StudioConfig, out: Callable[[str], None] | None = print_line) -> EngineOptions:
+    """The engine cache, and the start-up report printing to `out` (None: nowhere)."""
+    return EngineOptions(engine_cache(config), StartupReport(out, config.verbose))
 
 
 def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: ToolHost) -> list[ToolSpec]:
@@ -134,24 +135,29 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                      is_demo=plan.sam == SAM_DEMO)]
 
 
-def build(config: StudioConfig, plan: Plan, echo: bool = True, say: Callable[[str], None] | None = None,
+def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = print_line,
           shown: Collection[Tool] = tuple(Tool)) -> StudioService:
     """The studio service for `plan`, every tool added to its host (none loaded yet), its start-up
-    report the engines' report. `echo`: the report prints its lines (the browser app); `say`: where
-    lines go instead; `shown`: the tools whose plan notes are said (what the front end offers up front)."""
-    engines = engine_options(config, echo=echo)
-    say = say or engines.report.say
+    report the engines' report, printing to `out` (None: nowhere) what runs where, loading and ready
+    (details with --verbose); `shown`: the tools the front end offers up front (the others' lines
+    wait for their first use)."""
+    engines = engine_options(config, out)
+    report = engines.report
+    for tool, line in headlines(config, plan):
+        if tool in shown:
+            report.tell(line)
     for tool, note in plan.notes:
         if tool is None or tool in shown:
-            say(note)
+            report.say(note)
     budget = budget_of(config, plan.device)
-    host = ToolHost(torch.device(plan.device), budget, say)
-    say("memory budget: " + (f"{budget / GIB:.1f} GiB; tools load on first use and the least recently used idle "
-                             "one is unloaded to make room" if budget else "none on the CPU; tools load on first use"))
+    host = ToolHost(torch.device(plan.device), budget, report.tell)
+    report.say("memory budget: " + (f"{budget / GIB:.1f} GiB; tools load on first use and the least recently used "
+                                    "idle one is unloaded to make room" if budget else
+                                    "none on the CPU; tools load on first use"))
     for spec in tool_specs(config, plan, engines, host):
         host.add(spec)
     store = ConversationStore(config.data_dir or data_dir())
-    say(store.notice or f"conversations: {store.path}")
+    report.tell(store.notice or f"conversations are kept in {store.path}")
 
     def respec(new: StudioConfig) -> tuple[Plan, list[ToolSpec]]:
         new_plan = make_plan(new)
@@ -159,7 +165,7 @@ def build(config: StudioConfig, plan: Plan, echo: bool = True, say: Callable[[st
 
     finder = ModelFinder(config, plan.dtype, plan.device, budget, engines.cache.root)
     return StudioService(host, engines.report.lines, store=store,
-                         catalog=ModelCatalog(config, plan, host, finder, respec, say))
+                         catalog=ModelCatalog(config, plan, host, finder, respec, report.tell))
 
 
 def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,

@@ -19,6 +19,10 @@ BACKENDS = ("auto", "torch", "onnxruntime", "tensorrt")
 QUANTS = ("auto", "none", "int8", "int4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BATCHES = (1, 2, 4, 8, 16, 32)
+GPU_SPEED = """GPU speed: with an NVIDIA GPU and CUDA (torch's CUDA build: see README), the tools run there
+on their own (--device cuda to insist), TensorRT / TensorRT-LLM engines are built on the first launch when
+those are installed, and bigger models fit: --model Qwen/Qwen2.5-7B-Instruct (or a .gguf file), --sam
+sam_vit_h. On the CPU the app comes with SmolLM2-135M and demo image-chat and segment models."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +65,7 @@ class StudioConfig:
     session_idle: int = 3600
     auth: tuple[tuple[str, str], ...] = ()  # (user, password)
     check: bool = False
+    verbose: bool = False
 
     def backend_for(self, tool: Tool) -> str:
         return dict(self.tool_backends).get(tool, self.backend)
@@ -68,7 +73,7 @@ class StudioConfig:
 
 def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog, description=description or "AI Studio: local chat, image chat and segmentation.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=GPU_SPEED)
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), a hub GGUF repo and tag "
@@ -128,6 +133,9 @@ def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParse
     p.add_argument("--auth", action="append", metavar="USER:PASSWORD",
                    help="require signing in; give it once per user (each sees only their own conversations)")
     p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every start-up detail in the terminal (backends and why, engines, memory); the "
+                        "page's start-up report always has them")
     return p
 
 

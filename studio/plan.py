@@ -11,7 +11,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.minigpt4.weights import DEMO_LLM, demo_parts
-from pipeline.models import CHAT_MODELS, auto_model, cache_dir, locate
+from pipeline.models import CHAT_MODELS, EMBEDDED, auto_model, cache_dir, locate
 from pipeline.sam.weights import DEMO as SAM_DEMO
 from pipeline.sam.weights import locate_sam
 from pipeline.service.tools import Tool
@@ -20,6 +20,7 @@ from studio.config import StudioConfig
 
 # The plan's parts: the LLMs and vision networks each tool runs (image chat has one of each).
 CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT = "chat", "image chat LLM", "image chat vision", "segment"
+GPU_HINT = " — for GPU speed see --help"
 PART_TOOLS = {CHAT: Tool.CHAT, IMAGE_CHAT_LLM: Tool.IMAGE_CHAT, IMAGE_CHAT_VISION: Tool.IMAGE_CHAT, SEGMENT: Tool.SEGMENT}
 
 
@@ -102,6 +103,30 @@ def _sam(config: StudioConfig, device: str) -> tuple[str, list[str]]:
         notes.append(f"segment model {sam}: " + ("CUDA GPU and the checkpoint in the cache" if sam != SAM_DEMO else
                      "the built-in demo SAM (random weights); pass --sam sam_vit_h to download the real one"))
     return sam, notes + [f"segment weights: {locate_sam(sam, cache_dir())[1]}"]
+
+
+def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
+    """One line per tool in a user's words: what runs and where (the why is in `plan.notes`)."""
+    on_gpu = plan.device.startswith("cuda")
+
+    def where(part: str, hint: str = "") -> str:
+        backend = plan.backends[part].backend
+        return f"on the GPU ({backend}, {plan.dtype})" if on_gpu else f"on the CPU ({plan.dtype}){hint}"
+
+    if plan.remote_chat:
+        chat = f"Chat: {config.llm_model or 'the model'} served at {config.llm_endpoint}"
+    elif plan.model_id == EMBEDDED:
+        chat = f"Chat: SmolLM2-135M-Instruct, the small model that comes with the app, {where(CHAT, GPU_HINT)}"
+    elif plan.model_id.startswith("demo/"):
+        chat = f"Chat: a demo model with random weights (its replies mean nothing), {where(CHAT, GPU_HINT)}"
+    else:
+        chat = f"Chat: {plan.model_id} {where(CHAT, GPU_HINT)}"
+    image = "Image chat: " + ("MiniGPT-4 " if config.minigpt4_ckpt else
+                              "a demo MiniGPT-4 with random weights (--help says how to load the real one), ")
+    segment = "Segment: " + (f"SAM ({plan.sam}) " if plan.sam != SAM_DEMO else
+                             "a demo SAM with random weights (--sam sam_vit_h for real masks), ")
+    return [(Tool.CHAT, chat), (Tool.IMAGE_CHAT, image + where(IMAGE_CHAT_VISION)),
+            (Tool.SEGMENT, segment + where(SEGMENT))]
 
 
 def make_plan(config: StudioConfig) -> Plan:

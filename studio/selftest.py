@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     llm_missing = trtllm.unavailable() if args.backend == "tensorrt" else "not asked for"
     with tempfile.TemporaryDirectory(prefix="studio-selftest-") as tmp:
-        options = EngineOptions(EngineCache(args.engine_dir or Path(tmp), rebuild=True), StartupReport(echo=False))
+        options = EngineOptions(EngineCache(args.engine_dir or Path(tmp), rebuild=True), StartupReport(out=None))
         rows = vision_rows(args.backend, device, dtype, options)
         if llm_missing is None:
             rows += llm_rows(device, dtype, options)

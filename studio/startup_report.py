@@ -1,5 +1,9 @@
-"""The start-up report: what start-up and each tool's load did, one line each, printed as it happens,
-kept for the page's "what runs where, and why", and handed to whoever waits on a load."""
+"""The start-up report: what start-up and each tool's load did, one line each, kept for the page's
+"what runs where, and why" and `/engine_status`, and handed to whoever waits on a load.
+
+The terminal shows what a user needs (`tell`: what runs where, loading, ready, engine builds, fallbacks);
+the details (`say`: backends and why, caches, sizes) only with `--verbose`.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +11,31 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 
-class StartupReport:
-    """What start-up did, one line each: printed as it happens and kept for the UI's status."""
+def print_line(line: str) -> None:
+    print(f"[studio] {line}", flush=True)
 
-    def __init__(self, echo: bool = True):
+
+class StartupReport:
+    """What start-up did, one line each: kept for the UI's status, printed to `out` (None: nowhere)
+    as it happens, details only when `verbose`."""
+
+    def __init__(self, out: Callable[[str], None] | None = print_line, verbose: bool = False):
         self.lines: list[str] = []
-        self.echo = echo
+        self.out, self.verbose = out, verbose
         self._listeners: list[Callable[[str], None]] = []
 
+    def tell(self, line: str) -> None:
+        """A line for every user: printed always."""
+        self._add(line, True)
+
     def say(self, line: str) -> None:
+        """A detail: printed with `--verbose`, always kept."""
+        self._add(line, self.verbose)
+
+    def _add(self, line: str, printed: bool) -> None:
         self.lines.append(line)
-        if self.echo:
-            print(f"[studio] {line}", flush=True)
+        if printed and self.out is not None:
+            self.out(line)
         for listener in list(self._listeners):
             listener(line)
 

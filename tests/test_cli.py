@@ -83,7 +83,7 @@ def test_the_terminal_chat_regenerates_and_edits_through_the_services_rules(stud
     message is answered as a fresh conversation would answer it; with nothing to redo, a clear message."""
     monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
     config = parse_config(["--model", TEST_MODEL, "--context", "1024"])
-    service = build(config, make_plan(config), echo=False, say=lambda line: None)
+    service = build(config, make_plan(config), out=None)
 
     def said(updates) -> str:
         return "".join(update.text for update in updates)
@@ -109,3 +109,31 @@ def test_the_terminal_chat_regenerates_and_edits_through_the_services_rules(stud
         assert "/regenerate" in chat.command("/help")
     finally:
         service.close()
+
+
+JARGON = ("cache rows", "--quant", "instead of TensorRT", "memory budget", "registry")
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_start_up_says_what_runs_where_in_a_users_words(tmp_path, verbose):
+    """One line per tool in plain words, then loading and ready; the details (backends and why, the
+    engine's shape, the memory budget) only with --verbose, and always in the page's report."""
+    from pipeline.service.tools import Tool
+
+    config = parse_config(["--model", TEST_MODEL, "--context", "1024", "--data-dir", str(tmp_path)]
+                          + ["--verbose"] * verbose)
+    printed: list[str] = []
+    service = build(config, make_plan(config), out=printed.append)
+    try:
+        service.load(Tool.CHAT)
+    finally:
+        service.close()
+    assert printed[:3] == [
+        "Chat: a demo model with random weights (its replies mean nothing), on the CPU (float32) — for GPU speed "
+        "see --help",
+        "Image chat: a demo MiniGPT-4 with random weights (--help says how to load the real one), on the CPU (float32)",
+        "Segment: a demo SAM with random weights (--sam sam_vit_h for real masks), on the CPU (float32)"]
+    assert f"conversations are kept in {tmp_path}" in " ".join(printed) and printed[-1].startswith("chat ready in")
+    details = [line for line in service.startup if any(word in line for word in JARGON)]
+    assert details  # the page's report keeps them
+    assert all(line in printed for line in details) if verbose else not set(details) & set(printed), printed

@@ -31,7 +31,7 @@ def weights(tmp_path):
 def launch(weights, engine_dir, rebuild=False) -> tuple[object, list[str]]:
     """What a launch does for image chat's vision engine: the engine and the start-up report."""
     ckpt, folder = weights
-    options = EngineOptions(EngineCache(engine_dir, rebuild), StartupReport(echo=False))
+    options = EngineOptions(EngineCache(engine_dir, rebuild), StartupReport(out=None))
     encoder = vision_encoder(load_vision_folder(ckpt, folder), "onnxruntime", [ckpt, folder], options)
     return encoder, options.report.lines
 

@@ -68,7 +68,7 @@ def build_engines(tmp_path, name: str, cache, engines) -> subprocess.Popen:
     """`launch.py --build-engines` (load every tool, building missing engines, then exit) in the background."""
     env = {**os.environ, "STUDIO_CACHE": str(cache), "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(tmp_path / f"{name}.log", "w") as out:
-        return subprocess.Popen([sys.executable, "launch.py", "--build-engines", "--model", TEST_MODEL, *ORT,
+        return subprocess.Popen([sys.executable, "launch.py", "--build-engines", "--verbose", "--model", TEST_MODEL, *ORT,
                                  "--engine-dir", str(engines)],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 

@@ -341,7 +341,7 @@ from studio.config import parse_config
 from studio.plan import make_plan
 
 config = parse_config(["--model", "demo/qwen-v1-tiny", "--models-dir", sys.argv[1], "--context", "256"])
-service = build(config, make_plan(config), echo=False, say=lambda line: None)
+service = build(config, make_plan(config), out=None)
 out = []
 for model_id in sys.argv[2:]:
     lines = list(service.switch("chat", model_id))

@@ -217,7 +217,7 @@ def in_process_app(argv: list[str], monkeypatch, cache):
 
     monkeypatch.setenv("STUDIO_CACHE", str(cache))
     args = parse_config(["--port", str(free_port()), "--model", TEST_MODEL, *argv])
-    return server, args, compose.build(args, make_plan(args), echo=False, say=lambda line: None)
+    return server, args, compose.build(args, make_plan(args), out=None)
 
 
 def test_sessions_are_capped_and_idle_ones_are_dropped(monkeypatch, studio_cache):

@@ -231,7 +231,7 @@ def test_the_repacked_weights_are_cached_and_read_back_on_the_next_launch(tmp_pa
     cache = tmp_path / "engines"
 
     def launch():
-        options = EngineOptions(EngineCache(cache), StartupReport(echo=False))
+        options = EngineOptions(EngineCache(cache), StartupReport(out=None))
         model, how = torch_decoder(folder, "tiny-awq", "int4", torch.float32, torch.device("cpu"), options)
         return model, how, options.report.lines
 
@@ -255,7 +255,7 @@ def test_the_chat_model_loads_a_gptq_folder_as_int4_and_says_so(qwen2_demo, tmp_
     for f in qwen2_demo.iterdir():
         if f.name.startswith(("tokenizer", "generation")):
             shutil.copy2(f, folder / f.name)
-    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
+    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(out=None))
     llm = load_language_model(folder, "tiny-gptq", quant="none", engines=options)
     try:
         assert "int4 weights (reference: dequantized per call)" in llm.description

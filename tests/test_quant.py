@@ -147,7 +147,7 @@ def test_the_quantized_cache_is_reused_and_rebuilt_when_the_source_changes(qwen2
 
 
 def test_the_chat_model_loads_quantized_and_says_how_it_runs(qwen_v1_demo, tmp_path):
-    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
+    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(out=None))
     llm = load_language_model(qwen_v1_demo, "demo/qwen-v1-tiny", quant="int8", engines=options)
     try:
         assert "int8 weights (reference: dequantized per call)" in llm.description
@@ -190,7 +190,7 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
     from studio.check import check_engines
     from studio.backends import torch_decoder
 
-    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
+    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(out=None))
     model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)
     assert how.startswith("int4") and "verified (int4 weights against the float layers" in " ".join(options.report.lines)
     (folder,) = [p for p in (tmp_path / "engines").glob("llm-int4-*") if p.is_dir()]
@@ -203,7 +203,7 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
                      for p in sorted(folder.iterdir()) if p.name != "meta.json"}
     (folder / "meta.json").write_text(json.dumps(meta))
     for _ in range(2):  # the check refuses it; a restart keeps the verdict
-        options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(echo=False))
+        options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(out=None))
         model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)
         assert how == "float32" and not any(isinstance(m, QuantLinear) for m in model.modules())
         said = " ".join(options.report.lines)
@@ -213,6 +213,6 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
                                "int4", "--chat-backend", "torch", "--engine-dir", str(tmp_path / "engines")])
     (line,) = [line for line in check_engines(args, make_plan(args)) if line.startswith("chat int4")]
     assert "refused (int4 weights against the float layers" in line, line  # --check shows the verdict
-    options = EngineOptions(EngineCache(tmp_path / "engines", rebuild=True), StartupReport(echo=False))
+    options = EngineOptions(EngineCache(tmp_path / "engines", rebuild=True), StartupReport(out=None))
     model, how = torch_decoder(qwen2_demo, "demo", "int4", torch.float32, torch.device("cpu"), options)
     assert how.startswith("int4") and "verified (" in " ".join(options.report.lines)

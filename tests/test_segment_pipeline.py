@@ -77,7 +77,7 @@ def test_the_factory_picks_the_cpu_engine(checkpoint, photo, tmp_path):
     seg = SegmentPipeline(sam_engine(load_sam(checkpoint)), is_demo=True)
     assert isinstance(seg.engine, TorchSamEngine) and "torch (CPU)" in seg.description
     assert seg.predict(seg.set_image(photo), [[100, 200]], [1]).masks.shape == (3, 600, 800)
-    options = EngineOptions(EngineCache(tmp_path), StartupReport(echo=False))
+    options = EngineOptions(EngineCache(tmp_path), StartupReport(out=None))
     fallback = sam_engine(seg.engine.model, "tensorrt", checkpoint, options)  # no TensorRT, no GPU here
     assert isinstance(fallback, TorchSamEngine)
     assert options.report.lines == ["segment: the tensorrt engine failed (no CUDA GPU); running on torch instead"]

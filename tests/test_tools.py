@@ -114,7 +114,7 @@ def test_the_real_tools_load_on_first_use_and_make_room_for_each_other(studio_ca
     monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
     args = parse_config(["--device", "cpu", "--model", TEST_MODEL])
     plan = make_plan(args)
-    engines = compose.engine_options(args, echo=False)
+    engines = compose.engine_options(args, out=None)
     host = ToolHost(torch.device("cpu"), None, engines.report.say)
     for spec in compose.tool_specs(args, plan, engines, host):
         host.add(spec)
@@ -156,7 +156,7 @@ def test_the_real_tools_load_on_first_use_and_make_room_for_each_other(studio_ca
 
 
 def test_startup_report_listeners_hear_lines_only_inside_their_block():
-    report, heard = StartupReport(echo=False), []
+    report, heard = StartupReport(out=None), []
     report.say("before")
     with report.listening(heard.append):
         report.say("during")

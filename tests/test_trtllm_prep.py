@@ -173,7 +173,7 @@ def test_the_runner_says_why_it_cannot_run(qwen2_demo, tmp_path):
         TrtLlmEngine(tmp_path, read_config(qwen2_demo), 256, "float32", 1, "no engine")
     assert str(refused.value) == reason
 
-    report = StartupReport(echo=False)
+    report = StartupReport(out=None)
     llm = load_language_model(qwen2_demo, "demo/qwen2-tiny", backend="tensorrt", max_context=256, max_batch=1,
                               engines=EngineOptions(EngineCache(tmp_path / "engines"), report))
     assert f"demo/qwen2-tiny: the TensorRT-LLM engine failed ({reason}); running on torch instead" in report.lines
@@ -220,7 +220,7 @@ def test_a_chat_llm_shared_with_image_chat_is_built_with_a_prompt_table(shared, 
 
     monkeypatch.setattr(compose, "load_language_model", record)  # what the chat's loader calls
     host = ToolHost(torch.device("cpu"), None, lambda line: None)
-    specs = {s.name: s for s in compose.tool_specs(args, plan, compose.engine_options(args, echo=False), host)}
+    specs = {s.name: s for s in compose.tool_specs(args, plan, compose.engine_options(args, out=None), host)}
     assert specs["image chat"].needs == (("chat",) if shared else ())
     with pytest.raises(RuntimeError, match="recorded"):
         specs["chat"].load(lambda line: None, None)

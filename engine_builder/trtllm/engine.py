@@ -204,7 +204,7 @@ def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, m
     label = f"{model_id}: TensorRT-LLM engine ({dtype}, weights {quant})"
 
     def build(folder: Path, reason: str) -> None:
-        options.report.say(f"{label}: building ({reason}); this takes a few minutes")
+        options.report.tell(f"{label}: building ({reason}); this takes a few minutes")
         with tempfile.TemporaryDirectory(prefix=key.slot() + ".checkpoint.", dir=options.cache.root) as tmp:
             write_trtllm_checkpoint(Path(model_dir), Path(tmp), dtype, quant, context)
             build_engine(Path(tmp), folder, settings)
@@ -215,7 +215,7 @@ def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, m
                             f"{dtype}, weights {quant}")
 
     def verify(engine: TrtLlmEngine) -> Verdict:
-        options.report.say(f"{label}: checking it against the torch engine (float weights)")
+        options.report.tell(f"{label}: checking it against the torch engine (float weights)")
         torch_engine = reference()
         try:
             scale = float(torch_engine.model.embed.weight.float().std())  # probe "images" at the embeddings' scale
@@ -224,6 +224,5 @@ def load_trtllm_engine(model_dir: Path, model_id: str, dtype: str, quant: str, m
             torch_engine.close()
 
     engine, cached = options.cache.get(key, build, load, verify)
-    options.report.say(f"{label}: " + (f"built in {cached.seconds:.0f} s" if cached.built
-                                       else f"loaded from cache in {cached.seconds:.1f} s") + f", {cached.verdict.line()}")
+    (options.report.tell if cached.built else options.report.say)(f"{label}: {cached.outcome()}")
     return engine
