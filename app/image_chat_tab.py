@@ -21,11 +21,13 @@ IMAGE_CHAT_MAX_NEW_TOKENS = 300  # answers about a picture are short: the tab's 
 
 @dataclasses.dataclass
 class ImageChatTab:
-    """What other tabs drive (Segment's "Ask about this"): `ask(picture, question, data, request)` starts
-    a conversation about `picture` and streams its answer into `outputs`, with the sampling settings
-    read from `data` (it holds `inputs`); `relist` refreshes the sidebar after."""
+    """What other tabs drive (Segment's "Ask about this"): `show(picture, question)` gives `outputs`' values
+    for a new conversation about `picture`; `ask(picture, question, data, request)` then answers it,
+    streaming into `outputs`, with the sampling settings read from `data` (it holds `inputs`); `relist`
+    refreshes the sidebar after."""
 
     composer: Composer
+    show: Callable
     ask: Callable
     inputs: set
     outputs: list
@@ -44,9 +46,11 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                                tool=Tool.IMAGE_CHAT, image=data[image], saved=saved)
         yield from streamed(updates, current)
 
+    def show(picture: str, question: str) -> tuple:
+        return picture, question, [], "", NO_CONVERSATION
+
     def ask(picture: str, question: str, data: dict, request: gr.Request):
-        """A new conversation about `picture` (shown at once, with `question`), answered."""
-        yield picture, question, [], "", NO_CONVERSATION
+        """`question` about `picture` answered, in a new conversation."""
         updates = service.send(client_of(request), [], question, form.values(data), tool=Tool.IMAGE_CHAT,
                                image=picture, saved=Saved(user_of(request)))
         for textbox, history, line, conversation in streamed(updates, NO_CONVERSATION):
@@ -84,4 +88,4 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                   samples.load_input_event.then(**fresh)):
         event.then(**sidebar.relist)
 
-    return ImageChatTab(composer, ask, set(form.components), [image, message, chatbot, status, current], sidebar.relist)
+    return ImageChatTab(composer, show, ask, set(form.components), [image, message, chatbot, status, current], sidebar.relist)

@@ -100,18 +100,25 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
                 with gr.Tab("Models", id="models") as models_tab:
                     models_tab.select(**build_models_tab(service, header))
 
-        @shown_to_user
-        def ask_about(data: dict, request: gr.Request):
-            """"Ask about this": the selected object (a masked crop) and the question go to image chat, in a
-            new conversation there, which answers."""
-            picture, question = ask.selection(data[ask.state], data[ask.question])
-            yield gr.Tabs(selected="image-chat"), *(gr.skip() for _ in image_chat.outputs)
-            for shown in image_chat.ask(picture, question, data, request):
-                yield gr.skip(), *shown
+        # "Ask about this": the selected object (a masked crop) and the question go to image chat, in a new
+        # conversation there, which answers. The picture is shown by a plain return (not mid-stream), and a
+        # mistake (nothing selected) leaves `pending` empty, so nothing is asked.
+        pending = gr.State(None)
 
-        for ended in image_chat.composer.streams([ask.button.click], ask_about,
-                                                 {ask.state, ask.question, *image_chat.inputs},
-                                                 [tabs, *image_chat.outputs]):
+        @shown_to_user
+        def select(t, text: str) -> tuple:
+            picture, question = ask.selection(t, text)
+            return gr.Tabs(selected="image-chat"), *image_chat.show(picture, question), (picture, question)
+
+        @shown_to_user
+        def answer(data: dict, request: gr.Request):
+            if data[pending] is not None:
+                yield from image_chat.ask(*data[pending], data, request)
+
+        chosen = ask.button.click(lambda: None, None, pending, queue=False, api_visibility="private").then(
+            select, [ask.state, ask.question], [tabs, *image_chat.outputs, pending], api_visibility="private")
+        for ended in image_chat.composer.streams([chosen.then], answer, {pending, *image_chat.inputs},
+                                                 image_chat.outputs):
             ended.then(**image_chat.relist)
         gr.Timer(3).tick(**header)
         demo.load(**header)

@@ -118,7 +118,7 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
     elif plan.model_id == EMBEDDED:
         chat = f"Chat: SmolLM2-135M-Instruct, the small model that comes with the app, {where(CHAT, GPU_HINT)}"
     elif plan.model_id.startswith("demo/"):
-        chat = f"Chat: a demo model with random weights (its replies mean nothing), {where(CHAT, GPU_HINT)}"
+        chat = f"Chat: {plan.model_id}, a demo with random weights (its replies mean nothing), {where(CHAT, GPU_HINT)}"
     else:
         chat = f"Chat: {plan.model_id} {where(CHAT, GPU_HINT)}"
     image = "Image chat: " + ("MiniGPT-4 " if config.minigpt4_ckpt else
