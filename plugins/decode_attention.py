@@ -43,13 +43,14 @@ def _use_triton(x: Tensor) -> bool:
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                               out: Tensor | None = None) -> Tensor:
-    """q [B, heads, head_dim]; caches [rows, kv_heads, max_seq, head_dim]; row b attends to positions
-    0..lengths[b]-1 of cache row b (within the first kv_len). Math in fp32; returns [B, heads*head_dim]."""
+                               out: Tensor | None = None, tokens: int = 1) -> Tensor:
+    """q [B, heads, head_dim]; caches [rows, kv_heads, max_seq, head_dim]; query b attends to positions
+    0..lengths[b]-1 of cache row b // tokens (within the first kv_len). Math in fp32; returns
+    [B, heads*head_dim]."""
     batch, heads, dim = q.shape
     group = heads // k_cache.shape[1]
-    keys = k_cache[:batch, :, :kv_len].float().repeat_interleave(group, 1)
-    values = v_cache[:batch, :, :kv_len].float().repeat_interleave(group, 1)
+    keys = k_cache[:batch // tokens, :, :kv_len].float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
+    values = v_cache[:batch // tokens, :, :kv_len].float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
     scores = torch.einsum("bhd,bhnd->bhn", q.float(), keys) / math.sqrt(dim)
     valid = torch.arange(kv_len, device=q.device) < lengths[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
@@ -62,7 +63,7 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, ml_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
                       kv_len, chunk, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, TOKENS: tl.constexpr):
         # DOT: the dtype of tl.dot's operands (the cache's, or float32 under the interpreter, whose dot
         # multiplies bf16 bit patterns as integers; bf16 products are exact in fp32, so the numbers agree)
         split, bh = tl.program_id(0), tl.program_id(1)
@@ -74,7 +75,7 @@ if triton is not None:
             real = g < GROUP  # rows >= GROUP pad the group for tl.dot: q = 0, never stored
             q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (kh * GROUP + g)[:, None] * stride_qh + d[None, :],
                         mask=real[:, None], other=0.0)
-            kv_off = b.to(tl.int64) * stride_kb + kh * stride_kh
+            kv_off = (b // TOKENS).to(tl.int64) * stride_kb + kh * stride_kh  # TOKENS queries per cache row
             m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
             l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
             acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
@@ -159,18 +160,20 @@ def _chunk(kv_len: int, programs_per_split: int, device: torch.device) -> int:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                     out: Tensor | None = None) -> Tensor:
+                     out: Tensor | None = None, tokens: int = 1) -> Tensor:
     """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
     the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
     valid positions of each row, >= 1 and <= kv_len). Returns [B, heads*head_dim] in q's dtype, written
-    into `out` when given. The launches depend on B and kv_len, never on the values in `lengths`."""
+    into `out` when given. The launches depend on B and kv_len, never on the values in `lengths`.
+    `tokens` > 1: that many queries per cache row, query b reading row b // tokens up to its own
+    length (a verify step's positions, causal among them by their lengths)."""
     global _failed
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if (not _use_triton(q) or _failed or dim < 16 or dim & (dim - 1) or heads % kv_heads
             or q.dtype not in _TL_DTYPES or q.dtype != k_cache.dtype or q.dtype != v_cache.dtype
             or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
-        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out)
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -189,7 +192,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
             q, k_cache, v_cache, lengths, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim), KV_HEADS=kv_heads, GROUP=group,
             GROUP_PAD=group_pad, DIM=dim, BLOCK_N=max(16, min(64, 16384 // (dim * q.element_size()))), DOT=dot,
-            PRECISION="ieee" if dot == tl.float32 else "tf32", num_warps=8 if dim * q.element_size() >= 512 else 4,
+            PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=tokens,
+            num_warps=8 if dim * q.element_size() >= 512 else 4,
             num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
         _merge_kernel[(batch * heads,)](
             lengths, out, acc, ml, kv_len, chunk, n_splits, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
@@ -198,5 +202,5 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         _failed = True
         warnings.warn(f"the decode-attention kernels did not compile ({type(e).__name__}: {e}); using the torch "
                       f"reference for them", stacklevel=2)
-        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out)
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens)
     return out

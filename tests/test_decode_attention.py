@@ -78,6 +78,17 @@ check(torch.float32, 1e-5, 8, 2, 16, [64, 1, 192], 192)
 da._chunk = lambda kv_len, programs, device: 128  # splits of two 64-position tiles each
 check(torch.float32, 1e-5, 8, 2, 16, [128, 129, 5], 256, stale=True)
 check(torch.bfloat16, 1e-2, 8, 2, 32, [256, 70], 256)
+
+# a verify step: 3 queries per cache row, each up to its own position (rows 0 and 1 of the cache)
+q = torch.randn(6, 8, 16)
+k_cache, v_cache = (torch.randn(4, 2, 272, 16) for _ in range(2))
+lengths = torch.tensor([100, 101, 102, 1, 2, 3])
+expected = da.decode_attention_reference(q, k_cache, v_cache, lengths, 256, tokens=3)
+for b in range(6):  # query b: row b // 3, as a lone decode query of that length
+    alone = da.decode_attention_reference(q[b:b + 1], k_cache[b // 3:b // 3 + 1], v_cache[b // 3:b // 3 + 1],
+                                          lengths[b:b + 1], 256)
+    assert worst(expected[b:b + 1], alone) < 1e-6, b
+assert worst(da.decode_attention(q, k_cache, v_cache, lengths, 256, tokens=3), expected) < 1e-5
 print("ok")
 '''
 

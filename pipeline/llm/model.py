@@ -196,7 +196,21 @@ class Decode:
     lengths: Tensor | None = None
 
 
-Step = Prefill | Chunk | Decode
+@dataclasses.dataclass(frozen=True)
+class Verify:
+    """T tokens for each cache row 0..B-1 at positions starts[b]..starts[b]+T-1, rotary `tables` [B]:
+    speculative decoding's check (a row's last token and the tokens drafted after it, scored in one
+    step). The decode attention reads each row in place, each query up to its own position; `positions`
+    [B, T] and `lengths` [B*T] are made by the decoder."""
+
+    starts: Tensor
+    tables: Tensor
+    kv_len: int
+    positions: Tensor | None = None
+    lengths: Tensor | None = None
+
+
+Step = Prefill | Chunk | Decode | Verify
 
 
 class Attention(nn.Module):
@@ -231,6 +245,11 @@ class Attention(nn.Module):
             k_cache[step.row, :, step.start:end] = k[0].transpose(0, 1)
             v_cache[step.row, :, step.start:end] = v[0].transpose(0, 1)
             keys, values = k_cache[step.row:step.row + 1, :, :end], v_cache[step.row:step.row + 1, :, :end]
+        elif isinstance(step, Verify):
+            q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
+            rows = torch.arange(bsz, device=x.device)[:, None].expand(bsz, seqlen)
+            k_cache[rows, :, step.positions] = k
+            v_cache[rows, :, step.positions] = v
         elif isinstance(step, Chunk):
             q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
             k_cache[step.row, :, step.positions] = k[0]
@@ -243,8 +262,10 @@ class Attention(nn.Module):
             q = self.kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, step.positions)
         if logn is not None:
             q = q * logn[:, :, None, None].to(q.dtype)
-        if isinstance(step, Decode):  # each row's own valid positions, read in place
-            return self.wo(self.kernels.decode_attention(q[:, 0], k_cache, v_cache, step.lengths, step.kv_len)[:, None])
+        if isinstance(step, Decode | Verify):  # each query's own valid positions, read in place
+            y = self.kernels.decode_attention(q.flatten(0, 1), k_cache, v_cache, step.lengths, step.kv_len,
+                                              tokens=seqlen)
+            return self.wo(y.view(bsz, seqlen, c.q_size))
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=keys.shape[1] != c.num_heads)
         return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, c.q_size))
@@ -314,7 +335,8 @@ class Decoder(nn.Module):
 
         A `Prefill` or a `Chunk` is one row (B = 1) of T tokens; `last_only` skips the LM head for all
         but its last position, and `logits` False skips it altogether (a prompt chunk before the last
-        only writes the cache). A `Decode` is one token (T = 1) for each of cache rows 0..B-1.
+        only writes the cache). A `Decode` is one token (T = 1) for each of cache rows 0..B-1, a
+        `Verify` T tokens for each of them (with `last_only` False: logits at every position).
         """
         x = self.embed(tokens) if embeds is None else embeds
         bsz, seqlen = x.shape[:2]
@@ -327,6 +349,11 @@ class Decoder(nn.Module):
             positions = step.positions[None]
             cos, sin = rope.cos[step.table[:, None], positions], rope.sin[step.table[:, None], positions]
             mask = torch.arange(step.kv_len, device=x.device)[None] <= step.positions[:, None]
+        elif isinstance(step, Verify):  # as many decode steps: each query masked by its own length
+            positions = step.starts[:, None] + torch.arange(seqlen, device=x.device)
+            step = dataclasses.replace(step, positions=positions, lengths=positions.flatten() + 1)
+            cos, sin = rope.cos[step.tables[:, None], positions], rope.sin[step.tables[:, None], positions]
+            mask = None
         else:  # the decode attention masks each row by its own length
             step = dataclasses.replace(step, lengths=step.positions + 1)
             positions = step.positions[:, None]
