@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import secrets
+import signal
 import sys
+import threading
 import time
 import webbrowser
 
@@ -16,6 +20,7 @@ from pipeline.service.studio import StudioService
 from studio.config import StudioConfig
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+STOP_WITHIN_S = 20  # after Ctrl+C, the most a clean shutdown may take before the process stops anyway
 
 
 def start_server(config: StudioConfig, service: StudioService):
@@ -39,9 +44,32 @@ def start_server(config: StudioConfig, service: StudioService):
     return app, url
 
 
+def stop_for_sure(seconds: float) -> None:
+    """Ctrl+C (or SIGTERM) always ends the process: `seconds` after the signal arrives, if a clean shutdown
+    has not ended it, every thread's stack goes to stderr (to see what held it) and the process exits.
+    The signal is seen through the wakeup fd, written by the C-level handler at once, so this holds even
+    when the main thread is busy and no Python handler runs yet. Caches and the conversation database
+    are written atomically or journaled: stopping at any point loses nothing committed."""
+    heard, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
+
+    def watch() -> None:
+        os.read(heard, 1)
+        time.sleep(seconds)
+        print(f"[studio] still shutting down {seconds:.0f} s after Ctrl+C: stopping now (each thread's stack "
+              f"follows)", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="stop-for-sure", daemon=True).start()
+
+
 def serve(config: StudioConfig, service: StudioService) -> int:
     """`start_server`, then: the browser opened when run from a terminal; idle sessions dropped every
-    minute; Ctrl+C shuts down cleanly (engines stopped, caches untouched)."""
+    minute; Ctrl+C shuts down cleanly (engines stopped, caches untouched), and in any case within
+    `STOP_WITHIN_S`."""
+    stop_for_sure(STOP_WITHIN_S)
     app = None
     try:  # from the start: a Ctrl+C right after the ready line must still shut the server down
         app, url = start_server(config, service)

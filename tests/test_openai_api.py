@@ -160,7 +160,9 @@ def test_ctrl_c_shuts_the_app_down_cleanly(tmp_path, studio_cache):
     from conftest import free_port
 
     port, log = free_port(), tmp_path / "launch.log"
-    env = {**os.environ, "STUDIO_CACHE": str(studio_cache), "GRADIO_ANALYTICS_ENABLED": "False"}
+    # PYTHONFAULTHANDLER: should it hang, SIGABRT (below) makes it print every thread's stack into its log
+    env = {**os.environ, "STUDIO_CACHE": str(studio_cache), "GRADIO_ANALYTICS_ENABLED": "False",
+           "PYTHONFAULTHANDLER": "1"}
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), "--model", TEST_MODEL, "--context", "2048"], cwd=ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -173,11 +175,45 @@ def test_ctrl_c_shuts_the_app_down_cleanly(tmp_path, studio_cache):
                          f"http://127.0.0.1:{port}/v1) · Ctrl+C to stop"], log.read_text()[-2000:]
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=60).status_code == 200  # in use, as people stop it
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, log.read_text()[-2000:]
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            pytest.fail(f"still running 60 s after Ctrl+C; its threads:\n{log.read_text()[-8000:]}")
+        assert code == 0, log.read_text()[-8000:]
     finally:
         proc.kill()
     text = log.read_text()
-    assert "shutting down" in text and "Traceback" not in text, text[-2000:]
+    assert "shutting down" in text and "Traceback" not in text and "stopping now" not in text, text[-8000:]
+
+
+STUCK = """
+import signal, sys, time
+sys.path.insert(0, {root!r})
+from app.server import stop_for_sure
+stop_for_sure(1)
+signal.signal(signal.SIGINT, lambda *_: None)  # as if the main thread never got to handle it
+print("waiting", flush=True)
+while True:
+    time.sleep(0.5)
+"""
+
+
+def test_ctrl_c_stops_the_process_even_when_a_clean_shutdown_hangs():
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", STUCK.format(root=str(ROOT))], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1 and "stopping now" in err and "Thread 0x" in err, err[-2000:]
 
 
 def test_an_image_question_with_a_mask_asks_about_the_object(api):
