@@ -44,6 +44,11 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     def saved(current: int, request: gr.Request, revision: Revision = Revision.NEW) -> Saved:
         return Saved(user_of(request), None if current == NO_CONVERSATION else current, revision)
 
+    def edit_ended(shown_turn):
+        """A reply's outputs, with editing over (its state cleared, Cancel edit hidden)."""
+        for shown_now in shown_turn:
+            yield *shown_now, None, gr.Button(visible=False)
+
     @shown_to_user
     def respond(data: dict, request: gr.Request):
         """Stream a reply to the message, kept in the open conversation (a new one if none is open); an
@@ -51,8 +56,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         revision = Revision.QUESTION if data[editing] is not None else Revision.NEW
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                system=data[system_prompt], saved=saved(data[current], request, revision))
-        for shown_now in streamed(updates, data[current]):
-            yield *shown_now, None, gr.Button(visible=False)
+        yield from edit_ended(streamed(updates, data[current]))
 
     @shown_to_user
     def regenerate(data: dict, request: gr.Request):
@@ -61,8 +65,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             raise UserError("send or cancel the edit first")
         updates = service.regenerate(client_of(request), data[chatbot], form.values(data),
                                      system=data[system_prompt], saved=saved(data[current], request))
-        for shown_now in streamed(updates, data[current]):
-            yield *shown_now, None, gr.Button(visible=False)
+        yield from edit_ended(streamed(updates, data[current]))
 
     @shown_to_user
     def edit_last(history: list, before_edit: list | None) -> tuple:
@@ -75,17 +78,15 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         return "", before_edit if before_edit is not None else gr.skip(), "Edit cancelled.", None, \
             gr.Button(visible=False)
 
-    def versions_of(conversation: int, wanted: int | None, request: gr.Request) -> tuple:
+    def switcher_view(messages: list[dict], wanted: int | None) -> tuple:
         """The switcher (shown or not, its label, the message it is about) for `wanted`, or the last exchange."""
-        target = None if conversation == NO_CONVERSATION else switcher_target(
-            store.open(user_of(request), conversation)["messages"], wanted)
+        target = switcher_target(messages, wanted)
         return gr.Row(visible=target is not None), switcher_label(target) if target else "", \
             target["id"] if target else None
 
-    def switcher_for(found: dict) -> tuple:
-        target = switcher_target(found["messages"], None)
-        return gr.Row(visible=target is not None), switcher_label(target) if target else "", \
-            target["id"] if target else None
+    def versions_of(conversation: int, wanted: int | None, request: gr.Request) -> tuple:
+        messages = [] if conversation == NO_CONVERSATION else store.open(user_of(request), conversation)["messages"]
+        return switcher_view(messages, wanted)
 
     def stepping(step: int) -> Callable:
         @shown_to_user
@@ -146,7 +147,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     current = sidebar.current
     sidebar.wire(service, app, [chatbot, system_prompt, switcher, label, target],
                  lambda found: (history_of(found), found["system"] if found["system"] is not None else gr.skip(),
-                                *switcher_for(found)),
+                                *switcher_view(found["messages"], None)),
                  lambda: ([], gr.skip(), gr.Row(visible=False), "", None), status)
     inputs = {message, chatbot, system_prompt, current, editing, *form.components}
     outputs = [message, chatbot, status, current, editing, cancel]

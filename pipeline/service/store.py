@@ -199,9 +199,13 @@ class ConversationStore:
                                 f"({UNDO_S} s after Delete) or is not yours")
 
     def _purge(self) -> None:
-        """Delete for good what was deleted more than `UNDO_S` ago, with its messages (and images nothing else shows)."""
+        """Delete for good what was deleted more than `UNDO_S` ago, with its messages (and images nothing else
+        shows). A read first: listing, which calls this, takes no write lock when nothing is due."""
+        due = time.time() - UNDO_S
+        if not self._query("SELECT 1 FROM conversations WHERE deleted < ? LIMIT 1", (due,)):
+            return
         with self._transaction() as db:
-            if db.execute("DELETE FROM conversations WHERE deleted < ?", (time.time() - UNDO_S,)).rowcount:
+            if db.execute("DELETE FROM conversations WHERE deleted < ?", (due,)).rowcount:
                 db.execute("DELETE FROM images WHERE hash NOT IN "
                            "(SELECT image FROM conversations WHERE image IS NOT NULL)")
 
