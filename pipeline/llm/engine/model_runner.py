@@ -8,19 +8,23 @@ contents: it is handed row numbers and positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.engine.seam import Prompt
-from pipeline.llm.model import Chunk, Decode, Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.engine.speculation import MAX_DRAFT
+from pipeline.llm.model import Chunk, Decode, Decoder, KVCache, Prefill, RotaryTables, Verify
 
 GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
 # turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CHUNK_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # a `Chunk` off FlashAttention has a mask
+SCRATCH = MAX_DRAFT + 1  # positions past the context that padding rows write: a verify step's T at most
 MAX_GRAPHED_CHUNK = 512  # longer prompt reads (a lone prompt, read whole) run eagerly: a graph per length would not pay
 
 
@@ -31,13 +35,14 @@ def pow2_at_least(n: int) -> int:
 class ModelRunner:
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int,
                  use_cuda_graphs: bool | None = None):
-        """`context` positions per row, plus one scratch position that padding rows of a bucketed step write."""
+        """`context` positions per row, plus SCRATCH positions that padding rows of a bucketed step write
+        (`positions` in all: the cache rows' length)."""
         self.model, self.vocab_size = model, vocab_size
         self.device = model.embed.weight.device
-        self.scratch = context
-        self.rope = RotaryTables(model.config, context + 1, self.device)
+        self.scratch, self.positions = context, context + SCRATCH
+        self.rope = RotaryTables(model.config, self.positions, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
-        self._graphs: dict[tuple[int, int], CapturedCall] = {}
+        self._graphs: dict[tuple, CapturedCall] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
         # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
@@ -105,15 +110,7 @@ class ModelRunner:
                 return self.model(cache, self.rope, chunk, tokens=inputs[None, :size], logits=logits,
                                   last=inputs[size + 3:size + 4])
 
-        if not self.use_cuda_graphs:
-            out = step(packed)
-        else:
-            key = (-size, kv_len, logits)  # apart from the decode graphs' (batch, kv_len) keys
-            if key not in self._graphs:
-                self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
-            graph = self._graphs[key]
-            graph.inputs[0].copy_(packed)
-            out = graph.replay()
+        out = self._run(("chunk", size, kv_len, logits), step, packed)
         return out[0, -1, :self.vocab_size].clone() if logits else None  # the graph's buffer is reused
 
     def decode(self, cache: KVCache, n: int, rows: tuple[list[int], list[int], list[int]] | None,
@@ -137,14 +134,37 @@ class ModelRunner:
         def step(inputs: Tensor) -> Tensor:
             return self.model(cache, self.rope, Decode(inputs[1], inputs[2], kv_len), tokens=inputs[0, :, None])[:, -1]
 
+        return self._run(("decode", bucket, kv_len), step, packed)[:n, :self.vocab_size]
+
+    def verify(self, cache: KVCache, tokens: list[list[int]], starts: list[int], tables: list[int]) -> Tensor:
+        """Logits [n, T, vocab] for a verify step of rows 0..n-1: row i's `tokens[i]` (its last token and the
+        drafted ones after it, padded to T) at positions starts[i]..starts[i]+T-1. The rows are padded to a
+        power of two with rows that write the scratch positions; on a GPU one captured graph per
+        (rows, T, key length) replays it. The host waits for nothing here: the ids go up from pinned memory."""
+        n, size = len(tokens), len(tokens[0])
+        bucket = pow2_at_least(n)
+        pad = bucket - n
+        host = torch.tensor([[*t, start, table] for t, start, table in zip(tokens, starts, tables)]
+                            + [[0] * size + [self.scratch, 0]] * pad, dtype=torch.long, pin_memory=self._pinned)
+        packed = host.to(self.device, non_blocking=True)
+        kv_len = min(-(-(max(starts) + size) // GRAPH_BUCKET) * GRAPH_BUCKET, self.positions)
+
+        def step(inputs: Tensor) -> Tensor:
+            return self.model(cache, self.rope, Verify(inputs[:, size], inputs[:, size + 1], kv_len),
+                              tokens=inputs[:, :size], last_only=False)
+
+        return self._run(("verify", bucket, size, kv_len), step, packed)[:n, :, :self.vocab_size]
+
+    def _run(self, key: tuple, step: Callable[[Tensor], Tensor | None], packed: Tensor) -> Tensor | None:
+        """`step(packed)`: eagerly, or on a GPU by replaying the graph captured for `key` (at its first use)
+        with `packed` copied into its input; its output is the graph's own buffer, reused by the next replay."""
         if not self.use_cuda_graphs:
-            return step(packed)[:n, :self.vocab_size]
-        key = (bucket, kv_len)
+            return step(packed)
         if key not in self._graphs:
             self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
         graph = self._graphs[key]
         graph.inputs[0].copy_(packed)
-        return graph.replay()[:n, :self.vocab_size]
+        return graph.replay()
 
     def to_host(self, values: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
         """Start copying `values` to the host, into page-locked memory of their own (an earlier copy not yet

@@ -21,6 +21,7 @@ from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.text.grammar import apply_masks, bitmask_words, fill_masks
 from pipeline.llm.engine.sampling import COLUMNS, SamplingParams, counts_penalized, sample, sampling_columns
 from pipeline.llm.engine.scheduler import Request
+from pipeline.llm.engine.speculation import MAX_DRAFT
 
 
 class Sampler:
@@ -32,6 +33,10 @@ class Sampler:
         self._ones = torch.ones(max_batch, 1, dtype=torch.float32, device=device)
         self._bitmask: Tensor | None = None  # grammar masks on the host, two steps' worth (made at first use)
         self._flip_columns = self._flip_mask = 0
+        # A verify step's numbers for each of its positions; it ends reading its tokens, so one set suffices.
+        self._verify_columns = torch.zeros(MAX_DRAFT + 1, len(COLUMNS), max_batch, dtype=torch.float32,
+                                           pin_memory=pinned)
+        self._verify_bitmask: Tensor | None = None
 
     def start(self, request: Request) -> None:
         """`request` starts its reply in row `request.row`: the row's penalty state is reset (the prompt's
@@ -77,17 +82,88 @@ class Sampler:
         while a row of the batch uses them: a row's are reset when its request starts)."""
         n = len(params)
         columns = self._columns[:, :n]
-        penalized = counts_penalized(params)
-        if penalized or any(p.temperature or p.repetition_penalty != 1.0 for p in params):  # greedy alone reads none
+        if counts_penalized(params) or any(p.temperature or p.repetition_penalty != 1.0 for p in params):
             self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
             host = self._columns_host[self._flip_columns]
             host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
             columns.copy_(host[:, :n], non_blocking=True)
+        return self._drawn(params, columns, logits, seen, counts)  # greedy alone reads no columns
+
+    def _drawn(self, params: list[SamplingParams], columns: Tensor, logits: Tensor, seen: Tensor, counts: Tensor,
+               taken: Tensor | None = None) -> Tensor:
+        """`sample`, then the drawn tokens marked in `seen` and `counts`: only in the rows `taken` marks, where
+        given (a verify step's rows whose draft was already rejected draw nothing more)."""
         drawn = sample(logits, params, seen, columns, counts)
-        seen.scatter_(1, drawn[:, None], True)
-        if penalized:
-            counts.scatter_add_(1, drawn[:, None], self._ones[:n])
+        marks = drawn[:, None]
+        if taken is None:
+            seen.scatter_(1, marks, True)
+        else:
+            seen.scatter_(1, marks, seen.gather(1, marks) | taken[:, None])
+        if counts_penalized(params):
+            counts.scatter_add_(1, marks, self._ones[:len(params)] if taken is None else taken[:, None].float())
         return drawn
+
+    def verify_draw(self, requests: Sequence[Request], logits: Tensor,
+                    drafts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor | None]:
+        """A verify step's tokens: `logits` [n, T, vocab] score each request's last token and the tokens
+        drafted after it (`drafts[i]`, up to T - 1; requests in rows 0..n-1). Position by position, each row
+        draws its next token exactly as a decode step would (bias, grammar, penalties with the tokens
+        before it counted, its own next uniform number), and its draft stays accepted while the drawn
+        token equals the drafted one. That is the rejection-sampling rule (Leviathan et al., Chen et al.)
+        for a draft that proposes one token for certain, q = 1 at the drafted token: the draft is kept
+        with probability min(1, p/q) = p(drafted), and on rejection the token comes from
+        max(0, p - q) renormalised, p without the drafted token; one draw from p does both. So the reply
+        has plain decoding's distribution, and a seeded one its very tokens. Returns on the device: the
+        drawn tokens [n, T], how many of them each row keeps [n] (its accepted drafted tokens + 1), and
+        `logprobs` [n, T, ...] (see `draw`) where asked for."""
+        n, positions = logits.shape[:2]
+        params = [r.params for r in requests]
+        uniforms = [r.draws.peek(positions) for r in requests]  # taken for good when the tokens are kept
+        host = self._verify_columns[:positions, :, :n]
+        for j in range(positions):
+            host[j].numpy()[:] = sampling_columns(params, [u[j] for u in uniforms], self.vocab_size)
+        columns = host.to(self.device, non_blocking=True)
+        drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
+        masks = self._draft_masks(requests, drafts, positions)
+        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        seen, counts = self.rows.seen[:n], self.rows.counts[:n]
+        taken = torch.ones(n, dtype=torch.bool, device=self.device)
+        kept = torch.zeros(n, dtype=torch.long, device=self.device)
+        drawn, reported = [], []
+        for j in range(positions):
+            step = logits[:, j]
+            allowed = _biased(requests, step) if any(r.bias is not None for r in requests) else step
+            if masks is not None:
+                allowed = apply_masks(allowed, masks[j])
+            token = self._drawn(params, columns[j], allowed, seen, counts, taken)
+            if wanted:
+                reported.append(_chosen_and_top(step.float().log_softmax(-1), token, max(wanted)))
+            kept += taken
+            taken = taken & (token == drafted[:, j])
+            drawn.append(token)
+        return torch.stack(drawn, 1), kept, (torch.stack(reported, 1) if wanted else None)
+
+    def _draft_masks(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
+                     positions: int) -> Tensor | None:
+        """Each position's grammar masks [T, n, words] on the device (None without grammars): a row's
+        grammar is stepped through its drafted tokens (all of which it allows: the engine drafts no
+        other) to make the masks of the positions after them, then rolled back."""
+        if not any(r.grammar is not None for r in requests):
+            return None
+        if self._verify_bitmask is None:
+            self._verify_bitmask = torch.zeros(MAX_DRAFT + 1, self.max_batch, bitmask_words(self.vocab_size),
+                                               dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        host = self._verify_bitmask[:positions, :len(requests)]
+        taken = [0] * len(requests)
+        for j in range(positions):
+            fill_masks([r.grammar if j <= len(d) else None for r, d in zip(requests, drafts)], host[j])
+            for i, (r, d) in enumerate(zip(requests, drafts)):
+                if r.grammar is not None and j < len(d):
+                    taken[i] += r.grammar.consume(d[j])
+        for r, n in zip(requests, taken):
+            if r.grammar is not None:
+                r.grammar.rollback(n)
+        return host.to(self.device, non_blocking=True)
 
     def _masked(self, requests: Sequence[Request], logits: Tensor) -> Tensor:
         """`logits` with each constrained row's forbidden tokens at -inf: the masks are made on the

@@ -8,7 +8,9 @@ stream, never on what else shares the batch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -135,13 +137,25 @@ LISTS = {"stop": _stop_strings, "logit_bias": _logit_bias}  # settings that are 
 
 
 class Draws:
-    """A request's own random stream: seeded for reproducible replies, else fresh entropy."""
+    """A request's own random stream: seeded for reproducible replies, else fresh entropy. One number per
+    token kept: a verify step `peek`s one for each position it scores and `skip`s those of the tokens it
+    keeps, so the numbers of rejected positions come again and a reply's draws never shift."""
 
     def __init__(self, seed: int | None):
         self._rng = random.Random(seed)
+        self._ahead: collections.deque[float] = collections.deque()
 
     def next(self) -> float:
-        return self._rng.random()
+        return self._ahead.popleft() if self._ahead else self._rng.random()
+
+    def peek(self, n: int) -> list[float]:
+        while len(self._ahead) < n:
+            self._ahead.append(self._rng.random())
+        return list(itertools.islice(self._ahead, n))
+
+    def skip(self, n: int) -> None:
+        for _ in range(n):
+            self.next()
 
 
 COLUMNS = ("uniform", "temperature", "top_k", "top_p", "repetition_penalty", "presence_penalty",

@@ -24,6 +24,7 @@ from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.seam import Prompt, TokenStream
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.engine.sampling import Draws, SamplingParams
+from pipeline.llm.engine.speculation import DraftState
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,6 +46,7 @@ class Request:
     table: int = 0  # rotary table (Qwen v1 dynamic NTK)
     last_token: int = 0
     first_token_at: float = 0.0
+    draft: DraftState | None = None  # its speculative drafting, where the engine speculates
 
 
 class Scheduler:

@@ -75,6 +75,8 @@ class GenerationStats:
     time_to_first_token_s: float = 0.0  # from submission, queueing included
     decode_s: float = 0.0
     finish_reason: FinishReason | str = ""  # "" while running; a remote server may name its own ("tool_calls")
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted and checked, and those the model kept
+    accepted_tokens: int = 0
 
     @property
     def prefilled_tokens(self) -> int:
@@ -89,7 +91,9 @@ class GenerationStats:
         the one statistics line of the UI and the terminal chat."""
         cached = f" ({self.cached_tokens} found in the cache)" if self.cached_tokens else ""
         meter = f" · context: {self.prompt_tokens + self.new_tokens} of {context} tokens" if context else ""
-        return (f"{self.new_tokens} tokens · {self.tokens_per_s:.1f} tok/s · first token "
+        drafts = (f" · drafts: {self.accepted_tokens} of {self.drafted_tokens} kept "
+                  f"({self.accepted_tokens / self.drafted_tokens:.0%})" if self.drafted_tokens else "")
+        return (f"{self.new_tokens} tokens · {self.tokens_per_s:.1f} tok/s{drafts} · first token "
                 f"{self.time_to_first_token_s * 1000:.0f} ms · prompt {self.prompt_tokens} tokens{cached} · "
                 f"ended: {self.finish_reason}{meter}")
 

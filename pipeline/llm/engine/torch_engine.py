@@ -36,6 +36,7 @@ from pipeline.llm.engine.model_runner import ModelRunner
 from pipeline.llm.engine.sampler import Sampler, logprobs_of
 from pipeline.llm.engine.sampling import Draws, InvalidSampling, SamplingParams
 from pipeline.llm.engine.scheduler import Request, Scheduler
+from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
 
 
 @dataclasses.dataclass
@@ -67,7 +68,8 @@ class TorchLLMEngine:
     """
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
-                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 256):
+                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 256,
+                 speculation: Speculation | None = None):
         if max_batch < 1 or max_batch & (max_batch - 1):
             raise ValueError(f"max_batch must be a power of two, got {max_batch}")
         c = model.config
@@ -77,16 +79,19 @@ class TorchLLMEngine:
         self.device, self.hidden_size = model.embed.weight.device, c.hidden_size
         rows = max(rows or 2 * max_batch, max_batch)
         self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs)
-        self.rows = CacheRows(c, rows, context + 1, vocab_size, model.embed.weight.dtype, self.device)
+        self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.embed.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
         self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
         self._starting: list[_Step] = []  # first tokens drawn after prompts' last chunks, read a step later
-        self.steps = 0  # decode steps run (for tests and benchmarks)
+        self.speculation = speculation
+        self.steps = self.verify_steps = 0  # decode steps run, verify steps among them (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
+        self.drafted_tokens = self.accepted_tokens = 0  # speculative decoding's drafts checked, and kept
         self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
                             f"{rows} cache rows of {context} tokens"
-                            f"{f' · prefill in chunks of {prefill_chunk}' if prefill_chunk else ''}")
+                            f"{f' · prefill in chunks of {prefill_chunk}' if prefill_chunk else ''}"
+                            f"{f' · {speculation.description}' if speculation else ''}")
         self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
         self._thread.start()
 
@@ -113,14 +118,16 @@ class TorchLLMEngine:
                                                 f"model's token ids run from 0 to {self.vocab_size - 1}")
         stream = TokenStream(cancel, keep_logits, params.logprobs is not None)
         stream.stats.prompt_tokens = len(prompt)
+        draft = DraftState(self.speculation.drafter.index()) if self.speculation is not None else None
         self.scheduler.add(Request(prompt, params, set(stop_ids), session, stream, Draws(params.seed),
-                                   time.perf_counter(), grammar))
+                                   time.perf_counter(), grammar, draft=draft))
         return stream
 
     def status(self) -> dict[str, int]:
         """What the engine is doing now (for the UI and tests): requests running and queued, and so on."""
         return {**self.scheduler.status(), "decode_steps": self.steps, "prefilled_tokens": self.prefilled_tokens,
-                "reused_tokens": self.reused_tokens}
+                "reused_tokens": self.reused_tokens, "verify_steps": self.verify_steps,
+                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens}
 
     def close(self) -> None:
         """Stop the engine thread (queued and running requests end "cancelled") and let go of the model,
@@ -211,6 +218,11 @@ class TorchLLMEngine:
         active = list(self.scheduler.running)
         if not active:
             return
+        if self.speculation is not None and self._speculate(active):
+            return
+        active = list(self.scheduler.running)  # a verify step's reading may have ended some
+        if not active:
+            return
         chained = self._pending is not None
         inputs = None if chained else ([r.last_token for r in active], [r.position for r in active],
                                        [r.table for r in active])
@@ -227,6 +239,72 @@ class TorchLLMEngine:
         previous, self._pending = self._pending, self._launched(active, drawn, kept, logprobs)
         if previous is not None:
             self._read(previous)
+
+    def _speculate(self, active: list[Request]) -> bool:
+        """Run this step as a verify step where any request drafts tokens (see `speculation`): the step in
+        flight is read first (drafts continue the last token). False where none wants to draft, or none
+        found a draft: the step is a plain decode step."""
+        wanted = {r: r.draft.wanted(self.speculation, self._draft_room(r)) for r in active}
+        if not any(wanted.values()):
+            return False
+        self._drain()
+        active = list(self.scheduler.running)  # the tokens read may have ended some
+        drafts = [self._draft(r, wanted[r]) for r in active]
+        if not any(drafts):
+            return False
+        self._verify_step(active, drafts)
+        return True
+
+    def _draft_room(self, r: Request) -> int:
+        """Tokens `r` may draft: what its reply's length and the context leave after this step's own token."""
+        return min(r.params.max_new_tokens - r.stream.stats.new_tokens, self.context - r.position) - 1
+
+    def _draft(self, r: Request, k: int) -> list[int]:
+        """Up to `k` tokens drafted for `r` (none where `k` is 0): cut after a stop id, and where `r` has a
+        grammar, to what it allows before any stop id (its masks are made through the draft)."""
+        if not k or r.row < 0:
+            return []
+        draft = r.draft.ngrams.propose([*self.rows[r.row].held, r.last_token], min(k, self._draft_room(r)))
+        ends = [i for i, t in enumerate(draft) if t in r.stop_ids]
+        if r.grammar is not None:
+            draft = draft[:ends[0] if ends else len(draft)]
+            return draft[:r.grammar.allowed_prefix(draft)]
+        return draft[:ends[0] + 1] if ends else draft
+
+    def _verify_step(self, active: list[Request], drafts: list[list[int]]) -> None:
+        """Score each request's last token and its drafted ones in one forward, keep each row's drafted tokens
+        up to its first rejection plus the token drawn there (`Sampler.verify_draw`), and roll the cache back
+        by length: positions past the kept ones are written again later."""
+        size = next(k for k in DRAFT_SIZES if k >= max(map(len, drafts))) + 1
+        tokens = [[r.last_token, *d, *[r.last_token] * (size - 1 - len(d))] for r, d in zip(active, drafts)]
+        logits = self.runner.verify(self.rows.kv, tokens, [r.position for r in active], [r.table for r in active])
+        self.steps += 1
+        self.verify_steps += 1
+        kept_logits = logits.clone() if any(r.stream.logits is not None for r in active) else None
+        drawn, kept, logprobs = self.sampler.verify_draw(active, logits, drafts)
+        drawn, kept = drawn.tolist(), kept.tolist()  # the host waits for the step here
+        logprobs = logprobs.cpu() if logprobs is not None else None
+        for i, (r, draft) in enumerate(zip(active, drafts)):
+            r.draws.skip(kept[i])
+            r.draft.record(len(draft), kept[i] - 1)
+            r.stream.stats.drafted_tokens += len(draft)
+            r.stream.stats.accepted_tokens += kept[i] - 1
+            self.drafted_tokens += len(draft)
+            self.accepted_tokens += kept[i] - 1
+            fed = tokens[i]
+            for j in range(kept[i]):
+                if r.row < 0:  # ended by an earlier token of this step
+                    break
+                if r.stream.cancelled:
+                    self._finish(r, r.stream.reason)
+                    break
+                if r.grammar is not None:
+                    r.grammar.consume(drawn[i][j])
+                self.rows.append(r.row, fed[j])
+                r.position += 1
+                self.rows[r.row].written = r.position
+                self._deliver(r, drawn[i][j], kept_logits[i, j] if kept_logits is not None else None,
+                              logprobs[i, j] if logprobs is not None else None)
 
     def _launched(self, requests: list[Request], drawn: Tensor, kept: Tensor | None,
                   logprobs: Tensor | None) -> _Step:

@@ -111,10 +111,22 @@ class Grammar:
     def __init__(self, matcher, ends: Tensor):
         self._matcher, self._ends = matcher, ends
 
-    def consume(self, token: int) -> None:
-        """Advance past the drawn `token` (a stop id ends the grammar)."""
-        if not self._matcher.is_stopped():
-            self._matcher.consume_token(token)
+    def consume(self, token: int) -> bool:
+        """Advance past the drawn `token` (a stop id ends the grammar); whether it was taken (a stopped
+        grammar takes nothing)."""
+        if self._matcher.is_stopped():
+            return False
+        self._matcher.consume_token(token)
+        return True
+
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar allows from here (a speculative draft is cut there)."""
+        return self._matcher.validate_tokens(tokens) if tokens and not self._matcher.is_stopped() else 0
+
+    def rollback(self, tokens: int) -> None:
+        """Undo the last `tokens` taken (a draft's, once its masks are made)."""
+        if tokens:
+            self._matcher.rollback(tokens)
 
     @property
     def error(self) -> str:
