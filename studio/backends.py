@@ -22,6 +22,7 @@ from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
 from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.engine.speculation import prompt_lookup
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.language_model import LanguageModel
@@ -168,17 +169,21 @@ def warm_up(engine: TorchLLMEngine, model_id: str, say) -> None:
     start = time.perf_counter()
     say(f"{model_id}: compiling the decode step's kernels and capturing its CUDA graph")
     engine.submit(Prompt(tuple(range(1, 9))), SamplingParams(max_new_tokens=4, seed=0), set()).wait()
+    if engine.speculation is not None:  # the verify step's kernels, one per draft size (the engine is idle)
+        engine.runner.warm_verify(engine.rows.kv)
     say(f"{model_id}: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
 def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", device: str = "cpu",
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
                         kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
-                        quant: str = "none", image_queries: int = 0, free_bytes: int | None = None) -> LanguageModel:
+                        quant: str = "none", image_queries: int = 0, free_bytes: int | None = None,
+                        speculate: str = "lookup") -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
     `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`). Under `tensorrt`
     the engine is TensorRT-LLM's (with a prompt table for `image_queries` image embeddings per sequence),
-    built once into the engine cache; a failed build falls back to torch."""
+    built once into the engine cache; a failed build falls back to torch. `speculate`: lookup or off (the
+    torch engine's speculative decoding, `pipeline.llm.engine.speculation`)."""
     tokenizer = load_tokenizer(model_dir)
     config = read_config(model_dir)
     context = min(max_context, config.max_position_embeddings)
@@ -207,7 +212,8 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)
-    engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows)
+    speculation = prompt_lookup(target.type, quant != "none") if speculate == "lookup" else None
+    engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows, speculation=speculation)
     if target.type == "cuda":
         warm_up(engine, model_id, engines.report.tell if engines is not None else (lambda line: None))
     params = weight_bytes(config, "none", torch.float32) / 4e6

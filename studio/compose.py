@@ -84,7 +84,8 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
             chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends[CHAT].backend,
                                                     plan.device, dtype, config.context, config.max_batch,
                                                     engines=engines, quant=config.quant, free_bytes=free,
-                                                    image_queries=IMAGE_QUERIES if shared else 0),
+                                                    image_queries=IMAGE_QUERIES if shared else 0,
+                                                    speculate=config.speculate),
                                 is_demo=model.is_demo)
             warm_up = [{"role": "user", "content": "Hi"}]
             for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now
@@ -117,7 +118,8 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                 llm = load_language_model(image.llm_dir, image.llm_id, plan.backends[IMAGE_CHAT_LLM].backend,
                                           plan.device, dtype, max_context=2048, max_batch=config.max_batch,
                                           engines=engines, quant=config.quant,
-                                          image_queries=encoder.config.num_query_tokens, free_bytes=free)
+                                          image_queries=encoder.config.num_query_tokens, free_bytes=free,
+                                          speculate=config.speculate)
             image_chat = ImageChatPipeline(encoder, llm, config.minigpt4_template, is_demo=image.is_demo,
                                            owns_llm=not shared)
             image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)

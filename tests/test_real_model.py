@@ -6,6 +6,7 @@ a tool-call round trip, a `json_schema` reply, and the terminal chat.
 Kept lean: the model and transformers load once per module, the app launches once, and only what is
 asserted on is generated (greedy, so every reply is the same on every run)."""
 
+import concurrent.futures
 import copy
 import json
 import math
@@ -180,6 +181,91 @@ def test_greedy_tokens_match_transformers_generate(ours, hf_tokenizer, hf_model)
     for prompt, mine, theirs in zip(PROMPTS, got, out):
         assert len(mine) == NEW_TOKENS and not set(theirs) & ours.format.stop_ids, (prompt, "ended early")
         assert mine == theirs, (prompt, tokenizer.decode(mine), tokenizer.decode(theirs))
+
+
+# ---- speculative decoding (prompt lookup) keeps every greedy reply, token for token -------------------------
+
+# Replies that quote their prompt (where lookup drafts pay), and one that does not.
+QUOTING = ["Add a docstring to this Python function and rename the variable `x` to `values`; change nothing "
+           "else:\n\n```python\ndef mean_and_spread(x):\n    total = sum(x)\n    count = len(x)\n    mean = "
+           "total / count\n    spread = max(x) - min(x)\n    return mean, spread\n```",
+           "Rewrite this paragraph with correct spelling, keeping everything else the same:\n\nOur team have "
+           "finished the first version of the aplication last week. It let users upload there photos.",
+           "Tell me something interesting about the moon."]
+
+
+def _engine(ours, speculation):
+    from pipeline.llm.engine.torch_engine import TorchLLMEngine
+
+    return TorchLLMEngine(ours.engine.model, ours.context, ours.engine.vocab_size, max_batch=4,
+                          speculation=speculation)
+
+
+def test_speculation_keeps_greedy_replies_token_for_token(ours):
+    """Three replies decoded together, with speculation off and with prompt lookup drafting up to 2 and up
+    to 8 tokens: the same tokens, and drafts were in fact checked and kept (not a run that never
+    speculated); the kept drafts show in each reply's status line."""
+    from pipeline.llm.engine.speculation import CPU, PromptLookup, Speculation
+
+    params = SamplingParams(max_new_tokens=40, temperature=0, repetition_penalty=1.0)
+    prompts = [ours.format.render([{"role": "user", "content": text}]) for text in QUOTING]
+
+    def replies(engine) -> tuple[list[list[int]], list]:
+        streams = [engine.submit(p, params, ours.format.stop_ids) for p in prompts]
+        got = [list(s) for s in streams]
+        engine.close()
+        return got, [s.stats for s in streams]
+
+    plain, _ = replies(_engine(ours, None))
+    for most in (2, 8):
+        engine = _engine(ours, Speculation(PromptLookup(), CPU, max_draft=most))
+        got, stats = replies(engine)
+        assert got == plain, most
+        assert engine.verify_steps and engine.accepted_tokens >= 20, engine.status()
+        assert stats[0].accepted_tokens > 0 and " · drafts: " in stats[0].summary(), stats[0].summary()
+
+
+def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):
+    """Rows with and without drafts batched together give what each gives alone without speculation: a
+    JSON-schema reply (its grammar stepped through the drafts), a seeded sampled reply with penalties,
+    `logit_bias` and log-probabilities (the same tokens: one uniform number per kept token), and a greedy
+    reply that quotes its prompt."""
+    from pipeline.llm.engine.speculation import CPU, PromptLookup, Speculation
+    from pipeline.llm.language_model import LanguageModel
+    from pipeline.llm.text.structure import Structure
+
+    person = [{"role": "user", "content": "Write as JSON: Ada Lovelace, 36 years old, lives in London. Name Ada "
+                                          "Lovelace, age 36, city London."}]
+    sampled = SamplingParams(max_new_tokens=30, temperature=0.9, top_k=40, top_p=0.95, repetition_penalty=1.1,
+                             presence_penalty=0.5, frequency_penalty=0.3, seed=7, logprobs=2,
+                             logit_bias=((ours.tokenizer.encode(" the")[0], 2.0),))
+    requests = [(person, SamplingParams(max_new_tokens=40, temperature=0, repetition_penalty=1.0),
+                 Structure(schema=PERSON)),
+                ([{"role": "user", "content": QUOTING[1]}], sampled, Structure()),
+                ([{"role": "user", "content": QUOTING[0]}],
+                 SamplingParams(max_new_tokens=30, temperature=0, repetition_penalty=1.0), Structure())]
+
+    def reply(lm, messages, params, structure) -> tuple[str, list, int]:
+        events = list(lm.chat(messages, params, structure=structure))
+        return ("".join(e.text for e in events), [t for e in events for t in (e.logprobs or [])],
+                events[-1].stats.accepted_tokens)
+
+    plain = LanguageModel(ours.tokenizer, _engine(ours, None), "plain", "")
+    alone = [reply(plain, *r) for r in requests]
+    plain.close()
+    fast = LanguageModel(ours.tokenizer, _engine(ours, Speculation(PromptLookup(), CPU)), "lookup", "")
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda r: reply(fast, *r), requests))
+    status = fast.status()
+    fast.close()
+    assert json.loads(together[0][0]) == json.loads(alone[0][0])
+    jsonschema.validate(json.loads(together[0][0]), PERSON)
+    assert all(kept > 0 for *_, kept in together), together  # each row had drafts kept
+    for (text, logprobs, _), (want_text, want_logprobs, _) in zip(together[1:], alone[1:]):
+        assert text == want_text
+        assert [t.token for t in logprobs] == [t.token for t in want_logprobs]
+        assert [t.logprob for t in logprobs] == pytest.approx([t.logprob for t in want_logprobs], abs=1e-3)
+    assert len(together[1][1]) > 10 and status["accepted_tokens"] >= 20, status
 
 
 # ---- perplexity over assets/eval_text.txt: float, transformers, int8, int4 --------------------------------

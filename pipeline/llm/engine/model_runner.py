@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.engine.seam import Prompt
-from pipeline.llm.engine.speculation import MAX_DRAFT
+from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT
 from pipeline.llm.model import Chunk, Decode, Decoder, KVCache, Prefill, RotaryTables, Verify
 
 GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
@@ -154,6 +154,15 @@ class ModelRunner:
                               tokens=inputs[:, :size], last_only=False)
 
         return self._run(("verify", bucket, size, kv_len), step, packed)[:n, :, :self.vocab_size]
+
+    def warm_verify(self, cache: KVCache) -> None:
+        """Compile the verify step's kernels for every draft size before a reply needs them (a first
+        launch's Triton compiles take seconds): one step each, in the scratch positions, which hold nothing."""
+        with torch.inference_mode():
+            for k in DRAFT_SIZES:
+                self.verify(cache, [[0] * (k + 1)], [self.scratch], [0])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _run(self, key: tuple, step: Callable[[Tensor], Tensor | None], packed: Tensor) -> Tensor | None:
         """`step(packed)`: eagerly, or on a GPU by replaying the graph captured for `key` (at its first use)

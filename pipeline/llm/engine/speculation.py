@@ -116,6 +116,11 @@ class Speculation:
         return f"speculative decoding by prompt lookup (up to {self.max_draft} tokens)"
 
 
+def prompt_lookup(device: str, low_bit: bool) -> Speculation:
+    """Prompt lookup with the verify cost measured for `device`'s kind ("cuda" or "cpu") and weights."""
+    return Speculation(PromptLookup(), CPU if device == "cpu" else GPU_LOW_BIT if low_bit else GPU_FLOAT)
+
+
 @dataclasses.dataclass
 class DraftState:
     """One request's drafting: its n-gram index, its recent acceptance (decayed counts of accepted and

@@ -1,0 +1,134 @@
+"""Speculative decoding: prompt lookup's drafts, the draft length each request picks, and the acceptance
+rule — sampled replies keep plain decoding's distribution (a chi-square test against the exact
+distribution of a tiny model's 3-token replies) and a seeded reply its very tokens. Greedy identity on
+the real SmolLM2 is in test_real_model.py."""
+
+import math
+
+import pytest
+import torch
+
+from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PromptLookup, Speculation,
+                                             VerifyCost, best_draft)
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.llm.weights.checkpoint import load_decoder
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
+    index = PromptLookup(max_ngram=3, min_ngram=2).index()
+    history = [1, 2, 3, 4, 5, 9, 2, 3]
+    assert index.propose(history, 3) == [4, 5, 9]  # "2 3" last occurred at the start
+    history += [4]
+    assert index.propose(history, 3) == [5, 9, 2]  # "2 3 4" (the longest) there too
+    history += [7, 7, 2, 3]
+    assert index.propose(history, 4) == [4, 7, 7, 2]  # the latest "2 3" wins over the first
+    assert index.propose(history + [8], 4) == []  # "3 8" never occurred
+    slots = [5, 6, ("image", 0), 5, 6]
+    assert PromptLookup().index().propose(slots, 3) == []  # an image's slot ends a draft
+    fresh = PromptLookup(max_ngram=3, min_ngram=2).index()
+    assert fresh.propose(history, 4) == [4, 7, 7, 2]  # built at once or step by step: the same index
+
+
+def test_draft_length_follows_acceptance_and_pauses_where_drafts_do_not_pay():
+    assert best_draft(0.9, GPU_FLOAT) == 8 and best_draft(0.3, GPU_FLOAT) in (2, 4)
+    assert best_draft(0.05, CPU) == 0 and best_draft(0.9, CPU, limit=3) == 2
+    speculation = Speculation(PromptLookup(), GPU_FLOAT)
+    state = DraftState(PromptLookup().index())
+    assert state.wanted(speculation, 100) > 0  # a new request tries at once
+    for _ in range(10):
+        state.record(4, 0)
+    assert state.rate < 0.05
+    asked = [state.wanted(speculation, 100) for _ in range(2 * PROBE_EVERY)]
+    assert asked.count(0) == 2 * PROBE_EVERY - 2 and asked[PROBE_EVERY - 1] == 2  # a short probe now and then
+    for _ in range(10):
+        state.record(4, 4)
+    assert state.wanted(speculation, 100) == 8 and state.wanted(speculation, 3) == 2
+
+
+# ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
+
+PROMPT = Prompt(tuple(range(5, 25)))
+PARAMS = dict(max_new_tokens=3, temperature=1.0, top_k=3, top_p=1.0, repetition_penalty=1.0)
+DRAWS = 1200
+
+
+@pytest.fixture(scope="module")
+def model(qwen2_demo):
+    return load_decoder(qwen2_demo)
+
+
+@pytest.fixture(scope="module")
+def tree(model) -> dict[tuple[int, ...], list[tuple[int, float]]]:
+    """Each reply prefix of up to 2 tokens → its 3 possible next tokens with their probabilities under
+    PARAMS (top-3 of the model's logits, renormalised), by plain forward passes."""
+    config, out = model.config, {}
+    rope = RotaryTables(config, 64, "cpu")
+
+    def grow(prefix: tuple[int, ...]) -> None:
+        cache = KVCache(config, 1, 64, torch.float32, "cpu")
+        with torch.inference_mode():
+            logits = model(cache, rope, Prefill(0, 0), tokens=torch.tensor([[*PROMPT.ids, *prefix]]))[0, -1]
+        top = logits.topk(3)
+        out[prefix] = list(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+        if len(prefix) < 2:
+            for token, _ in out[prefix]:
+                grow((*prefix, token))
+
+    grow(())
+    return out
+
+
+class TreeDraft:
+    """A drafter that proposes the most likely continuation (as a greedy draft model would): half the time
+    or so the model draws something else, so drafts are both kept and rejected."""
+
+    def __init__(self, tree):
+        self.tree = tree
+
+    def index(self) -> "TreeDraft":
+        return self
+
+    def propose(self, history, k: int) -> list[int]:
+        reply, draft = tuple(history[len(PROMPT.ids):]), []
+        while len(draft) < k and (*reply, *draft) in self.tree:
+            draft.append(self.tree[(*reply, *draft)][0][0])
+        return draft
+
+
+def replies(model, speculation, seeds) -> list[tuple[int, ...]]:
+    engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=8, rows=16, speculation=speculation)
+    streams = [engine.submit(PROMPT, SamplingParams(**PARAMS, seed=seed), set()) for seed in seeds]
+    out = [tuple(s) for s in streams]
+    status = engine.status()
+    engine.close()
+    return out, status
+
+
+def chi_square_bound(df: int, z: float = 3.09) -> float:
+    """The chi-square distribution's 0.999 quantile (Wilson-Hilferty): exceeded by chance once in 1,000."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_speculative_sampling_keeps_the_distribution_and_each_seeds_tokens(model, tree):
+    """1,200 seeded 3-token replies with a draft checked at each step: their counts match the exact
+    probabilities of plain decoding (chi-square below its 0.999 quantile), and each seed gives the same
+    tokens as plain decoding; drafts were both kept and rejected."""
+    speculative, status = replies(model, Speculation(TreeDraft(tree), VerifyCost(0.0, 0.0), max_draft=2),
+                                  range(DRAWS))
+    assert status["verify_steps"] and 0.2 < status["accepted_tokens"] / status["drafted_tokens"] < 0.9, status
+    exact = {(a, b, c): pa * pb * pc for a, pa in tree[()] for b, pb in tree[(a,)] for c, pc in tree[(a, b)]}
+    counts = {reply: 0 for reply in exact}
+    for reply in speculative:
+        assert reply in counts, f"{reply}: a reply plain decoding never gives"
+        counts[reply] += 1
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if exact[c] * DRAWS >= 5]
+    observed = [counts[c] for c in big] + [sum(counts[c] for c in cells if c not in big)]
+    expected = [exact[c] * DRAWS for c in big] + [sum(exact[c] for c in cells if c not in big) * DRAWS]
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected) if e > 0)
+    assert statistic < chi_square_bound(len(observed) - 1), (statistic, observed, expected)
+    plain, _ = replies(model, None, range(200))
+    assert speculative[:200] == plain
