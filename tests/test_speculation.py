@@ -10,8 +10,8 @@ import torch
 
 from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.engine.sampling import SamplingParams
-from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PromptLookup, Speculation,
-                                             VerifyCost, best_draft)
+from pipeline.llm.engine.speculation import (CPU, DRAFT_SIZES, GPU_FLOAT, PROBE_EVERY, DraftState, PromptLookup, Speculation,
+                                             StepClock, VerifyCost, best_draft)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
 from pipeline.llm.weights.checkpoint import load_decoder
@@ -29,23 +29,36 @@ def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
     slots = [5, 6, ("image", 0), 5, 6]
     assert PromptLookup().index().propose(slots, 3) == []  # an image's slot ends a draft
     fresh = PromptLookup(max_ngram=3, min_ngram=2).index()
-    assert fresh.propose(history, 4) == [4, 7, 7, 2]  # built at once or step by step: the same index
+    assert fresh.propose(history[:-1], 4, history[-1:]) == [4, 7, 7, 2]  # built at once or step by step: the same
 
 
 def test_draft_length_follows_acceptance_and_pauses_where_drafts_do_not_pay():
     assert best_draft(0.9, GPU_FLOAT) == 8 and best_draft(0.3, GPU_FLOAT) in (2, 4)
     assert best_draft(0.05, CPU) == 0 and best_draft(0.9, CPU, limit=3) == 2
-    speculation = Speculation(PromptLookup(), GPU_FLOAT)
     state = DraftState(PromptLookup().index())
-    assert state.wanted(speculation, 100) > 0  # a new request tries at once
+    assert state.wanted(GPU_FLOAT, 8, 100) > 0  # a new request tries at once
     for _ in range(10):
         state.record(4, 0)
     assert state.rate < 0.05
-    asked = [state.wanted(speculation, 100) for _ in range(2 * PROBE_EVERY)]
+    asked = [state.wanted(GPU_FLOAT, 8, 100) for _ in range(2 * PROBE_EVERY)]
     assert asked.count(0) == 2 * PROBE_EVERY - 2 and asked[PROBE_EVERY - 1] == 2  # a short probe now and then
     for _ in range(10):
         state.record(4, 4)
-    assert state.wanted(speculation, 100) == 8 and state.wanted(speculation, 3) == 2
+    assert state.wanted(GPU_FLOAT, 8, 100) == 8 and state.wanted(GPU_FLOAT, 8, 3) == 2
+    assert state.wanted(GPU_FLOAT, 4, 100) == 4
+
+
+def test_a_measured_clock_replaces_the_prior_cost():
+    """A small model on a fast GPU is bound by launches: the engine's own step times decide there."""
+    clock = StepClock(GPU_FLOAT)
+    assert clock(4) == GPU_FLOAT(4)
+    for _ in range(StepClock.SEEN):
+        clock.plain(0.001)
+        for k in DRAFT_SIZES:
+            clock.verify(k, 0.002 + 0.0001 * k)
+    assert clock(4) == pytest.approx(2.4) and clock(0) == 1.0
+    assert best_draft(0.5, clock) == 0 and best_draft(0.5, GPU_FLOAT) == 4
+    assert best_draft(0.95, clock) == 8  # 6.6 tokens for 2.8 steps' time
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
@@ -91,8 +104,8 @@ class TreeDraft:
     def index(self) -> "TreeDraft":
         return self
 
-    def propose(self, history, k: int) -> list[int]:
-        reply, draft = tuple(history[len(PROMPT.ids):]), []
+    def propose(self, history, k: int, last=()) -> list[int]:
+        reply, draft = (*history[len(PROMPT.ids):], *last), []
         while len(draft) < k and (*reply, *draft) in self.tree:
             draft.append(self.tree[(*reply, *draft)][0][0])
         return draft

@@ -20,7 +20,7 @@ tokens, exactly those of plain decoding.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 MAX_DRAFT = 8  # drafted tokens per step at most (a verify step scores MAX_DRAFT + 1 positions)
 DRAFT_SIZES = (1, 2, 4, 8)  # a step checks one of these many positions past the last token (one CUDA graph each)
@@ -46,13 +46,46 @@ GPU_LOW_BIT = VerifyCost(0.24, 0.030)
 CPU = VerifyCost(0.0, 0.085)
 
 
+class StepClock:
+    """What steps cost on this engine, measured: seconds per plain decode step (while steps follow each
+    other unchanged) and per verify step of each draft size (host work and the wait for its tokens
+    included), as exponential averages. A verify step's cost in decode steps comes from these once both
+    were seen a few times, else from the `prior` (a small model on a fast GPU is bound by launches and
+    the host, not by its weights: there a verify step costs far more than the prior says)."""
+
+    SEEN = 4  # samples before a measured average replaces the prior
+
+    def __init__(self, prior: VerifyCost):
+        self.prior = prior
+        self.plain_s, self.plain_n = 0.0, 0
+        self.verify_s: dict[int, tuple[float, int]] = {}
+
+    def plain(self, seconds: float) -> None:
+        self.plain_s, self.plain_n = _averaged(self.plain_s, self.plain_n, seconds)
+
+    def verify(self, k: int, seconds: float) -> None:
+        self.verify_s[k] = _averaged(*self.verify_s.get(k, (0.0, 0)), seconds)
+
+    def __call__(self, k: int) -> float:
+        seconds, n = self.verify_s.get(k, (0.0, 0))
+        if k and n >= self.SEEN and self.plain_n >= self.SEEN:
+            return seconds / self.plain_s
+        return self.prior(k)
+
+
+def _averaged(mean: float, n: int, value: float) -> tuple[float, int]:
+    """An exponential average over about the last ten values (the plain mean while fewer were seen)."""
+    n += 1
+    return mean + (value - mean) / min(n, 10), n
+
+
 def expected_tokens(accept: float, k: int) -> float:
     """Tokens a step gives with k drafted tokens, each accepted with probability `accept` (independently):
     the accepted run plus the one token the check always yields."""
     return float(k + 1) if accept >= 1.0 else (1.0 - accept ** (k + 1)) / (1.0 - accept)
 
 
-def best_draft(accept: float, cost: VerifyCost, limit: int = MAX_DRAFT) -> int:
+def best_draft(accept: float, cost: Callable[[int], float], limit: int = MAX_DRAFT) -> int:
     """The draft length (0 or one of DRAFT_SIZES up to `limit`) with the most tokens per unit of step cost;
     0 where no draft gains 2 % over a plain step."""
     best, gain = 0, 1.02
@@ -84,8 +117,10 @@ class NgramIndex:
         self._ends: dict[tuple, int] = {}
         self._done = 0  # n-grams ending before this position are indexed
 
-    def propose(self, history: Sequence, k: int) -> list[int]:
-        """Up to `k` tokens that followed the longest n-gram ending `history` where it last occurred before."""
+    def propose(self, history: Sequence, k: int, last: Sequence = ()) -> list[int]:
+        """Up to `k` tokens that followed the longest n-gram ending `history` (+ `last`: a row's held tokens
+        and its token not yet fed, not copied into one list at every step) where it last occurred before."""
+        history = _Joined(history, last) if last else history
         total = len(history)
         for end in range(max(self._done, 1), total):  # the n-grams ending before the last position
             for n in self.sizes:
@@ -103,6 +138,24 @@ class NgramIndex:
         return []
 
 
+class _Joined(Sequence):
+    """`head` followed by a short `tail`, read as one sequence (slices near the end copy little)."""
+
+    def __init__(self, head: Sequence, tail: Sequence):
+        self.head, self.tail = head, tail
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def __getitem__(self, index):
+        n = len(self.head)
+        if isinstance(index, slice):
+            start, stop, _ = index.indices(len(self))
+            return list(self.head[start:min(stop, n)]) + list(self.tail[max(start - n, 0):max(stop - n, 0)])
+        index = index + len(self) if index < 0 else index
+        return self.head[index] if index < n else self.tail[index - n]
+
+
 @dataclasses.dataclass(frozen=True)
 class Speculation:
     """An engine's speculative decoding: its drafter and what a verify step costs on its device."""
@@ -110,6 +163,7 @@ class Speculation:
     drafter: PromptLookup
     cost: VerifyCost
     max_draft: int = MAX_DRAFT
+    measured: bool = False  # the engine measures its steps' cost (`StepClock`) instead of trusting `cost`
 
     @property
     def description(self) -> str:
@@ -117,8 +171,12 @@ class Speculation:
 
 
 def prompt_lookup(device: str, low_bit: bool) -> Speculation:
-    """Prompt lookup with the verify cost measured for `device`'s kind ("cuda" or "cpu") and weights."""
-    return Speculation(PromptLookup(), CPU if device == "cpu" else GPU_LOW_BIT if low_bit else GPU_FLOAT)
+    """Prompt lookup with the verify cost measured for `device`'s kind ("cuda" or "cpu") and weights; on a
+    GPU the engine measures its own steps (a CPU's costs were measured once: its tests decide nothing by
+    the clock)."""
+    if device == "cpu":
+        return Speculation(PromptLookup(), CPU)
+    return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True)
 
 
 @dataclasses.dataclass
@@ -135,10 +193,10 @@ class DraftState:
     def rate(self) -> float:
         return self.accepted / self.checked
 
-    def wanted(self, speculation: Speculation, room: int) -> int:
-        """How many tokens to draft this step (at most `room`): by the acceptance rate, or a short probe
-        every PROBE_EVERY steps while drafting does not pay."""
-        k = best_draft(self.rate, speculation.cost, min(room, speculation.max_draft))
+    def wanted(self, cost: Callable[[int], float], max_draft: int, room: int) -> int:
+        """How many tokens to draft this step (at most `room`): by the acceptance rate and what a verify step
+        `cost`s, or a short probe every PROBE_EVERY steps while drafting does not pay."""
+        k = best_draft(self.rate, cost, min(room, max_draft))
         if k:
             return k
         self.paused += 1

@@ -36,7 +36,7 @@ from pipeline.llm.engine.model_runner import ModelRunner
 from pipeline.llm.engine.sampler import Sampler, logprobs_of
 from pipeline.llm.engine.sampling import Draws, InvalidSampling, SamplingParams
 from pipeline.llm.engine.scheduler import Request, Scheduler
-from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
+from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation, StepClock
 
 
 @dataclasses.dataclass
@@ -85,6 +85,8 @@ class TorchLLMEngine:
         self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
         self._starting: list[_Step] = []  # first tokens drawn after prompts' last chunks, read a step later
         self.speculation = speculation
+        self.step_cost = speculation and (StepClock(speculation.cost) if speculation.measured else speculation.cost)
+        self._plain_since: float | None = None  # when the plain step before this one started, the batch unchanged
         self.steps = self.verify_steps = 0  # decode steps run, verify steps among them (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.drafted_tokens = self.accepted_tokens = 0  # speculative decoding's drafts checked, and kept
@@ -224,6 +226,11 @@ class TorchLLMEngine:
         if not active:
             return
         chained = self._pending is not None
+        if isinstance(self.step_cost, StepClock):
+            now = time.perf_counter()
+            if chained and self._plain_since is not None:
+                self.step_cost.plain(now - self._plain_since)
+            self._plain_since = now
         inputs = None if chained else ([r.last_token for r in active], [r.position for r in active],
                                        [r.table for r in active])
         logits = self.runner.decode(self.rows.kv, len(active), inputs, self._pending.drawn if chained else None,
@@ -244,15 +251,24 @@ class TorchLLMEngine:
         """Run this step as a verify step where any request drafts tokens (see `speculation`): the step in
         flight is read first (drafts continue the last token). False where none wants to draft, or none
         found a draft: the step is a plain decode step."""
-        wanted = {r: r.draft.wanted(self.speculation, self._draft_room(r)) for r in active}
+        most = self.speculation.max_draft
+        wanted = {r: r.draft.wanted(self.step_cost, most, self._draft_room(r)) for r in active}
         if not any(wanted.values()):
             return False
-        self._drain()
+        if self._pending is not None:  # look without the token in flight first: reading it stalls the GPU
+            if not any(k and r.draft.ngrams.propose(self.rows[r.row].held, 1, (r.last_token,))
+                       for r, k in wanted.items()):
+                return False
+            self._drain()
+            self._plain_since = None
         active = list(self.scheduler.running)  # the tokens read may have ended some
-        drafts = [self._draft(r, wanted[r]) for r in active]
+        drafts = [self._draft(r, wanted[r]) if wanted[r] else [] for r in active]
         if not any(drafts):
             return False
-        self._verify_step(active, drafts)
+        started = time.perf_counter()
+        size = self._verify_step(active, drafts)
+        if isinstance(self.step_cost, StepClock):
+            self.step_cost.verify(size - 1, time.perf_counter() - started)
         return True
 
     def _draft_room(self, r: Request) -> int:
@@ -262,19 +278,19 @@ class TorchLLMEngine:
     def _draft(self, r: Request, k: int) -> list[int]:
         """Up to `k` tokens drafted for `r` (none where `k` is 0): cut after a stop id, and where `r` has a
         grammar, to what it allows before any stop id (its masks are made through the draft)."""
-        if not k or r.row < 0:
+        if r.row < 0:
             return []
-        draft = r.draft.ngrams.propose([*self.rows[r.row].held, r.last_token], min(k, self._draft_room(r)))
+        draft = r.draft.ngrams.propose(self.rows[r.row].held, min(k, self._draft_room(r)), (r.last_token,))
         ends = [i for i, t in enumerate(draft) if t in r.stop_ids]
         if r.grammar is not None:
             draft = draft[:ends[0] if ends else len(draft)]
             return draft[:r.grammar.allowed_prefix(draft)]
         return draft[:ends[0] + 1] if ends else draft
 
-    def _verify_step(self, active: list[Request], drafts: list[list[int]]) -> None:
+    def _verify_step(self, active: list[Request], drafts: list[list[int]]) -> int:
         """Score each request's last token and its drafted ones in one forward, keep each row's drafted tokens
         up to its first rejection plus the token drawn there (`Sampler.verify_draw`), and roll the cache back
-        by length: positions past the kept ones are written again later."""
+        by length: positions past the kept ones are written again later. Returns the positions scored per row."""
         size = next(k for k in DRAFT_SIZES if k >= max(map(len, drafts))) + 1
         tokens = [[r.last_token, *d, *[r.last_token] * (size - 1 - len(d))] for r, d in zip(active, drafts)]
         logits = self.runner.verify(self.rows.kv, tokens, [r.position for r in active], [r.table for r in active])
@@ -305,6 +321,7 @@ class TorchLLMEngine:
                 self.rows[r.row].written = r.position
                 self._deliver(r, drawn[i][j], kept_logits[i, j] if kept_logits is not None else None,
                               logprobs[i, j] if logprobs is not None else None)
+        return size
 
     def _launched(self, requests: list[Request], drawn: Tensor, kept: Tensor | None,
                   logprobs: Tensor | None) -> _Step:
