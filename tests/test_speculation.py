@@ -111,9 +111,9 @@ class TreeDraft:
         return draft
 
 
-def replies(model, speculation, seeds) -> list[tuple[int, ...]]:
+def replies(model, speculation, seeds, **params) -> list[tuple[int, ...]]:
     engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=8, rows=16, speculation=speculation)
-    streams = [engine.submit(PROMPT, SamplingParams(**PARAMS, seed=seed), set()) for seed in seeds]
+    streams = [engine.submit(PROMPT, SamplingParams(**{**PARAMS, **params}, seed=seed), set()) for seed in seeds]
     out = [tuple(s) for s in streams]
     status = engine.status()
     engine.close()
@@ -145,3 +145,30 @@ def test_speculative_sampling_keeps_the_distribution_and_each_seeds_tokens(model
     assert statistic < chi_square_bound(len(observed) - 1), (statistic, observed, expected)
     plain, _ = replies(model, None, range(200))
     assert speculative[:200] == plain
+
+
+class RepeatDraft:
+    """Drafts one token again and again: with a bias towards it, its drafts are often kept, and the
+    penalties of the positions after a kept one decide whether it comes again."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def index(self) -> "RepeatDraft":
+        return self
+
+    def propose(self, history, k: int, last=()) -> list[int]:
+        return [self.token] * k
+
+
+def test_penalties_count_the_drafted_tokens_before_each_position(model):
+    """With repetition, presence and frequency penalties, a drafted token kept at one position is penalised
+    at the positions after it, as plain decoding penalises it: every seed gives plain decoding's tokens."""
+    token = 77
+    penalties = dict(max_new_tokens=6, top_k=5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
+                     logit_bias=((token, 6.0),))
+    speculative, status = replies(model, Speculation(RepeatDraft(token), VerifyCost(0.0, 0.0), max_draft=4),
+                                  range(300), **penalties)
+    plain, _ = replies(model, None, range(300), **penalties)
+    assert speculative == plain
+    assert status["accepted_tokens"] >= 100, status

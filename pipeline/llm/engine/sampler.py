@@ -34,7 +34,7 @@ class Sampler:
         self._bitmask: Tensor | None = None  # grammar masks on the host, two steps' worth (made at first use)
         self._flip_columns = self._flip_mask = 0
         # A verify step's numbers for each of its positions; it ends reading its tokens, so one set suffices.
-        self._verify_columns = torch.zeros(MAX_DRAFT + 1, len(COLUMNS), max_batch, dtype=torch.float32,
+        self._verify_columns = torch.zeros(len(COLUMNS), (MAX_DRAFT + 1) * max_batch, dtype=torch.float32,
                                            pin_memory=pinned)
         self._verify_bitmask: Tensor | None = None
 
@@ -87,65 +87,61 @@ class Sampler:
             host = self._columns_host[self._flip_columns]
             host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
             columns.copy_(host[:, :n], non_blocking=True)
-        return self._drawn(params, columns, logits, seen, counts)  # greedy alone reads no columns
-
-    def _drawn(self, params: list[SamplingParams], columns: Tensor, logits: Tensor, seen: Tensor, counts: Tensor,
-               taken: Tensor | None = None) -> Tensor:
-        """`sample`, then the drawn tokens marked in `seen` and `counts`: only in the rows `taken` marks, where
-        given (a verify step's rows whose draft was already rejected draw nothing more)."""
-        drawn = sample(logits, params, seen, columns, counts)
-        marks = drawn[:, None]
-        if taken is None:
-            seen.scatter_(1, marks, True)
-        else:
-            seen.scatter_(1, marks, seen.gather(1, marks) | taken[:, None])
+        drawn = sample(logits, params, seen, columns, counts)  # greedy alone reads no columns
+        seen.scatter_(1, drawn[:, None], True)
         if counts_penalized(params):
-            counts.scatter_add_(1, marks, self._ones[:len(params)] if taken is None else taken[:, None].float())
+            counts.scatter_add_(1, drawn[:, None], self._ones[:n])
         return drawn
 
     def verify_draw(self, requests: Sequence[Request], logits: Tensor,
                     drafts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor | None]:
         """A verify step's tokens: `logits` [n, T, vocab] score each request's last token and the tokens
-        drafted after it (`drafts[i]`, up to T - 1; requests in rows 0..n-1). Position by position, each row
-        draws its next token exactly as a decode step would (bias, grammar, penalties with the tokens
-        before it counted, its own next uniform number), and its draft stays accepted while the drawn
-        token equals the drafted one. That is the rejection-sampling rule (Leviathan et al., Chen et al.)
-        for a draft that proposes one token for certain, q = 1 at the drafted token: the draft is kept
-        with probability min(1, p/q) = p(drafted), and on rejection the token comes from
-        max(0, p - q) renormalised, p without the drafted token; one draw from p does both. So the reply
-        has plain decoding's distribution, and a seeded one its very tokens. Returns on the device: the
-        drawn tokens [n, T], how many of them each row keeps [n] (its accepted drafted tokens + 1), and
-        `logprobs` [n, T, ...] (see `draw`) where asked for."""
-        n, positions = logits.shape[:2]
-        params = [r.params for r in requests]
-        uniforms = [r.draws.peek(positions) for r in requests]  # taken for good when the tokens are kept
-        host = self._verify_columns[:positions, :, :n]
-        for j in range(positions):
-            host[j].numpy()[:] = sampling_columns(params, [u[j] for u in uniforms], self.vocab_size)
+        drafted after it (`drafts[i]`, up to T - 1; requests in rows 0..n-1). At each position a row draws
+        its token exactly as a decode step would there if the drafted tokens before it were kept (bias,
+        grammar, penalties counting those tokens, its own next uniform number), all positions in one
+        batch; its draft stays accepted while the drawn token equals the drafted one. That is the
+        rejection-sampling rule (Leviathan et al., Chen et al.) for a draft that proposes one token for
+        certain, q = 1 at the drafted token: the draft is kept with probability min(1, p/q) = p(drafted),
+        and on rejection the token comes from max(0, p - q) renormalised, p without the drafted token;
+        one draw from p does both. So the reply has plain decoding's distribution, and a seeded one its
+        very tokens. Returns on the device: the drawn tokens [n, T], how many of them each row keeps [n]
+        (its accepted drafted tokens + 1), and `logprobs` [n, T, ...] (see `draw`) where asked for."""
+        n, positions, vocab = logits.shape
+        params = [r.params for r in requests for _ in range(positions)]  # row i's position j: entry i*T + j
+        uniforms = [u for r in requests for u in r.draws.peek(positions)]  # taken for good when kept
+        host = self._verify_columns[:, :n * positions]
+        host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
         columns = host.to(self.device, non_blocking=True)
         drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
+        # each position's penalty state: the row's, plus the drafted tokens before that position
+        before = [(i * positions + j, t) for i, d in enumerate(drafts) for j in range(1, len(d) + 1) for t in d[:j]]
+        seen = self.rows.seen[:n].repeat_interleave(positions, 0)
+        counts = self.rows.counts[:n].repeat_interleave(positions, 0) if counts_penalized(params) else None
+        if before:
+            at = self._upload(before, torch.long)
+            seen[at[:, 0], at[:, 1]] = True
+            if counts is not None:
+                counts.index_put_((at[:, 0], at[:, 1]), self._ones[:1, 0].expand(len(before)), accumulate=True)
+        flat = logits.reshape(n * positions, vocab)
+        allowed = _biased([r for r in requests for _ in range(positions)], flat) \
+            if any(r.bias is not None for r in requests) else flat
         masks = self._draft_masks(requests, drafts, positions)
+        if masks is not None:
+            allowed = apply_masks(allowed, masks)
+        drawn = sample(allowed, params, seen, columns, counts).view(n, positions)
+        kept = (drawn == drafted).long().cumprod(1).sum(1) + 1
+        taken = torch.arange(positions, device=self.device)[None] < kept[:, None]
+        self.rows.seen[:n].scatter_(1, torch.where(taken, drawn, drawn[:, :1]), True)  # every write True
+        if counts is not None:
+            self.rows.counts[:n].scatter_add_(1, drawn, taken.float())
         wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
-        seen, counts = self.rows.seen[:n], self.rows.counts[:n]
-        taken = torch.ones(n, dtype=torch.bool, device=self.device)
-        kept = torch.zeros(n, dtype=torch.long, device=self.device)
-        drawn, reported = [], []
-        for j in range(positions):
-            step = logits[:, j]
-            allowed = _biased(requests, step) if any(r.bias is not None for r in requests) else step
-            if masks is not None:
-                allowed = apply_masks(allowed, masks[j])
-            token = self._drawn(params, columns[j], allowed, seen, counts, taken)
-            if wanted:
-                reported.append(_chosen_and_top(step.float().log_softmax(-1), token, max(wanted)))
-            kept += taken
-            taken = taken & (token == drafted[:, j])
-            drawn.append(token)
-        return torch.stack(drawn, 1), kept, (torch.stack(reported, 1) if wanted else None)
+        logprobs = _chosen_and_top(flat.float().log_softmax(-1), drawn.view(-1), max(wanted)).view(n, positions, -1) \
+            if wanted else None
+        return drawn, kept, logprobs
 
     def _draft_masks(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
                      positions: int) -> Tensor | None:
-        """Each position's grammar masks [T, n, words] on the device (None without grammars): a row's
+        """Each position's grammar masks [n * T, words] on the device (None without grammars): a row's
         grammar is stepped through its drafted tokens (all of which it allows: the engine drafts no
         other) to make the masks of the positions after them, then rolled back."""
         if not any(r.grammar is not None for r in requests):
@@ -163,7 +159,7 @@ class Sampler:
         for r, n in zip(requests, taken):
             if r.grammar is not None:
                 r.grammar.rollback(n)
-        return host.to(self.device, non_blocking=True)
+        return host.to(self.device, non_blocking=True).transpose(0, 1).reshape(len(requests) * positions, -1)
 
     def _masked(self, requests: Sequence[Request], logits: Tensor) -> Tensor:
         """`logits` with each constrained row's forbidden tokens at -inf: the masks are made on the
