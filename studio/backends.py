@@ -18,10 +18,12 @@ from engine_builder.cache import EngineBuildError
 from engine_builder.onnx_export import minigpt4_graph, sam_graphs
 from engine_builder.trtllm.engine import load_trtllm_engine
 from pipeline.minigpt4.engine import SessionVisionEncoder
+from pipeline.models import resolve
 from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
 from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.engine.draft_model import DraftModel
 from pipeline.llm.engine.speculation import prompt_lookup
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.engine.seam import Prompt
@@ -30,7 +32,7 @@ from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.weights.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.engine.sampling import SamplingParams
-from pipeline.llm.text.tokenizer import load_tokenizer
+from pipeline.llm.text.tokenizer import Tokenizer, load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
@@ -174,16 +176,45 @@ def warm_up(engine: TorchLLMEngine, model_id: str, say) -> None:
     say(f"{model_id}: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers give the same ids (a draft model's tokens must mean the target's)."""
+    probe = "Speculative decoding: 12 drafts, ünïcode ✓, code `x += 1`\n"
+    return a.vocab_size == b.vocab_size and a.encode(probe) == b.encode(probe) and a.eos_ids == b.eos_ids
+
+
+def load_draft(draft_id: str, target_dir: Path, device: str, dtype: torch.dtype, max_context: int, max_batch: int,
+               engines: EngineOptions | None, quant: str, free_bytes: int | None) -> LanguageModel | None:
+    """The draft model for speculative decoding, loaded (its weights as `quant` picks, its KV cache from
+    `free_bytes`); None where it cannot load or does not share the target's tokenizer, and the start-up
+    report says why: drafts then come from prompt lookup."""
+    tell = engines.report.tell if engines is not None else (lambda line: None)
+    try:
+        draft = load_language_model(resolve(draft_id).path, draft_id, "torch", device, dtype, max_context, max_batch,
+                                    engines=engines, quant=quant, free_bytes=free_bytes, speculate="off")
+    except UserError as e:
+        tell(f"chat: the draft model {draft_id} did not load ({e}); drafting by prompt lookup instead")
+        return None
+    if not same_vocabulary(draft.tokenizer, load_tokenizer(target_dir)):
+        draft.close()
+        tell(f"chat: the draft model {draft_id} does not share the chat model's tokenizer (its drafts would be "
+             f"other tokens); drafting by prompt lookup instead")
+        return None
+    tell(f"chat: drafts come from {draft_id} (speculative decoding)")
+    return draft
+
+
 def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", device: str = "cpu",
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
                         kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
                         quant: str = "none", image_queries: int = 0, free_bytes: int | None = None,
-                        speculate: str = "lookup") -> LanguageModel:
+                        speculate: str = "lookup", draft: LanguageModel | None = None) -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
     `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`). Under `tensorrt`
     the engine is TensorRT-LLM's (with a prompt table for `image_queries` image embeddings per sequence),
     built once into the engine cache; a failed build falls back to torch. `speculate`: lookup or off (the
-    torch engine's speculative decoding, `pipeline.llm.engine.speculation`)."""
+    torch engine's speculative decoding, `pipeline.llm.engine.speculation`); with a `draft` model (loaded,
+    sharing the tokenizer: `load_draft`) drafts come from it instead of prompt lookup, and closing this model
+    closes it."""
     tokenizer = load_tokenizer(model_dir)
     config = read_config(model_dir)
     context = min(max_context, config.max_position_embeddings)
@@ -212,7 +243,10 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)
-    speculation = prompt_lookup(target.type, quant != "none") if speculate == "lookup" else None
+    speculation = None if speculate == "off" else prompt_lookup(target.type, quant != "none")
+    if speculation is not None and draft is not None:  # its cost is its own steps too: measured
+        speculation = dataclasses.replace(speculation, drafter=DraftModel(draft.engine, f"the draft model "
+                                                                                       f"{draft.model_id}"), measured=True)
     engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows, speculation=speculation)
     if target.type == "cuda":
         warm_up(engine, model_id, engines.report.tell if engines is not None else (lambda line: None))

@@ -22,7 +22,7 @@ from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.minigpt4.weights import load_vision_folder
-from pipeline.models import EMBEDDED, cache_dir, data_dir, locate, resolve
+from pipeline.models import EMBEDDED, cache_dir, data_dir, draft_model_for, locate, resolve
 from pipeline.pipelines.chat import ChatPipeline
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment import SegmentPipeline
@@ -32,7 +32,7 @@ from pipeline.sam.weights import locate_sam, resolve_sam
 from pipeline.service.store import ConversationStore
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import GIB, Tool, ToolHost, ToolSpec
-from studio.backends import load_language_model, sam_engine, vision_encoder
+from studio.backends import load_draft, load_language_model, sam_engine, vision_encoder
 from studio.check import budget_of, check_report, engine_cache
 from studio.config import StudioConfig, parse_config
 from studio.hub_progress import READ_BYTES
@@ -49,6 +49,7 @@ SMALL_MODEL_NOTICE = ("**Small model.** SmolLM2-135M-Instruct (135 M parameters,
                       "is answering: real answers, fast on a laptop, but often wrong. For better ones start with "
                       "`--model Qwen/Qwen2.5-7B-Instruct`, a `.gguf` file you have, or `--weights FOLDER`.")
 IMAGE_QUERIES = 32  # MiniGPT-4's query embeddings per image (BLIP-2's Q-Former, every checkpoint)
+DRAFT_SHARE_OF_FREE = 8  # a draft model gets 1/8 of the chat tool's free memory (its weights and KV cache)
 
 
 def configure_process() -> None:
@@ -81,11 +82,16 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                 engines.report.say(f"chat: {chat.description}")
                 return chat
             model = resolve(plan.model_id, config.weights)
+            draft_id = draft_model_for(config.draft, plan.model_id) if config.speculate != "off" else None
+            draft = None if draft_id is None else load_draft(
+                draft_id, model.path, plan.device, dtype, config.context, config.max_batch, engines, config.quant,
+                free and free // DRAFT_SHARE_OF_FREE)
+            room = free - free // DRAFT_SHARE_OF_FREE if draft is not None and free else free
             chat = ChatPipeline(load_language_model(model.path, plan.model_id, plan.backends[CHAT].backend,
                                                     plan.device, dtype, config.context, config.max_batch,
-                                                    engines=engines, quant=config.quant, free_bytes=free,
+                                                    engines=engines, quant=config.quant, free_bytes=room,
                                                     image_queries=IMAGE_QUERIES if shared else 0,
-                                                    speculate=config.speculate),
+                                                    speculate=config.speculate, draft=draft),
                                 is_demo=model.is_demo)
             warm_up = [{"role": "user", "content": "Hi"}]
             for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now

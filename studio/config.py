@@ -55,6 +55,7 @@ class StudioConfig:
     context: int = 8192
     max_batch: int = 8
     speculate: str = "lookup"
+    draft: str = "auto"
     gpu_memory: float | None = None  # GiB
     preload: bool = False
     share: bool = False
@@ -119,6 +120,10 @@ def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParse
                         "itself and checks several in one step — up to ~2.5x faster where replies quote their input "
                         "(code edits, summaries, documents), and it stops drafting where drafts are not kept; off "
                         "decodes one token per step. Replies are the same either way")
+    p.add_argument("--draft", default="auto", metavar="MODEL",
+                   help="a small model sharing the chat model's tokenizer that drafts its tokens (as --model names "
+                        "one, e.g. Qwen/Qwen2.5-0.5B-Instruct for Qwen2.5-7B-Instruct); auto (default) takes the "
+                        "small model of the chat model's family when it is on this machine, none uses prompt lookup")
     p.add_argument("--gpu-memory", type=float, metavar="GiB",
                    help="memory the tools may take together (default: the GPU's minus 2 GiB; no limit on the CPU); "
                         "the least recently used idle tool is unloaded to make room, and reloads when used")

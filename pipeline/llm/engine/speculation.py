@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 MAX_DRAFT = 8  # drafted tokens per step at most (a verify step scores MAX_DRAFT + 1 positions)
 DRAFT_SIZES = (1, 2, 4, 8)  # a step checks one of these many positions past the last token (one CUDA graph each)
@@ -101,11 +102,17 @@ class PromptLookup:
     keeps its own index of where each n-gram last ended (`NgramIndex`), brought up to date with each
     step's new tokens, so a draft costs a few dictionary lookups however long the conversation."""
 
+    always = False  # it may find nothing: whether it would is looked at before the step in flight is read
+    name = "prompt lookup"
+
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def index(self) -> NgramIndex:
         return NgramIndex(self.max_ngram, self.min_ngram)
+
+    def close(self) -> None:
+        """Nothing to let go of (a draft model's drafter closes its engine)."""
 
 
 class NgramIndex:
@@ -156,18 +163,31 @@ class _Joined(Sequence):
         return self.head[index] if index < n else self.tail[index - n]
 
 
+class Drafter(Protocol):
+    """Where drafts come from: `index()` makes a request's own drafter, whose `propose(history, k, last)`
+    drafts up to k tokens after history + last. `always`: it always has a draft (else the engine looks
+    with the tokens it already knows before it waits for the step in flight)."""
+
+    always: bool
+    name: str
+
+    def index(self): ...
+
+    def close(self) -> None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Speculation:
     """An engine's speculative decoding: its drafter and what a verify step costs on its device."""
 
-    drafter: PromptLookup
+    drafter: Drafter
     cost: VerifyCost
     max_draft: int = MAX_DRAFT
     measured: bool = False  # the engine measures its steps' cost (`StepClock`) instead of trusting `cost`
 
     @property
     def description(self) -> str:
-        return f"speculative decoding by prompt lookup (up to {self.max_draft} tokens)"
+        return f"speculative decoding by {self.drafter.name} (up to {self.max_draft} tokens)"
 
 
 def prompt_lookup(device: str, low_bit: bool) -> Speculation:
@@ -181,10 +201,10 @@ def prompt_lookup(device: str, low_bit: bool) -> Speculation:
 
 @dataclasses.dataclass
 class DraftState:
-    """One request's drafting: its n-gram index, its recent acceptance (decayed counts of accepted and
+    """One request's drafting: its drafter, its recent acceptance (decayed counts of accepted and
     checked drafted tokens) and how long its drafting has been paused."""
 
-    ngrams: NgramIndex
+    drafts: NgramIndex  # the request's own drafter (`Drafter.index()`)
     accepted: float = 2.0  # a prior of 2 accepted of 3 checked: new requests try drafting at once
     checked: float = 3.0
     paused: int = 0  # plain steps since its drafts stopped paying

@@ -135,6 +135,8 @@ class TorchLLMEngine:
         """Stop the engine thread (queued and running requests end "cancelled") and let go of the model,
         its cache and its graphs, so an unloaded tool's memory is freed."""
         self.scheduler.close()
+        if self.speculation is not None:
+            self.speculation.drafter.close()
         self._thread.join(timeout=30)
         if not self._thread.is_alive():
             self.runner.close()
@@ -256,16 +258,16 @@ class TorchLLMEngine:
         if not any(wanted.values()):
             return False
         if self._pending is not None:  # look without the token in flight first: reading it stalls the GPU
-            if not any(k and r.draft.ngrams.propose(self.rows[r.row].held, 1, (r.last_token,))
-                       for r, k in wanted.items()):
+            if not self.speculation.drafter.always and not any(
+                    k and r.draft.drafts.propose(self.rows[r.row].held, 1, (r.last_token,)) for r, k in wanted.items()):
                 return False
             self._drain()
             self._plain_since = None
+        started = time.perf_counter()
         active = list(self.scheduler.running)  # the tokens read may have ended some
         drafts = [self._draft(r, wanted[r]) if wanted[r] else [] for r in active]
         if not any(drafts):
             return False
-        started = time.perf_counter()
         size = self._verify_step(active, drafts)
         if isinstance(self.step_cost, StepClock):
             self.step_cost.verify(size - 1, time.perf_counter() - started)
@@ -280,7 +282,7 @@ class TorchLLMEngine:
         grammar, to what it allows before any stop id (its masks are made through the draft)."""
         if r.row < 0:
             return []
-        draft = r.draft.ngrams.propose(self.rows[r.row].held, min(k, self._draft_room(r)), (r.last_token,))
+        draft = r.draft.drafts.propose(self.rows[r.row].held, min(k, self._draft_room(r)), (r.last_token,))
         ends = [i for i, t in enumerate(draft) if t in r.stop_ids]
         if r.grammar is not None:
             draft = draft[:ends[0] if ends else len(draft)]
