@@ -16,9 +16,14 @@ Parts (`--parts`, comma-separated):
            `--real-json`): the real replies replayed step by step with the engine's lookup at a fixed k,
            a step with a draft of n tokens costing verify(n) / decode, one without a draft a decode step.
            A PROJECTION from measured costs and real acceptance.
-  combine  the three JSON files into bench/results/speculative.json (`--projection-json` too).
+  engine7b (GPU) the engine itself at Qwen2.5-7B shapes (random weights, bf16 and int4, batch 1): plain
+           greedy decoding against speculative decoding whose drafts are kept exactly where prompt lookup
+           kept them in the real SmolLM2 replies (`--real-json`; `ShadowDrafts`): a measured speed-up
+           with real replies' acceptance and every cost of the engine's speculation path.
+  combine  the JSON files into bench/results/speculative.json (`--projection-json`, `--engine7b-json`).
 
     python bench/speculative.py --parts verify,real       # on the GPU: $OUT/speculative_{verify,real}.json
+    python bench/speculative.py --parts engine7b --real-json $OUT/speculative_real_replies.json
     python bench/speculative.py --parts project,combine --verify-json A --real-json B --projection-json C
 """
 
@@ -227,11 +232,101 @@ def project_part(res: dict, verify_json: Path, real_json: Path) -> None:
     report("speculative_projection", res)
 
 
-def combine(verify_json: Path, real_json: Path, projection_json: Path, out: Path) -> None:
-    """bench/results/speculative.json: the three parts' results of one device session in one file."""
+# ---- engine7b: the engine itself at 7B shapes, drafts kept as the real replies kept them ---------
+
+class ShadowDrafts:
+    """A drafter for the 7B engine that keeps, at each step, exactly as many drafted tokens as prompt lookup
+    kept at the same place of a real SmolLM2 reply (with the draft length the engine asks for): the first
+    ones are the 7B model's own next tokens (from a plain run), the rest are other tokens. So the engine
+    runs with real replies' acceptance, all its costs included (lookup aside)."""
+
+    always = False
+    name = "replayed lookup"
+
+    def __init__(self, real_prompt: list[int], real_reply: list[int], prompt: tuple[int, ...], reply: list[int]):
+        from pipeline.llm.engine.speculation import PromptLookup
+
+        self.real_prompt, self.real_reply, self.prompt, self.reply = real_prompt, real_reply, prompt, reply
+        self.lookup = PromptLookup().index()
+
+    def index(self) -> "ShadowDrafts":
+        return self
+
+    def close(self) -> None:
+        """Nothing held."""
+
+    def propose(self, history, k: int, last=()) -> list[int]:
+        made = len(history) + len(last) - len(self.prompt)  # reply tokens so far
+        if made >= len(self.real_reply):
+            return []
+        draft = self.lookup.propose([*self.real_prompt, *self.real_reply[:made]], k)
+        kept = 0
+        while kept < len(draft) and made + kept < len(self.real_reply) and draft[kept] == self.real_reply[made + kept]:
+            kept += 1
+        own = self.reply[made:made + len(draft)]
+        return [t if i < kept else t + 1 for i, t in enumerate(own)]
+
+
+def engine7b_part(res: dict, real_json: Path, layers: int) -> None:
+    from llm_engine import random_prompt, random_qwen25_7b
+    from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.engine.seam import Prompt
+    from pipeline.llm.engine.speculation import GPU_FLOAT, GPU_LOW_BIT, Speculation
+    from pipeline.llm.engine.torch_engine import TorchLLMEngine
+    from pipeline.llm.weights.quant import quantize_decoder, use_kernels
+    from plugins.lowbit_tuning import TunedConfigs
+
+    real = json.loads(real_json.read_text())["replies"]
+    res.update(device=torch.cuda.get_device_name(), layers=layers, context=2048)
+    for mode in ("none", "int4"):
+        model = random_qwen25_7b(layers)
+        if mode != "none":
+            quantize_decoder(model, mode, "cuda")
+            use_kernels(model, TunedConfigs())
+        vocab = model.config.vocab_size
+        plain = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2)
+        for kind in ("input_grounded", "open_chat"):
+            tokens = {"plain": 0, "lookup": 0}
+            seconds = {"plain": 0.0, "lookup": 0.0}
+            identical, kept, drafted = True, 0, 0
+            for i, r in enumerate(real[kind].values()):
+                prompt = random_prompt(7 + i, len(r["prompt"]))
+                params = SamplingParams(max_new_tokens=len(r["plain"]), temperature=0, repetition_penalty=1.0)
+                for _ in range(2):  # the first run captures the graphs
+                    stream = plain.submit(Prompt(prompt), params, set())
+                    reply = list(stream)
+                tokens["plain"] += len(reply) - 1
+                seconds["plain"] += stream.stats.decode_s
+                cost = GPU_LOW_BIT if mode != "none" else GPU_FLOAT
+                fast = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2, speculation=Speculation(
+                    ShadowDrafts(r["prompt"], r["plain"], prompt, reply), cost, measured=True))
+                fast.runner.warm_verify(fast.rows.kv)
+                for _ in range(2):
+                    stream = fast.submit(Prompt(prompt), params, set())
+                    got = list(stream)
+                fast.close()
+                tokens["lookup"] += len(got) - 1
+                seconds["lookup"] += stream.stats.decode_s
+                identical &= got == reply
+                kept += stream.stats.accepted_tokens
+                drafted += stream.stats.drafted_tokens
+            row = {m: round(tokens[m] / seconds[m], 1) for m in tokens}
+            res[f"{mode}_{kind}"] = {"plain_tok_s": row["plain"], "lookup_tok_s": row["lookup"],
+                                     "x": round(row["lookup"] / row["plain"], 3), "identical": identical,
+                                     "acceptance": round(kept / drafted, 3) if drafted else 0.0}
+            print(mode, kind, res[f"{mode}_{kind}"], flush=True)
+        plain.close()
+        del model, plain
+        torch.cuda.empty_cache()
+    report("speculative_engine7b", res)
+
+
+def combine(verify_json: Path, real_json: Path, projection_json: Path, engine7b_json: Path, out: Path) -> None:
+    """bench/results/speculative.json: the parts' results of one device session in one file."""
     real = json.loads(real_json.read_text())
     real.pop("replies", None)
     out.write_text(json.dumps({"verify": json.loads(verify_json.read_text()), "real": real,
+                               "engine7b": json.loads(engine7b_json.read_text()),
                                "projection": json.loads(projection_json.read_text())}, indent=1) + "\n")
 
 
@@ -243,6 +338,7 @@ def main() -> None:
     parser.add_argument("--verify-json", type=Path)
     parser.add_argument("--real-json", type=Path)
     parser.add_argument("--projection-json", type=Path)
+    parser.add_argument("--engine7b-json", type=Path)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -250,10 +346,12 @@ def main() -> None:
         verify_part({"device": torch.cuda.get_device_name(), "context": CONTEXT, "layers": args.layers}, args.layers)
     if "real" in parts:
         real_part({}, args.max_new_tokens)
+    if "engine7b" in parts:
+        engine7b_part({}, args.real_json, args.layers)
     if "project" in parts:
         project_part({}, args.verify_json, args.real_json)
     if "combine" in parts:
-        combine(args.verify_json, args.real_json, args.projection_json, args.out)
+        combine(args.verify_json, args.real_json, args.projection_json, args.engine7b_json, args.out)
 
 
 if __name__ == "__main__":
