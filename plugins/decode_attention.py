@@ -181,7 +181,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     assert out.shape == (batch, heads * dim) and out.dtype == q.dtype and out.is_contiguous(), "bad `out`"
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    chunk = _chunk(kv_len, batch * kv_heads, q.device)
+    chunk = _chunk(kv_len, batch // tokens * kv_heads, q.device)  # as a decode step of these rows: the same sums
     n_splits = triton.cdiv(kv_len, chunk)
     rows = batch * kv_heads * n_splits * group_pad
     partials = _workspace(q.device, rows * (dim + 2))  # each row's output, then its (max, sum)

@@ -98,8 +98,13 @@ class TreeDraft:
     """A drafter that proposes the most likely continuation (as a greedy draft model would): half the time
     or so the model draws something else, so drafts are both kept and rejected."""
 
+    always, name = True, "the most likely tokens"
+
     def __init__(self, tree):
         self.tree = tree
+
+    def close(self) -> None:
+        """Nothing held."""
 
     def index(self) -> "TreeDraft":
         return self
@@ -151,8 +156,13 @@ class RepeatDraft:
     """Drafts one token again and again: with a bias towards it, its drafts are often kept, and the
     penalties of the positions after a kept one decide whether it comes again."""
 
+    always, name = True, "one token again"
+
     def __init__(self, token: int):
         self.token = token
+
+    def close(self) -> None:
+        """Nothing held."""
 
     def index(self) -> "RepeatDraft":
         return self

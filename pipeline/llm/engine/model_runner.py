@@ -46,7 +46,8 @@ class ModelRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
         # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
-        self._step_host = torch.zeros(3, max_batch, dtype=torch.long, pin_memory=self._pinned)
+        self._step_host = torch.zeros(3 * max_batch, dtype=torch.long, pin_memory=self._pinned)  # viewed [3, bucket]:
+        # contiguous, as a copy from pageable memory (a strided view's) would wait for the GPU
         self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
         # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
         # behind decode steps already launched.
@@ -124,10 +125,10 @@ class ModelRunner:
             self._packed[1, :n] += 1
         else:
             pad = bucket - n
-            host = self._step_host.numpy()
-            for line, values, fill in zip(host, rows, (0, self.scratch, 0)):
-                line[:bucket] = list(values) + [fill] * pad
-            self._packed[:, :bucket].copy_(self._step_host[:, :bucket], non_blocking=True)
+            host = self._step_host[:3 * bucket].view(3, bucket)
+            for line, values, fill in zip(host.numpy(), rows, (0, self.scratch, 0)):
+                line[:] = list(values) + [fill] * pad
+            self._packed[:, :bucket].copy_(host, non_blocking=True)
         kv_len = min(-(-kv_len // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + 1)
         packed = self._packed[:, :bucket]
 

@@ -28,13 +28,15 @@ class Sampler:
     def __init__(self, rows: CacheRows, vocab_size: int, max_batch: int, device: torch.device):
         self.rows, self.vocab_size, self.max_batch, self.device = rows, vocab_size, max_batch, device
         pinned = device.type == "cuda"
-        self._columns_host = torch.zeros(2, len(COLUMNS), max_batch, dtype=torch.float32, pin_memory=pinned)
-        self._columns = torch.zeros(len(COLUMNS), max_batch, dtype=torch.float32, device=device)
+        # Host buffers are flat and viewed per batch size: a copy from a strided view would go through
+        # pageable memory, which waits for the GPU.
+        self._columns_host = torch.zeros(2, len(COLUMNS) * max_batch, dtype=torch.float32, pin_memory=pinned)
+        self._columns = torch.zeros(len(COLUMNS) * max_batch, dtype=torch.float32, device=device)
         self._ones = torch.ones(max_batch, 1, dtype=torch.float32, device=device)
         self._bitmask: Tensor | None = None  # grammar masks on the host, two steps' worth (made at first use)
         self._flip_columns = self._flip_mask = 0
         # A verify step's numbers for each of its positions; it ends reading its tokens, so one set suffices.
-        self._verify_columns = torch.zeros(len(COLUMNS), (MAX_DRAFT + 1) * max_batch, dtype=torch.float32,
+        self._verify_columns = torch.zeros(len(COLUMNS) * (MAX_DRAFT + 1) * max_batch, dtype=torch.float32,
                                            pin_memory=pinned)
         self._verify_bitmask: Tensor | None = None
 
@@ -81,12 +83,12 @@ class Sampler:
         mask `seen` and its reply's token `counts` (both updated with the drawn tokens; the counts only
         while a row of the batch uses them: a row's are reset when its request starts)."""
         n = len(params)
-        columns = self._columns[:, :n]
+        columns = self._columns[:len(COLUMNS) * n].view(len(COLUMNS), n)
         if counts_penalized(params) or any(p.temperature or p.repetition_penalty != 1.0 for p in params):
             self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
-            host = self._columns_host[self._flip_columns]
-            host.numpy()[:, :n] = sampling_columns(params, uniforms, self.vocab_size)
-            columns.copy_(host[:, :n], non_blocking=True)
+            host = self._columns_host[self._flip_columns, :len(COLUMNS) * n].view(len(COLUMNS), n)
+            host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
+            columns.copy_(host, non_blocking=True)
         drawn = sample(logits, params, seen, columns, counts)  # greedy alone reads no columns
         seen.scatter_(1, drawn[:, None], True)
         if counts_penalized(params):
@@ -109,7 +111,7 @@ class Sampler:
         n, positions, vocab = logits.shape
         params = [r.params for r in requests for _ in range(positions)]  # row i's position j: entry i*T + j
         uniforms = [u for r in requests for u in r.draws.peek(positions)]  # taken for good when kept
-        host = self._verify_columns[:, :n * positions]
+        host = self._verify_columns[:len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
         host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
         columns = host.to(self.device, non_blocking=True)
         drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
@@ -147,9 +149,10 @@ class Sampler:
         if not any(r.grammar is not None for r in requests):
             return None
         if self._verify_bitmask is None:
-            self._verify_bitmask = torch.zeros(MAX_DRAFT + 1, self.max_batch, bitmask_words(self.vocab_size),
+            self._verify_bitmask = torch.zeros((MAX_DRAFT + 1) * self.max_batch * bitmask_words(self.vocab_size),
                                                dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        host = self._verify_bitmask[:positions, :len(requests)]
+        words = bitmask_words(self.vocab_size)
+        host = self._verify_bitmask[:positions * len(requests) * words].view(positions, len(requests), words)
         taken = [0] * len(requests)
         for j in range(positions):
             fill_masks([r.grammar if j <= len(d) else None for r, d in zip(requests, drafts)], host[j])
