@@ -19,7 +19,8 @@ Parts (`--parts`, comma-separated):
   engine7b (GPU) the engine itself at Qwen2.5-7B shapes (random weights, bf16 and int4, batch 1): plain
            greedy decoding against speculative decoding whose drafts are kept exactly where prompt lookup
            kept them in the real SmolLM2 replies (`--real-json`; `ShadowDrafts`): a measured speed-up
-           with real replies' acceptance and every cost of the engine's speculation path.
+           with real replies' acceptance and every cost of the engine's speculation path; and its
+           ceiling, every draft of k = 1, 2, 4, 8 tokens kept (`SameDrafts`).
   combine  the JSON files into bench/results/speculative.json (`--projection-json`, `--engine7b-json`).
 
     python bench/speculative.py --parts verify,real       # on the GPU: $OUT/speculative_{verify,real}.json
@@ -250,7 +251,7 @@ class ShadowDrafts:
         self.lookup = PromptLookup().index()
 
     def index(self) -> "ShadowDrafts":
-        return self
+        return ShadowDrafts(self.real_prompt, self.real_reply, self.prompt, self.reply)  # a fresh lookup index
 
     def close(self) -> None:
         """Nothing held."""
@@ -281,11 +282,30 @@ def decisive(model):
     return model
 
 
+class SameDrafts:
+    """Drafts the last token again: on `decisive` weights (which repeat it) every draft is kept, so the
+    engine's speed-up at each draft length is its ceiling."""
+
+    always, name = True, "every draft kept"
+
+    def __init__(self, most: int):
+        self.most = most
+
+    def index(self) -> "SameDrafts":
+        return self
+
+    def close(self) -> None:
+        """Nothing held."""
+
+    def propose(self, history, k: int, last=()) -> list[int]:
+        return [(*history, *last)[-1]] * min(k, self.most)
+
+
 def engine7b_part(res: dict, real_json: Path, layers: int) -> None:
     from llm_engine import random_prompt, random_qwen25_7b
     from pipeline.llm.engine.sampling import SamplingParams
     from pipeline.llm.engine.seam import Prompt
-    from pipeline.llm.engine.speculation import GPU_FLOAT, GPU_LOW_BIT, Speculation
+    from pipeline.llm.engine.speculation import GPU_FLOAT, GPU_LOW_BIT, Speculation, VerifyCost
     from pipeline.llm.engine.torch_engine import TorchLLMEngine
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit_tuning import TunedConfigs
@@ -331,6 +351,19 @@ def engine7b_part(res: dict, real_json: Path, layers: int) -> None:
                                      "x": round(row["lookup"] / row["plain"], 3), "identical": identical,
                                      "acceptance": round(kept / drafted, 3) if drafted else 0.0}
             print(mode, kind, res[f"{mode}_{kind}"], flush=True)
+        prompt = random_prompt(3, 500)
+        params = SamplingParams(max_new_tokens=200, temperature=0, repetition_penalty=1.0)
+        base = None
+        for most in (0, 1, 2, 4, 8):  # the ceiling: every draft kept
+            engine = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2, speculation=Speculation(
+                SameDrafts(most), VerifyCost(0.0, 0.0)) if most else None)
+            for _ in range(2):
+                stream = engine.submit(Prompt(prompt), params, set())
+                list(stream)
+            engine.close()
+            base = base or stream.stats.tokens_per_s
+            res[f"{mode}_all_kept_k{most}_x"] = round(stream.stats.tokens_per_s / base, 3)
+        print(mode, {k: v for k, v in res.items() if k.startswith(f"{mode}_all_kept")}, flush=True)
         plain.close()
         del model, plain
         torch.cuda.empty_cache()
