@@ -117,8 +117,8 @@ class Sampler:
         drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
         # each position's penalty state: the row's, plus the drafted tokens before that position
         before = [(i * positions + j, t) for i, d in enumerate(drafts) for j in range(1, len(d) + 1) for t in d[:j]]
-        def each_position(state: Tensor) -> Tensor:  # not repeat_interleave: that waits for the GPU
-            return state[:n, None].expand(n, positions, vocab).reshape(n * positions, vocab)
+        def each_position(state: Tensor) -> Tensor:  # a copy per position (repeat_interleave waits for the GPU)
+            return state[:n, None].expand(n, positions, vocab).contiguous().view(n * positions, vocab)
 
         seen = each_position(self.rows.seen)
         counts = each_position(self.rows.counts) if counts_penalized(params) else None
