@@ -349,6 +349,7 @@ for model_id in sys.argv[2:]:
     updates = list(service.reply("test", turn))
     out.append({"lines": lines, "current": service.catalog.current("chat"), "models": service.chat_models(),
                 "new_tokens": updates[-1].stats.new_tokens})
+service.close()  # as the app ends: no engine thread left running while the interpreter exits
 print(json.dumps(out))
 """
 

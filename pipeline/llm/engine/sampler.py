@@ -116,17 +116,18 @@ class Sampler:
         columns = host.to(self.device, non_blocking=True)
         drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
         # each position's penalty state: the row's, plus the drafted tokens before that position
-        before = [(i * positions + j, t) for i, d in enumerate(drafts) for j in range(1, len(d) + 1) for t in d[:j]]
+        before = [(i * positions + j) * vocab + t for i, d in enumerate(drafts) for j in range(1, len(d) + 1)
+                  for t in d[:j]]  # as flat indices
         def each_position(state: Tensor) -> Tensor:  # a copy per position (repeat_interleave waits for the GPU)
             return state[:n, None].expand(n, positions, vocab).contiguous().view(n * positions, vocab)
 
         seen = each_position(self.rows.seen)
         counts = each_position(self.rows.counts) if counts_penalized(params) else None
-        if before:
+        if before:  # index_fill_ and index_add_: an assigned Python value would come up from pageable memory
             at = self._upload(before, torch.long)
-            seen[at[:, 0], at[:, 1]] = True
+            seen.view(-1).index_fill_(0, at, True)
             if counts is not None:
-                counts.index_put_((at[:, 0], at[:, 1]), self._ones[:1, 0].expand(len(before)), accumulate=True)
+                counts.view(-1).index_add_(0, at, torch.ones(len(before), device=self.device))
         flat = logits.reshape(n * positions, vocab)
         allowed = _biased([r for r in requests for _ in range(positions)], flat) \
             if any(r.bias is not None for r in requests) else flat
