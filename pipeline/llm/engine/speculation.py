@@ -208,6 +208,7 @@ class DraftState:
     accepted: float = 2.0  # a prior of 2 accepted of 3 checked: new requests try drafting at once
     checked: float = 3.0
     paused: int = 0  # plain steps since its drafts stopped paying
+    whole: bool = False  # its last draft was kept whole: quoting runs on, so the next one is as long as allowed
 
     @property
     def rate(self) -> float:
@@ -215,7 +216,10 @@ class DraftState:
 
     def wanted(self, cost: Callable[[int], float], max_draft: int, room: int) -> int:
         """How many tokens to draft this step (at most `room`): by the acceptance rate and what a verify step
-        `cost`s, or a short probe every PROBE_EVERY steps while drafting does not pay."""
+        `cost`s (acceptance comes in runs: a reply quoting its input keeps whole drafts, so after one the
+        next is as long as allowed), or a short probe every PROBE_EVERY steps while drafting does not pay."""
+        if self.whole:
+            return max((k for k in DRAFT_SIZES if k <= min(room, max_draft)), default=0)
         k = best_draft(self.rate, cost, min(room, max_draft))
         if k:
             return k
@@ -231,3 +235,4 @@ class DraftState:
         if drafted:
             self.accepted = DECAY * self.accepted + accepted
             self.checked = DECAY * self.checked + accepted + (accepted < drafted)
+            self.whole = accepted == drafted
