@@ -132,6 +132,8 @@ def test_eight_sessions_chat_at_once_and_each_gets_its_own_reply(app):
     for message, history in zip(messages, replies):
         assert text_of(history[0]) == message and text_of(history[1])
     assert [text_of(h[1]) for h in replies[:2]] == alone  # batched with others, the same reply as alone
+    status = engine_status(clients[0])  # speculative decoding's drafts, checked and kept, are reported
+    assert status["verify_steps"] <= status["decode_steps"] and 0 <= status["accepted_tokens"] <= status["drafted_tokens"]
 
 
 def test_a_segment_click_is_answered_while_chats_generate(app):
