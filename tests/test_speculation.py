@@ -171,7 +171,7 @@ class RepeatDraft:
         return [self.token] * k
 
 
-@pytest.mark.parametrize("bias, kept", [(6.0, 100), (1.0, 30)])
+@pytest.mark.parametrize("bias, kept", [(6.0, 60), (1.0, 20)])
 def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, kept):
     """With repetition, presence and frequency penalties, a drafted token kept at one position is penalised
     at the positions after it, as plain decoding penalises it, and a rejected one is not: every seed gives
@@ -180,7 +180,7 @@ def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, ke
     penalties = dict(max_new_tokens=6, top_k=5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
                      logit_bias=((token, bias),))
     speculative, status = replies(model, Speculation(RepeatDraft(token), VerifyCost(0.0, 0.0), max_draft=4),
-                                  range(300), **penalties)
-    plain, _ = replies(model, None, range(300), **penalties)
+                                  range(200), **penalties)
+    plain, _ = replies(model, None, range(200), **penalties)
     assert speculative == plain
     assert status["accepted_tokens"] >= kept, status
