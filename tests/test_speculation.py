@@ -57,7 +57,7 @@ def test_a_measured_clock_replaces_the_prior_cost():
         for k in DRAFT_SIZES:
             clock.verify(k, 0.002 + 0.0001 * k)
     assert clock(4) == pytest.approx(2.4) and clock(0) == 1.0
-    assert best_draft(0.5, clock) == 0 and best_draft(0.5, GPU_FLOAT) == 4
+    assert best_draft(0.5, clock) == 0 and best_draft(0.5, GPU_FLOAT) == 8
     assert best_draft(0.95, clock) == 8  # 6.6 tokens for 2.8 steps' time
 
 

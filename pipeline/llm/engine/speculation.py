@@ -32,7 +32,7 @@ DECAY = 0.8  # weight of the earlier acceptance counts at each new verify
 @dataclasses.dataclass(frozen=True)
 class VerifyCost:
     """A verify step with k ≥ 1 drafted tokens per row costs `1 + fixed + per_token * k` decode steps.
-    Measured: H100, Qwen2.5-7B shapes, bf16 0.05 + 0.011 k, int4 0.24 + 0.030 k (`bench/speculative.py`);
+    Measured: H100, Qwen2.5-7B shapes, bf16 0.06 + 0.007 k, int4 0.25 + 0.027 k (`bench/speculative.py`);
     SmolLM2-135M on 2 CPU cores in fp32 0.0 + 0.085 k."""
 
     fixed: float
@@ -42,8 +42,8 @@ class VerifyCost:
         return 1.0 + (self.fixed + self.per_token * k if k else 0.0)
 
 
-GPU_FLOAT = VerifyCost(0.05, 0.011)
-GPU_LOW_BIT = VerifyCost(0.24, 0.030)
+GPU_FLOAT = VerifyCost(0.06, 0.007)
+GPU_LOW_BIT = VerifyCost(0.25, 0.027)
 CPU = VerifyCost(0.0, 0.085)
 
 
