@@ -14,10 +14,8 @@ sampling parameters and random stream; finished or cancelled requests leave at o
 its tokens after a reply, and a new request runs in the idle row holding the longest prefix of it, so
 a conversation's next turn prefills only what is new whoever sends it: the UI, an API client that
 resends the whole conversation, the terminal chat. A session name only breaks ties. Idle rows are
-reclaimed least recently used. With `speculation`, a step where requests have drafted tokens (prompt
-lookup, or a draft model: `speculation.py`) is a verify step: each row's last token and its drafts
-scored in one forward, the drafts kept up to the first the sampler would not have drawn, the cache
-rolled back by length; rows without drafts take part as one position, as in a decode step.
+reclaimed least recently used. With `speculation` (`speculation.py`), a step where requests drafted
+tokens is a verify step (`_verify_step`); rows without drafts take part as one position.
 """
 
 from __future__ import annotations
