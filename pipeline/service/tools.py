@@ -9,7 +9,7 @@ only together with it. A request for an unloaded tool loads it again, reporting 
 asked.
 
 Sizes: the device memory a load allocated (on a GPU, the allocator's count; on the CPU, the bytes of
-live tensors), measured at each load; before a tool's first load, an estimate from its weight files
+the tensors it holds that no other loaded tool holds), measured at each load; before a tool's first load, an estimate from its weight files
 (floats at the width they load in, int8/int4 LLMs at their quantized size: `studio.compose.tool_specs`). A
 tool estimated over the budget is still loaded when nothing else is left to unload.
 """
@@ -22,6 +22,7 @@ import enum
 import gc
 import threading
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -48,26 +49,41 @@ GIB = 2**30
 BUDGET_MARGIN = 2 * GIB  # left free on a GPU by the default budget: the CUDA context, allocator slack
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of every tensor storage alive in this process (the CPU's stand-in for the GPU allocator's count)."""
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        # exact types: subclasses include the exporter's fake tensors, which have no storage
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+_NOT_WALKED = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType,
+               types.FunctionType, types.MethodType, types.BuiltinFunctionType, threading.Thread)
+
+
+def cpu_storages(root: object) -> dict[int, int]:
+    """The CPU tensor storages reachable from `root` through attributes and containers (a module's
+    parameters and buffers among them), by address: the CPU's stand-in for the GPU allocator's count.
+    Why a walk and not `gc.get_objects()`: the garbage collector's list hands out other threads'
+    half-built objects, and CPython then fails to finish them (a concurrent request died with
+    "tupleobject.c: bad argument to internal function" while a tool loaded)."""
+    storages: dict[int, int] = {}
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _NOT_WALKED):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            # exact types: subclasses include the exporter's fake tensors, which have no storage
+            if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            stack.extend(getattr(obj, name) for name in getattr(type(obj), "__slots__", ()) if hasattr(obj, name))
+    return storages
 
 
 def size_text(n: int) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB // 4 else f"{n / 2**20:.0f} MiB"
-
-
-def device_bytes(device: torch.device) -> Callable[[], int]:
-    """How to read the memory in use on `device`."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.memory_allocated(device)
-    return live_tensor_bytes
 
 
 def default_budget(device: torch.device) -> int | None:
@@ -114,11 +130,9 @@ class _Slot:
 
 
 class ToolHost:
-    def __init__(self, device: torch.device, budget: int | None, say: Say,
-                 measure: Callable[[], int] | None = None):
+    def __init__(self, device: torch.device, budget: int | None, say: Say):
         """`say` hears every load and unload (the terminal and the start-up report); `budget` None = no limit."""
         self.device, self.budget, self.say = device, budget, say
-        self.measure = measure or device_bytes(device)
         self._slots: dict[str, _Slot] = {}
         self._retiring: list[_Slot] = []  # replaced while requests still used them: closed when the last ends
         self._lock = threading.RLock()  # bookkeeping only: never held during a load
@@ -274,14 +288,14 @@ class ToolHost:
             self._make_room(name, expected, tell)
             free = None if self.budget is None else self.budget - self._in_use()
         tell(f"loading {name}" + (" again" if slot.loads else "") + "…")
-        before, start = self.measure(), time.perf_counter()
+        before, start = self._allocated(), time.perf_counter()
         try:
             pipeline = slot.spec.load(say or (lambda line: None), free)
         except torch.OutOfMemoryError:
             gc.collect()
             raise UserError(f"the GPU ran out of memory loading {name}: lower --gpu-memory's other tools' share "
                             f"(--quant int4), or use the tools one at a time") from None
-        size = max(self.measure() - before, 0)
+        size = max(self._allocated() - before, 0) if self.device.type == "cuda" else self._cpu_bytes(name, pipeline)
         with self._lock:
             slot.pipeline, slot.size = pipeline, size
             slot.loads += 1
@@ -290,6 +304,19 @@ class ToolHost:
             if self.budget is not None and self._in_use() > self.budget:
                 self._make_room(name, 0, tell)
         return pipeline
+
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def _cpu_bytes(self, name: str, pipeline: object) -> int:
+        """The tensor bytes `pipeline` holds that no other loaded tool holds (image chat over the chat's
+        own LLM counts only its vision part)."""
+        with self._lock:
+            others = [s.pipeline for n, s in self._slots.items() if n != name and s.pipeline is not None]
+        shared: set[int] = set()
+        for other in others:
+            shared.update(cpu_storages(other))
+        return sum(nbytes for address, nbytes in cpu_storages(pipeline).items() if address not in shared)
 
     def _make_room(self, name: str, needed: int, tell: Say) -> None:
         """Unload least recently used idle tools until `needed` more bytes fit the budget."""
