@@ -7,7 +7,7 @@ bytes reach, and the error against the dequantizing reference. Ours is swept ove
 configurations the app tunes among (`plugins.lowbit_tuning.CANDIDATES`); the best per shape and batch
 is reported with its config (rows per program, chunks per step, split-K, warps).
 
-    python bench/quant_gemv.py       # on a CUDA GPU (gemlite optional: carried as a wheel)
+    python bench/quant_gemv.py [--wide]  # on a CUDA GPU (gemlite optional: carried as a wheel)
 Prints a table last; writes quant_gemv.json to $OUT.
 """
 
@@ -34,6 +34,8 @@ SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "dow
 BATCHES = (1, 8)
 CALLS = 24
 ROTATE_BYTES = 400 << 20  # weights walked per graph: far past the 50-60 MB L2
+WIDE = tuple(lowbit.Config(bn, st, sk, w, sg, kernel) for kernel in ("gemv", "packed") for bn in (64, 128, 256)
+             for st in (1, 2) for sg in (2, 3) for w in (4, 8) for sk in (1, 2, 4, 8))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -76,13 +78,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--modes", default="int8,int4")
+    parser.add_argument("--wide", action="store_true", help="one row: sweep the CUDA-core kernels' launch shapes "
+                        "widely (rows per program, chunks per step, pipeline depth, warps), not only the app's candidates")
     args = parser.parse_args()
+    one_row = WIDE if args.wide else CANDIDATES[1]
     batches = [int(b) for b in args.batches.split(",")]
     bandwidth = copy_bandwidth_tbps() * 1e12
     res: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                  "triton": __import__("triton").__version__, "copy_TBps": round(bandwidth / 1e12, 3)}
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows, best = [], {}
+    rows, best, sweep = [], {}, []
     for name in args.shapes.split(","):
         n_in, n_out = SHAPES[name]
         weight = torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
@@ -91,7 +97,7 @@ def main() -> None:
             x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
             us = graphed_us([lambda w=bf16_copies[i % len(bf16_copies)]: F.linear(x, w) for i in range(CALLS)])
             rows.append((name, batch, "bf16 cuBLAS", round(us, 1), round(weight.nbytes / (us * 1e-6) / bandwidth, 3), 0.0))
-        for mode in ("int8", "int4"):
+        for mode in args.modes.split(","):
             parts = quantize(weight, mode, torch.bfloat16)
             stored = sum(t.nbytes for t in parts.values())
             reference_w = dequantize(parts, mode).to(torch.bfloat16)
@@ -121,8 +127,10 @@ def main() -> None:
                         continue
                     rows.append((name, batch, f"{mode} {label}", round(us, 1),
                                  round(stored / (us * 1e-6) / bandwidth, 3), err))
-                fastest: dict[str, tuple] = {}  # per kernel of ours ("mma", "gemv"): the best config
-                for config in CANDIDATES[1 if batch == 1 else 8]:
+                fastest: dict[str, tuple] = {}  # per kernel of ours ("mma", "gemv", "packed"): the best config
+                for config in one_row if batch == 1 else CANDIDATES[8]:
+                    if config.kernel == "packed" and mode != "int4":
+                        continue  # int4 only
                     def call(i, config=config):
                         return ours[i % len(ours)](x, config)
                     try:
@@ -132,7 +140,8 @@ def main() -> None:
                         print(f"  {name} b{batch} {mode} {config}: {type(e).__name__}: {str(e)[:120]}")
                         continue
                     print(f"  {name} b{batch} {mode} {config.kernel} {config.block_n}/{config.steps}/{config.split_k}/"
-                          f"w{config.warps}: {us:.1f} us")
+                          f"w{config.warps}/s{config.stages}: {us:.1f} us")
+                    sweep.append((name, batch, mode, vars(config), round(us, 2), err))
                     if config.kernel not in fastest or us < fastest[config.kernel][0]:
                         fastest[config.kernel] = (us, err, config)
                 for kernel, (us, err, config) in sorted(fastest.items(), key=lambda kv: kv[1][0]):
@@ -142,6 +151,7 @@ def main() -> None:
                 print(f"{name} b{batch} {mode}: done", flush=True)
         res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows
         res["best ours"] = best
+        res["sweep (shape, batch, mode, config, us, rel err)"] = sweep
         report("quant_gemv", res)  # after every shape: a run cut short keeps what it measured
     res["rows (shape, batch, kernel, us, of copy bandwidth, rel err)"] = rows
     res["best ours"] = best

@@ -23,14 +23,15 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from tqdm.auto import tqdm
 
-from plugins.lowbit import Config, LowBitWeight, triton
+from plugins.lowbit import Config, LowBitWeight, kernel_for, triton
 
-KERNEL_VERSION = "5"  # bump when the kernels change what a config means
+KERNEL_VERSION = "6"  # bump when the kernels change what a config means
 SPLITS = (1, 2, 4, 8)
 CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (timed at 8). Each distinct tile
     # and step compiles once per layer shape (about a second; the split is a value): two per shape, from
     # the winners of wider sweeps on an H100 (bench/RESULTS.md), so a first launch stays short.
-    1: tuple(Config(bn, st, sk, kernel="gemv") for bn, st in ((256, 1), (64, 2)) for sk in SPLITS),
+    1: tuple(Config(bn, st, sk, kernel=kernel) for kernel in ("gemv", "packed") for bn, st in ((256, 1), (64, 2))
+             for sk in SPLITS),
     8: tuple(Config(64, st, sk) for st in (1, 2) for sk in SPLITS),
 }
 CALLS = 24
@@ -116,9 +117,14 @@ def compile_candidates(cases: list[tuple[LowBitWeight, int]], say: Callable[[str
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool, mode(pool, ignore_errors=True):
         for layer, rows in cases:
             x = torch.empty(rows, layer.in_features, device=layer.data.device, dtype=layer.dtype)
-            for config in CANDIDATES[rows]:
+            for config in candidates(layer, rows):
                 layer(x, config, compile_only=True)
     say(f"compiled the low-bit kernel candidates in {time.perf_counter() - start:.1f} s (all CPU cores)")
+
+
+def candidates(layer: LowBitWeight, rows: int) -> list[Config]:
+    """The candidates that run a kernel of their own on this layer (not one another candidate runs too)."""
+    return [c for c in CANDIDATES[rows] if kernel_for(c, layer.bits, layer.dtype, rows) == c.kernel or rows > 1]
 
 
 def fastest(layers: list[LowBitWeight], rows: int) -> Config:
@@ -126,7 +132,7 @@ def fastest(layers: list[LowBitWeight], rows: int) -> Config:
     w0 = layers[0]
     x = torch.randn(rows, w0.in_features, device=w0.data.device, dtype=w0.dtype)
     best: tuple[float, Config] | None = None
-    for config in CANDIDATES[rows]:
+    for config in candidates(w0, rows):
         try:
             us = graphed_us([lambda i=i, config=config: layers[i % len(layers)](x, config) for i in range(CALLS)])
         except Exception:  # noqa: BLE001 - a candidate this GPU cannot compile (resources): skip it

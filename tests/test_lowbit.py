@@ -2,7 +2,8 @@
 (TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/weights/quant.py`: int4 and int8,
 bf16 and fp16 activations, with and without bias, split-K (whose counters must be left at zero for the
 next call), batches 1 (the tensor-core kernel and the CUDA-core GEMV), 2–4, 5–16 and prefill, plain
-and gated (SiLU(gate)·up made in the kernel's last step), and widths that leave a partial output tile.
+and gated (SiLU(gate)·up made in the kernel's last step), and widths that leave a partial output tile. The
+packed-pair GEMV's PTX (`fma.rn.bf16x2`, `prmt`) runs here as its fp32 emulation with the hardware's rounding.
 On a GPU, `tests/test_gpu.py` checks it compiled at Qwen2.5-7B's shapes."""
 
 import os
@@ -45,11 +46,13 @@ for mode, bits in (("int4", 4), ("int8", 8)):
                 expected = torch.nn.functional.silu(expected[:, :n // 2]) * expected[:, n // 2:]
             layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")),
                                                    gated)
-            kernels = ("mma", "gemv") if rows == 1 else ("mma",)
+            kernels = ("mma", "gemv", "packed") if rows == 1 else ("mma",)
             for kernel, call in itertools.product(kernels, range(2)):  # call 2: the split-K counters were reset
                 got = layer(x, lowbit.Config(*shape, kernel=kernel))
                 tol = 6e-3 if dtype == torch.bfloat16 else 5e-4  # the output's rounding (gated, 2+ rows: twice)
                 tol *= 2 if gated and rows > 1 else 1
+                if lowbit.kernel_for(lowbit.Config(kernel=kernel), bits, dtype, rows) == "packed":
+                    tol = 2e-2 if gated else 1e-2  # products rounded to bf16 in fours (measured: 0.4 %, gated 0.7 %)
                 assert got.shape == expected.shape and rel(got, expected) < tol, \
                     (mode, kernel, gated, dtype, rows, shape, call, rel(got, expected))
             assert not layer.workspace.counters.any()
