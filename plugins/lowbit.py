@@ -55,7 +55,7 @@ except ImportError:  # CPU-only installs: the caller's reference path is used
 
 GROUP = 128  # int4 inputs per group (one scale and zero); a chunk is 64 bytes of a row: one group, or 64 int8
 BLOCK_M = 16  # activation rows per program: tl.dot's smallest tile, so batches 1–16 cost one pass
-MAX_SPLIT = 8  # programs sharing an output tile along the inputs, at most (`_finish` adds their partials)
+MAX_SPLIT = 16  # programs sharing an output tile along the inputs, at most (`_finish` adds their partials)
 TILE = 256  # weight rows stored together: a chunk of 256 rows is 16 KB of contiguous bytes (`kernel_bytes`)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -116,7 +116,7 @@ if triton is not None:
             arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
             if arrived == SPLIT_K - 1:
                 acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                for k in tl.static_range(8):  # MAX_SPLIT, unrolled: the loads go out together, not one round
+                for k in tl.static_range(16):  # MAX_SPLIT, unrolled: the loads go out together, not one round
                     # trip after another; added in split order, so every run gives the same sum
                     acc += tl.load(part_ptr + (k * BLOCK_M + rows[None, :]) * N + rv[:, None],
                                    mask=n_all & ((rows[None, :] * 0 + k) < SPLIT_K), other=0.0, cache_modifier=".cg")
@@ -277,6 +277,16 @@ if triton is not None:
                                          is_pure=True, pack=1)
 
     @triton.jit
+    def _pair_add(a, b, EMULATE: tl.constexpr):
+        """a + b on packed bf16 pairs (`add.rn.bf16x2`), as `_pair_fma`."""
+        if EMULATE:
+            a0, a1 = _halves(a)
+            b0, b1 = _halves(b)
+            return _pair(a0 + b0, a1 + b1)
+        return tl.inline_asm_elementwise("add.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
     def _halves(v):
         """The two bf16 packed in int32 `v` (low half first) as fp32: two bit operations."""
         return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
@@ -305,6 +315,15 @@ if triton is not None:
                                          is_pure=True, pack=1)
 
     @triton.jit
+    def _group_values(scale_ptr, zero_ptr, rs, start, last, N, STEPS: tl.constexpr):
+        """Rows `rs`' scales and zero points of groups start … start + STEPS − 1, fp32 [rows, STEPS]: a
+        loop step's, loaded a step ahead (loads inside the step would stall it for a memory latency). A
+        group past `last` reads the last one's, with a zero scale."""
+        g = start + tl.arange(0, STEPS)
+        at = tl.minimum(g, last - 1)[None, :] * N + rs[:, None]
+        return tl.where(g[None, :] < last, tl.load(scale_ptr + at).to(tl.float32), 0.0), tl.load(zero_ptr + at).to(tl.float32)
+
+    @triton.jit
     def _packed_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
                             HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
                             STAGES: tl.constexpr, EMULATE: tl.constexpr):
@@ -319,14 +338,18 @@ if triton is not None:
         3.9, sm_90). The inputs' pairing and −MAGIC·x depend on the column, not the row: each thread
         makes them once for all of its rows. The zero point comes out per word from the inputs' fp32
         sum. Chunks past this split's end (the last step of an uneven split) re-read its last chunk
-        with a zero scale: no masked loads."""
+        with a zero scale: no masked loads. Scales and zero points come a loop step ahead."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rs = tl.minimum(rn, N - 1)  # rows past the end read a real row's scale; they are never stored
         rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
         first, last = _chunks(pid_k, K, 4, STEPS, SPLIT_K)
         acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        steps = tl.arange(0, STEPS)
+        scales, zeros = _group_values(scale_ptr, zero_ptr, rs, first, last, N, STEPS)
         for start in tl.range(first, last, STEPS, num_stages=STAGES):
+            sc_step, zp_step = scales, zeros
+            scales, zeros = _group_values(scale_ptr, zero_ptr, rs, start + STEPS, last, N, STEPS)  # the next step's
             for i in tl.static_range(STEPS):
                 c = tl.minimum(start + i, last - 1)
                 w = tl.load(w_ptr + _row_chunk(rn, c, K, 4)[:, None] * 16 + rw[None, :])  # [BLOCK_N, 16] int32
@@ -334,17 +357,12 @@ if triton is not None:
                 xa, xb, xc, xd = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
                 p0, p1 = _bytes(xa, xc, 0x5410, EMULATE), _bytes(xa, xc, 0x7632, EMULATE)  # (x0, x4), (x1, x5)
                 p2, p3 = _bytes(xb, xd, 0x5410, EMULATE), _bytes(xb, xd, 0x7632, EMULATE)  # (x2, x6), (x3, x7)
-                s0, s1 = _halves(xa)
-                s2, s3 = _halves(xb)
-                s4, s5 = _halves(xc)
-                s6, s7 = _halves(xd)
-                xs = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))  # [16]: each word's inputs summed
-                live = (rn * 0 + start + i) < last
-                sc = tl.where(live, tl.load(scale_ptr + c * N + rs).to(tl.float32), 0.0)
-                zp = tl.load(zero_ptr + c * N + rs).to(tl.float32)
+                xs = _pair_add(_pair_add(xa, xb, EMULATE), _pair_add(xc, xd, EMULATE), EMULATE)  # the word's x, summed in pairs
+                sc = tl.sum(tl.where(steps[None, :] == i, sc_step, 0.0), 1)
+                zp = tl.sum(tl.where(steps[None, :] == i, zp_step, 0.0), 1)
                 zi = tl.minimum(tl.maximum(tl.floor(zp + 0.5), 0.0), 15.0)  # a whole zero point, 0–15
-                offset = (zi + 128.0).to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32)
-                offset = (offset | (offset << 16))[:, None]  # the pair (128 + zi, 128 + zi), exact
+                offset = _pair(zi + 128.0, zi + 128.0)[:, None]  # (128 + zi, 128 + zi), exact
+                fraction = _pair(zi - zp, zi - zp)[:, None]  # what the whole zero point left out, negated
                 even, odd = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F  # bytes: inputs 0, 2, 4, 6 and 1, 3, 5, 7
                 high = tl.zeros_like(w) + 0x43434343  # 0x43: the upper byte of 128.0
                 t = _pair_sub(_bytes(even, high, 0x4240, EMULATE), offset, EMULATE)  # (q0 − zi, q4 − zi), exact
@@ -352,8 +370,8 @@ if triton is not None:
                 t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4240, EMULATE), offset, EMULATE), p1[None, :], t, EMULATE)
                 t = _pair_fma(_pair_sub(_bytes(even, high, 0x4341, EMULATE), offset, EMULATE), p2[None, :], t, EMULATE)
                 t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4341, EMULATE), offset, EMULATE), p3[None, :], t, EMULATE)
-                lo, hi = _halves(t)
-                acc += ((lo + hi) - (zp - zi)[:, None] * xs[None, :]) * sc[:, None]
+                lo, hi = _halves(_pair_fma(fraction, xs[None, :], t, EMULATE))
+                acc += (lo + hi) * sc[:, None]
         _finish(tl.sum(acc, 1)[:, None], rv, rn, tl.arange(0, 1), rv < N, tl.arange(0, 1) < 1, pid_n, pid_k, N,
                 bias_ptr, out_ptr, 0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
 

@@ -26,13 +26,13 @@ from tqdm.auto import tqdm
 from plugins.lowbit import Config, LowBitWeight, kernel_for, triton
 
 KERNEL_VERSION = "6"  # bump when the kernels change what a config means
-SPLITS = (1, 2, 4, 8)
+SPLITS = (1, 2, 4, 8, 16)
 CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (timed at 8). Each distinct tile
     # and step compiles once per layer shape (about a second; the split is a value): two per shape, from
     # the winners of wider sweeps on an H100 (bench/RESULTS.md), so a first launch stays short.
-    1: tuple(Config(bn, st, sk, kernel=kernel) for kernel in ("gemv", "packed") for bn, st in ((256, 1), (64, 2))
-             for sk in SPLITS),
-    8: tuple(Config(64, st, sk) for st in (1, 2) for sk in SPLITS),
+    1: tuple(Config(bn, st, sk, 4, stages, kernel) for kernel, bn, st, stages in (
+        ("gemv", 256, 1, 2), ("gemv", 64, 2, 3), ("packed", 64, 1, 3), ("packed", 128, 1, 3)) for sk in SPLITS),
+    8: tuple(Config(64, st, sk) for st in (1, 2) for sk in SPLITS[:4]),  # 16 splits: 16 rows of partials each
 }
 CALLS = 24
 
