@@ -16,12 +16,11 @@ then an int→float conversion at 16 per SM per clock, per row of the batch) fal
   projection), several programs share a tile's inputs, write fp32 partials to a workspace, and the
   last one to arrive (an atomic counter) adds them in a fixed order and resets the counter. One
   launch, no zero-fill, deterministic sums.
-- **One row (the single chat) also has a CUDA-core GEMV** (`_gemv_kernel`): at batch 1 the tensor
-  cores would multiply 15 rows of padding, and the layout change into their operands costs more
-  instructions than the product. Its dequantization is two instructions per weight (an AND-OR into
-  an fp32 mantissa, then the FMA); the known offset and the zero point come out once per row and
-  chunk. It is bound by instructions, not memory: its loads alone read at 0.97 of copy bandwidth
-  (H100, 2026-11-24), the whole kernel at up to 0.63.
+- **One row (the single chat) has CUDA-core GEMVs** (`plugins/lowbit_gemv.py`): at batch 1 the
+  tensor cores would multiply 15 rows of padding. For bf16 int4 (the usual case) the packed-pair
+  kernel: two weights per instruction, scales a loop step ahead; it reads gate_up at 0.71 and down
+  at 0.58 of copy bandwidth, qkv and o at 0.33 and 0.30 (H100, 2026-11-27; the fp32-mantissa GEMV
+  it replaced: 0.64 / 0.45 / 0.28 / 0.23).
 - Launch shapes (kernel, tile, loop step, split) are timed per GPU and layer shape
   (`plugins/lowbit_tuning.py`): whichever kernel is fastest for a shape and batch runs it.
 
@@ -40,24 +39,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 from torch import Tensor
 
 from plugins.fused import silu_mul_fused
+from plugins.lowbit_gemv import _gemv_kernel, _packed_gemv_kernel
+from plugins.lowbit_tiles import BLOCK_M, GROUP, INTERPRETED, MAX_SPLIT, TILE, _chunks, _finish, _row_chunk, _rows
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the caller's reference path is used
     triton = None
-
-GROUP = 128  # int4 inputs per group (one scale and zero); a chunk is 64 bytes of a row: one group, or 64 int8
-BLOCK_M = 16  # activation rows per program: tl.dot's smallest tile, so batches 1–16 cost one pass
-MAX_SPLIT = 16  # programs sharing an output tile along the inputs, at most (`_finish` adds their partials)
-TILE = 256  # weight rows stored together: a chunk of 256 rows is 16 KB of contiguous bytes (`kernel_bytes`)
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,66 +68,6 @@ class Config:
 
 
 if triton is not None:
-    @triton.jit
-    def _chunk_count(K, BITS: tl.constexpr):
-        """Chunks along the inputs: 64 bytes of every row, 128 int4 or 64 int8 inputs."""
-        return K // (128 if BITS == 4 else 64)
-
-    @triton.jit
-    def _chunks(pid_k, K, BITS: tl.constexpr, STEPS: tl.constexpr, SPLIT_K):
-        """The chunks program `pid_k` of a split covers."""
-        chunks = _chunk_count(K, BITS)
-        per_split = tl.cdiv(tl.cdiv(chunks, SPLIT_K), STEPS) * STEPS
-        first = pid_k * per_split
-        return first, tl.minimum(first + per_split, chunks)
-
-    @triton.jit
-    def _row_chunk(rn, c, K, BITS: tl.constexpr):
-        """Where row `rn`'s chunk `c` starts, in 64-byte units of the tiled layout (`kernel_bytes`)."""
-        return ((rn // 256) * _chunk_count(K, BITS) + c) * 256 + rn % 256
-
-    @triton.jit
-    def _rows(pid_n, N, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-        """This program's output rows in the sums (`rv`) and in the weight (`rn`). Gated (a fused gate and
-        up projection, SiLU·mul applied on the way out), rows alternate: gate row i, then up row i."""
-        rv = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if GATED:
-            return rv, (rv >> 1) + (rv & 1) * (N // 2)
-        return rv, rv
-
-    @triton.jit
-    def _finish(acc, rv, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
-                SPLIT_K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-        """acc [BLOCK_N, BLOCK_M] (fp32) → out[m, n] (+ bias; gated: SiLU(gate)·up, half the rows); split,
-        only the last program to arrive writes, after adding every split's partial in split order (and
-        leaves the counter at zero)."""
-        arrived = SPLIT_K - 1  # unsplit: this program is the last
-        if SPLIT_K > 1:
-            rows = tl.arange(0, BLOCK_M)
-            n_all = n_ok[:, None] & (rows[None, :] < BLOCK_M)
-            tl.store(part_ptr + (pid_k * BLOCK_M + rows[None, :]) * N + rv[:, None], acc, mask=n_all)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:
-                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-                for k in tl.static_range(16):  # MAX_SPLIT, unrolled: the loads go out together, not one round
-                    # trip after another; added in split order, so every run gives the same sum
-                    acc += tl.load(part_ptr + (k * BLOCK_M + rows[None, :]) * N + rv[:, None],
-                                   mask=n_all & ((rows[None, :] * 0 + k) < SPLIT_K), other=0.0, cache_modifier=".cg")
-                tl.atomic_xchg(count_ptr + pid_n, 0)  # ready for the next call: no fill launch
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-        if GATED:
-            gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1)))
-            ro = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            writer = (ro < N // 2) & ((ro * 0 + arrived) == SPLIT_K - 1)
-            tl.store(out_ptr + rm[None, :] * stride_om + ro[:, None],
-                     (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty),
-                     mask=writer[:, None] & m_ok[None, :])
-        else:
-            tl.store(out_ptr + rm[None, :] * stride_om + rv[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=(n_ok & ((rv * 0 + arrived) == SPLIT_K - 1))[:, None] & m_ok[None, :])
-
     @triton.jit
     def _lowbit_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                      M, N, K, stride_xm, stride_om, SPLIT_K,
@@ -187,193 +121,6 @@ if triton is not None:
             acc = (acc - 128 * xsum_all[None, :]) * sc[:, None]
         _finish(acc, rv, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
                 SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
-
-
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
-                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_BF16: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr):
-        """One row of activations times BLOCK_N weight rows, on the CUDA cores: two instructions per weight.
-
-        Each 32-bit word is shifted so that one byte lands on bits 15–22, the top of an fp32 mantissa;
-        an AND-OR under the bits of 1.0 makes the float 1 + q·2^(p−23), exactly (p: the value's lowest
-        bit there: int4's low nibble at 15, its high one at 19; int8's byte, stored as q + 128, at 15),
-        and one FMA with the input pre-scaled by 2^(23−p) adds q·x plus that scaled input. What is
-        known besides Σ q·x (the scaled inputs, and the zero point times the inputs) depends on the
-        chunk, not the row: it is summed once per chunk and taken out per row as one number. bf16
-        inputs are read in pairs (one 32-bit load, two bit operations make the fp32 values). The loop
-        is software-pipelined (`STAGES`): the next chunks' loads are in flight while one is computed."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
-        rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
-        n_ok = rv < N
-        first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
-        acc = tl.zeros((BLOCK_N, 16), tl.float32)
-        known = tl.zeros((BLOCK_N,), tl.float32)  # per row: what acc holds besides Σ q·x·scale
-        for start in tl.range(first, last, STEPS, num_stages=STAGES):
-            for i in tl.static_range(STEPS):
-                c = start + i
-                ok = (rw * 0 + c) < last
-                w = tl.load(w_ptr + _row_chunk(rn, c, K, BITS)[:, None] * 16 + rw[None, :],
-                            mask=n_ok[:, None] & ok[None, :], other=0)  # [BLOCK_N, 16] int32
-                t = tl.zeros((BLOCK_N, 16), tl.float32)
-                scaled = tl.zeros((16,), tl.float32)  # the scaled inputs t holds besides Σ q·x
-                xs = tl.zeros((16,), tl.float32)
-                for j in tl.static_range(4):  # byte j of every word
-                    v = w << (15 - 8 * j) if j < 2 else w >> (8 * j - 15)
-                    if BITS == 4:
-                        if X_BF16:  # inputs 2j and 2j + 1 of each word's eight, in one load
-                            pair = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + c * 64 + rw * 4 + j, mask=ok, other=0)
-                            x_lo = (pair << 16).to(tl.float32, bitcast=True)
-                            x_hi = (pair & -65536).to(tl.float32, bitcast=True)
-                        else:
-                            x_lo = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j, mask=ok, other=0.0).to(tl.float32)
-                            x_hi = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
-                        lo = ((v & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/256
-                        hi = ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
-                        t += lo * (x_lo * 256.0)[None, :]  # two FMAs: one sum `lo·a + hi·b` was a multiply too
-                        t += hi * (x_hi * 16.0)[None, :]
-                        scaled += x_lo * 256.0 + x_hi * 16.0
-                        xs += x_lo + x_hi
-                    else:
-                        x_j = tl.load(x_ptr + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32) * 256.0
-                        acc += ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True) * x_j[None, :]  # 1 + u/256
-                        scaled += x_j * 1.5  # u = q + 128
-                if BITS == 4:
-                    c_ok = n_ok & (rn * 0 + c < last)
-                    sc = tl.load(scale_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
-                    zp = tl.load(zero_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
-                    acc += t * sc[:, None]
-                    known += (tl.sum(scaled, 0) + zp * tl.sum(xs, 0)) * sc
-                else:
-                    known += tl.sum(scaled, 0)
-        out = tl.sum(acc, 1) - known
-        if BITS == 8:
-            out *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        _finish(out[:, None], rv, rn, tl.arange(0, 1), n_ok, tl.arange(0, 1) < 1, pid_n, pid_k, N, bias_ptr, out_ptr,
-                0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
-
-    @triton.jit
-    def _pair_fma(a, b, c, EMULATE: tl.constexpr):
-        """a·b + c on the two bf16 packed in each int32, rounded once: one `fma.rn.bf16x2`. Under the
-        interpreter, which runs no PTX, the same in fp32 (exact products; the sum rounded to fp32 first,
-        which can differ from one rounding in the last bit)."""
-        if EMULATE:
-            a0, a1 = _halves(a)
-            b0, b1 = _halves(b)
-            c0, c1 = _halves(c)
-            return _pair(a0 * b0 + c0, a1 * b1 + c1)
-        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-
-    @triton.jit
-    def _pair_sub(a, b, EMULATE: tl.constexpr):
-        """a − b on packed bf16 pairs (`sub.rn.bf16x2`), as `_pair_fma`."""
-        if EMULATE:
-            a0, a1 = _halves(a)
-            b0, b1 = _halves(b)
-            return _pair(a0 - b0, a1 - b1)
-        return tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-
-    @triton.jit
-    def _pair_add(a, b, EMULATE: tl.constexpr):
-        """a + b on packed bf16 pairs (`add.rn.bf16x2`), as `_pair_fma`."""
-        if EMULATE:
-            a0, a1 = _halves(a)
-            b0, b1 = _halves(b)
-            return _pair(a0 + b0, a1 + b1)
-        return tl.inline_asm_elementwise("add.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-
-    @triton.jit
-    def _halves(v):
-        """The two bf16 packed in int32 `v` (low half first) as fp32: two bit operations."""
-        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _pair(lo, hi):
-        """Two fp32 values rounded to the nearest bf16 (ties to even, as the hardware rounds) and packed
-        in an int32, low first."""
-        a, b = lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)
-        a = ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) & 0xFFFF
-        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
-        return a | b
-
-    @triton.jit
-    def _bytes(a, b, SELECT: tl.constexpr, EMULATE: tl.constexpr):
-        """Four bytes picked from the eight of (a, b) (a's are 0–3, b's 4–7; `SELECT`'s hex digits name
-        them, lowest byte first): one `prmt.b32`."""
-        if EMULATE:
-            out = tl.zeros_like(a)
-            for i in tl.static_range(4):
-                pick: tl.constexpr = (SELECT >> (4 * i)) & 7
-                word = a if pick < 4 else b
-                out |= ((word >> (8 * (pick % 4))) & 255) << (8 * i)
-            return out
-        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECT};", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)
-
-    @triton.jit
-    def _group_values(scale_ptr, zero_ptr, rs, start, last, N, STEPS: tl.constexpr):
-        """Rows `rs`' scales and zero points of groups start … start + STEPS − 1, fp32 [rows, STEPS]: a
-        loop step's, loaded a step ahead (loads inside the step would stall it for a memory latency). A
-        group past `last` reads the last one's, with a zero scale."""
-        g = start + tl.arange(0, STEPS)
-        at = tl.minimum(g, last - 1)[None, :] * N + rs[:, None]
-        return tl.where(g[None, :] < last, tl.load(scale_ptr + at).to(tl.float32), 0.0), tl.load(zero_ptr + at).to(tl.float32)
-
-    @triton.jit
-    def _packed_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
-                            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
-                            STAGES: tl.constexpr, EMULATE: tl.constexpr):
-        """int4, one row of bf16 activations: two weights per instruction, on packed bf16 pairs.
-
-        One AND-OR makes two weights of a 32-bit word into the pair (128 + q, 128 + q'), exactly
-        (nibbles 4s and 4s + 16: inputs s and s + 4 of the word's eight); one `fma.rn` on pairs with
-        the matching inputs (x_s, x_s+4) and −128·(x_s, x_s+4) makes (q·x_s, q'·x_s+4) rounded once
-        (both products exact inside the FMA, and the offset's product cancels exactly: 128 is a power
-        of two; fp16 has no such room: −1024·x overflows it); three pair additions sum a word's eight, and only that sum is widened to fp32 and
-        scaled. About 2.4 instructions per weight against 5 for `_gemv_kernel` as compiled (Triton
-        3.9, sm_90). The inputs' pairing and −MAGIC·x depend on the column, not the row: each thread
-        makes them once for all of its rows. The zero point comes out per word from the inputs' fp32
-        sum. Chunks past this split's end (the last step of an uneven split) re-read its last chunk
-        with a zero scale: no masked loads. Scales and zero points come a loop step ahead."""
-        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-        rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
-        rs = tl.minimum(rn, N - 1)  # rows past the end read a real row's scale; they are never stored
-        rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
-        first, last = _chunks(pid_k, K, 4, STEPS, SPLIT_K)
-        acc = tl.zeros((BLOCK_N, 16), tl.float32)
-        steps = tl.arange(0, STEPS)
-        scales, zeros = _group_values(scale_ptr, zero_ptr, rs, first, last, N, STEPS)
-        for start in tl.range(first, last, STEPS, num_stages=STAGES):
-            sc_step, zp_step = scales, zeros
-            scales, zeros = _group_values(scale_ptr, zero_ptr, rs, start + STEPS, last, N, STEPS)  # the next step's
-            for i in tl.static_range(STEPS):
-                c = tl.minimum(start + i, last - 1)
-                w = tl.load(w_ptr + _row_chunk(rn, c, K, 4)[:, None] * 16 + rw[None, :])  # [BLOCK_N, 16] int32
-                xw = x_ptr.to(tl.pointer_type(tl.int32)) + c * 64 + rw * 4  # inputs (0, 1), (2, 3), ... of each word
-                xa, xb, xc, xd = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
-                p0, p1 = _bytes(xa, xc, 0x5410, EMULATE), _bytes(xa, xc, 0x7632, EMULATE)  # (x0, x4), (x1, x5)
-                p2, p3 = _bytes(xb, xd, 0x5410, EMULATE), _bytes(xb, xd, 0x7632, EMULATE)  # (x2, x6), (x3, x7)
-                xs = _pair_add(_pair_add(xa, xb, EMULATE), _pair_add(xc, xd, EMULATE), EMULATE)  # the word's x, summed in pairs
-                sc = tl.sum(tl.where(steps[None, :] == i, sc_step, 0.0), 1)
-                zp = tl.sum(tl.where(steps[None, :] == i, zp_step, 0.0), 1)
-                zi = tl.minimum(tl.maximum(tl.floor(zp + 0.5), 0.0), 15.0)  # a whole zero point, 0–15
-                offset = _pair(zi + 128.0, zi + 128.0)[:, None]  # (128 + zi, 128 + zi), exact
-                fraction = _pair(zi - zp, zi - zp)[:, None]  # what the whole zero point left out, negated
-                even, odd = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F  # bytes: inputs 0, 2, 4, 6 and 1, 3, 5, 7
-                high = tl.zeros_like(w) + 0x43434343  # 0x43: the upper byte of 128.0
-                t = _pair_sub(_bytes(even, high, 0x4240, EMULATE), offset, EMULATE)  # (q0 − zi, q4 − zi), exact
-                t = _pair_fma(t, p0[None, :], tl.zeros_like(w), EMULATE)
-                t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4240, EMULATE), offset, EMULATE), p1[None, :], t, EMULATE)
-                t = _pair_fma(_pair_sub(_bytes(even, high, 0x4341, EMULATE), offset, EMULATE), p2[None, :], t, EMULATE)
-                t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4341, EMULATE), offset, EMULATE), p3[None, :], t, EMULATE)
-                lo, hi = _halves(_pair_fma(fraction, xs[None, :], t, EMULATE))
-                acc += (lo + hi) * sc[:, None]
-        _finish(tl.sum(acc, 1)[:, None], rv, rn, tl.arange(0, 1), rv < N, tl.arange(0, 1) < 1, pid_n, pid_k, N,
-                bias_ptr, out_ptr, 0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
 
 
 def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: int) -> str | None:

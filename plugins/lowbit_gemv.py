@@ -1,0 +1,204 @@
+"""The one-row (single chat) low-bit kernels, on the CUDA cores: at batch 1 the tensor cores would
+multiply 15 rows of padding, and the layout change into their operands costs more instructions than
+the product. `_gemv_kernel` (int4 and int8, bf16 and fp16) dequantizes into fp32 mantissas;
+`_packed_gemv_kernel` (int4, bf16) works on packed bf16 pairs, two weights per instruction. Which one
+runs a layer is timed per GPU and shape (`plugins.lowbit_tuning`)."""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the caller's reference path is used
+    triton = None
+
+from plugins.lowbit_tiles import _chunks, _finish, _row_chunk, _rows
+
+if triton is not None:
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
+                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_BF16: tl.constexpr,
+                     BLOCK_N: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr):
+        """One row of activations times BLOCK_N weight rows, on the CUDA cores: two instructions per weight.
+
+        Each 32-bit word is shifted so that one byte lands on bits 15–22, the top of an fp32 mantissa;
+        an AND-OR under the bits of 1.0 makes the float 1 + q·2^(p−23), exactly (p: the value's lowest
+        bit there: int4's low nibble at 15, its high one at 19; int8's byte, stored as q + 128, at 15),
+        and one FMA with the input pre-scaled by 2^(23−p) adds q·x plus that scaled input. What is
+        known besides Σ q·x (the scaled inputs, and the zero point times the inputs) depends on the
+        chunk, not the row: it is summed once per chunk and taken out per row as one number. bf16
+        inputs are read in pairs (one 32-bit load, two bit operations make the fp32 values). The loop
+        is software-pipelined (`STAGES`): the next chunks' loads are in flight while one is computed."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
+        rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
+        n_ok = rv < N
+        first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        known = tl.zeros((BLOCK_N,), tl.float32)  # per row: what acc holds besides Σ q·x·scale
+        for start in tl.range(first, last, STEPS, num_stages=STAGES):
+            for i in tl.static_range(STEPS):
+                c = start + i
+                ok = (rw * 0 + c) < last
+                w = tl.load(w_ptr + _row_chunk(rn, c, K, BITS)[:, None] * 16 + rw[None, :],
+                            mask=n_ok[:, None] & ok[None, :], other=0)  # [BLOCK_N, 16] int32
+                t = tl.zeros((BLOCK_N, 16), tl.float32)
+                scaled = tl.zeros((16,), tl.float32)  # the scaled inputs t holds besides Σ q·x
+                xs = tl.zeros((16,), tl.float32)
+                for j in tl.static_range(4):  # byte j of every word
+                    v = w << (15 - 8 * j) if j < 2 else w >> (8 * j - 15)
+                    if BITS == 4:
+                        if X_BF16:  # inputs 2j and 2j + 1 of each word's eight, in one load
+                            pair = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + c * 64 + rw * 4 + j, mask=ok, other=0)
+                            x_lo = (pair << 16).to(tl.float32, bitcast=True)
+                            x_hi = (pair & -65536).to(tl.float32, bitcast=True)
+                        else:
+                            x_lo = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j, mask=ok, other=0.0).to(tl.float32)
+                            x_hi = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
+                        lo = ((v & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/256
+                        hi = ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
+                        t += lo * (x_lo * 256.0)[None, :]  # two FMAs: one sum `lo·a + hi·b` was a multiply too
+                        t += hi * (x_hi * 16.0)[None, :]
+                        scaled += x_lo * 256.0 + x_hi * 16.0
+                        xs += x_lo + x_hi
+                    else:
+                        x_j = tl.load(x_ptr + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32) * 256.0
+                        acc += ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True) * x_j[None, :]  # 1 + u/256
+                        scaled += x_j * 1.5  # u = q + 128
+                if BITS == 4:
+                    c_ok = n_ok & (rn * 0 + c < last)
+                    sc = tl.load(scale_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
+                    zp = tl.load(zero_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
+                    acc += t * sc[:, None]
+                    known += (tl.sum(scaled, 0) + zp * tl.sum(xs, 0)) * sc
+                else:
+                    known += tl.sum(scaled, 0)
+        out = tl.sum(acc, 1) - known
+        if BITS == 8:
+            out *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        _finish(out[:, None], rv, rn, tl.arange(0, 1), n_ok, tl.arange(0, 1) < 1, pid_n, pid_k, N, bias_ptr, out_ptr,
+                0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
+
+    @triton.jit
+    def _pair_fma(a, b, c, EMULATE: tl.constexpr):
+        """a·b + c on the two bf16 packed in each int32, rounded once: one `fma.rn.bf16x2`. Under the
+        interpreter, which runs no PTX, the same in fp32 (exact products; the sum rounded to fp32 first,
+        which can differ from one rounding in the last bit)."""
+        if EMULATE:
+            a0, a1 = _halves(a)
+            b0, b1 = _halves(b)
+            c0, c1 = _halves(c)
+            return _pair(a0 * b0 + c0, a1 * b1 + c1)
+        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _pair_sub(a, b, EMULATE: tl.constexpr):
+        """a − b on packed bf16 pairs (`sub.rn.bf16x2`), as `_pair_fma`."""
+        if EMULATE:
+            a0, a1 = _halves(a)
+            b0, b1 = _halves(b)
+            return _pair(a0 - b0, a1 - b1)
+        return tl.inline_asm_elementwise("sub.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _pair_add(a, b, EMULATE: tl.constexpr):
+        """a + b on packed bf16 pairs (`add.rn.bf16x2`), as `_pair_fma`."""
+        if EMULATE:
+            a0, a1 = _halves(a)
+            b0, b1 = _halves(b)
+            return _pair(a0 + b0, a1 + b1)
+        return tl.inline_asm_elementwise("add.rn.bf16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _halves(v):
+        """The two bf16 packed in int32 `v` (low half first) as fp32: two bit operations."""
+        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _pair(lo, hi):
+        """Two fp32 values rounded to the nearest bf16 (ties to even, as the hardware rounds) and packed
+        in an int32, low first."""
+        a, b = lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)
+        a = ((a + 0x7FFF + ((a >> 16) & 1)) >> 16) & 0xFFFF
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return a | b
+
+    @triton.jit
+    def _bytes(a, b, SELECT: tl.constexpr, EMULATE: tl.constexpr):
+        """Four bytes picked from the eight of (a, b) (a's are 0–3, b's 4–7; `SELECT`'s hex digits name
+        them, lowest byte first): one `prmt.b32`."""
+        if EMULATE:
+            out = tl.zeros_like(a)
+            for i in tl.static_range(4):
+                pick: tl.constexpr = (SELECT >> (4 * i)) & 7
+                word = a if pick < 4 else b
+                out |= ((word >> (8 * (pick % 4))) & 255) << (8 * i)
+            return out
+        return tl.inline_asm_elementwise(f"prmt.b32 $0, $1, $2, {SELECT};", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
+    @triton.jit
+    def _group_values(scale_ptr, zero_ptr, rs, start, last, N, STEPS: tl.constexpr):
+        """Rows `rs`' scales and zero points of groups start … start + STEPS − 1, fp32 [rows, STEPS]: a
+        loop step's, loaded a step ahead (loads inside the step would stall it for a memory latency). A
+        group past `last` reads the last one's, with a zero scale."""
+        g = start + tl.arange(0, STEPS)
+        at = tl.minimum(g, last - 1)[None, :] * N + rs[:, None]
+        return tl.where(g[None, :] < last, tl.load(scale_ptr + at).to(tl.float32), 0.0), tl.load(zero_ptr + at).to(tl.float32)
+
+    @triton.jit
+    def _packed_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
+                            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
+                            STAGES: tl.constexpr, EMULATE: tl.constexpr):
+        """int4, one row of bf16 activations: two weights per instruction, on packed bf16 pairs.
+
+        A word holds 8 weights; masks and `prmt` put the nibbles of inputs s and s + 4 under the upper
+        byte of 128.0, making the pair (128 + q, 128 + q') exactly; one `sub.rn.bf16x2` takes out
+        (128 + zi, 128 + zi), the zero point rounded to a whole number (exact: q − zi); one
+        `fma.rn.bf16x2` multiplies by the matching inputs (x_s, x_s+4) and adds, so a lane sums four
+        products, each rounded once to bf16; one more takes out the zero point's fraction times the
+        word's inputs; only then is the pair widened to fp32 and scaled. The inputs' pairing (`prmt`)
+        and sums depend on the column, not the row: each thread makes them once for all of its rows.
+        Products rounded to bf16 cost accuracy: 0.0041 relative error against the dequantizing
+        reference where the fp32 GEMV has 0.0026 (H100, 2026-11-27). Scales and zero points are
+        loaded a loop step ahead (inside the step, every step waited a memory latency for them: 12 %
+        of gate_up's time). Chunks past this split's end (the last step of an uneven split) re-read
+        its last chunk with a zero scale: no masked loads."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
+        rs = tl.minimum(rn, N - 1)  # rows past the end read a real row's scale; they are never stored
+        rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
+        first, last = _chunks(pid_k, K, 4, STEPS, SPLIT_K)
+        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        steps = tl.arange(0, STEPS)
+        scales, zeros = _group_values(scale_ptr, zero_ptr, rs, first, last, N, STEPS)
+        for start in tl.range(first, last, STEPS, num_stages=STAGES):
+            sc_step, zp_step = scales, zeros
+            scales, zeros = _group_values(scale_ptr, zero_ptr, rs, start + STEPS, last, N, STEPS)  # the next step's
+            for i in tl.static_range(STEPS):
+                c = tl.minimum(start + i, last - 1)
+                w = tl.load(w_ptr + _row_chunk(rn, c, K, 4)[:, None] * 16 + rw[None, :])  # [BLOCK_N, 16] int32
+                xw = x_ptr.to(tl.pointer_type(tl.int32)) + c * 64 + rw * 4  # inputs (0, 1), (2, 3), ... of each word
+                xa, xb, xc, xd = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
+                p0, p1 = _bytes(xa, xc, 0x5410, EMULATE), _bytes(xa, xc, 0x7632, EMULATE)  # (x0, x4), (x1, x5)
+                p2, p3 = _bytes(xb, xd, 0x5410, EMULATE), _bytes(xb, xd, 0x7632, EMULATE)  # (x2, x6), (x3, x7)
+                xs = _pair_add(_pair_add(xa, xb, EMULATE), _pair_add(xc, xd, EMULATE), EMULATE)  # the word's x, summed in pairs
+                sc = tl.sum(tl.where(steps[None, :] == i, sc_step, 0.0), 1)
+                zp = tl.sum(tl.where(steps[None, :] == i, zp_step, 0.0), 1)
+                zi = tl.minimum(tl.maximum(tl.floor(zp + 0.5), 0.0), 15.0)  # a whole zero point, 0–15
+                offset = _pair(zi + 128.0, zi + 128.0)[:, None]  # (128 + zi, 128 + zi), exact
+                fraction = _pair(zi - zp, zi - zp)[:, None]  # what the whole zero point left out, negated
+                even, odd = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F  # bytes: inputs 0, 2, 4, 6 and 1, 3, 5, 7
+                high = tl.zeros_like(w) + 0x43434343  # 0x43: the upper byte of 128.0
+                t = _pair_sub(_bytes(even, high, 0x4240, EMULATE), offset, EMULATE)  # (q0 − zi, q4 − zi), exact
+                t = _pair_fma(t, p0[None, :], tl.zeros_like(w), EMULATE)
+                t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4240, EMULATE), offset, EMULATE), p1[None, :], t, EMULATE)
+                t = _pair_fma(_pair_sub(_bytes(even, high, 0x4341, EMULATE), offset, EMULATE), p2[None, :], t, EMULATE)
+                t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4341, EMULATE), offset, EMULATE), p3[None, :], t, EMULATE)
+                lo, hi = _halves(_pair_fma(fraction, xs[None, :], t, EMULATE))
+                acc += (lo + hi) * sc[:, None]
+        _finish(tl.sum(acc, 1)[:, None], rv, rn, tl.arange(0, 1), rv < N, tl.arange(0, 1) < 1, pid_n, pid_k, N,
+                bias_ptr, out_ptr, 0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
