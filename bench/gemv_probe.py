@@ -23,7 +23,7 @@ from plugins import lowbit  # noqa: E402
 from plugins.lowbit_tuning import graphed_us  # noqa: E402
 
 SHAPES = {"gate_up": (3584, 37888), "down": (18944, 3584), "qkv": (3584, 4608)}
-CONFIGS = [lowbit.Config(64, 2, sk, 4, sg, k) for k in ("packed", "gemv") for sk in (4, 8) for sg in (2, 3)] + \
+CONFIGS = [lowbit.Config(64, 1, sk, w, 3, "packed") for sk in (2, 8) for w in (2, 4)] + \
           [lowbit.Config(256, 1, sk, 4, 2, "gemv") for sk in (4, 8)]
 
 
@@ -63,8 +63,8 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(8 * n, dtype=torch.int32, device="cuda")
         calls = {}
-        for sk in (2, 4, 8):
-            for bn, st in ((64, 2), (256, 1)):
+        for sk in (2, 8):
+            for bn, st in ((64, 1),):
                 calls[f"loads-only {bn}/{st}/{sk}"] = lambda i, bn=bn, st=st, sk=sk: _loads_only[
                     (triton.cdiv(n, bn), sk)](layers[i % copies].data.view(torch.int32), out, n, k, sk, bn, st, 3)
         for c in CONFIGS:
