@@ -34,8 +34,8 @@ SHAPES = {"qkv": (3584, 4608), "o": (3584, 3584), "gate_up": (3584, 37888), "dow
 BATCHES = (1, 8)
 CALLS = 24
 ROTATE_BYTES = 400 << 20  # weights walked per graph: far past the 50-60 MB L2
-WIDE = tuple(lowbit.Config(bn, 1, sk, w, sg, "packed") for bn in (32, 64, 128) for sg in (3, 4)
-             for w in (1, 2, 4) for sk in (2, 4, 8, 16)) + \
+WIDE = tuple(lowbit.Config(bn, st, sk, w, sg, "packed") for bn in (32, 64, 128) for st in (1, 2) for sg in (3, 4)
+             for w in (2, 4) for sk in (2, 4, 8, 16)) + \
     tuple(lowbit.Config(bn, st, sk, 4, sg, "gemv") for bn, st, sg in ((256, 1, 2), (64, 2, 3)) for sk in (4, 8, 16))
 
 

@@ -127,13 +127,6 @@ if triton is not None:
         return a | b
 
     @triton.jit
-    def _splat(v, EMULATE: tl.constexpr):
-        """The pair (v, v) of fp32 `v` rounded to bf16: one conversion on the GPU."""
-        if EMULATE:
-            return _pair(v, v)
-        return (v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) * 0x10001
-
-    @triton.jit
     def _bytes(a, b, SELECT: tl.constexpr, EMULATE: tl.constexpr):
         """Four bytes picked from the eight of (a, b) (a's are 0–3, b's 4–7; `SELECT`'s hex digits name
         them, lowest byte first): one `prmt.b32`."""
@@ -195,9 +188,9 @@ if triton is not None:
                 xs = _pair_add(_pair_add(xa, xb, EMULATE), _pair_add(xc, xd, EMULATE), EMULATE)  # the word's x, summed in pairs
                 sc = tl.sum(tl.where(steps[None, :] == i, sc_step, 0.0), 1)
                 zp = tl.sum(tl.where(steps[None, :] == i, zp_step, 0.0), 1)
-                zi = tl.minimum(tl.maximum((zp + 0.5).to(tl.int32), 0), 15)  # a whole zero point, 0–15
-                offset = (0x43004300 + zi * 0x10001)[:, None]  # the pair (128 + zi, 128 + zi), exact
-                fraction = _splat(zi.to(tl.float32) - zp, EMULATE)[:, None]  # what zi left out, negated
+                zi = tl.minimum(tl.maximum(tl.floor(zp + 0.5), 0.0), 15.0)  # a whole zero point, 0–15
+                offset = _pair(zi + 128.0, zi + 128.0)[:, None]  # (128 + zi, 128 + zi), exact
+                fraction = _pair(zi - zp, zi - zp)[:, None]  # what the whole zero point left out, negated
                 even, odd = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F  # bytes: inputs 0, 2, 4, 6 and 1, 3, 5, 7
                 high = tl.zeros_like(w) + 0x43434343  # 0x43: the upper byte of 128.0
                 t = _pair_sub(_bytes(even, high, 0x4240, EMULATE), offset, EMULATE)  # (q0 − zi, q4 − zi), exact
