@@ -163,7 +163,8 @@ def test_fused_kernels_match_the_torch_reference():
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_lowbit_kernels_match_the_dequantizing_reference(mode):
-    """The low-bit kernels (tensor cores; for one row, also the CUDA-core GEMV), split and unsplit, at batch
+    """The low-bit kernels (tensor cores; for one row, also the CUDA-core GEMVs: fp32 and packed bf16 pairs),
+    split (up to 16 ways) and unsplit, at batch
     1, 4, 5 and 64 give the
     reference's numbers on our stored format: a wrong nibble order, zero point or scale layout would
     be far off; the split-K counters are left at zero."""
@@ -184,8 +185,8 @@ def test_lowbit_kernels_match_the_dequantizing_reference(mode):
             x = torch.randn(batch, n_in, device="cuda", dtype=torch.bfloat16, generator=g)
             expected = torch.nn.functional.linear(x, reference, linear.bias).float()
             configs = [lowbit.Config(32, 2, split) for split in (1, 4)] + [None]
-            configs += [lowbit.Config(bn, st, split, kernel="gemv") for bn, st in ((64, 2), (256, 1))
-                        for split in (1, 4)]  # one row: CUDA cores
+            configs += [lowbit.Config(bn, st, split, kernel=kernel) for kernel in ("gemv", "packed")
+                        for bn, st in ((64, 2), (256, 1)) for split in (1, 4, 16)]  # one row: CUDA cores
             for config in configs:
                 err = ((layer.kernel(x, config).float() - expected).norm() / expected.norm()).item()
                 assert err < 1e-2, (mode, n_in, batch, config, err)
