@@ -68,7 +68,7 @@ def main() -> None:
                 calls[f"loads-only {bn}/{st}/{sk}"] = lambda i, bn=bn, st=st, sk=sk: _loads_only[
                     (triton.cdiv(n, bn), sk)](layers[i % copies].data.view(torch.int32), out, n, k, sk, bn, st, 3)
         for c in CONFIGS:
-            calls[f"{c.kernel} {c.block_n}/{c.steps}/{c.split_k}/s{c.stages}"] = lambda i, c=c: layers[i % copies](x, c)
+            calls[f"{c.kernel} {c.block_n}/{c.steps}/{c.split_k}/w{c.warps}"] = lambda i, c=c: layers[i % copies](x, c)
         for label, fn in calls.items():
             if mode == "ncu":
                 fn(0)
