@@ -279,3 +279,36 @@ def test_the_sampling_kernels_draw_the_reference_tokens_at_qwens_vocabulary(monk
             [b for b, p in zip(expected, params) if p.temperature == 0], trial
         differ += sum(a != b for a, b in zip(got, expected))
     assert differ <= 2, differ
+
+
+def test_speculation_on_gpu_keeps_greedy_replies(studio_cache):
+    """On the GPU (CUDA graphs for the verify steps, the engine timing its own steps): prompt lookup and a
+    draft model (the model drafting for itself, through an engine of its own) give plain decoding's
+    greedy tokens, and drafts were checked and kept. fp32, so that a verify step's GEMM and a decode
+    step's GEMV round alike (in bf16 they need not: `bench/RESULTS.md`, issue 32)."""
+    from pipeline.llm.engine.draft_model import DraftModel
+    from pipeline.llm.engine.speculation import GPU_FLOAT, PromptLookup, Speculation
+
+    llm = load_language_model(demo_model_dir("demo/qwen2-tiny", studio_cache), "demo/qwen2-tiny", device="cuda",
+                              dtype=torch.float32, max_context=1024)
+    model, vocab = llm.engine.model, llm.tokenizer.vocab_size
+    prompts = [llm.format.render([{"role": "user", "content": text * 3}]) for text in ("the moon and ", "ab cd ")]
+    params = SamplingParams(max_new_tokens=64, temperature=0, repetition_penalty=1.0)
+
+    def replies(speculation) -> tuple[list[list[int]], dict]:
+        engine = TorchLLMEngine(model, 1024, vocab, max_batch=4, speculation=speculation)
+        assert engine.use_cuda_graphs
+        streams = [engine.submit(p, params, set()) for p in prompts]
+        got = [list(s) for s in streams]
+        status = engine.status()
+        engine.close()
+        return got, status
+
+    plain, _ = replies(None)
+    lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True))
+    assert lookup == plain and status["drafted_tokens"] > 0, status
+    drafter = TorchLLMEngine(model, 1024, vocab, max_batch=4)
+    drafted, status = replies(Speculation(DraftModel(drafter, "itself"), GPU_FLOAT))
+    drafter.close()
+    assert drafted == plain and status["accepted_tokens"] >= 0.9 * status["drafted_tokens"] > 0, status
+    llm.close()
