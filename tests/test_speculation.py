@@ -4,6 +4,7 @@ distribution of a tiny model's 3-token replies) and a seeded reply its very toke
 the real SmolLM2 is in test_real_model.py."""
 
 import math
+import time
 
 import pytest
 import torch
@@ -59,6 +60,30 @@ def test_a_measured_clock_replaces_the_prior_cost():
     assert clock(4) == pytest.approx(2.4) and clock(0) == 1.0
     assert best_draft(0.5, clock) == 0 and best_draft(0.5, GPU_FLOAT) == 8
     assert best_draft(0.95, clock) == 8  # 6.6 tokens for 2.8 steps' time
+
+
+def test_a_step_that_captured_a_graph_is_no_sample_of_the_clock(model):
+    """A verify step that captured a CUDA graph (the first use of a draft size and length: eager runs and a
+    capture, tens of ms) would make every later verify step look as slow and stop drafting for good: the
+    engine leaves such a step out of its clock. Here the first verify step of each size counts as a capture
+    and takes 0.2 s longer."""
+    engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
+                            speculation=Speculation(TreeDraft({}), CPU, measured=True))
+    runner, verify, sizes = engine.runner, engine.runner.verify, set()
+
+    def first_verify_captures(cache, tokens, starts, tables):
+        if len(tokens[0]) not in sizes:
+            sizes.add(len(tokens[0]))
+            runner.captures += 1
+            time.sleep(0.2)
+        return verify(cache, tokens, starts, tables)
+
+    runner.verify = first_verify_captures
+    engine.speculation.drafter.propose = lambda history, k, last=(): [history[-1]] * k  # always a draft
+    list(engine.submit(PROMPT, SamplingParams(max_new_tokens=12, temperature=0), set()))
+    clock = engine.step_cost
+    engine.close()
+    assert sizes and clock.verify_s and all(seconds < 0.15 for seconds, _ in clock.verify_s.values()), clock.verify_s
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------

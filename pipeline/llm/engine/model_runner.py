@@ -43,6 +43,7 @@ class ModelRunner:
         self.rope = RotaryTables(model.config, self.positions, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[tuple, CapturedCall] = {}
+        self.captures = 0  # graphs captured so far: a step that captured one took far longer than its kind does
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
         # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
@@ -172,6 +173,7 @@ class ModelRunner:
             return step(packed)
         if key not in self._graphs:
             self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
+            self.captures += 1
         graph = self._graphs[key]
         graph.inputs[0].copy_(packed)
         return graph.replay()

@@ -87,7 +87,7 @@ class TorchLLMEngine:
         self._starting: list[_Step] = []  # first tokens drawn after prompts' last chunks, read a step later
         self.speculation = speculation
         self.step_cost = speculation and (StepClock(speculation.cost) if speculation.measured else speculation.cost)
-        self._plain_since: float | None = None  # when the plain step before this one started, the batch unchanged
+        self._plain_since: tuple[float, int] | None = None  # when the plain step before started (and captures then)
         self.steps = self.verify_steps = 0  # decode steps run, verify steps among them (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.drafted_tokens = self.accepted_tokens = 0  # speculative decoding's drafts checked, and kept
@@ -229,10 +229,10 @@ class TorchLLMEngine:
         if not active:
             return
         chained = self._pending is not None
-        if isinstance(self.step_cost, StepClock):
-            now = time.perf_counter()
-            if chained and self._plain_since is not None:
-                self.step_cost.plain(now - self._plain_since)
+        if isinstance(self.step_cost, StepClock):  # a step that captured a graph (first use of a length) is no sample
+            now = (time.perf_counter(), self.runner.captures)
+            if chained and self._plain_since is not None and self._plain_since[1] == now[1]:
+                self.step_cost.plain(now[0] - self._plain_since[0])
             self._plain_since = now
         inputs = None if chained else ([r.last_token for r in active], [r.position for r in active],
                                        [r.table for r in active])
@@ -264,13 +264,13 @@ class TorchLLMEngine:
                 return False
             self._drain()
             self._plain_since = None
-        started = time.perf_counter()
+        started, captures = time.perf_counter(), self.runner.captures
         active = list(self.scheduler.running)  # the tokens read may have ended some
         drafts = [self._draft(r, wanted[r]) if wanted[r] else [] for r in active]
         if not any(drafts):
             return False
         size = self._verify_step(active, drafts)
-        if isinstance(self.step_cost, StepClock):
+        if isinstance(self.step_cost, StepClock) and self.runner.captures == captures:
             self.step_cost.verify(size - 1, time.perf_counter() - started)
         return True
 
