@@ -59,7 +59,10 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, leng
 
 
 if triton is not None:
-    @triton.jit
+    # The lengths are values, not compiled in (and the merge's lanes do not follow the splits): Triton would
+    # otherwise compile a kernel again where one first equals 1 or a new power of two (a short context, a
+    # verify step's few splits), in the middle of a reply (seen on an H100: 0.2-0.4 s each).
+    @triton.jit(do_not_specialize=["kv_len", "chunk", "n_splits"])
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, ml_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
                       kv_len, chunk, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
@@ -99,7 +102,7 @@ if triton is not None:
             tl.store(ml_ptr + 2 * part, m, mask=real)
             tl.store(ml_ptr + 2 * part + 1, l, mask=real)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["kv_len", "chunk", "n_splits"])
     def _merge_kernel(len_ptr, out_ptr, acc_ptr, ml_ptr, kv_len, chunk, n_splits, KV_HEADS: tl.constexpr,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, LANES: tl.constexpr):
         # One program per (row, q head): its splits' partials, rows first + s*GROUP_PAD, by log-sum-exp.
@@ -197,7 +200,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
             num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
         _merge_kernel[(batch * heads,)](
             lengths, out, acc, ml, kv_len, chunk, n_splits, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
-            DIM=dim, LANES=min(triton.next_power_of_2(n_splits), max(1, _MERGE_TILE // dim)), num_warps=4)
+            DIM=dim, LANES=max(1, _MERGE_TILE // dim), num_warps=4)  # lanes past the splits load nothing
     except Exception as e:  # noqa: BLE001 - a Triton that cannot compile them falls back, once, saying so
         _failed = True
         warnings.warn(f"the decode-attention kernels did not compile ({type(e).__name__}: {e}); using the torch "

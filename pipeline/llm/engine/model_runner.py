@@ -143,19 +143,27 @@ class ModelRunner:
         drafted ones after it, padded to T) at positions starts[i]..starts[i]+T-1. The rows are padded to a
         power of two with rows that write the scratch positions; on a GPU one captured graph per
         (rows, T, key length) replays it. The host waits for nothing here: the ids go up from pinned memory."""
-        n, size = len(tokens), len(tokens[0])
+        n, need = len(tokens), len(tokens[0])
         bucket = pow2_at_least(n)
         pad = bucket - n
-        host = torch.tensor([[*t, start, table] for t, start, table in zip(tokens, starts, tables)]
-                            + [[0] * size + [self.scratch, 0]] * pad, dtype=torch.long, pin_memory=self._pinned)
+
+        def kv_len_for(size: int) -> int:
+            return min(-(-(max(starts) + size) // GRAPH_BUCKET) * GRAPH_BUCKET, self.positions)
+
+        # A larger draft size whose graph exists beats capturing one (eager runs and a capture: tens of ms,
+        # more than its padding costs); the padding positions repeat each row's last token and are rewritten later.
+        size = next((k + 1 for k in DRAFT_SIZES if k + 1 >= need
+                     and ("verify", bucket, k + 1, kv_len_for(k + 1)) in self._graphs), need)
+        rows = [[*t, *t[-1:] * (size - need), start, table] for t, start, table in zip(tokens, starts, tables)]
+        host = torch.tensor(rows + [[0] * size + [self.scratch, 0]] * pad, dtype=torch.long, pin_memory=self._pinned)
         packed = host.to(self.device, non_blocking=True)
-        kv_len = min(-(-(max(starts) + size) // GRAPH_BUCKET) * GRAPH_BUCKET, self.positions)
+        kv_len = kv_len_for(size)
 
         def step(inputs: Tensor) -> Tensor:
             return self.model(cache, self.rope, Verify(inputs[:, size], inputs[:, size + 1], kv_len),
                               tokens=inputs[:, :size], last_only=False)
 
-        return self._run(("verify", bucket, size, kv_len), step, packed)[:n, :, :self.vocab_size]
+        return self._run(("verify", bucket, size, kv_len), step, packed)[:n, :need, :self.vocab_size]
 
     def warm_verify(self, cache: KVCache) -> None:
         """Compile the verify step's kernels for every draft size before a reply needs them (a first
