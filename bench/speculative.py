@@ -142,7 +142,7 @@ def verify_part(res: dict, layers: int) -> None:
 def real_part(res: dict, max_new_tokens: int) -> None:
     """Each prompt alone (batch 1), greedy, through the app's loader and engine: once to capture the CUDA
     graphs, then timed; tok/s over the replies' decode time, drafts kept, and the tokens compared."""
-    from pipeline.llm.engine.speculation import CPU, GPU_FLOAT, PromptLookup, Speculation
+    from pipeline.llm.engine.speculation import prompt_lookup
     from pipeline.llm.engine.sampling import SamplingParams
     from pipeline.llm.engine.torch_engine import TorchLLMEngine
     from pipeline.llm.text.prompt import fit_prompt
@@ -157,9 +157,9 @@ def real_part(res: dict, max_new_tokens: int) -> None:
     greedy = SamplingParams(temperature=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens)
     res.update(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=EMBEDDED,
                dtype=str(dtype).removeprefix("torch."), max_new_tokens=max_new_tokens)
-    engines = {"plain": lm.engine,
+    engines = {"plain": lm.engine,  # and lookup as the app runs it (on a GPU the engine times its own steps)
                "lookup": TorchLLMEngine(lm.engine.model, lm.context, lm.engine.vocab_size, max_batch=4,
-                                        speculation=Speculation(PromptLookup(), GPU_FLOAT if device == "cuda" else CPU))}
+                                        speculation=prompt_lookup(device, low_bit=False))}
     if device == "cuda":
         engines["lookup"].runner.warm_verify(engines["lookup"].rows.kv)
     for kind, prompts in (("input_grounded", INPUT_GROUNDED), ("open_chat", OPEN_CHAT)):
