@@ -59,9 +59,10 @@ def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, leng
 
 
 if triton is not None:
-    # The lengths are values, not compiled in (and the merge's lanes do not follow the splits): Triton would
-    # otherwise compile a kernel again where one first equals 1 or a new power of two (a short context, a
-    # verify step's few splits), in the middle of a reply (seen on an H100: 0.2-0.4 s each).
+    # The lengths are values, not compiled in, and the merge's lane counts are compiled at the first call:
+    # Triton would otherwise compile a kernel again where a length first equals 1 or the splits reach a new
+    # power of two (a short context, a verify step's few splits), in the middle of a reply (seen on an H100:
+    # 0.2-0.4 s each).
     @triton.jit(do_not_specialize=["kv_len", "chunk", "n_splits"])
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, ml_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
                       kv_len, chunk, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
@@ -148,6 +149,14 @@ def _workspace(device: torch.device, numel: int) -> Tensor:
     return _workspaces[key]
 
 
+def _lanes(n_splits: int, dim: int) -> int:
+    """The merge's lanes: one per split, up to a tile of `_MERGE_TILE` partial outputs."""
+    return min(triton.next_power_of_2(n_splits), max(1, _MERGE_TILE // dim))
+
+
+_merges_compiled: set[tuple] = set()  # (device, dtype, kv heads, group, dim) whose merge kernels are compiled
+
+
 def _chunk(kv_len: int, programs_per_split: int, device: torch.device) -> int:
     """Positions per split: the largest of 64..1024 (and kv_len) that still gives ~2 programs per SM."""
     if device.type == "cuda":
@@ -190,7 +199,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     partials = _workspace(q.device, rows * (dim + 2))  # each row's output, then its (max, sum)
     acc, ml = partials[:rows * dim], partials[rows * dim:]
     dot = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32  # CPU tensors: the interpreter (tests)
+    merge_args = (lengths, out, acc, ml, kv_len, chunk, n_splits)
+    merge_kw = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, num_warps=4)
     try:
+        if q.is_cuda and (q.device, q.dtype, kv_heads, group, dim) not in _merges_compiled:
+            _merges_compiled.add((q.device, q.dtype, kv_heads, group, dim))
+            for lanes in {_lanes(2 ** i, dim) for i in range(12)}:  # every lane count a length can ask for, now
+                _merge_kernel.warmup(*merge_args, LANES=lanes, grid=(batch * heads,), **merge_kw)
         _split_kernel[(n_splits, batch * kv_heads)](
             q, k_cache, v_cache, lengths, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim), KV_HEADS=kv_heads, GROUP=group,
@@ -198,9 +213,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
             PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=tokens,
             num_warps=8 if dim * q.element_size() >= 512 else 4,
             num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
-        _merge_kernel[(batch * heads,)](
-            lengths, out, acc, ml, kv_len, chunk, n_splits, KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
-            DIM=dim, LANES=max(1, _MERGE_TILE // dim), num_warps=4)  # lanes past the splits load nothing
+        _merge_kernel[(batch * heads,)](*merge_args, LANES=_lanes(n_splits, dim), **merge_kw)
     except Exception as e:  # noqa: BLE001 - a Triton that cannot compile them falls back, once, saying so
         _failed = True
         warnings.warn(f"the decode-attention kernels did not compile ({type(e).__name__}: {e}); using the torch "
