@@ -9,9 +9,10 @@ only together with it. A request for an unloaded tool loads it again, reporting 
 asked.
 
 Sizes: the device memory a load allocated (on a GPU, the allocator's count; on the CPU, the bytes of
-the tensors it holds that no other loaded tool holds), measured at each load; before a tool's first load, an estimate from its weight files
-(floats at the width they load in, int8/int4 LLMs at their quantized size: `studio.compose.tool_specs`). A
-tool estimated over the budget is still loaded when nothing else is left to unload.
+the tensors it holds that no other loaded tool holds), measured at each load; before a tool's first
+load, an estimate from its weight files (floats at the width they load in, int8/int4 LLMs at their
+quantized size: `studio.compose.tool_specs`). A tool estimated over the budget is still loaded when
+nothing else is left to unload.
 """
 
 from __future__ import annotations
