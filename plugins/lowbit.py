@@ -64,7 +64,7 @@ class Config:
     split_k: int = 1
     warps: int = 4
     stages: int = 3
-    kernel: str = "mma"  # one row on the CUDA cores: "gemv" (`_gemv_kernel`) or "packed" (int4, bf16: `_packed_gemv_kernel`)
+    kernel: str = "mma"  # one row on CUDA cores: "gemv" (`_gemv_kernel`), "packed" (bf16 int4: `_packed_gemv_kernel`)
 
 
 if triton is not None:

@@ -141,7 +141,8 @@ if triton is not None:
         group past `last` reads the last one's, with a zero scale."""
         g = start + tl.arange(0, STEPS)
         at = tl.minimum(g, last - 1)[None, :] * N + rs[:, None]
-        return tl.where(g[None, :] < last, tl.load(scale_ptr + at).to(tl.float32), 0.0), tl.load(zero_ptr + at).to(tl.float32)
+        scales = tl.where(g[None, :] < last, tl.load(scale_ptr + at).to(tl.float32), 0.0)
+        return scales, tl.load(zero_ptr + at).to(tl.float32)
 
     @triton.jit
     def _packed_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
@@ -180,7 +181,8 @@ if triton is not None:
                 p0, p1 = _bytes(xa, xc, 0x5410, EMULATE), _bytes(xa, xc, 0x7632, EMULATE)  # (x0, x4), (x1, x5)
                 p2, p3 = _bytes(xb, xd, 0x5410, EMULATE), _bytes(xb, xd, 0x7632, EMULATE)  # (x2, x6), (x3, x7)
                 one = tl.zeros_like(xa) + ONE
-                xs = _pair_fma(_pair_fma(xa, one, xb, EMULATE), one, _pair_fma(xc, one, xd, EMULATE), EMULATE)  # x summed
+                xs = _pair_fma(_pair_fma(xa, one, xb, EMULATE), one, _pair_fma(xc, one, xd, EMULATE),
+                               EMULATE)  # the word's inputs summed in pairs
                 sc = tl.sum(tl.where(steps[None, :] == i, sc_step, 0.0), 1)
                 zp = tl.sum(tl.where(steps[None, :] == i, zp_step, 0.0), 1)
                 zi = tl.minimum(tl.maximum(tl.floor(zp + 0.5), 0.0), 15.0)  # a whole zero point, 0–15
