@@ -18,6 +18,10 @@ sys.path.insert(0, str(ROOT))
 from pipeline.llm.weights.demo import demo_model_dir  # noqa: E402
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "browser: drives a real browser; run alone, not beside another test worker")
+
+
 @pytest.fixture(scope="session")
 def studio_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("studio-cache")
