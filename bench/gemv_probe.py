@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth_tbps, report  # noqa: E402
 from pipeline.llm.weights.quant import quantize  # noqa: E402
 from plugins import lowbit  # noqa: E402
+from plugins.lowbit_tiles import _chunks, _row_chunk  # noqa: E402
 from plugins.lowbit_tuning import graphed_us  # noqa: E402
 
 SHAPES = {"gate_up": (3584, 37888), "down": (18944, 3584), "qkv": (3584, 4608)}
@@ -33,16 +34,12 @@ def _loads_only(w_ptr, out_ptr, N, K, SPLIT_K, BLOCK_N: tl.constexpr, STEPS: tl.
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rw = tl.arange(0, 16)
-    chunks = K // 128
-    per_split = tl.cdiv(tl.cdiv(chunks, SPLIT_K), STEPS) * STEPS
-    first = pid_k * per_split
-    last = tl.minimum(first + per_split, chunks)
+    first, last = _chunks(pid_k, K, 4, STEPS, SPLIT_K)
     acc = tl.zeros((BLOCK_N, 16), tl.int32)
     for start in tl.range(first, last, STEPS, num_stages=STAGES):
         for i in tl.static_range(STEPS):
             c = tl.minimum(start + i, last - 1)
-            at = ((rn // 256) * chunks + c) * 256 + rn % 256
-            acc ^= tl.load(w_ptr + at[:, None] * 16 + rw[None, :])
+            acc ^= tl.load(w_ptr + _row_chunk(rn, c, K, 4)[:, None] * 16 + rw[None, :])
     tl.store(out_ptr + pid_k * N + rn, tl.sum(acc, 1), mask=rn < N)
 
 
