@@ -31,6 +31,7 @@ Parts (`--parts`, comma-separated):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -78,6 +79,7 @@ def verify_part(res: dict, layers: int) -> None:
     from pipeline.llm.engine.model_runner import CHUNK_ATTENTION
     from pipeline.llm.model import Chunk, Decode, KVCache, RotaryTables, Verify
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
+    from plugins.lowbit import rows_as_one_row
     from plugins.lowbit_tuning import TunedConfigs
     from timing import cuda_ms
     from torch.nn.attention import sdpa_kernel
@@ -112,11 +114,15 @@ def verify_part(res: dict, layers: int) -> None:
 
                 verify_in = torch.tensor([[7] * size + [CONTEXT, 0]], device="cuda")
 
-                def verify(inputs: torch.Tensor, size: int = size) -> torch.Tensor:
+                def verify(inputs: torch.Tensor, size: int = size, exact: bool = True) -> torch.Tensor:
                     step = Verify(inputs[:, size], inputs[:, size + 1], 2048)
-                    return model(cache, rope, step, tokens=inputs[:, :size], last_only=False)
+                    with rows_as_one_row(exact):  # as the engine runs one chat's verify step
+                        return model(cache, rope, step, tokens=inputs[:, :size], last_only=False)
 
-                for name, fn, example in (("chunk", chunk, chunk_in), ("verify", verify, verify_in)):
+                steps = [("chunk", chunk, chunk_in), ("verify", verify, verify_in)]
+                if mode != "none":  # the batch kernels for the verify rows: faster, but they round otherwise
+                    steps.append(("verify_batch_kernels", functools.partial(verify, exact=False), verify_in))
+                for name, fn, example in steps:
                     graph = CapturedCall(fn, example, pool=pool)
                     ms = cuda_ms(graph.replay, warm=5, iters=50)
                     row[f"{name}_k{k}_ms"] = round(ms, 4)
@@ -124,11 +130,13 @@ def verify_part(res: dict, layers: int) -> None:
             # the verify step's logits against as many decode steps (same tokens and positions), compiled kernels
             drafted = torch.tensor([[11, 12, 13, 14, 15]], device="cuda")
             starts, tables = torch.tensor([CONTEXT], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
-            verified = model(cache, rope, Verify(starts, tables, 2048), tokens=drafted, last_only=False)[0].float()
+            with rows_as_one_row():
+                verified = model(cache, rope, Verify(starts, tables, 2048), tokens=drafted, last_only=False)[0].float()
             stepped = torch.stack([model(cache, rope, Decode(starts + t, tables, 2048), tokens=drafted[:, t:t + 1])[0, -1]
                                    for t in range(5)]).float()
             row["verify_vs_decode_logits_rel_err"] = round(((verified - stepped).norm() / stepped.norm()).item(), 5)
             row["verify_vs_decode_same_argmax"] = bool((verified.argmax(-1) == stepped.argmax(-1)).all())
+            row["verify_vs_decode_bitwise"] = bool(torch.equal(verified, stepped))
         row["seconds"] = round(time.perf_counter() - started, 1)
         res[mode] = row
         print(f"{mode}: {row}", flush=True)

@@ -37,8 +37,11 @@ these values). Everything else is the code the GPU runs.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -189,10 +192,13 @@ def kernel_for(config: Config, bits: int, dtype: torch.dtype, rows: int) -> str:
 
 
 def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, bits: int,
-                  config: Config, workspace: Workspace | None, gated: bool = False, compile_only: bool = False) -> Tensor:
+                  config: Config, workspace: Workspace | None, gated: bool = False, compile_only: bool = False,
+                  as_one_row: bool = False) -> Tensor:
     """x [..., in] @ the packed weight's transpose (+ bias) → [..., out] in x's dtype; gated (the weight is
     a gate projection above an up projection): SiLU(gate)·up → [..., out / 2]. `compile_only`: compile
-    the kernel this call needs (in Triton's `AsyncCompileMode`, in the background) and launch nothing."""
+    the kernel this call needs (in Triton's `AsyncCompileMode`, in the background) and launch nothing.
+    `as_one_row` (at most BLOCK_M rows): `config`'s one-row kernel for every row, each row's numbers
+    exactly those of a one-row call."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1 or x2.data_ptr() % 16:  # the kernels read the inputs in aligned pairs or more
@@ -202,10 +208,10 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
     n_out = n // 2 if gated else n
     out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     split = config.split_k if m <= BLOCK_M else 1
-    assert split <= MAX_SPLIT, config
-    kernel = kernel_for(config, bits, x.dtype, m)
+    assert split <= MAX_SPLIT and (m <= BLOCK_M or not as_one_row), config
+    kernel = kernel_for(config, bits, x.dtype, 1 if as_one_row else m)
     gemv = kernel != "mma"
-    block_m = 1 if gemv else BLOCK_M if m <= BLOCK_M else 64
+    block_m = triton.next_power_of_2(m) if gemv else BLOCK_M if m <= BLOCK_M else 64
     tiles = triton.cdiv(n, config.block_n)
     if split > 1:
         workspace.reserve(split * block_m * n, tiles)
@@ -221,16 +227,34 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
 
     if kernel == "packed":
         common.pop("BITS")
-        launcher(_packed_gemv_kernel, (tiles, split))(*tensors, n, k, split, STAGES=config.stages,
-                                                       EMULATE=INTERPRETED, **common)
+        launcher(_packed_gemv_kernel, (tiles, split))(*tensors, n, k, out.stride(0), split, STAGES=config.stages,
+                                                       EMULATE=INTERPRETED, ROWS=m, BLOCK_M=block_m, **common)
     elif gemv:
-        launcher(_gemv_kernel, (tiles, split))(*tensors, n, k, split, X_BF16=x.dtype == torch.bfloat16,
-                                                STAGES=config.stages, **common)
+        launcher(_gemv_kernel, (tiles, split))(*tensors, n, k, out.stride(0), split, X_BF16=x.dtype == torch.bfloat16,
+                                                STAGES=config.stages, ROWS=m, BLOCK_M=block_m, **common)
     else:
         launcher(_lowbit_kernel, (tiles, split, triton.cdiv(m, block_m)))(
             *tensors, m, n, k, x2.stride(0), out.stride(0), split,  # split: a value, not compiled in
             MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0, DOT_F32=INTERPRETED, BLOCK_M=block_m, **common)
     return out.view(*shape[:-1], n_out)
+
+
+_AS_ONE_ROW: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_as_one_row", default=False)
+
+
+@contextlib.contextmanager
+def rows_as_one_row(on: bool = True) -> Iterator[None]:
+    """Within it (where `on`), a `LowBitWeight` call of 2–BLOCK_M rows gives each row exactly the numbers
+    a one-row call gives it: the one-row launch shape and kernel, each row's arithmetic unchanged.
+    Why: speculative decoding's verify step scores a chat's next positions in one call, and its greedy
+    tokens must be those of the one-row decode steps it stands for; the batch kernels round otherwise
+    (0.25 % from the reference where the packed GEMV is 0.4 %), enough to flip a close choice. Read
+    when a call is traced: a CUDA graph captured within it keeps it."""
+    token = _AS_ONE_ROW.set(on)
+    try:
+        yield
+    finally:
+        _AS_ONE_ROW.reset(token)
 
 
 class LowBitWeight:
@@ -268,8 +292,11 @@ class LowBitWeight:
 
     def __call__(self, x: Tensor, config: Config | None = None, compile_only: bool = False) -> Tensor:
         rows = x.numel() // x.shape[-1]
-        chosen = config or (self.config if rows == 1 else self.batch_config if rows <= BLOCK_M else self.prefill)
-        in_kernel = self.gated and rows == 1  # more rows: the gated tile was slower (int4 prefill 1.3×, H100)
+        as_one_row = 1 < rows <= BLOCK_M and _AS_ONE_ROW.get()
+        chosen = config or (self.config if rows == 1 or as_one_row else self.batch_config if rows <= BLOCK_M
+                            else self.prefill)
+        # more rows: the gated tile was slower (int4 prefill 1.3×, H100), unless they must round as one row does
+        in_kernel = self.gated and (rows == 1 or as_one_row)
         out = lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace,
-                            in_kernel, compile_only)
+                            in_kernel, compile_only, as_one_row)
         return silu_mul_fused(out) if self.gated and not in_kernel and not compile_only else out

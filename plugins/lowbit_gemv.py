@@ -18,10 +18,12 @@ if triton is not None:
     ONE = tl.constexpr(0x3F803F80)  # the bf16 pair (1, 1)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
-                     BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_BF16: tl.constexpr,
-                     BLOCK_N: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr):
-        """One row of activations times BLOCK_N weight rows, on the CUDA cores: two instructions per weight.
+    def _gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_om,
+                     SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_BF16: tl.constexpr,
+                     BLOCK_N: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_M: tl.constexpr):
+        """ROWS rows of activations times BLOCK_N weight rows, on the CUDA cores: two instructions per
+        weight and row.
 
         Each 32-bit word is shifted so that one byte lands on bits 15–22, the top of an fp32 mantissa;
         an AND-OR under the bits of 1.0 makes the float 1 + q·2^(p−23), exactly (p: the value's lowest
@@ -30,56 +32,72 @@ if triton is not None:
         known besides Σ q·x (the scaled inputs, and the zero point times the inputs) depends on the
         chunk, not the row: it is summed once per chunk and taken out per row as one number. bf16
         inputs are read in pairs (one 32-bit load, two bit operations make the fp32 values). The loop
-        is software-pipelined (`STAGES`): the next chunks' loads are in flight while one is computed."""
+        is software-pipelined (`STAGES`): the next chunks' loads are in flight while one is computed.
+        Each activation row runs the one-row arithmetic on the weights made once (`_row_values`)."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
         n_ok = rv < N
         first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
-        acc = tl.zeros((BLOCK_N, 16), tl.float32)
-        known = tl.zeros((BLOCK_N,), tl.float32)  # per row: what acc holds besides Σ q·x·scale
+        accs, knowns = (), ()  # per activation row: the sums, and what they hold besides Σ q·x·scale
+        for r in tl.static_range(ROWS):
+            accs, knowns = accs + (tl.zeros((BLOCK_N, 16), tl.float32),), knowns + (tl.zeros((BLOCK_N,), tl.float32),)
         for start in tl.range(first, last, STEPS, num_stages=STAGES):
             for i in tl.static_range(STEPS):
                 c = start + i
                 ok = (rw * 0 + c) < last
                 w = tl.load(w_ptr + _row_chunk(rn, c, K, BITS)[:, None] * 16 + rw[None, :],
                             mask=n_ok[:, None] & ok[None, :], other=0)  # [BLOCK_N, 16] int32
-                t = tl.zeros((BLOCK_N, 16), tl.float32)
-                scaled = tl.zeros((16,), tl.float32)  # the scaled inputs t holds besides Σ q·x
-                xs = tl.zeros((16,), tl.float32)
-                for j in tl.static_range(4):  # byte j of every word
-                    v = w << (15 - 8 * j) if j < 2 else w >> (8 * j - 15)
-                    if BITS == 4:
-                        if X_BF16:  # inputs 2j and 2j + 1 of each word's eight, in one load
-                            pair = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + c * 64 + rw * 4 + j, mask=ok, other=0)
-                            x_lo = (pair << 16).to(tl.float32, bitcast=True)
-                            x_hi = (pair & -65536).to(tl.float32, bitcast=True)
-                        else:
-                            x_lo = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j, mask=ok, other=0.0).to(tl.float32)
-                            x_hi = tl.load(x_ptr + c * 128 + rw * 8 + 2 * j + 1, mask=ok, other=0.0).to(tl.float32)
-                        lo = ((v & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/256
-                        hi = ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
-                        t += lo * (x_lo * 256.0)[None, :]  # two FMAs: one sum `lo·a + hi·b` was a multiply too
-                        t += hi * (x_hi * 16.0)[None, :]
-                        scaled += x_lo * 256.0 + x_hi * 16.0
-                        xs += x_lo + x_hi
-                    else:
-                        x_j = tl.load(x_ptr + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32) * 256.0
-                        acc += ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True) * x_j[None, :]  # 1 + u/256
-                        scaled += x_j * 1.5  # u = q + 128
                 if BITS == 4:
                     c_ok = n_ok & (rn * 0 + c < last)
                     sc = tl.load(scale_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
                     zp = tl.load(zero_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
-                    acc += t * sc[:, None]
-                    known += (tl.sum(scaled, 0) + zp * tl.sum(xs, 0)) * sc
-                else:
-                    known += tl.sum(scaled, 0)
-        out = tl.sum(acc, 1) - known
+                new_accs, new_knowns = (), ()
+                for r in tl.static_range(ROWS):
+                    acc, known = accs[r], knowns[r]
+                    t = tl.zeros((BLOCK_N, 16), tl.float32)
+                    scaled = tl.zeros((16,), tl.float32)  # the scaled inputs t holds besides Σ q·x
+                    xs = tl.zeros((16,), tl.float32)
+                    for j in tl.static_range(4):  # byte j of every word
+                        v = w << (15 - 8 * j) if j < 2 else w >> (8 * j - 15)
+                        if BITS == 4:
+                            if X_BF16:  # inputs 2j and 2j + 1 of each word's eight, in one load
+                                pair = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + r * (K // 2) + c * 64 + rw * 4
+                                               + j, mask=ok, other=0)
+                                x_lo = (pair << 16).to(tl.float32, bitcast=True)
+                                x_hi = (pair & -65536).to(tl.float32, bitcast=True)
+                            else:
+                                x_at = x_ptr + r * K + c * 128 + rw * 8 + 2 * j
+                                x_lo = tl.load(x_at, mask=ok, other=0.0).to(tl.float32)
+                                x_hi = tl.load(x_at + 1, mask=ok, other=0.0).to(tl.float32)
+                            lo = ((v & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/256
+                            hi = ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
+                            t += lo * (x_lo * 256.0)[None, :]  # two FMAs: one sum `lo·a + hi·b` was a multiply too
+                            t += hi * (x_hi * 16.0)[None, :]
+                            scaled += x_lo * 256.0 + x_hi * 16.0
+                            xs += x_lo + x_hi
+                        else:
+                            x_j = tl.load(x_ptr + r * K + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32) * 256.0
+                            acc += ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True) * x_j[None, :]  # 1 + u/256
+                            scaled += x_j * 1.5  # u = q + 128
+                    if BITS == 4:
+                        acc += t * sc[:, None]
+                        known += (tl.sum(scaled, 0) + zp * tl.sum(xs, 0)) * sc
+                    else:
+                        known += tl.sum(scaled, 0)
+                    new_accs, new_knowns = new_accs + (acc,), new_knowns + (known,)
+                accs, knowns = new_accs, new_knowns
         if BITS == 8:
-            out *= tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        _finish(out[:, None], rv, rn, tl.arange(0, 1), n_ok, tl.arange(0, 1) < 1, pid_n, pid_k, N, bias_ptr, out_ptr,
-                0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
+            sc = tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        cols = tl.arange(0, BLOCK_M)
+        out = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for r in tl.static_range(ROWS):
+            row = tl.sum(accs[r], 1) - knowns[r]
+            if BITS == 8:
+                row *= sc
+            out = tl.where(cols[None, :] == r, row[:, None], out)
+        _finish(out, rv, rn, cols, n_ok, cols < ROWS, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr,
+                count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
 
     @triton.jit
     def _pair_fma(a, b, c, EMULATE: tl.constexpr):
@@ -145,10 +163,11 @@ if triton is not None:
         return scales, tl.load(zero_ptr + at).to(tl.float32)
 
     @triton.jit
-    def _packed_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, SPLIT_K,
-                            HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, STEPS: tl.constexpr,
-                            STAGES: tl.constexpr, EMULATE: tl.constexpr):
-        """int4, one row of bf16 activations: two weights per instruction, on packed bf16 pairs.
+    def _packed_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_om,
+                            SPLIT_K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                            STEPS: tl.constexpr, STAGES: tl.constexpr, EMULATE: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK_M: tl.constexpr):
+        """int4, ROWS rows of bf16 activations: two weights per instruction, on packed bf16 pairs.
 
         A word holds 8 weights; masks and `prmt` put the nibbles of inputs s and s + 4 under the upper
         byte of 128.0, making the pair (128 + q, 128 + q') exactly; one `sub.rn.bf16x2` takes out
@@ -161,13 +180,16 @@ if triton is not None:
         reference where the fp32 GEMV has 0.0026 (H100, 2026-11-27). Scales and zero points are
         loaded a loop step ahead (inside the step, every step waited a memory latency for them: 12 %
         of gate_up's time). Chunks past this split's end (the last step of an uneven split) re-read
-        its last chunk with a zero scale: no masked loads."""
+        its last chunk with a zero scale: no masked loads. Several activation rows share the weights'
+        pairs (q − zi) and each runs the one-row arithmetic on them."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rs = tl.minimum(rn, N - 1)  # rows past the end read a real row's scale; they are never stored
         rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
         first, last = _chunks(pid_k, K, 4, STEPS, SPLIT_K)
-        acc = tl.zeros((BLOCK_N, 16), tl.float32)
+        accs = ()  # per activation row
+        for r in tl.static_range(ROWS):
+            accs = accs + (tl.zeros((BLOCK_N, 16), tl.float32),)
         steps = tl.arange(0, STEPS)
         scales, zeros = _group_values(scale_ptr, zero_ptr, rs, first, last, N, STEPS)
         for start in tl.range(first, last, STEPS, num_stages=STAGES):
@@ -176,13 +198,6 @@ if triton is not None:
             for i in tl.static_range(STEPS):
                 c = tl.minimum(start + i, last - 1)
                 w = tl.load(w_ptr + _row_chunk(rn, c, K, 4)[:, None] * 16 + rw[None, :])  # [BLOCK_N, 16] int32
-                xw = x_ptr.to(tl.pointer_type(tl.int32)) + c * 64 + rw * 4  # inputs (0, 1), (2, 3), ... of each word
-                xa, xb, xc, xd = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
-                p0, p1 = _bytes(xa, xc, 0x5410, EMULATE), _bytes(xa, xc, 0x7632, EMULATE)  # (x0, x4), (x1, x5)
-                p2, p3 = _bytes(xb, xd, 0x5410, EMULATE), _bytes(xb, xd, 0x7632, EMULATE)  # (x2, x6), (x3, x7)
-                one = tl.zeros_like(xa) + ONE
-                xs = _pair_fma(_pair_fma(xa, one, xb, EMULATE), one, _pair_fma(xc, one, xd, EMULATE),
-                               EMULATE)  # the word's inputs summed in pairs
                 sc = tl.sum(tl.where(steps[None, :] == i, sc_step, 0.0), 1)
                 zp = tl.sum(tl.where(steps[None, :] == i, zp_step, 0.0), 1)
                 zi = tl.minimum(tl.maximum(tl.floor(zp + 0.5), 0.0), 15.0)  # a whole zero point, 0–15
@@ -190,12 +205,30 @@ if triton is not None:
                 fraction = _pair(zi - zp, zi - zp)[:, None]  # what the whole zero point left out, negated
                 even, odd = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F  # bytes: inputs 0, 2, 4, 6 and 1, 3, 5, 7
                 high = tl.zeros_like(w) + 0x43434343  # 0x43: the upper byte of 128.0
-                t = _pair_sub(_bytes(even, high, 0x4240, EMULATE), offset, EMULATE)  # (q0 − zi, q4 − zi), exact
-                t = _pair_fma(t, p0[None, :], tl.zeros_like(w), EMULATE)
-                t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4240, EMULATE), offset, EMULATE), p1[None, :], t, EMULATE)
-                t = _pair_fma(_pair_sub(_bytes(even, high, 0x4341, EMULATE), offset, EMULATE), p2[None, :], t, EMULATE)
-                t = _pair_fma(_pair_sub(_bytes(odd, high, 0x4341, EMULATE), offset, EMULATE), p3[None, :], t, EMULATE)
-                lo, hi = _halves(_pair_fma(fraction, xs[None, :], t, EMULATE))
-                acc += (lo + hi) * sc[:, None]
-        _finish(tl.sum(acc, 1)[:, None], rv, rn, tl.arange(0, 1), rv < N, tl.arange(0, 1) < 1, pid_n, pid_k, N,
-                bias_ptr, out_ptr, 0, part_ptr, count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, 1)
+                d0 = _pair_sub(_bytes(even, high, 0x4240, EMULATE), offset, EMULATE)  # (q0 − zi, q4 − zi), exact
+                d1 = _pair_sub(_bytes(odd, high, 0x4240, EMULATE), offset, EMULATE)  # (q1 − zi, q5 − zi)
+                d2 = _pair_sub(_bytes(even, high, 0x4341, EMULATE), offset, EMULATE)  # (q2 − zi, q6 − zi)
+                d3 = _pair_sub(_bytes(odd, high, 0x4341, EMULATE), offset, EMULATE)  # (q3 − zi, q7 − zi)
+                new_accs = ()
+                for r in tl.static_range(ROWS):
+                    # this row's inputs (0, 1), (2, 3), ... of each word
+                    xw = x_ptr.to(tl.pointer_type(tl.int32)) + r * (K // 2) + c * 64 + rw * 4
+                    xa, xb, xc, xd = tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3)
+                    p0, p1 = _bytes(xa, xc, 0x5410, EMULATE), _bytes(xa, xc, 0x7632, EMULATE)  # (x0, x4), (x1, x5)
+                    p2, p3 = _bytes(xb, xd, 0x5410, EMULATE), _bytes(xb, xd, 0x7632, EMULATE)  # (x2, x6), (x3, x7)
+                    one = tl.zeros_like(xa) + ONE
+                    xs = _pair_fma(_pair_fma(xa, one, xb, EMULATE), one, _pair_fma(xc, one, xd, EMULATE),
+                                   EMULATE)  # the word's inputs summed in pairs
+                    t = _pair_fma(d0, p0[None, :], tl.zeros_like(w), EMULATE)
+                    t = _pair_fma(d1, p1[None, :], t, EMULATE)
+                    t = _pair_fma(d2, p2[None, :], t, EMULATE)
+                    t = _pair_fma(d3, p3[None, :], t, EMULATE)
+                    lo, hi = _halves(_pair_fma(fraction, xs[None, :], t, EMULATE))
+                    new_accs = new_accs + (accs[r] + (lo + hi) * sc[:, None],)
+                accs = new_accs
+        cols = tl.arange(0, BLOCK_M)
+        out = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for r in tl.static_range(ROWS):
+            out = tl.where(cols[None, :] == r, tl.sum(accs[r], 1)[:, None], out)
+        _finish(out, rv, rn, cols, rv < N, cols < ROWS, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr,
+                count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)

@@ -60,6 +60,28 @@ print("ok")
 '''
 
 
+ROWS_SCRIPT = r'''
+import itertools
+import torch
+from plugins import lowbit
+from pipeline.llm.weights.quant import quantize
+torch.manual_seed(0)
+for (mode, bits), dtype, kernel, (n, k, shape, gated) in itertools.product(
+        (("int4", 4), ("int8", 8)), (torch.bfloat16, torch.float16), ("packed", "gemv", "mma"),
+        ((96, 256, (32, 1, 1), True), (80, 512, (32, 2, 4), False))):
+    parts = quantize(torch.randn(n, k) * 0.05, mode, dtype)
+    bias = torch.randn(n).to(dtype) if gated else None
+    layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")), gated)
+    layer.config = lowbit.Config(*shape, kernel=kernel)
+    x = torch.randn(1, 3, k).to(dtype)
+    alone = torch.cat([layer(x[:, i:i + 1]) for i in range(3)], 1)
+    with lowbit.rows_as_one_row():
+        together = layer(x)
+    assert torch.equal(together, alone), (mode, dtype, kernel, gated, (together - alone).abs().max())
+    assert not layer.workspace.counters.any()
+print("ok")
+'''
+
 MLP_SCRIPT = r'''
 import torch
 from pipeline.llm.weights.config import DecoderConfig
@@ -90,6 +112,13 @@ def run_interpreted(script: str) -> None:
 def test_lowbit_kernels_match_the_dequantizing_reference_under_the_interpreter():
     run_interpreted(SCRIPT)
 
+
+def test_rows_as_one_row_give_each_row_the_one_row_calls_numbers_bit_for_bit():
+    """Within `rows_as_one_row` (speculative decoding's verify step of one chat), three rows through a
+    layer equal three one-row calls exactly, for each one-row kernel (the packed-pair GEMV, the fp32
+    GEMV, the tensor cores), int4 and int8, bf16 and fp16, gated with a bias and split four ways: the
+    verify step's greedy tokens are then those of the decode steps it stands for."""
+    run_interpreted(ROWS_SCRIPT)
 
 def test_a_quantized_mlp_applies_silu_mul_in_the_gate_up_kernel_once():
     """`use_kernels` gives each MLP's gate and up projection the gated kernel, and the MLP then skips its

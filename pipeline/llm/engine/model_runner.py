@@ -18,6 +18,7 @@ from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT
 from pipeline.llm.model import Chunk, Decode, Decoder, KVCache, Prefill, RotaryTables, Verify
+from plugins.lowbit import rows_as_one_row
 
 GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
@@ -160,8 +161,9 @@ class ModelRunner:
         kv_len = kv_len_for(size)
 
         def step(inputs: Tensor) -> Tensor:
-            return self.model(cache, self.rope, Verify(inputs[:, size], inputs[:, size + 1], kv_len),
-                              tokens=inputs[:, :size], last_only=False)
+            with rows_as_one_row(bucket == 1):  # one chat's positions: low-bit layers round as its decode steps do
+                return self.model(cache, self.rope, Verify(inputs[:, size], inputs[:, size + 1], kv_len),
+                                  tokens=inputs[:, :size], last_only=False)
 
         return self._run(("verify", bucket, size, kv_len), step, packed)[:n, :need, :self.vocab_size]
 
