@@ -162,12 +162,17 @@ class Workspace:
         self.device = device
         self.partials = torch.empty(0, device=device)
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self._outgrown: list[Tensor] = []  # buffers a CUDA graph captured earlier may still use: never freed
 
     def reserve(self, partial_floats: int, counters: int) -> None:
-        """Grow to at least these sizes (before any CUDA graph is captured: allocation is not graphable)."""
+        """Grow to at least these sizes (in a graph's eager warm-up: allocation is not graphable). An
+        outgrown buffer is kept, not freed: a graph captured before (a decode step's) keeps its address,
+        and a verify step with more rows of partials must not hand that memory to anything else."""
         if self.partials.numel() < partial_floats:
+            self._outgrown.append(self.partials)
             self.partials = torch.empty(partial_floats, dtype=torch.float32, device=self.device)
         if self.counters.numel() < counters:
+            self._outgrown.append(self.counters)
             self.counters = torch.zeros(counters, dtype=torch.int32, device=self.device)
 
 
@@ -181,6 +186,18 @@ def default_config(bits: int, out_features: int, in_features: int, rows: int, pr
     while tiles * split < 2 * processors and chunks // (split * 2) >= 8 and split < MAX_SPLIT:
         split *= 2
     return Config(block_n=64, steps=1, split_k=split)
+
+
+def rows_config(one_row: Config, rows: int) -> Config:
+    """The launch shape for `rows` rows that must each get the `one_row` launch's numbers (`rows_as_one_row`):
+    the same kernel, split and warps, with fewer output rows per program as the activation rows grow (a
+    GEMV keeps each one's sums in registers: past 255 they spill, and ROWS 8–9 at 128 output rows ran 5×
+    slower: H100, 2026-11-27), never under 8 a warp (the sums' layout along the inputs, and so each row's
+    adding order, stays the one-row launch's)."""
+    if one_row.kernel == "mma":
+        return one_row
+    return dataclasses.replace(one_row, block_n=max(min(one_row.block_n, 256 // triton.next_power_of_2(rows)),
+                                                    8 * one_row.warps))
 
 
 def kernel_for(config: Config, bits: int, dtype: torch.dtype, rows: int) -> str:
@@ -293,8 +310,8 @@ class LowBitWeight:
     def __call__(self, x: Tensor, config: Config | None = None, compile_only: bool = False) -> Tensor:
         rows = x.numel() // x.shape[-1]
         as_one_row = 1 < rows <= BLOCK_M and _AS_ONE_ROW.get()
-        chosen = config or (self.config if rows == 1 or as_one_row else self.batch_config if rows <= BLOCK_M
-                            else self.prefill)
+        chosen = config or (self.config if rows == 1 else rows_config(self.config, rows) if as_one_row
+                            else self.batch_config if rows <= BLOCK_M else self.prefill)
         # more rows: the gated tile was slower (int4 prefill 1.3×, H100), unless they must round as one row does
         in_kernel = self.gated and (rows == 1 or as_one_row)
         out = lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace,

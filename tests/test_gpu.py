@@ -220,11 +220,12 @@ def test_quantized_chat_graphs_match_eager():
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode):
-    """Speculative decoding's verify step (one chat's last token and four drafted ones, one CUDA graph)
-    gives exactly the logits of the five decode steps it stands for, whichever one-row kernel a layer
-    was tuned to (packed bf16 pairs, the fp32 GEMV, the tensor cores; split or not) and with the
-    untied LM head in int8: greedy speculation then keeps plain decoding's tokens. Without
-    `rows_as_one_row` the tensor-core kernel ran the verify rows and rounded otherwise."""
+    """Speculative decoding's verify step (one chat's last token and 1, 2, 4 or 8 drafted ones, a CUDA
+    graph each) gives exactly the logits of the decode steps it stands for, whichever one-row kernel a
+    layer was tuned to (packed bf16 pairs, the fp32 GEMV, the tensor cores; split or not; tiles that
+    `rows_config` narrows for more rows) and with the untied LM head in int8: greedy speculation then
+    keeps plain decoding's tokens. Without `rows_as_one_row` the tensor-core kernel ran the verify rows
+    and rounded otherwise."""
     from pipeline.llm.engine.model_runner import ModelRunner
     from pipeline.llm.model import Decoder, KVCache
     from pipeline.llm.weights.config import DecoderConfig
@@ -238,9 +239,9 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode):
     model = quantize_decoder(Decoder(config).to(torch.bfloat16), mode, "cuda").cuda().eval()
     use_kernels(model, TunedConfigs())
     layers = [m.kernel for m in model.modules() if getattr(m, "kernel", None) is not None]
-    drafted = [77, 5, 900, 31, 2]
+    tokens = [77, 5, 900, 31, 2, 64, 1000, 8, 300]
     for one_row in [None] + [lowbit.Config(bn, st, split, kernel=kernel) for kernel, bn, st in
-                             (("packed", 64, 1), ("gemv", 256, 1), ("mma", 32, 2)) for split in (1, 4)]:
+                             (("packed", 128, 1), ("gemv", 256, 1), ("mma", 32, 2)) for split in (1, 4)]:
         if one_row is not None:
             for layer in layers:
                 layer.config = one_row
@@ -248,11 +249,13 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode):
         cache = KVCache(config, 2, runner.positions, torch.bfloat16, "cuda")
         with torch.inference_mode():
             runner.prefill(cache, Prompt(tuple(range(3, 43))), 0, 0, 40, 0)
-            verified = runner.verify(cache, [drafted], [40], [0])[0].clone()
             stepped = torch.stack([runner.decode(cache, 1, ([token], [40 + t], [0]), None, 41 + t)[0].clone()
-                                   for t, token in enumerate(drafted)])
+                                   for t, token in enumerate(tokens)])
+            for size in (2, 3, 5, 9):
+                verified = runner.verify(cache, [tokens[:size]], [40], [0])[0]
+                assert torch.equal(verified, stepped[:size]), (mode, one_row, size,
+                                                               (verified - stepped[:size]).abs().max())
         runner.close()
-        assert torch.equal(verified, stepped), (mode, one_row, (verified - stepped).abs().max())
 
 
 def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
