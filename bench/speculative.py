@@ -308,7 +308,7 @@ class SameDrafts:
         return [(*history, *last)[-1]] * min(k, self.most)
 
 
-def engine7b_part(res: dict, real_json: Path, layers: int) -> None:
+def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] = ("none", "int4")) -> None:
     from llm_engine import random_prompt, random_qwen25_7b
     from pipeline.llm.engine.sampling import SamplingParams
     from pipeline.llm.engine.seam import Prompt
@@ -321,7 +321,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int) -> None:
     res.update(device=torch.cuda.get_device_name(), layers=layers, context=2048,
                note="random weights made decisive (`decisive`): same shapes and work, greedy tokens that no "
                     "rounding difference flips, so drafts are kept exactly where the real replies kept them")
-    for mode in ("none", "int4"):
+    for mode in modes:
         model = decisive(random_qwen25_7b(layers))
         if mode != "none":
             quantize_decoder(model, mode, "cuda")
@@ -395,6 +395,7 @@ def main() -> None:
     parser.add_argument("--real-json", type=Path)
     parser.add_argument("--projection-json", type=Path)
     parser.add_argument("--engine7b-json", type=Path)
+    parser.add_argument("--modes", default="none,int4", help="engine7b: the weights' modes (none: bf16)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -403,7 +404,7 @@ def main() -> None:
     if "real" in parts:
         real_part({}, args.max_new_tokens)
     if "engine7b" in parts:
-        engine7b_part({}, args.real_json, args.layers)
+        engine7b_part({}, args.real_json, args.layers, args.modes.split(","))
     if "project" in parts:
         project_part({}, args.verify_json, args.real_json)
     if "combine" in parts:

@@ -188,16 +188,12 @@ def default_config(bits: int, out_features: int, in_features: int, rows: int, pr
     return Config(block_n=64, steps=1, split_k=split)
 
 
-def rows_config(one_row: Config, rows: int) -> Config:
-    """The launch shape for `rows` rows that must each get the `one_row` launch's numbers (`rows_as_one_row`):
-    the same kernel, split and warps, with fewer output rows per program as the activation rows grow (a
-    GEMV keeps each one's sums in registers: past 255 they spill, and ROWS 8–9 at 128 output rows ran 5×
-    slower: H100, 2026-11-27), never under 8 a warp (the sums' layout along the inputs, and so each row's
-    adding order, stays the one-row launch's)."""
-    if one_row.kernel == "mma":
-        return one_row
-    return dataclasses.replace(one_row, block_n=max(min(one_row.block_n, 256 // triton.next_power_of_2(rows)),
-                                                    8 * one_row.warps))
+def rows_per_gemv(config: Config) -> int:
+    """Activation rows one GEMV launch takes at most: each keeps its own sums in registers, BLOCK_N / 8
+    a thread at 4 warps, and past about 576 sums a program they spill (compiled for sm_90; the int8 LM
+    head's 256-row tiles took 141× one row's time for 9 rows: H100, 2026-11-27). More rows run in
+    several launches; each row's arithmetic is the same in any of them."""
+    return max(1, 576 * config.warps // (4 * config.block_n))
 
 
 def kernel_for(config: Config, bits: int, dtype: torch.dtype, rows: int) -> str:
@@ -228,7 +224,8 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
     assert split <= MAX_SPLIT and (m <= BLOCK_M or not as_one_row), config
     kernel = kernel_for(config, bits, x.dtype, 1 if as_one_row else m)
     gemv = kernel != "mma"
-    block_m = triton.next_power_of_2(m) if gemv else BLOCK_M if m <= BLOCK_M else 64
+    per_launch = min(m, rows_per_gemv(config)) if gemv else m
+    block_m = triton.next_power_of_2(per_launch) if gemv else BLOCK_M if m <= BLOCK_M else 64
     tiles = triton.cdiv(n, config.block_n)
     if split > 1:
         workspace.reserve(split * block_m * n, tiles)
@@ -237,19 +234,25 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
         partials = counters = out  # unused
     common = dict(BITS=bits, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=config.block_n, STEPS=config.steps,
                   num_warps=config.warps, num_stages=config.stages)
-    tensors = (x2, data.view(torch.int32) if gemv else data, scale, zero if zero is not None else scale,
-               bias if bias is not None else scale, out, partials, counters)
+    weights = (data.view(torch.int32) if gemv else data, scale, zero if zero is not None else scale,
+               bias if bias is not None else scale)
     def launcher(kernel, grid):
         return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 
-    if kernel == "packed":
-        common.pop("BITS")
-        launcher(_packed_gemv_kernel, (tiles, split))(*tensors, n, k, out.stride(0), split, STAGES=config.stages,
-                                                       EMULATE=INTERPRETED, ROWS=m, BLOCK_M=block_m, **common)
-    elif gemv:
-        launcher(_gemv_kernel, (tiles, split))(*tensors, n, k, out.stride(0), split, X_BF16=x.dtype == torch.bfloat16,
-                                                STAGES=config.stages, ROWS=m, BLOCK_M=block_m, **common)
+    if gemv:  # in launches of `per_launch` rows (each row's numbers are the same in any of them)
+        for i in range(0, m, per_launch):
+            rows = min(per_launch, m - i)
+            tensors = (x2[i:i + rows], *weights, out[i:i + rows], partials, counters)
+            block = dict(ROWS=rows, BLOCK_M=triton.next_power_of_2(rows), STAGES=config.stages, **common)
+            if kernel == "packed":
+                del block["BITS"]
+                launcher(_packed_gemv_kernel, (tiles, split))(*tensors, n, k, out.stride(0), split,
+                                                               EMULATE=INTERPRETED, **block)
+            else:
+                launcher(_gemv_kernel, (tiles, split))(*tensors, n, k, out.stride(0), split,
+                                                        X_BF16=x.dtype == torch.bfloat16, **block)
     else:
+        tensors = (x2, *weights, out, partials, counters)
         launcher(_lowbit_kernel, (tiles, split, triton.cdiv(m, block_m)))(
             *tensors, m, n, k, x2.stride(0), out.stride(0), split,  # split: a value, not compiled in
             MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0, DOT_F32=INTERPRETED, BLOCK_M=block_m, **common)
@@ -310,8 +313,8 @@ class LowBitWeight:
     def __call__(self, x: Tensor, config: Config | None = None, compile_only: bool = False) -> Tensor:
         rows = x.numel() // x.shape[-1]
         as_one_row = 1 < rows <= BLOCK_M and _AS_ONE_ROW.get()
-        chosen = config or (self.config if rows == 1 else rows_config(self.config, rows) if as_one_row
-                            else self.batch_config if rows <= BLOCK_M else self.prefill)
+        chosen = config or (self.config if rows == 1 or as_one_row else self.batch_config if rows <= BLOCK_M
+                            else self.prefill)
         # more rows: the gated tile was slower (int4 prefill 1.3×, H100), unless they must round as one row does
         in_kernel = self.gated and (rows == 1 or as_one_row)
         out = lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace,
