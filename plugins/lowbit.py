@@ -21,6 +21,8 @@ then an int→float conversion at 16 per SM per clock, per row of the batch) fal
   kernel: two weights per instruction, scales a loop step ahead; it reads gate_up at 0.71 and down
   at 0.58 of copy bandwidth, qkv and o at 0.33 and 0.30 (H100, 2026-11-27; the fp32-mantissa GEMV
   it replaced: 0.64 / 0.45 / 0.28 / 0.23).
+- **A speculative verify step's rows round as one-row calls** (`rows_as_one_row`): the one-row launch
+  for each of a chat's 2–9 positions, so greedy replies stay those of plain decoding.
 - Launch shapes (kernel, tile, loop step, split) are timed per GPU and layer shape
   (`plugins/lowbit_tuning.py`): whichever kernel is fastest for a shape and batch runs it.
 

@@ -2,7 +2,9 @@
 multiply 15 rows of padding, and the layout change into their operands costs more instructions than
 the product. `_gemv_kernel` (int4 and int8, bf16 and fp16) dequantizes into fp32 mantissas;
 `_packed_gemv_kernel` (int4, bf16) works on packed bf16 pairs, two weights per instruction. Which one
-runs a layer is timed per GPU and shape (`plugins.lowbit_tuning`)."""
+runs a layer is timed per GPU and shape (`plugins.lowbit_tuning`). Both also take a few rows (`ROWS`)
+that must each get exactly a one-row launch's numbers (a speculative verify step's: `rows_as_one_row`):
+the weights are dequantized once and every row runs the one-row arithmetic on them."""
 
 from __future__ import annotations
 

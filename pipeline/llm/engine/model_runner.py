@@ -47,9 +47,6 @@ class ModelRunner:
         self.captures = 0  # graphs captured so far: a step that captured one took far longer than its kind does
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
-        # Buffers that two steps may use at once (one running, one being prepared) come in pairs.
-        self._step_host = torch.zeros(3 * max_batch, dtype=torch.long, pin_memory=self._pinned)  # viewed [3, bucket]:
-        # contiguous, as a copy from pageable memory (a strided view's) would wait for the GPU
         self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
         # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
         # behind decode steps already launched.
@@ -127,9 +124,11 @@ class ModelRunner:
             self._packed[1, :n] += 1
         else:
             pad = bucket - n
-            host = self._step_host[:3 * bucket].view(3, bucket)
-            for line, values, fill in zip(host.numpy(), rows, (0, self.scratch, 0)):
-                line[:] = list(values) + [fill] * pad
+            # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
+            # run): one buffer kept for every step was rewritten while an earlier step's copy still
+            # waited in the stream, and that step ran on the next one's tokens and positions.
+            host = torch.tensor([list(values) + [fill] * pad for values, fill in zip(rows, (0, self.scratch, 0))],
+                                dtype=torch.long, pin_memory=self._pinned)
             self._packed[:, :bucket].copy_(host, non_blocking=True)
         kv_len = min(-(-kv_len // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + 1)
         packed = self._packed[:, :bucket]

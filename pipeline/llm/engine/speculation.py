@@ -32,7 +32,8 @@ DECAY = 0.8  # weight of the earlier acceptance counts at each new verify
 @dataclasses.dataclass(frozen=True)
 class VerifyCost:
     """A verify step with k ≥ 1 drafted tokens per row costs `1 + fixed + per_token * k` decode steps.
-    Measured: H100, Qwen2.5-7B shapes, bf16 0.06 + 0.007 k, int4 0.25 + 0.027 k (`bench/speculative.py`);
+    Measured: H100, Qwen2.5-7B shapes, bf16 0.06 + 0.007 k, int4 0.07 + 0.34 k (its rows run as one-row
+    calls, `plugins.lowbit.rows_as_one_row`: each costs about a third of a decode step; `bench/speculative.py`);
     SmolLM2-135M on 2 CPU cores in fp32 0.0 + 0.085 k."""
 
     fixed: float
@@ -43,7 +44,7 @@ class VerifyCost:
 
 
 GPU_FLOAT = VerifyCost(0.06, 0.007)
-GPU_LOW_BIT = VerifyCost(0.25, 0.027)
+GPU_LOW_BIT = VerifyCost(0.07, 0.34)
 CPU = VerifyCost(0.0, 0.085)
 
 
