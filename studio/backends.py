@@ -30,6 +30,7 @@ from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.weights.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
+from studio.draft_choice import draft_modes, fastest_draft, record_name
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.llm.text.tokenizer import Tokenizer, load_tokenizer
@@ -184,20 +185,28 @@ def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
 
 def load_draft(draft_id: str, target_dir: Path, device: str, dtype: torch.dtype, max_context: int, max_batch: int,
                engines: EngineOptions | None, quant: str, free_bytes: int | None) -> LanguageModel | None:
-    """The draft model for speculative decoding, loaded (its weights as `quant` picks, its KV cache from
-    `free_bytes`); None where it cannot load or does not share the target's tokenizer, and the start-up
-    report says why: drafts then come from prompt lookup."""
+    """The draft model for speculative decoding, loaded (on a GPU in float or int4, whichever decodes
+    faster there: `studio.draft_choice`; elsewhere as `quant`; its KV cache from `free_bytes`); None where
+    it cannot load or does not share the target's tokenizer, and the start-up report says why: drafts
+    then come from prompt lookup."""
     tell = engines.report.tell if engines is not None else (lambda line: None)
     try:
-        draft = load_language_model(resolve(draft_id).path, draft_id, "torch", device, dtype, max_context, max_batch,
-                                    engines=engines, quant=quant, free_bytes=free_bytes, speculate="off")
+        folder = resolve(draft_id).path
+        if not same_vocabulary(load_tokenizer(folder), load_tokenizer(target_dir)):
+            tell(f"chat: the draft model {draft_id} does not share the chat model's tokenizer (its drafts would be "
+                 f"other tokens); drafting by prompt lookup instead")
+            return None
+
+        def load(mode: str) -> LanguageModel:
+            return load_language_model(folder, draft_id, "torch", device, dtype, max_context, max_batch,
+                                       engines=engines, quant=mode, free_bytes=free_bytes, speculate="off")
+
+        on_gpu = engines is not None and device.startswith("cuda")
+        record = engines.cache.root / "kernels" / record_name(draft_id, TunedConfigs.file_name(torch.device(device))) \
+            if on_gpu else None
+        draft = fastest_draft(load, draft_modes(device, quant), record, lambda line: tell(f"chat: {line}"))
     except UserError as e:
         tell(f"chat: the draft model {draft_id} did not load ({e}); drafting by prompt lookup instead")
-        return None
-    if not same_vocabulary(draft.tokenizer, load_tokenizer(target_dir)):
-        draft.close()
-        tell(f"chat: the draft model {draft_id} does not share the chat model's tokenizer (its drafts would be "
-             f"other tokens); drafting by prompt lookup instead")
         return None
     tell(f"chat: drafts come from {draft_id} (speculative decoding)")
     return draft

@@ -123,7 +123,8 @@ def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParse
     p.add_argument("--draft", default="auto", metavar="MODEL",
                    help="a small model sharing the chat model's tokenizer that drafts its tokens (as --model names "
                         "one, e.g. Qwen/Qwen2.5-0.5B-Instruct for Qwen2.5-7B-Instruct); auto (default) takes the "
-                        "small model of the chat model's family when it is on this machine, none uses prompt lookup")
+                        "small model of the chat model's family when it is on this machine, none uses prompt lookup. "
+                        "On a GPU it runs in float or int4, whichever decodes faster there (timed once, kept)")
     p.add_argument("--gpu-memory", type=float, metavar="GiB",
                    help="memory the tools may take together (default: the GPU's minus 2 GiB; no limit on the CPU); "
                         "the least recently used idle tool is unloaded to make room, and reloads when used")

@@ -1,0 +1,89 @@
+"""Which weights a draft model runs in: on a GPU, float or int4, whichever decodes faster there, timed at
+the first launch and kept beside the engine cache.
+
+Why measured: a draft model is small (Qwen2.5-0.5B for a 7B chat model), and at that size a decode
+step is bound by launches and latency as much as by its weight bytes: int4 reads a quarter of the
+bytes, but its GEMVs reach a smaller share of the bandwidth on narrow layers (bench/RESULTS.md, issue
+32 part 2), so which is faster depends on the GPU and the model. Elsewhere the draft runs as the chat
+model's `--quant` says (on the CPU, quantized layers dequantize at every call).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.files import atomic_write
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.language_model import LanguageModel
+
+GPU_MODES = ("none", "int4")
+PROBE = Prompt(tuple(range(1, 33)))  # a fixed prompt: the speed of a step does not depend on the words
+PROBE_TOKENS = 48
+
+
+def draft_modes(device: str, quant: str) -> tuple[str, ...]:
+    """The weights a draft model may run in: on a GPU float and int4 (the faster is kept), else `quant`."""
+    return GPU_MODES if device.startswith("cuda") else (quant,)
+
+
+def record_name(draft_id: str, kernels_file: str) -> str:
+    """The file that keeps the choice for this draft model on this GPU and kernel version (`kernels_file`:
+    the low-bit kernels' tuned-configs file name, which names both)."""
+    return f"draft-{re.sub(r'[^A-Za-z0-9_.-]+', '_', draft_id)}-{kernels_file}"
+
+
+def decode_speed(model: LanguageModel) -> float:
+    """Greedy decode tokens per second, the better of two replies of PROBE_TOKENS (the first compiles and
+    captures what a first step needs); no end-of-text stop, so every reply has its full length."""
+    params = SamplingParams(max_new_tokens=PROBE_TOKENS, temperature=0, repetition_penalty=1.0)
+    speeds = []
+    for _ in range(2):
+        stream = model.engine.submit(PROBE, params, set())
+        stream.wait()
+        speeds.append(stream.stats.tokens_per_s)
+    return max(speeds)
+
+
+def fastest_draft(load: Callable[[str], LanguageModel], modes: tuple[str, ...], record: Path | None,
+                  say: Callable[[str], None]) -> LanguageModel:
+    """The draft model loaded by `load(mode)` in the fastest of `modes`: the one `record` kept from an
+    earlier launch, else each timed (`decode_speed`) with at most two loaded at once, the choice and the
+    speeds written to `record` (atomically). A damaged or stale record is timed again, not trusted."""
+    stored = _read(record)
+    if stored in modes or len(modes) == 1:
+        return load(stored if stored in modes else modes[0])
+    say(f"timing the draft model in {' and '.join(_label(m) for m in modes)} on this GPU (once; kept)")
+    best: tuple[str, LanguageModel] | None = None
+    speeds: dict[str, float] = {}
+    for mode in modes:
+        model = load(mode)
+        speeds[mode] = round(decode_speed(model), 1)
+        if best is None or speeds[mode] > speeds[best[0]]:
+            if best is not None:
+                best[1].close()
+            best = (mode, model)
+        else:
+            model.close()
+    say("draft model decode: " + ", ".join(f"{_label(m)} {s} tok/s" for m, s in speeds.items())
+        + f"; runs in {_label(best[0])}")
+    if record is not None:
+        atomic_write(record, json.dumps({"quant": best[0], "tokens_per_s": speeds}, indent=1))
+    return best[1]
+
+
+def _read(record: Path | None) -> str | None:
+    if record is None or not record.is_file():
+        return None
+    try:
+        quant = json.loads(record.read_text()).get("quant")
+    except (ValueError, AttributeError):
+        return None
+    return quant if isinstance(quant, str) else None
+
+
+def _label(mode: str) -> str:
+    return "float" if mode == "none" else mode
