@@ -2,8 +2,10 @@
 through the low-bit layers as one-row calls would (`plugins.lowbit.rows_as_one_row`), so that greedy
 tokens stay those of plain decoding. Per Qwen2.5-7B layer shape, the one-row launch tuned here (as the
 app tunes it), then 2, 3, 5 and 9 rows (draft sizes 1, 2, 4, 8) at several output rows per program:
-microseconds, the ratio to one row, whether every row equals its one-row call bit for bit; and the
-batch kernel (tensor cores, the tuned 2–16-row launch) at the same rows, which rounds otherwise.
+microseconds, the ratio to one row, whether every row equals its one-row call bit for bit (the app
+runs them on the one-row tile, marked *; the others show what a narrower or wider tile would cost, and
+that it need not be exact); and the batch kernel (tensor cores, the tuned 2–16-row launch) at the same
+rows, which rounds otherwise.
 
     python bench/verify_rows.py   # on a CUDA GPU; prints a table last, writes verify_rows.json to $OUT
 """
@@ -56,7 +58,7 @@ def main() -> None:
             alone = torch.cat([layers[0](x[:, i:i + 1]) for i in range(rows)], 1)
             plain = graphed_us([lambda i=i: layers[i % COPIES](x) for i in range(24)])
             row[f"r{rows}_batch_kernel_x"] = round(plain / base, 3)
-            blocks = sorted({*BLOCKS, one.block_n, lowbit.rows_config(one, rows).block_n})
+            blocks = sorted({*BLOCKS, one.block_n})
             for block_n in blocks if one.kernel != "mma" else [one.block_n]:
                 config = dataclasses.replace(one, block_n=block_n)
                 with lowbit.rows_as_one_row():
@@ -66,7 +68,7 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 - a launch this GPU cannot compile: say so
                         row[f"r{rows}_bn{block_n}"] = f"failed: {type(e).__name__}"
                         continue
-                chosen = "*" if block_n == lowbit.rows_config(one, rows).block_n else ""
+                chosen = "*" if block_n == one.block_n else ""  # the tile the app runs them on
                 row[f"r{rows}_bn{block_n}{chosen}_x"] = round(us / base, 3)
                 row[f"r{rows}_bn{block_n}_bitwise"] = same
         res[name] = row
