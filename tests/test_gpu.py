@@ -222,10 +222,11 @@ def test_quantized_chat_graphs_match_eager():
 def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode):
     """Speculative decoding's verify step (one chat's last token and 1, 2, 4 or 8 drafted ones, a CUDA
     graph each) gives exactly the logits of the decode steps it stands for, whichever one-row kernel a
-    layer was tuned to (packed bf16 pairs, the fp32 GEMV, the tensor cores; split or not; tiles that
-    `rows_config` narrows for more rows) and with the untied LM head in int8: greedy speculation then
-    keeps plain decoding's tokens. Without `rows_as_one_row` the tensor-core kernel ran the verify rows
-    and rounded otherwise."""
+    layer was tuned to (packed bf16 pairs, the fp32 GEMV, the tensor cores; split or not; rows in several
+    launches where they outgrow one's registers, `rows_per_gemv`) and with the untied LM head in int8:
+    greedy speculation then keeps plain decoding's tokens. Without `rows_as_one_row` the tensor-core
+    kernel ran the verify rows and rounded otherwise; with one pinned buffer for every decode step's rows
+    (before 2026-11-27) the graphed decode steps read the next step's tokens once the GPU fell behind."""
     from pipeline.llm.engine.model_runner import ModelRunner
     from pipeline.llm.model import Decoder, KVCache
     from pipeline.llm.weights.config import DecoderConfig
