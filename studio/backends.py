@@ -205,7 +205,7 @@ def load_draft(draft_id: str, target_dir: Path, device: str, dtype: torch.dtype,
         record = engines.cache.root / "kernels" / record_name(draft_id, TunedConfigs.file_name(torch.device(device))) \
             if on_gpu else None
         draft = fastest_draft(load, draft_modes(device, quant), record, lambda line: tell(f"chat: {line}"))
-    except UserError as e:
+    except (UserError, torch.cuda.OutOfMemoryError) as e:
         tell(f"chat: the draft model {draft_id} did not load ({e}); drafting by prompt lookup instead")
         return None
     tell(f"chat: drafts come from {draft_id} (speculative decoding)")

@@ -15,6 +15,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
+from pipeline.errors import UserError
 from pipeline.files import atomic_write
 from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.llm.engine.seam import Prompt
@@ -52,15 +55,23 @@ def fastest_draft(load: Callable[[str], LanguageModel], modes: tuple[str, ...], 
                   say: Callable[[str], None]) -> LanguageModel:
     """The draft model loaded by `load(mode)` in the fastest of `modes`: the one `record` kept from an
     earlier launch, else each timed (`decode_speed`) with at most two loaded at once, the choice and the
-    speeds written to `record` (atomically). A damaged or stale record is timed again, not trusted."""
+    speeds written to `record` (atomically). A damaged or stale record is timed again, not trusted.
+    Weights that do not load (their files, out of memory) are said and skipped, and nothing is written
+    (the next launch tries again); where none load, a `UserError`."""
     stored = _read(record)
     if stored in modes or len(modes) == 1:
         return load(stored if stored in modes else modes[0])
     say(f"timing the draft model in {' and '.join(_label(m) for m in modes)} on this GPU (once; kept)")
     best: tuple[str, LanguageModel] | None = None
     speeds: dict[str, float] = {}
+    failed: list[str] = []
     for mode in modes:
-        model = load(mode)
+        try:
+            model = load(mode)
+        except (UserError, torch.cuda.OutOfMemoryError) as e:  # the other weights may still load and run
+            say(f"the draft model in {_label(mode)} did not load ({e})")
+            failed.append(f"{_label(mode)}: {e}")
+            continue
         speeds[mode] = round(decode_speed(model), 1)
         if best is None or speeds[mode] > speeds[best[0]]:
             if best is not None:
@@ -68,9 +79,11 @@ def fastest_draft(load: Callable[[str], LanguageModel], modes: tuple[str, ...], 
             best = (mode, model)
         else:
             model.close()
+    if best is None:
+        raise UserError("; ".join(failed))
     say("draft model decode: " + ", ".join(f"{_label(m)} {s} tok/s" for m, s in speeds.items())
         + f"; runs in {_label(best[0])}")
-    if record is not None:
+    if record is not None and not failed:
         atomic_write(record, json.dumps({"quant": best[0], "tokens_per_s": speeds}, indent=1))
     return best[1]
 

@@ -6,6 +6,7 @@ that the one kept is the one measured faster, not which it is."""
 
 import json
 
+import pytest
 import torch
 
 from pipeline.llm.engine.sampling import SamplingParams
@@ -50,6 +51,32 @@ def test_the_draft_model_is_kept_in_the_weights_measured_fastest_and_the_choice_
     loads.clear()
     fastest_draft(loader(qwen2_demo, loads), MODES, record, said.append).close()
     assert loads == list(MODES) and json.loads(record.read_text())["quant"] in MODES
+
+
+def test_weights_that_do_not_load_are_said_and_skipped(qwen2_demo, tmp_path):
+    """One candidate failing to load (here its files are refused; on a GPU, out of memory) leaves the
+    other, said, and no record (the next launch tries both again); none loading is a `UserError`."""
+    from pipeline.errors import UserError
+
+    record = tmp_path / "draft.json"
+    said: list[str] = []
+    load = loader(qwen2_demo, [])
+
+    def int8_fails(mode: str):
+        if mode == "int8":
+            raise UserError("its weights are damaged")
+        return load(mode)
+
+    draft = fastest_draft(int8_fails, MODES, record, said.append)
+    assert "int8" not in draft.description and not record.exists()
+    assert any("int8 did not load (its weights are damaged)" in line for line in said), said
+    draft.close()
+
+    def nothing_loads(mode: str):
+        raise UserError(f"no {mode}")
+
+    with pytest.raises(UserError, match="float: no none; int8: no int8"):
+        fastest_draft(nothing_loads, MODES, record, said.append)
 
 
 def test_draft_weights_are_measured_on_a_gpu_and_follow_the_chat_model_elsewhere():
