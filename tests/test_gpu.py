@@ -353,3 +353,26 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache):
     drafter.close()
     assert drafted == plain and status["accepted_tokens"] >= 0.9 * status["drafted_tokens"] > 0, status
     llm.close()
+
+
+def test_a_draft_model_on_the_gpu_runs_in_the_weights_that_decode_faster(studio_cache, tmp_path):
+    """On the GPU a draft model is timed in float and in int4 (`studio/draft_choice.py`), the faster kept
+    and written down; the record names the measured faster one."""
+    import json
+
+    from studio.draft_choice import draft_modes, fastest_draft
+
+    folder = demo_model_dir("demo/qwen2-tiny", studio_cache)
+    loads: list[str] = []
+
+    def load(mode: str):
+        loads.append(mode)
+        return load_language_model(folder, "demo/qwen2-tiny", device="cuda", dtype=torch.bfloat16, max_context=256,
+                                   quant=mode, speculate="off")
+
+    record = tmp_path / "draft.json"
+    draft = fastest_draft(load, draft_modes("cuda", "none"), record, print)
+    stored = json.loads(record.read_text())
+    assert loads == ["none", "int4"] and stored["quant"] == max(stored["tokens_per_s"], key=stored["tokens_per_s"].get)
+    assert len(list(draft.engine.submit(Prompt(tuple(range(1, 9))), GREEDY, set()))) > 0
+    draft.close()
