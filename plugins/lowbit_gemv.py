@@ -79,8 +79,10 @@ if triton is not None:
                             scaled += x_lo * 256.0 + x_hi * 16.0
                             xs += x_lo + x_hi
                         else:
-                            x_j = tl.load(x_ptr + r * K + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32) * 256.0
-                            acc += ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True) * x_j[None, :]  # 1 + u/256
+                            x_j = tl.load(x_ptr + r * K + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32)
+                            x_j *= 256.0
+                            u = ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + u/256
+                            acc += u * x_j[None, :]
                             scaled += x_j * 1.5  # u = q + 128
                     if BITS == 4:
                         acc += t * sc[:, None]
