@@ -49,14 +49,17 @@ import torch
 from torch import Tensor
 
 from plugins.fused import silu_mul_fused
-from plugins.lowbit_gemv import _gemv_kernel, _packed_gemv_kernel
-from plugins.lowbit_tiles import BLOCK_M, GROUP, INTERPRETED, MAX_SPLIT, TILE, _chunks, _finish, _row_chunk, _rows
+from plugins.lowbit_tiles import BLOCK_M, GROUP, INTERPRETED, MAX_SPLIT, TILE
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # CPU-only installs: the caller's reference path is used
+except ImportError:  # CPU-only installs (no triton wheel): the caller's reference path is used
     triton = None
+
+if triton is not None:  # the kernels and their helpers exist only where triton does
+    from plugins.lowbit_gemv import _gemv_kernel, _packed_gemv_kernel
+    from plugins.lowbit_tiles import _chunks, _finish, _row_chunk, _rows
 
 
 @dataclasses.dataclass(frozen=True)

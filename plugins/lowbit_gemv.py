@@ -14,9 +14,9 @@ try:
 except ImportError:  # CPU-only installs: the caller's reference path is used
     triton = None
 
-from plugins.lowbit_tiles import _chunks, _finish, _row_chunk, _rows
+if triton is not None:  # the kernels and their helpers exist only where triton does
+    from plugins.lowbit_tiles import _chunks, _finish, _row_chunk, _rows
 
-if triton is not None:
     ONE = tl.constexpr(0x3F803F80)  # the bf16 pair (1, 1)
 
     @triton.jit
