@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 from app.cli import main as terminal_chat
+from app.port import check_port_free
 from pipeline.service.tools import Tool
 from studio.compose import build, run
 from studio.config import StudioConfig
@@ -29,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start_app(config: StudioConfig, plan: Plan) -> int:
-    """Load the chat tool (every tool with --preload / --build-engines), then serve until Ctrl+C."""
+    """Check the port, load the chat tool (every tool with --preload / --build-engines), then serve until
+    Ctrl+C."""
+    if not config.build_engines:
+        check_port_free(config.host, config.port)
     service = build(config, plan)
     for tool in (list(Tool) if config.preload or config.build_engines else [Tool.CHAT]):
         service.load(tool)

@@ -161,7 +161,8 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m app.cli` or `python launch.py chat`, with the app's options: the chat tool, then the chat."""
-    return run_studio(sys.argv[1:] if argv is None else argv, chat_in_terminal, DESCRIPTION, "launch.py chat")
+    return run_studio(sys.argv[1:] if argv is None else argv, chat_in_terminal, DESCRIPTION, "launch.py chat",
+                      serving=False)
 
 
 def chat_in_terminal(config: StudioConfig, plan: Plan) -> int:

@@ -177,12 +177,12 @@ def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = 
 
 
 def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,
-        prog: str | None = None) -> int:
+        prog: str | None = None, serving: bool = True) -> int:
     """A front end's `main`: read the configuration (`description` and `prog` head its --help), plan,
     answer `--check`, then `start(config, plan)`; a `UserError` ends in one line (exit 2), Ctrl+C
     quietly (130)."""
     try:
-        config = parse_config(argv, description, prog)
+        config = parse_config(argv, description, prog, serving)
         plan = make_plan(config)
         if config.check:
             print(check_report(config, plan))

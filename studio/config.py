@@ -74,11 +74,18 @@ class StudioConfig:
         return dict(self.tool_backends).get(tool, self.backend)
 
 
-def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog, description=description or "AI Studio: local chat, image chat and segmentation.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=GPU_SPEED)
-    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=7860)
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line: its own `error` prints the whole usage first (22 lines)."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def _parser(description: str | None, prog: str | None, serving: bool) -> argparse.ArgumentParser:
+    p = _Parser(prog, description=description or "AI Studio: local chat, image chat and segmentation.",
+                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=GPU_SPEED)
+    if serving:
+        _serving_options(p)
     p.add_argument("--model", default="auto", help="hub id (e.g. Qwen/Qwen-7B-Chat), a hub GGUF repo and tag "
                                                    "(owner/repo:Q4_K_M), a .gguf file, demo/qwen-v1-tiny, "
                                                    "demo/qwen2-tiny, a folder, or auto")
@@ -108,8 +115,6 @@ def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParse
     p.add_argument("--data-dir", type=Path, help="where conversations are kept (default: the platform's user data "
                                                    "folder, e.g. ~/.local/share/ai-studio; $STUDIO_DATA)")
     p.add_argument("--rebuild", action="store_true", help="build every engine again instead of loading the cache")
-    p.add_argument("--build-engines", action="store_true",
-                   help="load every tool (building missing engines), report, and exit without serving")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--context", type=int, default=8192, help="context window in tokens per conversation")
@@ -128,6 +133,32 @@ def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParse
     p.add_argument("--gpu-memory", type=float, metavar="GiB",
                    help="memory the tools may take together (default: the GPU's minus 2 GiB; no limit on the CPU); "
                         "the least recently used idle tool is unloaded to make room, and reloads when used")
+    p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every start-up detail in the terminal (backends and why, engines, memory); the "
+                        "page's start-up report always has them")
+    return p
+
+
+def parse_config(argv: list[str], description: str | None = None, prog: str | None = None,
+                 serving: bool = True) -> StudioConfig:
+    """The configuration the command line `argv` asks for, or a `UserError` naming the wrong option;
+    `description` and `prog` head `--help` (a front end's own: the terminal chat's, without `serving`'s
+    options, which then keep their defaults)."""
+    values = vars(_parser(description, prog, serving).parse_args(argv))
+    overrides = tuple((tool, b) for tool in Tool if (b := values.pop(f"{tool.flag.replace('-', '_')}_backend")))
+    auth = tuple(_user(entry) for entry in values.pop("auth", None) or ())
+    config = StudioConfig(**values, tool_backends=overrides, auth=auth)
+    _check(config)
+    return config
+
+
+def _serving_options(p: argparse.ArgumentParser) -> None:
+    """The options of the served app only (`launch.py`; the terminal chat serves nothing)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--build-engines", action="store_true",
+                   help="load every tool (building missing engines), report, and exit without serving")
     p.add_argument("--preload", action="store_true", help="load every tool at start-up instead of on first use")
     p.add_argument("--share", action="store_true", help="also serve through a public Gradio link")
     p.add_argument("--api-key", help="key the OpenAI-compatible API (/v1) asks for (default: none on 127.0.0.1, a "
@@ -145,22 +176,6 @@ def _parser(description: str | None, prog: str | None) -> argparse.ArgumentParse
                    help="drop a session's server-side state after this long unused (default 3600)")
     p.add_argument("--auth", action="append", metavar="USER:PASSWORD",
                    help="require signing in; give it once per user (each sees only their own conversations)")
-    p.add_argument("--check", action="store_true", help="print what would run where and why, then exit")
-    p.add_argument("--verbose", action="store_true",
-                   help="print every start-up detail in the terminal (backends and why, engines, memory); the "
-                        "page's start-up report always has them")
-    return p
-
-
-def parse_config(argv: list[str], description: str | None = None, prog: str | None = None) -> StudioConfig:
-    """The configuration the command line `argv` asks for, or a `UserError` naming the wrong option;
-    `description` and `prog` head `--help` (a front end's own: the terminal chat's)."""
-    values = vars(_parser(description, prog).parse_args(argv))
-    overrides = tuple((tool, b) for tool in Tool if (b := values.pop(f"{tool.flag.replace('-', '_')}_backend")))
-    auth = tuple(_user(entry) for entry in values.pop("auth") or ())
-    config = StudioConfig(**values, tool_backends=overrides, auth=auth)
-    _check(config)
-    return config
 
 
 def _user(entry: str) -> tuple[str, str]:

@@ -1,0 +1,57 @@
+"""Mistakes on the command line end in one line before any wait: a bad flag or value (`error:` and
+"see --help", exit 2, not argparse's 22-line usage), a taken port (before the model loads, not a
+Gradio traceback after it), and the terminal chat's help lists only its own options."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TEST_MODEL
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVER_ONLY = ("--host", "--port", "--share", "--auth", "--api-key", "--no-browser", "--max-upload", "--keep-files",
+               "--max-sessions", "--session-idle", "--allow-file-urls", "--preload", "--build-engines")
+
+
+def launch(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "launch.py", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--port", "seven"], "--port: invalid int value: 'seven'"),
+    (["--quant", "int3"], "--quant: invalid choice: 'int3'"),
+    (["chat", "--share"], "unrecognized arguments: --share"),
+])
+def test_a_bad_flag_or_value_is_one_error_line_naming_help(argv, says):
+    done = launch(*argv)
+    assert done.returncode == 2
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ") and says in lines[0] and "--help" in lines[0], lines[0]
+
+
+def test_the_terminal_chats_help_lists_only_its_own_options():
+    chat = launch("chat", "--help").stdout
+    app = launch("--help").stdout
+    for flag in SERVER_ONLY:
+        assert f"{flag} " in app or f"{flag}\n" in app, flag
+        assert flag not in chat.split("Commands:")[0] + chat.split("options:")[-1], flag
+    assert "--model" in chat and "--quant" in chat
+
+
+def test_a_taken_port_is_one_line_before_the_model_loads(studio_cache):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
+        done = launch("--model", TEST_MODEL, "--port", str(port), "--no-browser", env=env)
+    assert done.returncode == 2
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert lines == [f"error: port {port} on 127.0.0.1 is taken (another AI Studio, or another server): stop it, "
+                     f"or choose a free port with --port {port + 1}"], lines  # nothing loaded before it
