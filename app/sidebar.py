@@ -18,6 +18,7 @@ from app.conversation_files import read_conversations, to_archive
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
 from pipeline.errors import UserError
+from pipeline.service.messages import INTERRUPTED
 from pipeline.service.store import UNDO_S
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
@@ -50,8 +51,9 @@ def listed(conversation: dict, now: float) -> str:
 
 
 def history_of(found: dict) -> list[dict]:
-    """A stored conversation's messages as the Chatbot shows them."""
-    return [{"role": m["role"], "content": m["content"]} for m in found["messages"] if m["role"] != "system"]
+    """A stored conversation's messages as the Chatbot shows them (a reply a crash cut, marked so)."""
+    return [{"role": m["role"], "content": m["content"] + (INTERRUPTED if m["state"] == "interrupted" else "")}
+            for m in found["messages"] if m["role"] != "system"]
 
 
 def image_file(data: bytes) -> str:

@@ -558,6 +558,7 @@ def test_a_killed_server_keeps_every_completed_message(browser, tmp_path, studio
         history = page.locator("#chat-history")
         history.get_by_text("An unfinished question").wait_for()
         assert finished[:20] in history.inner_text()
+        history.get_by_text("interrupted: the app stopped before this reply ended").wait_for()  # marked at start
 
 
 def test_a_damaged_database_is_set_aside_with_a_notice_and_the_app_works(browser, tmp_path, studio_cache):

@@ -21,6 +21,11 @@ def text_of(content: object) -> str:
     return "".join(p.get("text") or "" if isinstance(p, dict) else p if isinstance(p, str) else "" for p in parts)
 
 
+# How a reply cut by a crash is shown (after its text); taken off again when the conversation goes on, so the
+# model never reads it
+INTERRUPTED = "\n\n*(interrupted: the app stopped before this reply ended)*"
+
+
 def plain_messages(raw: object, name: str = "messages") -> list[dict]:
     """`raw` as {role, content: text} messages; anything else is a `UserError` naming `name` (the
     front end's word for them: the UI's API says "history")."""
@@ -37,6 +42,8 @@ def plain_messages(raw: object, name: str = "messages") -> list[dict]:
         if content is not None and not isinstance(content, (str, list, dict)):
             raise UserError(f"{name}[{i}].content must be text or a list of parts", "messages")
         message = {"role": m["role"], "content": text_of(content)}
+        if m["role"] == "assistant":
+            message["content"] = message["content"].removesuffix(INTERRUPTED)
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{name}[{i}].tool_calls")
         if m["role"] == "tool":

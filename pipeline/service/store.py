@@ -15,8 +15,11 @@ a writer waits `BUSY_TIMEOUT_S` for the other). Nothing here knows about the UI.
 - An image-chat conversation's image is stored once by content hash (the same photo in ten
   conversations is one row).
 - The schema has a version (`PRAGMA user_version`); migrations (`store_schema`) run in order at open.
-- A damaged or unreadable database never stops the app: it is moved aside under a dated name, a
-  fresh one is started, and `notice` says so plainly.
+- A damaged database (one that does not open as SQLite, or fails its integrity check) never stops the app:
+  it is moved aside under a dated name, a fresh one is started, and `notice` says so plainly. A healthy one
+  that another program holds locked is never moved: it is waited for (`BUSY_TIMEOUT_S`), then refused in one
+  line. A reply's messages are written through `StoreWriter`, which waits out such a lock as long as it lasts.
+- A reply cut by a crash (left "streaming") is marked "interrupted" when the store next opens.
 """
 
 from __future__ import annotations
@@ -28,21 +31,35 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import UserError
 from pipeline.service.store_schema import MIGRATIONS, title_from
+from pipeline.service.store_writer import StoreLocked, StoreWriter, is_locked
 from pipeline.service.tools import Tool
 
 FILE = "conversations.sqlite3"
 BUSY_TIMEOUT_S = 10
+CLOSE_WITHIN_S = 10  # at shutdown, the longest queued writes may wait for another program's lock
 UNDO_S = 10  # a deleted conversation can be restored this long
 HEAD = -1  # `add`'s default parent: the end of the branch shown
 PATH = """WITH RECURSIVE path(id) AS (SELECT head FROM conversations WHERE id = ?
           UNION ALL SELECT m.parent FROM messages m JOIN path ON m.id = path.id WHERE m.parent IS NOT NULL)
           SELECT m.id, m.parent, m.role, m.content, m.model, m.sampling, m.state, m.created
           FROM messages m JOIN path ON m.id = path.id ORDER BY m.id"""
+
+
+def _damaged(error: sqlite3.DatabaseError) -> bool:
+    """Whether `error` says the file is not a readable SQLite database (the only case it is set aside)."""
+    code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
+    if code is not None and code & 0xFF in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return True
+    return any(words in str(error) for words in ("not a database", "malformed", INTEGRITY))
+
+
+INTEGRITY = "the integrity check failed"
 
 
 class ConversationStore:
@@ -55,7 +72,16 @@ class ConversationStore:
         try:
             self._db = self._open()
         except sqlite3.DatabaseError as e:
+            if is_locked(e):
+                raise StoreLocked(f"the conversation database {self.path} stayed locked by another program for "
+                                  f"{BUSY_TIMEOUT_S} s (a backup, or the sqlite3 shell?): close it, then start "
+                                  f"again") from None
+            if not _damaged(e):
+                raise UserError(f"the conversation database {self.path} cannot be opened ({e}): check the data "
+                                f"folder's permissions and free space") from None
             self._db = self._set_aside(e)
+        self.writer = StoreWriter(self.path)
+        self.later(self._mark_interrupted)
 
     # ---- opening ------------------------------------------------------------------------------
 
@@ -64,7 +90,7 @@ class ConversationStore:
         try:
             db.row_factory = sqlite3.Row
             if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-                raise sqlite3.DatabaseError("the integrity check failed")
+                raise sqlite3.DatabaseError(INTEGRITY)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA foreign_keys=ON")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit survives a killed process
@@ -77,7 +103,10 @@ class ConversationStore:
     @staticmethod
     def _migrate(db: sqlite3.Connection) -> None:
         """Each step in one transaction that reads the version again, so two processes opening an old
-        database at once run it once."""
+        database at once run it once. A current one is only read: another program's write lock does not
+        stop the app from starting."""
+        if db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS):
+            return
         for number, statements in enumerate(MIGRATIONS):
             db.execute("BEGIN IMMEDIATE")
             version = db.execute("PRAGMA user_version").fetchone()[0]
@@ -104,13 +133,32 @@ class ConversationStore:
         return self._open()
 
     def close(self) -> None:
+        """Write what is queued (waiting `CLOSE_WITHIN_S` at most for another program's lock), then close."""
+        unwritten = self.writer.close(CLOSE_WITHIN_S)
+        if unwritten:
+            print(f"[studio] {unwritten} conversation writes were not saved: another program held the database "
+                  f"locked", flush=True)
         with self._lock:
             self._db.close()
+
+    def later(self, fn, *args) -> Future:
+        """`fn(*args)` (a write of this store's) done by the writer, after every write queued before it."""
+        return self.writer.later(fn, *args)
+
+    def _mark_interrupted(self) -> None:
+        with self._transaction() as db:
+            db.execute("UPDATE messages SET state = 'interrupted' WHERE state = 'streaming'")
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as e:
+                if is_locked(e):
+                    raise StoreLocked(f"the conversation database is locked by another program (a backup, or the "
+                                      f"sqlite3 shell?): try again once it is closed") from None
+                raise
             try:
                 yield self._db
             except BaseException:
@@ -251,7 +299,8 @@ class ConversationStore:
             return cursor.lastrowid
 
     def update(self, user: str, message: int, content: str, state: str) -> None:
-        """A reply in progress saved as it stands (state "streaming", then "complete" or "cancelled")."""
+        """A reply in progress saved as it stands (state "streaming", then "complete" or "cancelled"; one a
+        crash cut is "interrupted" after the next start)."""
         with self._transaction() as db:
             owned = db.execute("SELECT 1 FROM messages m JOIN conversations c ON c.id = m.conversation "
                                "WHERE m.id = ? AND c.user = ?", (message, user)).fetchone()
