@@ -12,8 +12,8 @@ from pipeline.errors import UserError
 def check_port_free(host: str, port: int) -> None:
     """A `UserError` naming `--port` when the server could not listen on `host`:`port`. Bound the way the
     server binds (SO_REUSEADDR: a closed connection's TIME_WAIT does not block it, a listener does)."""
-    if not 0 < port < 65536:
-        raise UserError(f"--port {port}: give a port from 1 to 65535")
+    if not 0 <= port < 65536:
+        raise UserError(f"--port {port}: give a port from 1 to 65535 (0: any free one)")
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:

@@ -32,7 +32,7 @@ from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.weights.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
 from studio.draft_choice import draft_modes, fastest_draft, record_name
 from studio.quantized_weights import quantized_decoder
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.sampling import SamplingParams, checkpoint_defaults
 from pipeline.llm.text.tokenizer import Tokenizer, load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
@@ -110,6 +110,25 @@ def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
     return total
 
 
+EXACT_INT4 = frozenset({"Q4_0", "Q4_1", "Q4_K"})  # blocks of 32 weights with a scale and an offset: int4 as they are
+
+
+def gguf_modes(config) -> tuple[tuple[str, ...], str]:
+    """The weight modes `--quant auto` tries on a GPU for a GGUF file, in order, and why, by measured quality:
+    4-bit blocks of 32 with a scale and an offset are int4's own groups of 32, kept as they are; any other
+    quantized type (5-, 6-, 8-bit, the IQ types, and the mixes, whose tensors are of several) runs as int8,
+    which carries it within 0.1 % of its perplexity (re-rounding a real Qwen2.5-0.5B Q4_K_M into int4 cost
+    +9.25 %, bench/RESULTS.md). A float GGUF file: as a float checkpoint (`MODES`)."""
+    types = set(config.gguf_tensor_types) - {"F32", "F16", "BF16"}
+    if not types:
+        return MODES, ""
+    if types <= EXACT_INT4:
+        return ("int4",), f"its {'/'.join(sorted(types))} blocks of 32 run as int4 as they are"
+    return ("int8", "int4"), (f"a {config.gguf_type} file holds {', '.join(sorted(types))} weights: int8 carries "
+                              f"them within 0.1 % of their perplexity, int4 would re-round them (--quant int4 "
+                              f"to insist)")
+
+
 def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.device, free_bytes: int | None,
                  context: int) -> tuple[str, str]:
     """The weight mode for `--quant requested`, and why. `auto` keeps float weights on the CPU (the
@@ -124,16 +143,13 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
         return requested, "asked for"
     if device.type != "cuda" or free_bytes is None:
         return "none", "auto on the CPU: quantized layers would dequantize at every call there"
-    # A quantized GGUF file holds nothing float weights would keep: int8 carries it over within 0.4 % of its
-    # perplexity (SmolLM2's Q4_1; 1 % in bf16) on the Triton kernel; int4 keeps its blocks of 32 exactly, but
-    # the kernel runs groups of 128, so those layers dequantize at each call (bench/RESULTS.md).
-    modes = MODES[1:] if config.gguf_type.startswith("Q") else MODES
+    modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
     kv = KVCache.row_bytes(config, context + 1, dtype)
     for mode in modes:
         need = weight_bytes(config, mode, dtype) + kv
         if need <= free_bytes:
             return mode, f"{need / 2**30:.1f} GiB of weights and one conversation's cache fit {free_bytes / 2**30:.1f} GiB" \
-                + (f" (a {config.gguf_type} GGUF file: float weights would add nothing)" if modes != MODES else "")
+                + (f" ({gguf_why})" if gguf_why else "")
     return "int4", f"even int4 weights need more than the {free_bytes / 2**30:.1f} GiB there is: trying anyway"
 
 
@@ -245,7 +261,8 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
 
             engine = load_trtllm_engine(model_dir, model_id, str(dtype).removeprefix("torch."), quant, max_context,
                                         max_batch, image_queries, engines, reference)
-            return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}")
+            return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description}",
+                                 checkpoint_defaults(model_dir))
         except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
             engines.report.tell(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
     model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines)
@@ -262,7 +279,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     params = weight_bytes(config, "none", torch.float32) / 4e6
     description = (f"{model_id} ({config.family}, {params:.1f} M params) · {engine.description} · "
                    f"{device} · {weights}")
-    return LanguageModel(tokenizer, engine, model_id, description)
+    return LanguageModel(tokenizer, engine, model_id, description, checkpoint_defaults(model_dir))
 
 
 def sam_engine(model: Sam, backend: str = "torch", weights: Path | None = None,

@@ -15,7 +15,8 @@ from pipeline.models import CHAT_MODELS, EMBEDDED, auto_model, cache_dir, locate
 from pipeline.sam.weights import DEMO as SAM_DEMO
 from pipeline.sam.weights import locate_sam
 from pipeline.service.tools import Tool
-from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend
+from pipeline.llm.weights.checkpoint import read_config
+from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
 from studio.config import StudioConfig
 
 # The plan's parts: the LLMs and vision networks each tool runs (image chat has one of each).
@@ -92,7 +93,14 @@ def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str]]:
         if model_id not in CHAT_MODELS and not Path(model_id).is_dir() and config.weights is None:
             notes.append(f"model {model_id}: not in the registry, trying it as a hub id")
     found = locate(model_id, config.weights)
-    return model_id, notes + [f"weights: {found.source}" + (f" ({found.path})" if found.path else "")]
+    notes.append(f"weights: {found.source}" + (f" ({found.path})" if found.path else ""))
+    if found.path is not None and (found.path / "config.json").is_file():
+        decoder = read_config(found.path)
+        modes, why = gguf_modes(decoder)
+        if why and config.quant == "auto":  # what a GGUF file runs as, and why
+            notes.append(f"a {decoder.gguf_type} GGUF file: on a GPU --quant auto runs it as {modes[0]} ({why}); on "
+                         f"the CPU in float")
+    return model_id, notes
 
 
 def _sam(config: StudioConfig, device: str) -> tuple[str, list[str]]:

@@ -43,6 +43,8 @@ class DecoderConfig:
     quantization: str = ""
     # A GGUF file's quantization as users name it ("Q4_K_M", "Q8_0", "F16"); "": not a GGUF file.
     gguf_type: str = ""
+    # the types of its blocks' weight matrices ("Q4_K", "Q5_0", "Q6_K"): what `--quant auto` chooses by
+    gguf_tensor_types: tuple[str, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -149,6 +151,7 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         quantization=_quantization(cfg),
         gguf_type=str((cfg.get("gguf") or {}).get("quant_type", "")),
+        gguf_tensor_types=tuple((cfg.get("gguf") or {}).get("tensor_types", ())),
     )
 
 

@@ -6,9 +6,11 @@ under transformers' names, dequantized by `gguf_quants.py`.
 Why map rather than add a fourth loader: the decoder, the quantizers and their cache, the trust
 check, the tokenizer and chat-template code then serve GGUF files unchanged (`gguf_folder`).
 
-Checked before anything runs, each with one line: the magic and version, a header that runs past
-the end of the file (truncated downloads, hostile lengths), tensor data past the end, a tensor type
-we do not dequantize, an architecture we do not run, a missing tensor. Split files
+Checked before anything runs, each with one line: the magic and version (and byte order), a header
+that runs past the end of the file (truncated downloads, hostile lengths), tensor data past the end, a
+tensor type we do not dequantize, an architecture we do not run, a missing tensor, and every header value
+the model is built from against the tensor table (`_check_against_tensors`: layer count, head counts,
+widths), so a hostile header costs milliseconds, not minutes and gigabytes. Split files
 (`name-00001-of-00003.gguf`) are read as one.
 """
 
@@ -26,17 +28,13 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.weights.gguf_quants import SUPPORTED, dequantize
+from pipeline.llm.weights.gguf_quants import dequantize, supported
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # GGUF architecture → the `model_type` it is run as (Qwen v1 as Qwen2: its closest kin, as our converter does)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen": "qwen2"}
-# llama.cpp's quantization names of `general.file_type`, for messages and the Models tab
-FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
-              12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
-              32: "BF16"}
 PER_LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
              "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
              "attn_v.weight": "self_attn.v_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
@@ -78,11 +76,23 @@ class GGUFModel:
         return value
 
     @property
+    def matrix_types(self) -> tuple[str, ...]:
+        """The types of the blocks' weight matrices (what `--quant` re-encodes), sorted."""
+        return tuple(sorted({t.kind for name, t in self.tensors.items()
+                             if name.startswith("blk.") and name.endswith(".weight") and len(t.shape) == 2}))
+
+    @property
     def quant_type(self) -> str:
-        """What users call its quantization (Q4_K_M), from `general.file_type` or its tensors."""
-        known = FILE_TYPES.get(self.metadata.get("general.file_type", -1))
-        if known:
-            return known
+        """What users call its quantization (Q4_K_M), from `general.file_type` (llama.cpp's names, as the gguf
+        package lists them) or its tensors."""
+        from gguf import LlamaFileType
+
+        try:
+            known = LlamaFileType(int(self.metadata.get("general.file_type", -1))).name
+        except (ValueError, TypeError):
+            known = "GUESSED"
+        if known != "GUESSED":
+            return known.removeprefix("MOSTLY_").removeprefix("ALL_")
         kinds = [t.kind for t in self.tensors.values() if len(t.shape) == 2]
         return max(set(kinds), key=kinds.count) if kinds else "?"
 
@@ -103,6 +113,9 @@ def _check_header(path: Path) -> None:
     if head[:4] != MAGIC:
         raise UserError(f"{path.name} is not a GGUF file (it starts with {head[:4]!r}, not b'GGUF')")
     version = int.from_bytes(head[4:8], "little")
+    if version not in VERSIONS and int.from_bytes(head[4:8], "big") in VERSIONS:
+        raise UserError(f"{path.name} is a big-endian GGUF file (made for IBM Z machines); this app reads the "
+                        f"usual little-endian files: take the model's other download")
     if version not in VERSIONS:
         raise UserError(f"{path.name} is GGUF version {version}; this app reads versions {', '.join(map(str, VERSIONS))}")
 
@@ -182,9 +195,10 @@ def _read_one(path: Path) -> tuple[dict[str, Any], dict[str, GGUFTensor]]:
     tensors = {}
     for t in reader.tensors:
         kind = GGMLQuantizationType(t.tensor_type).name
-        if kind not in SUPPORTED:
+        if kind not in supported():
             raise UserError(f"{path.name}: tensor {t.name} is {kind}, which this app does not load "
-                            f"(it loads {', '.join(SUPPORTED)}); take the model's Q4_K_M, Q8_0 or F16 file")
+                            f"(it loads F32, F16, BF16 and every quantized type the gguf package reads: Q4_0 … Q8_0, "
+                            f"the K, IQ and ternary types); take the model's Q4_K_M, Q8_0 or F16 file")
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
         tensors[t.name] = GGUFTensor(t.name, kind, shape, t.data)
     return metadata, tensors
@@ -234,6 +248,7 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
     heads = int(model.require("attention.head_count"))
     hidden = int(model.require("embedding_length"))
     model_type = ARCHITECTURES[model.architecture]
+    _check_against_tensors(model, heads, hidden)
     cfg: dict[str, Any] = {
         "model_type": model_type,
         "vocab_size": _vocab_size(model),
@@ -265,6 +280,45 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
         else:
             raise UserError(f"{model.path.name} uses RoPE scaling {scaling!r}, which this app does not implement")
     return cfg
+
+
+def _check_against_tensors(model: GGUFModel, heads: int, hidden: int) -> None:
+    """Every header value the decoder is built from, held to the tensor table before anything is built or
+    read: a `UserError` naming the key and the tensor that disagree. (A `block_count` of 1,000,000 built
+    layers for minutes; a `head_count` of 0 divided by zero; a wrong width failed after every tensor was
+    dequantized.)"""
+    name = model.path.name
+    key = f"{model.architecture}."
+
+    def wrong(what: str) -> UserError:
+        return UserError(f"{name}: {what}; a damaged or hand-edited header")
+
+    blocks = {int(m[1]) for t in model.tensors if (m := re.match(r"^blk\.(\d+)\.", t))}
+    count = int(model.require("block_count"))
+    if count < 1 or blocks != set(range(count)):
+        raise wrong(f"{key}block_count says {count} layers, but its tensors hold "
+                    f"{len(blocks)} (blk.0 … blk.{max(blocks, default=-1)})")
+    kv_heads = int(model.get("attention.head_count_kv") or heads)
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise wrong(f"{key}attention.head_count {heads} and head_count_kv {kv_heads} must be positive, the first a "
+                    f"multiple of the second")
+    head_dim = int(model.get("attention.key_length") or hidden // heads)
+    ffn = int(model.require("feed_forward_length"))
+    embedding = model.tensors["token_embd.weight"].shape
+    if len(embedding) != 2 or embedding[1] != hidden:
+        raise wrong(f"{key}embedding_length says {hidden}, but token_embd.weight is {list(embedding)}")
+    expected = {"attn_q.weight": (heads * head_dim, hidden), "attn_k.weight": (kv_heads * head_dim, hidden),
+                "attn_v.weight": (kv_heads * head_dim, hidden), "attn_output.weight": (hidden, heads * head_dim),
+                "attn_qkv.weight": (3 * hidden, hidden),  # Qwen v1: q, k and v in one matrix
+                "ffn_gate.weight": (ffn, hidden), "ffn_up.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn),
+                "attn_norm.weight": (hidden,), "ffn_norm.weight": (hidden,), "output.weight": (embedding[0], hidden),
+                "output_norm.weight": (hidden,)}
+    for tensor, t in model.tensors.items():
+        part = tensor.split(".", 2)[-1] if tensor.startswith("blk.") else tensor
+        if part in expected and t.shape != expected[part]:
+            raise wrong(f"tensor {tensor} is {list(t.shape)}, but the header ({key}embedding_length {hidden}, "
+                        f"attention.head_count {heads}, head_count_kv {kv_heads}, feed_forward_length {ffn}) "
+                        f"makes it {list(expected[part])}")
 
 
 def _unpermute(w: Tensor, heads: int) -> Tensor:

@@ -20,7 +20,7 @@ from pipeline.files import atomic_folder
 from pipeline.llm.weights.gguf_file import hf_config, read_gguf, split_parts
 from pipeline.llm.text.gguf_tokenizer import write_tokenizer_files
 
-VERSION = "1"  # bumped when the files written here change: older folders are rebuilt
+VERSION = "2"  # bumped when the files written here change: older folders are rebuilt
 
 
 def _key(parts: list[Path]) -> str:
@@ -45,7 +45,8 @@ def gguf_model_dir(path: Path, cache_dir: Path) -> Path:
         if (folder / "config.json").is_file():
             return folder
         model = read_gguf(parts[0])
-        config = hf_config(model) | {"gguf": {"file": str(parts[0]), "quant_type": model.quant_type}}
+        config = hf_config(model) | {"gguf": {"file": str(parts[0]), "quant_type": model.quant_type,
+                                              "tensor_types": list(model.matrix_types)}}
         with atomic_folder(folder) as tmp:
             write_tokenizer_files(model, tmp)
             for part in parts:

@@ -1,8 +1,9 @@
-"""GGUF's weight encodings, dequantized with torch (on whichever device the bytes are).
+"""GGUF's weight encodings, dequantized: every type the `gguf` package (llama.cpp's own) dequantizes.
 
-Why our own and not `gguf.quants.dequantize`: that one is numpy on one CPU core; this one runs a
-whole tensor as a few vectorised ops (on the GPU where the caller moves the bytes there), and the
-tests hold it to the `gguf` package's reference on every type.
+The types most files are made of (F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) run here with torch:
+a whole tensor as a few vectorised ops, where `gguf.quants.dequantize` is numpy on one CPU core; the tests
+hold them to the package's results. Every other type (Q5_0, Q5_1, Q2_K, Q3_K, the IQ and ternary types:
+what K-quant mixes use for rows that are not a multiple of 256, and the IQ mixes) is the package's own.
 
 Block layouts, from ggml's `ggml-common.h` (32 weights a block; the K-quants 256, in 8 sub-blocks):
   Q8_0  d f16, q int8[32]                               w = d·q
@@ -17,13 +18,34 @@ Block layouts, from ggml's `ggml-common.h` (32 weights a block; the K-quants 256
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 from torch import Tensor
 
-# type name → (weights per block, bytes per block)
+# type name → (weights per block, bytes per block), of the types dequantized here
 BLOCKS = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), "Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20),
           "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
-SUPPORTED = tuple(BLOCKS)
+
+
+@functools.cache
+def supported() -> tuple[str, ...]:
+    """Every type name this app loads: its own, and each one the installed `gguf` package dequantizes
+    (tried once on a block of zeros: the package raises NotImplementedError for the rest)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as reference
+
+    found = list(BLOCKS)
+    for kind, (_, block_bytes) in GGML_QUANT_SIZES.items():
+        if kind.name in found:
+            continue
+        try:
+            reference(np.zeros((1, block_bytes), np.uint8), GGMLQuantizationType[kind.name])
+        except NotImplementedError:
+            continue
+        found.append(kind.name)
+    return tuple(found)
 
 
 def _f16(raw: Tensor) -> Tensor:
@@ -103,5 +125,11 @@ def dequantize(raw: Tensor, kind: str, shape: tuple[int, ...]) -> Tensor:
         return raw.view(torch.float16).float().reshape(shape)
     if kind == "BF16":
         return raw.view(torch.bfloat16).float().reshape(shape)
-    per_block, nbytes = BLOCKS[kind]
-    return DEQUANTIZE[kind](raw.view(-1, nbytes)).reshape(shape)
+    if kind in DEQUANTIZE:
+        per_block, nbytes = BLOCKS[kind]
+        return DEQUANTIZE[kind](raw.view(-1, nbytes)).reshape(shape)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as reference
+
+    values = reference(raw.cpu().numpy(), GGMLQuantizationType[kind])
+    return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(shape).to(raw.device)
