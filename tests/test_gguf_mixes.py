@@ -176,3 +176,16 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     assert choose_quant("auto", mix_config, bf16, cpu, None, 1024)[0] == "none"
     assert run(["--model", str(mixed), "--check"], lambda config, plan: 1) == 0
     assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as int8 (a Q4_K_M file holds" in capsys.readouterr().out
+
+
+def test_a_big_endian_file_is_refused_in_one_line(tmp_path, bpe_vocab):
+    """llama.cpp's big-endian files (for IBM Z) store the version, and every number after it, swapped."""
+    path = tmp_path / "little.gguf"
+    write_mix(path, bpe_vocab, "Q8_0")
+    data = bytearray(path.read_bytes())
+    data[4:8] = data[4:8][::-1]
+    swapped = tmp_path / "model-be.gguf"
+    swapped.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=r"model-be\.gguf is a big-endian GGUF file \(made for IBM Z machines\); "
+                                        r"this app reads the usual little-endian files"):
+        locate(str(swapped))
