@@ -1,6 +1,5 @@
-"""GGUF files (llama.cpp's format, as LM Studio and Ollama keep models): our torch dequantizers equal the
-`gguf` package's on every type; tiny LLaMA and Qwen2 files written here with `GGUFWriter`, one per weight
-type, give transformers' logits (its own GGUF loader, on the same file); hostile and broken files end in
+"""GGUF files (llama.cpp's format, as LM Studio and Ollama keep models): tiny LLaMA and Qwen2 files written
+here with `GGUFWriter`, one per weight type the app loads, give transformers' logits (its own GGUF loader, on the same file); hostile and broken files end in
 one line, from the API and from `launch.py --check`; the tokenizer built from a file's metadata encodes
 as transformers does (the real SmolLM2 file) and as SentencePiece does (a `llama` vocabulary trained
 here); split files load as one; a hub file is chosen by its quantization tag."""
@@ -26,7 +25,7 @@ from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import load_decoder, read_config
 from pipeline.llm.weights.demo import _train_bpe
 from pipeline.llm.weights.gguf_file import read_gguf
-from pipeline.llm.weights.gguf_quants import BLOCKS, dequantize, supported
+from pipeline.llm.weights.gguf_quants import supported
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
 from pipeline.llm.text.tokenizer import ENDOFTEXT, IM_END, IM_START, load_tokenizer
 from pipeline.models import embedded_gguf, gguf_files_for_tag, locate
@@ -35,7 +34,6 @@ from studio.compose import run
 ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # every width a multiple of 256, the K-quants' block
 FLOATS = ("F32", "F16", "BF16")
-OWN = [k for k in BLOCKS if k not in FLOATS]  # dequantized by our torch code (the rest by the gguf package)
 # Where each block type keeps its float16 scales (d, dmin), from ggml-common.h: random bytes there would be inf,
 # NaN or 60000. The types the app loads without such a field (IQ1_M packs its scale into the sub-scales' top
 # bits; MXFP4/NVFP4 keep 8-bit exponents) are written with the gguf package's encoder where it has one.
@@ -82,28 +80,6 @@ def encode(x: np.ndarray, kind: str, rng) -> tuple[np.ndarray, GGMLQuantizationT
         return reference.quantize(x, qtype), qtype
     except NotImplementedError:
         return random_blocks(kind, *x.shape, rng), qtype
-
-
-# ---- 1. every type's dequantizer against the gguf package's ---------------------------------------
-
-@pytest.mark.parametrize("kind", list(BLOCKS))
-def test_our_dequantizers_equal_the_gguf_package(kind):
-    """Random blocks hold every bit pattern of quants and sub-scales: a nibble, bit or scale taken from the
-    wrong place shows. Several rows, several blocks a row: the block order within a row shows too. (The
-    other types are the package's own code; the model tests below load each of them.)"""
-    rng = np.random.default_rng(list(BLOCKS).index(kind))
-    rows, cols = 5, 768  # three K-quant super-blocks, 24 small blocks a row
-    if kind in OWN:
-        raw = random_blocks(kind, rows, cols, rng)
-    else:  # floats from random numbers: random bytes would be NaNs, which compare unequal
-        x = (rng.standard_normal((rows, cols)) * 3).astype(np.float32)
-        raw = np.ascontiguousarray(encode(x, kind, rng)[0]).view(np.uint8)
-    want = torch.from_numpy(reference.dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32))
-    got = dequantize(torch.from_numpy(raw.copy()), kind, (rows, cols))
-    assert got.dtype == torch.float32 and got.shape == (rows, cols) == want.shape
-    assert want.abs().max() > 0.05 and want.std() > 0.01  # a real spread of values, not zeros
-    # equal but for float32 rounding (a·b − c·d may round apart where it is near zero)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
 
 
 # ---- tiny models written with GGUFWriter --------------------------------------------------------

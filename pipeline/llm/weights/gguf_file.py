@@ -50,7 +50,7 @@ GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight"
 @dataclasses.dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    kind: str  # a `gguf_quants.BLOCKS` type name
+    kind: str  # a `gguf_quants.supported()` type name
     shape: tuple[int, ...]  # rows first (GGUF writes the dimensions the other way round)
     data: np.ndarray  # the stored bytes (a view of the memory-mapped file)
 
@@ -331,7 +331,7 @@ def hf_tensors(model: GGUFModel, dtype: torch.dtype | None = None) -> dict[str, 
     cfg = hf_config(model)
     out: dict[str, Tensor] = {}
     for name, t in model.tensors.items():
-        value = dequantize(torch.from_numpy(np.array(t.data, copy=True)).view(torch.uint8), t.kind, t.shape)
+        value = dequantize(t.data, t.kind, t.shape)
         if dtype is not None:
             value = value.to(dtype)
         if name in GLOBAL:
