@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import secrets
 import threading
 import time
@@ -21,7 +20,8 @@ from collections.abc import AsyncIterator, Iterator
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.openai_protocol import IMAGE_MODEL, MAX_BODY_BYTES, ApiError, ChatRequest, api_error, parse_request
+from app.openai_body import read_json
+from app.openai_protocol import IMAGE_MODEL, ApiError, ChatRequest, api_error, parse_request
 from app.openai_shapes import Response, error_event
 from pipeline.errors import UserError
 from pipeline.service.requests import Update
@@ -131,14 +131,7 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
     async def answer(request: Request, completion: bool) -> JSONResponse | StreamingResponse | dict:
         try:
             check_key(request)
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"the request is {len(raw) >> 20} MiB; the limit is {MAX_BODY_BYTES >> 20} MiB")
-            try:
-                body = json.loads(raw)
-            except ValueError as e:
-                raise ApiError(400, f"the body is not valid JSON: {e}") from None
-            req = parse_request(body, allow_files, service, completion)
+            req = parse_request(await read_json(request), allow_files, service, completion)
         except (ApiError, UserError) as e:
             return api_error(e).response()
         return await _answer(service, req, request)

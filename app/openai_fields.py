@@ -45,7 +45,8 @@ CHAT_FIELDS = [
     Field("seed", IMPLEMENTED, "the same seed and request give the same reply"),
     Field("stop", IMPLEMENTED, "a string or up to 4"),
     Field("n", IMPLEMENTED, f"{CHOICES.low}–{CHOICES.high} choices, decoded side by side in the batch, each one of "
-                            f"the client's replies in flight; a seeded request's choice i uses seed + i",
+                            f"the client's replies in flight (a client with none may ask for {CHOICES.high}); a "
+                            f"seeded request's choice i uses seed + i",
           limit=CHOICES),
     Field("user", IMPLEMENTED, "the client whose replies in flight are limited (429 past 4)"),
     Field("top_k", IMPLEMENTED, "extension: 0–1000 (0: off)"),

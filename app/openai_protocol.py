@@ -30,15 +30,16 @@ from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 IMAGE_MODEL = "minigpt4"
-MAX_BODY_BYTES = 32 << 20  # a data-URL image of a 12 MP photo fits; a 200 MB upload does not
 
 
 class ApiError(Exception):
     """An error in OpenAI's shape: HTTP `status`, a message, its type, and the parameter it is about."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         kind = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}.get(
@@ -46,7 +47,7 @@ class ApiError(Exception):
         return {"message": self.message, "type": kind, "param": self.param, "code": self.code}
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": self.body()}, status_code=self.status)
+        return JSONResponse({"error": self.body()}, status_code=self.status, headers=self.headers)
 
 
 def api_error(e: BaseException, names: Mapping[str, str] | None = None) -> ApiError:
@@ -170,16 +171,17 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
                 **{name: body.get(name) for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed",
                                                      "stop", "presence_penalty", "frequency_penalty",
                                                      "logit_bias")}}
-    try:  # absent values keep the UI's defaults
+    try:  # absent sampling values are the model's own (its generation_config.json), else neutral
         n = 1 if body.get("n") is None else int(limit_of("n", table).check("n", body["n"]))
         structure = Structure.from_openai(body.get("tools"), body.get("tool_choice"), body.get("response_format"))
         if completion:
-            turn = service.completion_turn(body.get("prompt"), sampling, model=model)
+            turn = service.completion_turn(body.get("prompt"), sampling, model=model, model_defaults=True)
         else:
             messages, image = _messages(body.get("messages"), allow_files)
             mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
-            turn = service.chat_turn(messages, sampling, tool=Tool.IMAGE_CHAT if model == IMAGE_MODEL or image else Tool.CHAT,
-                                     image=image, mask=mask, model=model, structure=structure)
+            tool = Tool.IMAGE_CHAT if model == IMAGE_MODEL or image else Tool.CHAT
+            turn = service.chat_turn(messages, sampling, tool=tool, image=image, mask=mask, model=model,
+                                     structure=structure, model_defaults=True)
     except UserError as e:
         raise api_error(e, names) from None
     options = body.get("stream_options") or {}

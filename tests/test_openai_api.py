@@ -114,11 +114,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(api, reques
 
 def test_a_dropped_streaming_client_stops_its_generation(api):
     client, url = api
-    # Seeded, so the reply is the same every time; this one runs 850 tokens before the demo model's
-    # random weights happen to pick the end-of-turn token.
+    # Seeded, so the reply is the same every time; with these settings it runs 850 tokens before the demo
+    # model's random weights happen to pick the end-of-turn token.
     body = {"model": CHAT, "messages": [{"role": "user", "content": "Write a long essay"}], "max_tokens": 4000,
-            "temperature": 1.0, "seed": 20}
-    whole = client.chat.completions.create(**body).usage.completion_tokens
+            "temperature": 1.0, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "seed": 20}
+    whole = httpx.post(url + "v1/chat/completions", json=body, timeout=300).json()["usage"]["completion_tokens"]
     assert whole > 400
     start = engine_status(url)["chat"]["decode_steps"]
     with httpx.Client(timeout=60) as http:
@@ -302,9 +302,9 @@ def test_stop_strings_end_the_reply_before_them(api):
 def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
     """The service's per-client limit holds for API clients too (a client is its `user`), and a
     request's `n` choices count as n replies: the fifth endless reply of one user is refused with 429;
-    another user's request of more choices than the limit is refused, and so is one of 3 choices while
-    2 of that user's replies run, but 2 are served; a request without `user` is served; closing the
-    streams ends them all."""
+    another user's request of 3 choices while 2 of that user's replies run is refused, but 2 are served
+    (an idle user's n up to 8: tests/test_openai_hardening.py); a request without `user` is served;
+    closing the streams ends them all."""
     from pipeline.service.studio import MAX_IN_FLIGHT
 
     client, url = api
@@ -325,8 +325,6 @@ def test_one_api_client_gets_429_past_its_limit_of_replies_in_flight(api):
 
     streams = running(MAX_IN_FLIGHT, "alice")
     assert f"already has {MAX_IN_FLIGHT} replies in progress" in refused()
-    assert f"{MAX_IN_FLIGHT + 1} replies at once are more than the {MAX_IN_FLIGHT} one client may have" in \
-        refused(user="bob", n=MAX_IN_FLIGHT + 1)
     streams += running(2, "bob")
     assert f"already has 2 replies in progress, and 3 more would pass its limit of {MAX_IN_FLIGHT}" in \
         refused(user="bob", n=3)

@@ -382,6 +382,18 @@ def test_v1_answers_the_capital_of_france(api):
     assert "Paris" in reply.choices[0].message.content
 
 
+def test_v1_temperature_0_alone_is_the_engines_greedy_reply(api, ours):
+    """`temperature: 0` and nothing else through /v1 is the engine's plain greedy reply (no repetition
+    penalty): values a request leaves out are neutral where the model's generation_config.json names none
+    (this one names none), not the UI's defaults (repetition_penalty 1.05 counted "1. 1" as a repeat)."""
+    messages = [{"role": "user", "content": "Count from 1 to 20."}]
+    reply = api.chat.completions.create(model=EMBEDDED, messages=messages, temperature=0, max_tokens=40, logprobs=True)
+    greedy = SamplingParams(max_new_tokens=40, temperature=0, repetition_penalty=1.0, logprobs=0)
+    tokens = [entry.token for event in ours.chat(messages, greedy) for entry in event.logprobs or []]
+    assert [bytes(t.bytes) for t in reply.choices[0].logprobs.content] == tokens
+    assert reply.choices[0].message.content.startswith("1. 1\n2. 2\n"), reply.choices[0].message.content
+
+
 def test_v1_tool_call_round_trip(api):
     """`required` forces a call whose arguments are valid for the schema; the tools reach the prompt (it
     grows by the tools section); the result sent back as a `tool` message gets a text answer that uses it."""

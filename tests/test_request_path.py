@@ -22,7 +22,7 @@ class EndlessChat:
     """A chat pipeline whose replies say "x", then run until their Stop flag is set; a reply seeded
     `failing` fails instead. `ended` counts the replies that have finished."""
 
-    llm = types.SimpleNamespace(model_id="endless", context=0)
+    llm = types.SimpleNamespace(model_id="endless", context=0, sampling_defaults={})
 
     def __init__(self, failing: int | None = None):
         self.failing, self.ended = failing, 0
@@ -52,16 +52,20 @@ def flags(n: int) -> list[threading.Event]:
 
 def test_n_choices_count_against_their_clients_limit_as_n_replies():
     """Limit 4: while 2 choices of alice's run, 3 more are refused but one reply is not, and then 2 more
-    are; 5 at once are refused to anyone; Stop ends every choice (each one of the replies it counts),
-    which frees the slots."""
+    are; an idle client's 5 at once are served, and then it is busy; Stop ends every choice (each one
+    of the replies it counts), which frees the slots."""
     service = service_over(EndlessChat())
     turn = service.chat_turn([{"role": "user", "content": "hi"}])
     two = service.choices("alice", turn, flags(2))
     assert next(two)[1].text == "x"
     with pytest.raises(Busy, match="already has 2 replies in progress, and 3 more would pass its limit of 4"):
         next(service.choices("alice", turn, flags(3)))
-    with pytest.raises(Busy, match="5 replies at once are more than the 4 one client may have in progress"):
-        next(service.choices("bob", turn, flags(5)))
+    five = service.choices("bob", turn, flags(5))
+    assert next(five)[1].text == "x"
+    with pytest.raises(Busy, match="already has 5 replies in progress"):
+        next(service.reply("bob", turn))
+    assert service.stop("bob") == 5
+    assert sorted(i for i, u in five if u.stats) == [0, 1, 2, 3, 4]
     one = service.reply("alice", turn)
     assert next(one).text == "x"
     with pytest.raises(Busy, match="already has 3 replies in progress"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.seam import ChatEvent, ChatModel, FinishReason, LLMEngine, Prompt, TokenLogprob, TokenStream
@@ -27,9 +27,13 @@ from pipeline.llm.text.tool_calls import CallReader
 class LanguageModel(ChatModel):
     """A tokenizer and a local engine: the `ChatModel` of every local backend."""
 
-    def __init__(self, tokenizer: Tokenizer, engine: LLMEngine, model_id: str, description: str):
+    def __init__(self, tokenizer: Tokenizer, engine: LLMEngine, model_id: str, description: str,
+                 sampling_defaults: Mapping[str, float] | None = None):
+        """`sampling_defaults`: the checkpoint's own sampling values (`checkpoint_defaults`), for API
+        requests that leave them out."""
         self.tokenizer, self.engine, self.model_id = tokenizer, engine, model_id
         self.description = description
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._vocabularies: dict[frozenset[int], GrammarVocabulary] = {}
 
     def close(self) -> None:
@@ -95,10 +99,14 @@ class LanguageModel(ChatModel):
         if structure.tools:
             raise UserError("a plain completion cannot call tools: use chat completions", "tools")
         ids = ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else []) + self.tokenizer.encode(text)
-        room = self.context - min(params.max_new_tokens, self.context // 2)
-        if not text or len(ids) > room:
-            raise UserError(f"the prompt must be 1 to {room} tokens (this model's context is {self.context}, half "
-                            f"kept for the reply), got {len(ids)}", "prompt")
+        if not text:
+            raise UserError("the prompt is empty: send text to continue", "prompt")
+        kept = min(params.max_new_tokens, self.context // 2)  # as `chat` keeps room for the reply
+        if len(ids) > self.context - kept:
+            why = "max_tokens" if kept == params.max_new_tokens else "half the context, as max_tokens is more"
+            raise UserError(f"the prompt is {len(ids)} tokens, but this model's context is {self.context} tokens and "
+                            f"{kept} of them are kept for the reply ({why}): send at most {self.context - kept} "
+                            f"prompt tokens, or ask for fewer max_tokens", "prompt")
         grammar = None if structure.schema is None else (json_schema_grammar(structure.schema), "response_format")
         yield from self._generate(Prompt(tuple(ids)), params, self.tokenizer.eos_ids, params.stop, cancel, session,
                                   grammar, None, strip=False)

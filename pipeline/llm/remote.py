@@ -36,6 +36,7 @@ class RemoteLanguageModel(ChatModel):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model_id = model or self._first_model()
         self.description = f"{self.model_id} on {self.url} (remote)"
+        self.sampling_defaults = {}  # not known here: an API request's omitted values are sent neutral
         self.running = self.finished = 0
         self._lock = threading.Lock()
 

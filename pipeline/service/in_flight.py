@@ -1,7 +1,10 @@
 """How many replies each client has running or queued, with their Stop flags.
 
 Why a limit: one client queueing 200 replies would starve the rest (the service's `MAX_IN_FLIGHT`).
-A request of n replies (the API's `n`) holds n slots, all at once or none.
+A request of n replies (the API's `n`) holds n slots, all at once or none. A client with nothing in
+flight may start one request of more replies than the limit (the API's `n` goes to 8, the engine's
+batch): the limit stops a client piling up requests, not asking for the choices the API offers; while
+those run, its further requests are refused as any busy client's are.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ class InFlight:
     @contextlib.contextmanager
     def running(self, client: str, tool: str, *cancels: threading.Event) -> Iterator[None]:
         """Hold one of `client`'s slots per reply (each with its Stop flag) while the block runs: all of
-        them at once, or `Busy` (a request of n replies counts as n)."""
+        them at once, or `Busy` (a request of n replies counts as n) when the client already has replies
+        in flight and these would pass its limit."""
         entries = [(tool, cancel) for cancel in cancels]
         with self._lock:
             held = len(self._flags.get(client, []))
-            if held + len(entries) > self.limit:
+            if held and held + len(entries) > self.limit:
                 raise Busy(self._refusal(held, len(entries)))
             flags = self._flags.setdefault(client, [])
             flags += entries
@@ -47,9 +51,6 @@ class InFlight:
 
     def _refusal(self, held: int, asked: int) -> str:
         """Why `asked` more replies are refused to a client that has `held` in flight."""
-        if asked > self.limit:
-            return f"{asked} replies at once are more than the {self.limit} one client may have in progress: ask " \
-                   f"for fewer"
         more = f", and {asked} more would pass its limit of {self.limit}" if asked > 1 else ""
         return f"this client already has {held} replies in progress{more}: wait for one to finish, or stop it"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -30,6 +31,13 @@ class ChatTurn:
     model: str | None = None  # the chat model asked for (switched to first if another runs); None: the one running
     structure: Structure = Structure()  # tools offered, a JSON schema the reply follows
     prompt: str | None = None  # a plain text to continue instead of `messages` (`/v1/completions`)
+    model_defaults: frozenset[str] = frozenset()  # sampling values left to the answering model (`for_model`)
+
+    def for_model(self, defaults: Mapping[str, float]) -> ChatTurn:
+        """This turn as the model with its own sampling `defaults` answers it: those it left to the model
+        taken from them (the rest keep `params`' neutral values)."""
+        taken = {name: defaults[name] for name in self.model_defaults if name in defaults}
+        return dataclasses.replace(self, params=dataclasses.replace(self.params, **taken)) if taken else self
 
 
 class Revision(enum.StrEnum):

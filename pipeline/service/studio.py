@@ -23,7 +23,7 @@ import numpy as np
 
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.sampling import NEUTRAL, SamplingParams
 from pipeline.llm.text.structure import Structure
 from pipeline.models import ModelEntry
 from pipeline.pipelines.segment_session import SegmentSession
@@ -38,6 +38,15 @@ from pipeline.service.tools import Tool, ToolHost, ToolSpec
 
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
 SWITCH_ATTEMPTS = 3  # a request naming a model retries this often when others switch the chat model under it
+
+
+def _params(sampling: Mapping[str, Any] | None, model_defaults: bool) -> tuple[SamplingParams, frozenset[str]]:
+    """The request's sampling values checked, and which of them the answering model decides: with
+    `model_defaults`, those of `NEUTRAL`'s left out (None) are neutral until the model's own replace them
+    (`ChatTurn.for_model`); else every value left out is `SamplingParams`' own (the UI's)."""
+    values = dict(sampling or {})
+    unset = frozenset(name for name in NEUTRAL if values.get(name) is None) if model_defaults else frozenset()
+    return SamplingParams.from_values(**{**values, **{name: NEUTRAL[name] for name in unset}}), unset
 
 
 class Catalog(Protocol):
@@ -81,13 +90,15 @@ class StudioService:
     def chat_turn(self, messages: object, sampling: Mapping[str, Any] | None = None, *, system: object = None,
                   tool: Tool | str | None = None, image: ImageSource | None = None,
                   mask: ImageSource | None = None, model: str | None = None,
-                  structure: Structure = Structure()) -> ChatTurn:
+                  structure: Structure = Structure(), model_defaults: bool = False) -> ChatTurn:
         """A checked request, or a `UserError` naming what is wrong. `system`: a system prompt to put
         first (blank: none). `tool` None: image chat when there is an image, else chat. `mask` (white =
         the object) asks image chat about that object only. `model`: the chat model to answer (one of
         `chat_models()`; another one than runs now is switched to, as the Models tab does). The last
-        message is the user's; in chat it may also be a tool's result, or an assistant reply to continue."""
-        params = SamplingParams.from_values(**(sampling or {}))
+        message is the user's; in chat it may also be a tool's result, or an assistant reply to continue.
+        `model_defaults` (the API's rule): sampling values left out are the answering model's own, else
+        neutral (`_params`), not the UI's."""
+        params, unset = _params(sampling, model_defaults)
         if system is not None and not isinstance(system, str):
             raise UserError(f"system_prompt must be text, got {system!r:.60}", "messages")
         messages = [{"role": "system", "content": system}, *plain_messages(messages)] if system else messages
@@ -112,17 +123,19 @@ class StudioService:
             raise UserError("a mask needs an image to ask about", "mask")
         if tool == Tool.IMAGE_CHAT or not self.switches_to(model):
             model = None
-        return ChatTurn(tool, tuple(plain), params, pixels, model, structure)
+        return ChatTurn(tool, tuple(plain), params, pixels, model, structure, model_defaults=unset)
 
     def completion_turn(self, prompt: object, sampling: Mapping[str, Any] | None = None, *, model: str | None = None,
-                        structure: Structure = Structure()) -> ChatTurn:
-        """A checked request to continue plain text with the chat model (`/v1/completions`)."""
-        params = SamplingParams.from_values(**(sampling or {}))
+                        structure: Structure = Structure(), model_defaults: bool = False) -> ChatTurn:
+        """A checked request to continue plain text with the chat model (`/v1/completions`); `model_defaults`
+        as in `chat_turn`."""
+        params, unset = _params(sampling, model_defaults)
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise UserError("prompt must be a non-empty string (or a list of one)", "prompt")
-        return ChatTurn(Tool.CHAT, (), params, None, model if self.switches_to(model) else None, structure, prompt)
+        return ChatTurn(Tool.CHAT, (), params, None, model if self.switches_to(model) else None, structure, prompt,
+                        unset)
 
     def _switchable(self) -> list[str]:
         return self.catalog.servable() if self.catalog is not None else []
@@ -188,6 +201,7 @@ class StudioService:
             with self.host.using(turn.tool) as pipeline:
                 if turn.model is not None and pipeline.llm.model_id != turn.model:
                     continue
+                turn = turn.for_model(pipeline.llm.sampling_defaults)
                 session = f"{turn.tool.flag}:{client}"  # a placement hint: the cache finds turns by content
                 if turn.tool == Tool.IMAGE_CHAT:
                     events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session, turn.structure)

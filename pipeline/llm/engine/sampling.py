@@ -9,11 +9,14 @@ stream, never on what else shares the batch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -103,6 +106,28 @@ class SamplingParams:
             raise UserError(f"unknown sampling setting {sorted(unknown)[0]!r}: use one of "
                             f"{', '.join([*LIMITS, *LISTS])}")
         return cls(**{name: value for name, value in values.items() if value is not None})
+
+
+# What a value an API request leaves out is, where the model names none: the one that changes nothing (as in
+# vLLM), so `temperature: 0` alone is the model's greedy reply. The UI keeps `SamplingParams`' own defaults.
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+def checkpoint_defaults(folder: Path) -> dict[str, float]:
+    """The sampling values (of `NEUTRAL`'s) a checkpoint's `generation_config.json` names, as its authors
+    tuned them, where each is valid here; {} when the folder has none (or a file that does not parse)."""
+    path = Path(folder) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    found = {}
+    for name in NEUTRAL.keys() & config.keys():
+        with contextlib.suppress(InvalidSampling):  # a value out of this server's range: left neutral
+            found[name] = LIMITS[name].check(name, config[name])
+    return found
 
 
 def _stop_strings(name: str, value) -> tuple[str, ...]:

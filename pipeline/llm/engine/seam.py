@@ -15,7 +15,7 @@ import dataclasses
 import enum
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol
 
 from torch import Tensor
@@ -192,6 +192,7 @@ class ChatModel(Protocol):
 
     model_id: str
     description: str
+    sampling_defaults: Mapping[str, float]  # the model's own values for those an API request leaves out ({}: none)
 
     @property
     def context(self) -> int:
