@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Saved:
     first message, `StudioService.send`), as a new turn or another version of the last one."""
 
     user: str
-    conversation: int | None = None
+    conversation: int | Future | None = None  # a Future: one being created while another program locks the database
     revision: Revision = Revision.NEW
 
 

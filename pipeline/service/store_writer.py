@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.errors import UserError
 
-RETRY_EVERY_S = 0.25
+PROBE_WAIT_S = 10  # each probe waits this long inside SQLite (its busy handler) before it is asked again
 SOON_S = 2.0  # how long a reply waits for a write it would like to know about before going on without it
 
 
@@ -84,10 +84,10 @@ class StoreWriter:
                 break
 
     def _wait_until_unlocked(self) -> None:
-        """Until a write transaction of our own could begin: probed on a connection of its own that does not
-        wait, so the store's connection stays free for reads meanwhile."""
+        """Until a write transaction of our own could begin: waited for (by SQLite's busy handler) on a
+        connection of its own, so the store's connection stays free for reads meanwhile."""
         self.waiting_since = self.waiting_since or time.time()
-        probe = sqlite3.connect(self.path, timeout=0, isolation_level=None)
+        probe = sqlite3.connect(self.path, timeout=PROBE_WAIT_S, isolation_level=None)
         try:
             while True:
                 try:
@@ -97,6 +97,5 @@ class StoreWriter:
                 except sqlite3.OperationalError as e:
                     if not is_locked(e):
                         return  # not a lock: the write itself will say what is wrong
-                time.sleep(RETRY_EVERY_S)
         finally:
             probe.close()

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +35,7 @@ from pipeline.service.messages import last_turn, plain_messages
 from pipeline.service.reply_record import ReplyRecord
 from pipeline.service.requests import ChatTurn, ImageSource, Revision, Saved, Update, stats_line
 from pipeline.service.store import ConversationStore
+from pipeline.service.store_writer import soon
 from pipeline.service.tools import Tool, ToolHost, ToolSpec
 
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
@@ -244,11 +246,16 @@ class StudioService:
                               sampling, system=system, tool=tool, image=image)
         if saved is not None and saved.conversation is None:
             picture = Path(image).read_bytes() if isinstance(image, str) else image if isinstance(image, bytes) else None
-            saved = Saved(saved.user, self.store.create(saved.user, tool, system=system or None, image=picture))
+            created = self.store.later(self.store.create, saved.user, tool, "", system or None, picture)
+            saved = Saved(saved.user, soon(created))
         elif saved is not None and saved.revision != Revision.NEW:
-            self.store.rewind_last_turn(saved.user, saved.conversation, keep_question=saved.revision == Revision.REPLY)
-        yield Update(saved=saved, messages=turn.messages)
+            soon(self.store.later(self.store.rewind_last_turn, saved.user, saved.conversation,
+                                  saved.revision == Revision.REPLY))
+        pending = saved is not None and isinstance(saved.conversation, Future)  # the database is locked
+        yield Update(saved=None if pending else saved, messages=turn.messages)
         yield from self.reply(client, turn, cancel, saved)
+        if pending and saved.conversation.done() and saved.conversation.exception() is None:
+            yield Update(saved=Saved(saved.user, saved.conversation.result()))
 
     def regenerate(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
                    tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
