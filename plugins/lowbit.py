@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from plugins.fused import silu_mul_fused
-from plugins.lowbit_tiles import BLOCK_M, GROUP, INTERPRETED, MAX_SPLIT, TILE
+from plugins.lowbit_tiles import BLOCK_M, GROUP, GROUPS, INTERPRETED, MAX_SPLIT, TILE
 
 try:
     import triton
@@ -80,15 +80,20 @@ if triton is not None:
     def _lowbit_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
                      M, N, K, stride_xm, stride_om, SPLIT_K,
                      BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, MAGIC: tl.constexpr,
-                     DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr):
+                     DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, STEPS: tl.constexpr,
+                     GROUP: tl.constexpr):
         """One [BLOCK_N, BLOCK_M] tile of out, over this split's chunks of the inputs. The dot operands come
         from the stored bytes by elementwise steps only (int4: the low and the high nibbles as two
         operands, dotted with the even and the odd inputs; int8: the byte), which Triton can apply after
-        loading straight into the tensor cores' operand layout."""
+        loading straight into the tensor cores' operand layout. int4 in groups of GROUP < 128 (a GGUF
+        file's 32): each group of a chunk is its own pair of dots (GROUP / 2 bytes deep, at least the
+        tensor cores' 16), scaled by its own scale and zero point."""
         pid_n, pid_k, pid_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rb = tl.arange(0, 64)  # bytes of a row per chunk
+        GROUPS: tl.constexpr = 128 // GROUP if BITS == 4 else 1  # scale and zero pairs per chunk
+        WIDTH: tl.constexpr = 64 // GROUPS  # bytes of a row per group of a chunk
+        rb = tl.arange(0, WIDTH)
         n_ok, m_ok = rv < N, rm < M
         compute: tl.constexpr = x_ptr.dtype.element_ty
         magic_half: tl.constexpr = 0x4300 if MAGIC == 128.0 else 0x6400
@@ -98,32 +103,34 @@ if triton is not None:
         xsum_all = tl.zeros((BLOCK_M,), tl.float32)
         for start in range(first, last, STEPS):
             for i in tl.static_range(STEPS):
-                b = start + i
-                ok = (rb * 0 + b) < last
-                w = tl.load(w_ptr + _row_chunk(rn, b, K, BITS)[:, None] * 64 + rb[None, :],
-                            mask=n_ok[:, None] & ok[None, :], other=0).to(tl.int16)  # [BLOCK_N, 64] bytes
-                x_at = x_ptr + rm[None, :] * stride_xm + b * CHUNK + rb[:, None] * (CHUNK // 64)
-                x_ok = m_ok[None, :] & ok[:, None]
-                if BITS == 4:
-                    x_even = tl.load(x_at, mask=x_ok, other=0.0)  # [64, BLOCK_M]: inputs 2i
-                    x_odd = tl.load(x_at + 1, mask=x_ok, other=0.0)
-                    lo = ((w & 15) | magic_half).to(compute, bitcast=True)  # MAGIC + q, exact
-                    hi = ((w >> 4) | magic_half).to(compute, bitcast=True)
-                    if DOT_F32:
-                        lo, hi, x_even, x_odd = lo.to(tl.float32), hi.to(tl.float32), x_even.to(tl.float32), \
-                            x_odd.to(tl.float32)
-                    part = tl.dot(hi, x_odd, tl.dot(lo, x_even))
-                    xsum = tl.sum(x_even.to(tl.float32), 0) + tl.sum(x_odd.to(tl.float32), 0)
-                    sc = tl.load(scale_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
-                    zp = tl.load(zero_ptr + b * N + rn, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
-                    acc += (part - (zp + MAGIC)[:, None] * xsum[None, :]) * sc[:, None]
-                else:
-                    x = tl.load(x_at, mask=x_ok, other=0.0)
-                    u = (w & 255).to(tl.float32 if DOT_F32 else compute)  # the stored byte, q + 128: exact
-                    if DOT_F32:
-                        x = x.to(tl.float32)
-                    acc = tl.dot(u, x, acc)
-                    xsum_all += tl.sum(x.to(tl.float32), 0)
+                for g in tl.static_range(GROUPS):  # the groups of chunk start + i
+                    b = start + i
+                    ok = (rb * 0 + b) < last
+                    w = tl.load(w_ptr + _row_chunk(rn, b, K, BITS)[:, None] * 64 + g * WIDTH + rb[None, :],
+                                mask=n_ok[:, None] & ok[None, :], other=0).to(tl.int16)  # [BLOCK_N, WIDTH] bytes
+                    x_at = x_ptr + rm[None, :] * stride_xm + b * CHUNK + (g * WIDTH + rb[:, None]) * (CHUNK // 64)
+                    x_ok = m_ok[None, :] & ok[:, None]
+                    if BITS == 4:
+                        x_even = tl.load(x_at, mask=x_ok, other=0.0)  # [WIDTH, BLOCK_M]: inputs 2i
+                        x_odd = tl.load(x_at + 1, mask=x_ok, other=0.0)
+                        lo = ((w & 15) | magic_half).to(compute, bitcast=True)  # MAGIC + q, exact
+                        hi = ((w >> 4) | magic_half).to(compute, bitcast=True)
+                        if DOT_F32:
+                            lo, hi, x_even, x_odd = lo.to(tl.float32), hi.to(tl.float32), x_even.to(tl.float32), \
+                                x_odd.to(tl.float32)
+                        part = tl.dot(hi, x_odd, tl.dot(lo, x_even))
+                        xsum = tl.sum(x_even.to(tl.float32), 0) + tl.sum(x_odd.to(tl.float32), 0)
+                        at = (b * GROUPS + g) * N + rn
+                        sc = tl.load(scale_ptr + at, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                        zp = tl.load(zero_ptr + at, mask=n_ok & (rn * 0 + b < last), other=0.0).to(tl.float32)
+                        acc += (part - (zp + MAGIC)[:, None] * xsum[None, :]) * sc[:, None]
+                    else:
+                        x = tl.load(x_at, mask=x_ok, other=0.0)
+                        u = (w & 255).to(tl.float32 if DOT_F32 else compute)  # the stored byte, q + 128: exact
+                        if DOT_F32:
+                            x = x.to(tl.float32)
+                        acc = tl.dot(u, x, acc)
+                        xsum_all += tl.sum(x.to(tl.float32), 0)
         if BITS == 8:
             sc = tl.load(scale_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             acc = (acc - 128 * xsum_all[None, :]) * sc[:, None]
@@ -131,15 +138,18 @@ if triton is not None:
                 SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
 
 
-def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: int) -> str | None:
-    """None when the kernel can run a layer like this, else why not (the caller keeps its reference)."""
+def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: int, group: int = GROUP) -> str | None:
+    """None when the kernel can run a layer like this (int4: in groups of `group` inputs), else why not (the
+    caller keeps its reference)."""
     if triton is None:
         return "Triton is not installed"
     if device.type != "cuda" and not INTERPRETED:
         return "the low-bit kernels need a CUDA GPU"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"the low-bit kernels compute in bf16 or fp16, not {dtype}"
-    chunk = GROUP if bits == 4 else 64
+    if bits == 4 and group not in GROUPS:
+        return f"the int4 kernels run groups of {', '.join(map(str, GROUPS))} inputs, not {group}"
+    chunk = 128 if bits == 4 else 64
     if in_features % chunk:
         return f"input width {in_features} is not a multiple of {chunk}"
     return None
@@ -237,8 +247,9 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
         partials, counters = workspace.partials, workspace.counters
     else:
         partials = counters = out  # unused
+    group = k // scale.shape[0] if bits == 4 else GROUP  # int8: one scale per row, no groups
     common = dict(BITS=bits, HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=config.block_n, STEPS=config.steps,
-                  num_warps=config.warps, num_stages=config.stages)
+                  GROUP=group, num_warps=config.warps, num_stages=config.stages)
     weights = (data.view(torch.int32) if gemv else data, scale, zero if zero is not None else scale,
                bias if bias is not None else scale)
     def launcher(kernel, grid):
@@ -295,6 +306,7 @@ class LowBitWeight:
         self.workspace, self.gated = workspace, gated
         self.out_features = scale.shape[-1]
         self.in_features = data.shape[1] * 64 * 8 // bits
+        self.group = self.in_features // scale.shape[0] if bits == 4 else 0
         processors = torch.cuda.get_device_properties(data.device).multi_processor_count if data.is_cuda else 132
         self.config = default_config(bits, self.out_features, self.in_features, 1, processors)
         self.batch_config = default_config(bits, self.out_features, self.in_features, 8, processors)
@@ -311,8 +323,11 @@ class LowBitWeight:
         return cls(kernel_bytes(parts["q"], bits), scale, zero, bias, bits, dtype, workspace, gated)
 
     def shape_key(self) -> str:
-        """What a tuned launch shape is chosen for (layers alike in this run alike)."""
+        """What a tuned launch shape is chosen for (layers alike in this run alike). Groups other than
+        GROUP are named (a GGUF file's 32 load more scales: their best shape may differ); GROUP's keys
+        stay those stored before groups varied."""
         extras = (" +bias" if self.bias is not None else "") + (" +silu_mul" if self.gated else "")
+        extras += f" g{self.group}" if self.group not in (0, GROUP) else ""
         return f"int{self.bits} {self.in_features}->{self.out_features}{extras}"
 
     def __call__(self, x: Tensor, config: Config | None = None, compile_only: bool = False) -> Tensor:

@@ -4,7 +4,15 @@ the product. `_gemv_kernel` (int4 and int8, bf16 and fp16) dequantizes into fp32
 `_packed_gemv_kernel` (int4, bf16) works on packed bf16 pairs, two weights per instruction. Which one
 runs a layer is timed per GPU and shape (`plugins.lowbit_tuning`). Both also take a few rows (`ROWS`)
 that must each get exactly a one-row launch's numbers (a speculative verify step's: `rows_as_one_row`):
-the weights are dequantized once and every row runs the one-row arithmetic on them."""
+the weights are dequantized once and every row runs the one-row arithmetic on them.
+
+A chunk's 16 words (64 bytes of a row) are held as [rows, GROUPS, 16 / GROUPS]: int4 in groups of 128
+has one scale and zero point per chunk (GROUPS = 1, the layout they always had), a GGUF file's groups of
+32 have four, each applied to its own 4 words by broadcasting, so the per-group work stays one per
+thread and group as it was one per thread and row. No sum across a chunk's groups is taken inside the
+loop (the fp32 GEMV takes its known terms out per word there): only the final sum of the accumulators,
+whose order is the same at any `ROWS`; a per-chunk sum over the groups rounded differently at 2 rows
+than at one on an H200 (the verify rows of `rows_as_one_row` then differed in the last bit)."""
 
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ if triton is not None:  # the kernels and their helpers exist only where triton 
     def _gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_om,
                      SPLIT_K, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, X_BF16: tl.constexpr,
                      BLOCK_N: tl.constexpr, STEPS: tl.constexpr, STAGES: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
+                     BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
         """ROWS rows of activations times BLOCK_N weight rows, on the CUDA cores: two instructions per
         weight and row.
 
@@ -38,28 +46,32 @@ if triton is not None:  # the kernels and their helpers exist only where triton 
         Each activation row runs the one-row arithmetic on the weights made once (`_row_values`)."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
-        rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
+        GROUPS: tl.constexpr = 128 // GROUP if BITS == 4 else 1  # scale and zero pairs per chunk
+        rg = tl.arange(0, GROUPS)
+        rw = rg[:, None] * (16 // GROUPS) + tl.arange(0, 16 // GROUPS)[None, :]  # a chunk's 16 words, by group
         n_ok = rv < N
         first, last = _chunks(pid_k, K, BITS, STEPS, SPLIT_K)
         accs, knowns = (), ()  # per activation row: the sums, and what they hold besides Σ q·x·scale
         for r in tl.static_range(ROWS):
-            accs, knowns = accs + (tl.zeros((BLOCK_N, 16), tl.float32),), knowns + (tl.zeros((BLOCK_N,), tl.float32),)
+            accs = accs + (tl.zeros((BLOCK_N, GROUPS, 16 // GROUPS), tl.float32),)
+            knowns = knowns + (tl.zeros((BLOCK_N,), tl.float32),)
         for start in tl.range(first, last, STEPS, num_stages=STAGES):
             for i in tl.static_range(STEPS):
                 c = start + i
                 ok = (rw * 0 + c) < last
-                w = tl.load(w_ptr + _row_chunk(rn, c, K, BITS)[:, None] * 16 + rw[None, :],
-                            mask=n_ok[:, None] & ok[None, :], other=0)  # [BLOCK_N, 16] int32
+                w = tl.load(w_ptr + _row_chunk(rn, c, K, BITS)[:, None, None] * 16 + rw[None, :, :],
+                            mask=n_ok[:, None, None] & ok[None, :, :], other=0)  # [BLOCK_N, GROUPS, words] int32
                 if BITS == 4:
-                    c_ok = n_ok & (rn * 0 + c < last)
-                    sc = tl.load(scale_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
-                    zp = tl.load(zero_ptr + c * N + rn, mask=c_ok, other=0.0).to(tl.float32)
+                    at = (c * GROUPS + rg)[None, :] * N + rn[:, None]
+                    c_ok = n_ok[:, None] & (at * 0 + c < last)
+                    sc = tl.load(scale_ptr + at, mask=c_ok, other=0.0).to(tl.float32)  # [BLOCK_N, GROUPS]
+                    zp = tl.load(zero_ptr + at, mask=c_ok, other=0.0).to(tl.float32)
                 new_accs, new_knowns = (), ()
                 for r in tl.static_range(ROWS):
                     acc, known = accs[r], knowns[r]
-                    t = tl.zeros((BLOCK_N, 16), tl.float32)
-                    scaled = tl.zeros((16,), tl.float32)  # the scaled inputs t holds besides Σ q·x
-                    xs = tl.zeros((16,), tl.float32)
+                    t = tl.zeros_like(acc)
+                    scaled = tl.zeros((GROUPS, 16 // GROUPS), tl.float32)  # the scaled inputs t holds besides Σ q·x
+                    xs = tl.zeros((GROUPS, 16 // GROUPS), tl.float32)
                     for j in tl.static_range(4):  # byte j of every word
                         v = w << (15 - 8 * j) if j < 2 else w >> (8 * j - 15)
                         if BITS == 4:
@@ -74,21 +86,23 @@ if triton is not None:  # the kernels and their helpers exist only where triton 
                                 x_hi = tl.load(x_at + 1, mask=ok, other=0.0).to(tl.float32)
                             lo = ((v & 0x78000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/256
                             hi = ((v & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + q/16
-                            t += lo * (x_lo * 256.0)[None, :]  # two FMAs: one sum `lo·a + hi·b` was a multiply too
-                            t += hi * (x_hi * 16.0)[None, :]
+                            t += lo * (x_lo * 256.0)[None, :, :]  # two FMAs: one sum `lo·a + hi·b` was a multiply
+                            t += hi * (x_hi * 16.0)[None, :, :]
                             scaled += x_lo * 256.0 + x_hi * 16.0
                             xs += x_lo + x_hi
                         else:
                             x_j = tl.load(x_ptr + r * K + c * 64 + rw * 4 + j, mask=ok, other=0.0).to(tl.float32)
                             x_j *= 256.0
                             u = ((v & 0x7F8000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + u/256
-                            acc += u * x_j[None, :]
+                            acc += u * x_j[None, :, :]
                             scaled += x_j * 1.5  # u = q + 128
-                    if BITS == 4:
-                        acc += t * sc[:, None]
-                        known += (tl.sum(scaled, 0) + zp * tl.sum(xs, 0)) * sc
+                    if BITS == 4 and GROUPS == 1:
+                        acc += t * sc[:, :, None]
+                        known += tl.sum((tl.sum(scaled, 1)[None, :] + zp * tl.sum(xs, 1)[None, :]) * sc, 1)
+                    elif BITS == 4:  # taken out per word: a sum over the groups here rounded otherwise at 2 rows
+                        acc += (t - (scaled[None, :, :] + zp[:, :, None] * xs[None, :, :])) * sc[:, :, None]
                     else:
-                        known += tl.sum(scaled, 0)
+                        known += tl.sum(tl.sum(scaled, 1), 0)
                     new_accs, new_knowns = new_accs + (acc,), new_knowns + (known,)
                 accs, knowns = new_accs, new_knowns
         if BITS == 8:
@@ -96,7 +110,7 @@ if triton is not None:  # the kernels and their helpers exist only where triton 
         cols = tl.arange(0, BLOCK_M)
         out = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for r in tl.static_range(ROWS):
-            row = tl.sum(accs[r], 1) - knowns[r]
+            row = tl.sum(tl.sum(accs[r], 2), 1) - knowns[r]
             if BITS == 8:
                 row *= sc
             out = tl.where(cols[None, :] == r, row[:, None], out)
@@ -157,20 +171,20 @@ if triton is not None:  # the kernels and their helpers exist only where triton 
                                          is_pure=True, pack=1)
 
     @triton.jit
-    def _group_values(scale_ptr, zero_ptr, rs, start, last, N, STEPS: tl.constexpr):
-        """Rows `rs`' scales and zero points of groups start … start + STEPS − 1, fp32 [rows, STEPS]: a
-        loop step's, loaded a step ahead (loads inside the step would stall it for a memory latency). A
-        group past `last` reads the last one's, with a zero scale."""
-        g = start + tl.arange(0, STEPS)
-        at = tl.minimum(g, last - 1)[None, :] * N + rs[:, None]
-        scales = tl.where(g[None, :] < last, tl.load(scale_ptr + at).to(tl.float32), 0.0)
+    def _group_values(scale_ptr, zero_ptr, rs, start, last, N, STEPS: tl.constexpr, GROUPS: tl.constexpr):
+        """Rows `rs`' scales and zero points of chunks start … start + STEPS − 1, fp32 [rows, STEPS, GROUPS]:
+        a loop step's, loaded a step ahead (loads inside the step would stall it for a memory latency). A
+        chunk past `last` reads the last one's, with a zero scale."""
+        c = start + tl.arange(0, STEPS)[None, :, None]
+        at = (tl.minimum(c, last - 1) * GROUPS + tl.arange(0, GROUPS)[None, None, :]) * N + rs[:, None, None]
+        scales = tl.where(c < last, tl.load(scale_ptr + at).to(tl.float32), 0.0)
         return scales, tl.load(zero_ptr + at).to(tl.float32)
 
     @triton.jit
     def _packed_gemv_kernel(x_ptr, w_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_om,
                             SPLIT_K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
                             STEPS: tl.constexpr, STAGES: tl.constexpr, EMULATE: tl.constexpr, ROWS: tl.constexpr,
-                            BLOCK_M: tl.constexpr):
+                            BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
         """int4, ROWS rows of bf16 activations: two weights per instruction, on packed bf16 pairs.
 
         A word holds 8 weights; masks and `prmt` put the nibbles of inputs s and s + 4 under the upper
@@ -189,24 +203,25 @@ if triton is not None:  # the kernels and their helpers exist only where triton 
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rs = tl.minimum(rn, N - 1)  # rows past the end read a real row's scale; they are never stored
-        rw = tl.arange(0, 16)  # the 16 words (64 bytes) of a chunk
+        GROUPS: tl.constexpr = 128 // GROUP  # scale and zero pairs per chunk
+        rw = tl.arange(0, GROUPS)[:, None] * (16 // GROUPS) + tl.arange(0, 16 // GROUPS)[None, :]  # words, by group
         first, last = _chunks(pid_k, K, 4, STEPS, SPLIT_K)
         accs = ()  # per activation row
         for r in tl.static_range(ROWS):
-            accs = accs + (tl.zeros((BLOCK_N, 16), tl.float32),)
-        steps = tl.arange(0, STEPS)
-        scales, zeros = _group_values(scale_ptr, zero_ptr, rs, first, last, N, STEPS)
+            accs = accs + (tl.zeros((BLOCK_N, GROUPS, 16 // GROUPS), tl.float32),)
+        steps = tl.arange(0, STEPS)[None, :, None]
+        scales, zeros = _group_values(scale_ptr, zero_ptr, rs, first, last, N, STEPS, GROUPS)
         for start in tl.range(first, last, STEPS, num_stages=STAGES):
             sc_step, zp_step = scales, zeros
-            scales, zeros = _group_values(scale_ptr, zero_ptr, rs, start + STEPS, last, N, STEPS)  # the next step's
+            scales, zeros = _group_values(scale_ptr, zero_ptr, rs, start + STEPS, last, N, STEPS, GROUPS)  # next's
             for i in tl.static_range(STEPS):
                 c = tl.minimum(start + i, last - 1)
-                w = tl.load(w_ptr + _row_chunk(rn, c, K, 4)[:, None] * 16 + rw[None, :])  # [BLOCK_N, 16] int32
-                sc = tl.sum(tl.where(steps[None, :] == i, sc_step, 0.0), 1)
-                zp = tl.sum(tl.where(steps[None, :] == i, zp_step, 0.0), 1)
+                w = tl.load(w_ptr + _row_chunk(rn, c, K, 4)[:, None, None] * 16 + rw[None, :, :])  # int32 words
+                sc = tl.sum(tl.where(steps == i, sc_step, 0.0), 1)  # [BLOCK_N, GROUPS]
+                zp = tl.sum(tl.where(steps == i, zp_step, 0.0), 1)
                 zi = tl.minimum(tl.maximum(tl.floor(zp + 0.5), 0.0), 15.0)  # a whole zero point, 0–15
-                offset = _pair(zi + 128.0, zi + 128.0)[:, None]  # (128 + zi, 128 + zi), exact
-                fraction = _pair(zi - zp, zi - zp)[:, None]  # what the whole zero point left out, negated
+                offset = _pair(zi + 128.0, zi + 128.0)[:, :, None]  # (128 + zi, 128 + zi), exact
+                fraction = _pair(zi - zp, zi - zp)[:, :, None]  # what the whole zero point left out, negated
                 even, odd = w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F  # bytes: inputs 0, 2, 4, 6 and 1, 3, 5, 7
                 high = tl.zeros_like(w) + 0x43434343  # 0x43: the upper byte of 128.0
                 d0 = _pair_sub(_bytes(even, high, 0x4240, EMULATE), offset, EMULATE)  # (q0 − zi, q4 − zi), exact
@@ -223,16 +238,16 @@ if triton is not None:  # the kernels and their helpers exist only where triton 
                     one = tl.zeros_like(xa) + ONE
                     xs = _pair_fma(_pair_fma(xa, one, xb, EMULATE), one, _pair_fma(xc, one, xd, EMULATE),
                                    EMULATE)  # the word's inputs summed in pairs
-                    t = _pair_fma(d0, p0[None, :], tl.zeros_like(w), EMULATE)
-                    t = _pair_fma(d1, p1[None, :], t, EMULATE)
-                    t = _pair_fma(d2, p2[None, :], t, EMULATE)
-                    t = _pair_fma(d3, p3[None, :], t, EMULATE)
-                    lo, hi = _halves(_pair_fma(fraction, xs[None, :], t, EMULATE))
-                    new_accs = new_accs + (accs[r] + (lo + hi) * sc[:, None],)
+                    t = _pair_fma(d0, p0[None, :, :], tl.zeros_like(w), EMULATE)
+                    t = _pair_fma(d1, p1[None, :, :], t, EMULATE)
+                    t = _pair_fma(d2, p2[None, :, :], t, EMULATE)
+                    t = _pair_fma(d3, p3[None, :, :], t, EMULATE)
+                    lo, hi = _halves(_pair_fma(fraction, xs[None, :, :], t, EMULATE))
+                    new_accs = new_accs + (accs[r] + (lo + hi) * sc[:, :, None],)
                 accs = new_accs
         cols = tl.arange(0, BLOCK_M)
         out = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for r in tl.static_range(ROWS):
-            out = tl.where(cols[None, :] == r, tl.sum(accs[r], 1)[:, None], out)
+            out = tl.where(cols[None, :] == r, tl.sum(tl.sum(accs[r], 2), 1)[:, None], out)
         _finish(out, rv, rn, cols, rv < N, cols < ROWS, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr,
                 count_ptr, SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)

@@ -13,7 +13,8 @@ try:
 except ImportError:  # CPU-only installs: the caller's reference path is used
     triton = None
 
-GROUP = 128  # int4 inputs per group (one scale and zero); a chunk is 64 bytes of a row: one group, or 64 int8
+GROUP = 128  # int4 inputs per group (one scale and zero), ours; a chunk is 64 bytes of a row: 128 int4 or 64 int8
+GROUPS = (32, 64, 128)  # the int4 groups the kernels run: 4, 2 or 1 per chunk (32: a GGUF file's blocks, kept)
 BLOCK_M = 16  # activation rows per program: tl.dot's smallest tile, so batches 1–16 cost one pass
 MAX_SPLIT = 16  # programs sharing an output tile along the inputs, at most (`_finish` adds their partials)
 TILE = 256  # weight rows stored together: a chunk of 256 rows is 16 KB of contiguous bytes (`kernel_bytes`)

@@ -161,13 +161,13 @@ def test_fused_kernels_match_the_torch_reference():
     assert ((q.float() - expected.float()).norm() / expected.float().norm()).item() <= 4e-3
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_lowbit_kernels_match_the_dequantizing_reference(mode):
+@pytest.mark.parametrize("mode,group", [("int8", 128), ("int4", 128), ("int4", 32)])
+def test_lowbit_kernels_match_the_dequantizing_reference(mode, group):
     """The low-bit kernels (tensor cores; for one row, also the CUDA-core GEMVs: fp32 and packed bf16 pairs),
     split (up to 16 ways) and unsplit, at batch
     1, 4, 5 and 64 give the
-    reference's numbers on our stored format: a wrong nibble order, zero point or scale layout would
-    be far off; the split-K counters are left at zero."""
+    reference's numbers on our stored format, int4 in our groups of 128 and a GGUF file's 32: a wrong
+    nibble order, zero point or scale layout would be far off; the split-K counters are left at zero."""
     from plugins import lowbit
     from pipeline.llm.weights.quant import QuantLinear
 
@@ -177,7 +177,8 @@ def test_lowbit_kernels_match_the_dequantizing_reference(mode):
         linear = torch.nn.Linear(n_in, n_out, bias=True, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             linear.weight.normal_(0, 0.02, generator=g)
-        layer = QuantLinear.from_linear(linear, mode)
+        layer = QuantLinear.from_linear(linear, mode, group=group)
+        assert layer.kernel_unavailable() is None
         reference = layer.weight_float().to(torch.bfloat16)
         layer.use_kernel(lowbit.Workspace(torch.device("cuda")))
         assert all(t.numel() == 0 for t in layer.parts().values())  # the reference buffers are freed
@@ -189,7 +190,7 @@ def test_lowbit_kernels_match_the_dequantizing_reference(mode):
                         for bn, st in ((64, 2), (256, 1)) for split in (1, 4, 16)]  # one row: CUDA cores
             for config in configs:
                 err = ((layer.kernel(x, config).float() - expected).norm() / expected.norm()).item()
-                assert err < 1e-2, (mode, n_in, batch, config, err)
+                assert err < 1e-2, (mode, group, n_in, batch, config, err)
         assert not layer.kernel.workspace.counters.any()
 
 
@@ -218,15 +219,16 @@ def test_quantized_chat_graphs_match_eager():
     assert replies[0] == replies[1] and all(len(r) == 40 for r in replies[0])
 
 
-@pytest.mark.parametrize("mode", ["int4", "int8"])
-def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode):
+@pytest.mark.parametrize("mode,gguf_type", [("int4", ""), ("int8", ""), ("int4", "Q4_K")])
+def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode, gguf_type):
     """Speculative decoding's verify step (one chat's last token and 1, 2, 4 or 8 drafted ones, a CUDA
     graph each) gives exactly the logits of the decode steps it stands for, whichever one-row kernel a
     layer was tuned to (packed bf16 pairs, the fp32 GEMV, the tensor cores; split or not; rows in several
     launches where they outgrow one's registers, `rows_per_gemv`) and with the untied LM head in int8:
     greedy speculation then keeps plain decoding's tokens. Without `rows_as_one_row` the tensor-core
     kernel ran the verify rows and rounded otherwise; with one pinned buffer for every decode step's rows
-    (before 2026-11-27) the graphed decode steps read the next step's tokens once the GPU fell behind."""
+    (before 2026-11-27) the graphed decode steps read the next step's tokens once the GPU fell behind.
+    A Q4_K GGUF file's int4 keeps its blocks of 32 (`quant.int4_group`) and must hold to it too."""
     from pipeline.llm.engine.model_runner import ModelRunner
     from pipeline.llm.model import Decoder, KVCache
     from pipeline.llm.weights.config import DecoderConfig
@@ -235,7 +237,8 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode):
     from plugins.lowbit_tuning import TunedConfigs
 
     config = DecoderConfig(family="qwen2", vocab_size=1024, hidden_size=512, intermediate_size=1536, num_layers=2,
-                           num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=1024, qkv_bias=True)
+                           num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=1024, qkv_bias=True,
+                           gguf_type=gguf_type)
     torch.manual_seed(0)
     model = quantize_decoder(Decoder(config).to(torch.bfloat16), mode, "cuda").cuda().eval()
     use_kernels(model, TunedConfigs())
@@ -254,7 +257,7 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode):
                                    for t, token in enumerate(tokens)])
             for size in (2, 3, 5, 9):
                 verified = runner.verify(cache, [tokens[:size]], [40], [0])[0]
-                assert torch.equal(verified, stepped[:size]), (mode, one_row, size,
+                assert torch.equal(verified, stepped[:size]), (mode, gguf_type, one_row, size,
                                                                (verified - stepped[:size]).abs().max())
         runner.close()
 

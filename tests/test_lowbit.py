@@ -2,8 +2,9 @@
 (TRITON_INTERPRET=1) against the dequantizing reference of `pipeline/llm/weights/quant.py`: int4 and int8,
 bf16 and fp16 activations, with and without bias, split-K (whose counters must be left at zero for the
 next call), batches 1 (the tensor-core kernel and the CUDA-core GEMV), 2–4, 5–16 and prefill, plain
-and gated (SiLU(gate)·up made in the kernel's last step), and widths that leave a partial output tile. The
-packed-pair GEMV's PTX (`fma.rn.bf16x2`, `prmt`) runs here as its fp32 emulation with the hardware's rounding.
+and gated (SiLU(gate)·up made in the kernel's last step), and widths that leave a partial output tile;
+int4 in our groups of 128 and in a GGUF file's groups of 32 (and 64). The packed-pair GEMV's PTX
+(`fma.rn.bf16x2`, `prmt`) runs here as its fp32 emulation with the hardware's rounding.
 On a GPU, `tests/test_gpu.py` checks it compiled at Qwen2.5-7B's shapes."""
 
 import os
@@ -16,6 +17,13 @@ import pytest
 pytest.importorskip("triton", reason="Triton is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 
+CASES = [  # rows, out, in, (rows per program, chunks per step, split-K)
+    (1, 96, 256, (32, 1, 1)), (1, 80, 512, (32, 2, 4)), (1, 64, 384, (16, 2, 3)), (3, 64, 512, (16, 2, 2)),
+    (4, 64, 384, (16, 2, 3)), (7, 48, 256, (32, 1, 2)), (20, 48, 256, (32, 1, 1)),
+]
+GROUP_CASES = [(1, 96, 256, (32, 1, 1)), (1, 80, 512, (32, 2, 4)), (1, 64, 384, (16, 2, 3)), (3, 64, 512, (16, 2, 2)),
+               (20, 48, 256, (32, 1, 1))]
+
 SCRIPT = r'''
 import itertools
 import torch
@@ -26,17 +34,14 @@ torch.manual_seed(0)
 def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
-cases = [  # rows, out, in, (rows per program, chunks per step, split-K)
-    (1, 96, 256, (32, 1, 1)), (1, 80, 512, (32, 2, 4)), (1, 64, 384, (16, 2, 3)), (3, 64, 512, (16, 2, 2)), (4, 64, 384, (16, 2, 3)),
-    (7, 48, 256, (32, 1, 2)), (20, 48, 256, (32, 1, 1)),
-]
-for mode, bits in (("int4", 4), ("int8", 8)):
+for (mode, bits, group, cases) in RUNS:
     for dtype in (torch.bfloat16, torch.float16):
         for (rows, n, k, shape), gated in itertools.product(cases, (False, True)):
             if gated and (dtype == torch.float16 or rows in (3, 7)):
                 continue  # the gated epilogue is dtype-blind: bf16, one row, a batch and prefill cover it
             w = torch.randn(n, k) * 0.05
-            parts = quantize(w, mode, dtype)
+            parts = quantize(w, mode, dtype, group)
+            assert mode == "int8" or parts["scale"].shape == (n, k // group)
             bias = torch.randn(n).to(dtype) if rows % 2 else None
             x = torch.randn(rows, k).to(dtype)
             expected = x.float() @ dequantize(parts, mode).to(dtype).float().T
@@ -54,7 +59,7 @@ for mode, bits in (("int4", 4), ("int8", 8)):
                 if lowbit.kernel_for(lowbit.Config(kernel=kernel), bits, dtype, rows) == "packed":
                     tol = 2e-2 if gated else 1e-2  # products rounded to bf16 in fours (measured: 0.4 %, gated 0.7 %)
                 assert got.shape == expected.shape and rel(got, expected) < tol, \
-                    (mode, kernel, gated, dtype, rows, shape, call, rel(got, expected))
+                    (mode, group, kernel, gated, dtype, rows, shape, call, rel(got, expected))
             assert not layer.workspace.counters.any()
 print("ok")
 '''
@@ -66,10 +71,10 @@ import torch
 from plugins import lowbit
 from pipeline.llm.weights.quant import quantize
 torch.manual_seed(0)
-for (mode, bits), dtype, kernel, (n, k, shape, gated) in itertools.product(
-        (("int4", 4), ("int8", 8)), (torch.bfloat16, torch.float16), ("packed", "gemv", "mma"),
-        ((96, 256, (32, 1, 1), True), (80, 512, (32, 2, 4), False))):
-    parts = quantize(torch.randn(n, k) * 0.05, mode, dtype)
+for (mode, bits, group), dtype, kernel, (n, k, shape, gated) in itertools.product(
+        (("int4", 4, 128), ("int4", 4, 32), ("int8", 8, 128)), (torch.bfloat16, torch.float16),
+        ("packed", "gemv", "mma"), ((96, 256, (32, 1, 1), True), (80, 512, (32, 2, 4), False))):
+    parts = quantize(torch.randn(n, k) * 0.05, mode, dtype, group)
     bias = torch.randn(n).to(dtype) if gated else None
     layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")), gated)
     layer.config = lowbit.Config(*shape, kernel=kernel)
@@ -77,7 +82,7 @@ for (mode, bits), dtype, kernel, (n, k, shape, gated) in itertools.product(
     alone = torch.cat([layer(x[:, i:i + 1]) for i in range(3)], 1)
     with lowbit.rows_as_one_row():
         together = layer(x)
-    assert torch.equal(together, alone), (mode, dtype, kernel, gated, (together - alone).abs().max())
+    assert torch.equal(together, alone), (mode, group, dtype, kernel, gated, (together - alone).abs().max())
     assert not layer.workspace.counters.any()
 print("ok")
 '''
@@ -110,14 +115,25 @@ def run_interpreted(script: str) -> None:
 
 
 def test_lowbit_kernels_match_the_dequantizing_reference_under_the_interpreter():
-    run_interpreted(SCRIPT)
+    run_interpreted(f"RUNS = [('int4', 4, 128, {CASES}), ('int8', 8, 128, {CASES})]\n" + SCRIPT)
+
+
+def test_int4_in_a_gguf_files_groups_of_32_matches_the_reference_under_the_interpreter():
+    """A GGUF file's int4 keeps its blocks of 32 (`quant.int4_group`): four scales and zero points per
+    64-byte chunk, each applied to its own inputs, in the packed and fp32 GEMVs and the tensor-core kernel
+    (one and several rows, prefill, bias, gated, split-K), within the tolerances of groups of 128; and
+    groups of 64. A kernel that read a neighbouring group's scale would be far off."""
+    # wider layers: a gated layer of 32 outputs came near the bf16 tolerance by chance
+    wider = [(1, 160, 512, (32, 2, 4)), (1, 128, 384, (16, 2, 3)), (3, 128, 512, (16, 2, 2))]
+    runs = [("int4", 4, 32, GROUP_CASES), ("int4", 4, 64, wider)]
+    run_interpreted(f"RUNS = {runs}\n" + SCRIPT)
 
 
 def test_rows_as_one_row_give_each_row_the_one_row_calls_numbers_bit_for_bit():
     """Within `rows_as_one_row` (speculative decoding's verify step of one chat), three rows through a
     layer equal three one-row calls exactly, for each one-row kernel (the packed-pair GEMV, the fp32
-    GEMV, the tensor cores), int4 and int8, bf16 and fp16, gated with a bias and split four ways: the
-    verify step's greedy tokens are then those of the decode steps it stands for."""
+    GEMV, the tensor cores), int4 (groups of 128 and 32) and int8, bf16 and fp16, gated with a bias and split
+    four ways: the verify step's greedy tokens are then those of the decode steps it stands for."""
     run_interpreted(ROWS_SCRIPT)
 
 def test_a_quantized_mlp_applies_silu_mul_in_the_gate_up_kernel_once():

@@ -22,8 +22,9 @@ A head tied to the embedding stays in float with it. The embedding stays in floa
 row of it.
 
 Kernels: on CUDA, our Triton kernel (`plugins/lowbit.py`: magic-number dequantization into tensor-core
-dots, batch 1–16 in one weight pass) reads this format as it is (int8 with its sign bit flipped), with
-launch shapes tuned once per GPU (`plugins/lowbit_tuning.py`). Elsewhere (the CPU, or a GPU without Triton) the
+dots, batch 1–16 in one weight pass) reads this format as it is (int8 with its sign bit flipped; int4 in
+groups of 128, 64 or a GGUF file's 32, with inputs a multiple of 128), with launch shapes tuned once per
+GPU (`plugins/lowbit_tuning.py`). Elsewhere (the CPU, or a GPU without Triton) the
 reference path dequantizes the weight at each call and runs a plain matmul: the same numbers, the
 float layer's speed at best.
 """
@@ -51,14 +52,15 @@ GGUF_BLOCK = 32  # the weights per block of a GGUF file's 4-bit (and 5-, 6-, 8-b
 def int4_group(config) -> int:
     """The int4 group a decoder's weights are made in: GROUP; a quantized GGUF file's own blocks of 32,
     which its 4-bit blocks then keep exactly (re-rounding SmolLM2's Q4_1 into groups of 64 cost it 62 %
-    perplexity, `bench/RESULTS.md`), at the price of the reference path (the kernel runs groups of 128)."""
+    perplexity, `bench/RESULTS.md`). The kernels run groups of 32 too (four scales per 64-byte chunk),
+    at the price of their extra bytes: 5 bits a weight where groups of 128 take 4.25."""
     return GGUF_BLOCK if config.gguf_type.startswith("Q") else GROUP
 
 
 def group_size(in_features: int, largest: int = GROUP) -> int:
     """`largest` where it divides the width, else the largest of 64, 32, 16 below it that does: the tiny
     demo models' widths, and SmolLM2's 576 (4.5 groups of 128), which then run on the reference path
-    (the kernel needs whole groups of 128)."""
+    (the kernel reads inputs in chunks of 128, whatever the group)."""
     for size in (largest, 64, 32, 16):
         if size <= largest and in_features % size == 0:
             return size
@@ -153,10 +155,9 @@ class QuantLinear(nn.Module):
         return dequantize(self.parts(), self.mode)
 
     def kernel_unavailable(self) -> str | None:
-        """None when `plugins.lowbit` can run this layer where its weights are, else why not."""
-        if self.mode == "int4" and self.group != GROUP and self.in_features % GROUP == 0:
-            return f"the int4 kernel runs groups of {GROUP}; these weights keep their file's groups of {self.group}"
-        return lowbit.available(self.q.device, self.dtype, BITS[self.mode], self.in_features)
+        """None when `plugins.lowbit` can run this layer where its weights are (int4 in its own groups),
+        else why not."""
+        return lowbit.available(self.q.device, self.dtype, BITS[self.mode], self.in_features, self.group or GROUP)
 
     def use_kernel(self, workspace: lowbit.Workspace, silu_mul: bool = False) -> None:
         """Repack the weights into the kernel's layout and run the Triton kernel from now on; the
