@@ -29,7 +29,7 @@ from engine_builder.fingerprint import fingerprint
 from pipeline.llm.weights.checkpoint import build_decoder, load_decoder, read_config
 from pipeline.llm.model import Decoder
 from pipeline.llm.weights.prequantized import load_prequantized
-from pipeline.llm.weights.quant import int4_group, quantize_decoder, quantized_layers
+from pipeline.llm.weights.quant import int4_grid, int4_group, quantize_decoder, quantized_layers
 from pipeline.weights_io import read_weight_file
 
 FORMAT = "3"  # bump when the stored layout of quantized weights changes (2: the LM head in int8; 3: probes)
@@ -46,8 +46,14 @@ def quant_key(folder: Path, mode: str, dtype: torch.dtype, cache: EngineCache, m
     dtype_name = str(dtype).removeprefix("torch.")
     return EngineKey(component=f"llm-{mode}" + (f"-{method}" if method else ""), source=str(Path(folder).resolve()),
                      weights=fingerprint([folder], cache.root), precision=f"{mode}/{dtype_name}",
-                     profile={"group": int4_group(read_config(folder))} if mode == "int4" else {}, builder="studio-quant",
+                     profile=_int4_profile(read_config(folder)) if mode == "int4" else {}, builder="studio-quant",
                      builder_version=FORMAT, device="any")
+
+
+def _int4_profile(config) -> dict:
+    """The int4 group size, and how groups are found where it is not from their min and max (`int4_grid`)."""
+    grid = int4_grid(config)
+    return {"group": int4_group(config)} | ({"grid": grid} if grid != "minmax" else {})
 
 
 def probe_input(in_features: int) -> torch.Tensor:

@@ -18,6 +18,8 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize as reference_dequantize
+from gguf.quants import quantize as reference_quantize
 
 from conftest import launched
 from pipeline.errors import UserError
@@ -73,7 +75,8 @@ def write_mix(path, vocab: dict, mix: str, **header) -> dict[str, str]:
     for i in range(LAYERS):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-        for part, rows in (("attn_q", HEADS * head_dim), ("attn_k", KV_HEADS * head_dim), ("attn_v", KV_HEADS * head_dim)):
+        for part, heads in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
+            rows = heads * head_dim
             weight(p + part + ".weight", part, i, rows, HIDDEN)
         weight(p + "attn_output.weight", "attn_output", i, HIDDEN, HEADS * head_dim)
         w.add_tensor(p + "ffn_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
@@ -112,7 +115,8 @@ HOSTILE = {  # header value → what the one line says
     ("block_count", 3_000): r"llama\.block_count says 3000 layers",
     ("attention.head_count", 0): r"llama\.attention\.head_count 0 and head_count_kv 2 must be positive",
     ("embedding_length", 320): r"llama\.embedding_length says 320, but token_embd\.weight is \[\d+, 384\]",
-    ("attention.head_count_kv", 3): r"tensor blk\.0\.attn_k\.weight is \[128, 384\], but the header .* makes it \[192, 384\]",
+    ("attention.head_count_kv", 3):
+        r"tensor blk\.0\.attn_k\.weight is \[128, 384\], but the header .* makes it \[192, 384\]",
     ("feed_forward_length", 1024): r"tensor blk\.0\.ffn_gate\.weight is \[512, 384\], .* makes it \[1024, 384\]",
 }
 
@@ -173,6 +177,9 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     mode, why = choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)
     assert mode == "int4" and "its Q4_0 blocks of 32 run as int4 as they are" in why
     assert choose_quant("int4", mix_config, bf16, gpu, 40 << 30, 1024) == ("int4", "asked for")
+    smollm2 = read_config(locate("builtin/smollm2-135m-instruct").path)  # Q4_1 blocks, but 576 wide: int8's kernel
+    assert smollm2.gguf_tensor_types == ("Q4_1",)
+    assert choose_quant("auto", smollm2, bf16, gpu, 40 << 30, 1024)[0] == "int8"
     assert choose_quant("auto", mix_config, bf16, cpu, None, 1024)[0] == "none"
     assert run(["--model", str(mixed), "--check"], lambda config, plan: 1) == 0
     assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as int8 (a Q4_K_M file holds" in capsys.readouterr().out
@@ -189,3 +196,28 @@ def test_a_big_endian_file_is_refused_in_one_line(tmp_path, bpe_vocab):
     with pytest.raises(UserError, match=r"model-be\.gguf is a big-endian GGUF file \(made for IBM Z machines\); "
                                         r"this app reads the usual little-endian files"):
         locate(str(swapped))
+
+
+@pytest.mark.parametrize("kind, grid", [("Q4_0", "q4_0"), ("Q4_1", "minmax")])
+def test_int4_keeps_q4_0_and_q4_1_blocks_as_they_are(kind, grid):
+    """Blocks as llama.cpp's quantizer makes them (the gguf package's port of it), dequantized, then made int4 in
+    groups of 32 the way `int4_grid` says for such a file: the same weights but for float32's rounding of a
+    scale (Q4_1's (max − min) / 15). (From their min and max, Q4_0 blocks came back 6.4 % off: their values
+    need not reach 7·d.)"""
+    from pipeline.llm.weights.quant import dequantize, quantize
+
+    x = (np.random.default_rng(3).standard_normal((64, 1024)) * 0.05).astype(np.float32)
+    qtype = GGMLQuantizationType[kind]
+    weights = torch.from_numpy(reference_dequantize(reference_quantize(x, qtype), qtype).astype(np.float32))
+    back = dequantize(quantize(weights, "int4", torch.float32, 32, grid), "int4")
+    assert (back - weights).abs().max() <= 1e-6 * weights.abs().max()
+
+
+def test_int4_grid_follows_the_files_types():
+    from types import SimpleNamespace
+
+    from pipeline.llm.weights.quant import int4_grid
+
+    assert int4_grid(SimpleNamespace(gguf_tensor_types=("Q4_0",))) == "q4_0"
+    assert int4_grid(SimpleNamespace(gguf_tensor_types=("Q4_1",))) == "minmax"
+    assert int4_grid(SimpleNamespace(gguf_tensor_types=())) == "minmax"

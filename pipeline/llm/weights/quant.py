@@ -57,6 +57,14 @@ def int4_group(config) -> int:
     return GGUF_BLOCK if config.gguf_type.startswith("Q") else GROUP
 
 
+def int4_grid(config) -> str:
+    """How int4 finds each group's scale and zero: from its smallest and largest value ("minmax", which keeps a
+    Q4_1 block exactly: llama.cpp maps its min to 0 and its max to 15), or, for a file whose matrices are all
+    Q4_0 ("q4_0"), from the value of largest magnitude, which llama.cpp stores as −8·d: scale d, zero 8. (Min
+    and max re-round a Q4_0 block whose values do not reach 7·d: 6.4 % of the weights' norm on Gaussian ones.)"""
+    return "q4_0" if tuple(config.gguf_tensor_types) == ("Q4_0",) else "minmax"
+
+
 def group_size(in_features: int, largest: int = GROUP) -> int:
     """`largest` where it divides the width, else the largest of 64, 32, 16 below it that does: the tiny
     demo models' widths, and SmolLM2's 576 (4.5 groups of 128), which then run on the reference path
@@ -77,9 +85,10 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
 
 
-def quantize(weight: Tensor, mode: str, dtype: torch.dtype, group: int = GROUP) -> dict[str, Tensor]:
+def quantize(weight: Tensor, mode: str, dtype: torch.dtype, group: int = GROUP,
+             grid: str = "minmax") -> dict[str, Tensor]:
     """`weight` [out, in] in `mode`'s format (see the module docstring; int4 in groups of `group_size(in,
-    group)`), computed where the weight is."""
+    group)`, each group's scale and zero found as `grid` says: `int4_grid`), computed where the weight is."""
     w = weight.float()
     if mode == "int8":
         scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp(min=1e-10)
@@ -89,10 +98,15 @@ def quantize(weight: Tensor, mode: str, dtype: torch.dtype, group: int = GROUP) 
     out, n = w.shape
     size = group_size(n, group)
     groups = w.view(out, n // size, size)
-    lo, hi = groups.amin(-1), groups.amax(-1)
-    # the stored (rounded) scale and zero are the ones the values are computed against
-    scale = ((hi - lo) / 15).clamp(min=1e-10).to(dtype)
-    zero = (-lo / scale.float()).to(dtype)
+    if grid == "q4_0":  # the value of largest magnitude is −8·d
+        largest = groups.gather(-1, groups.abs().argmax(-1, keepdim=True))[..., 0]
+        scale = torch.where(largest == 0, 1e-10, -largest / 8).to(dtype)
+        zero = torch.full_like(scale, 8)
+    else:
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        # the stored (rounded) scale and zero are the ones the values are computed against
+        scale = ((hi - lo) / 15).clamp(min=1e-10).to(dtype)
+        zero = (-lo / scale.float()).to(dtype)
     q = (groups / scale.float()[..., None] + zero.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
     return {"q": pack_int4(q.view(out, n)), "scale": scale, "zero": zero}
 
@@ -135,13 +149,14 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, device: torch.device | str | None = None,
-                    group: int = GROUP) -> "QuantLinear":
-        """Quantize `linear` on `device` (the GPU is fast at it; the layer's own device otherwise)."""
+                    group: int = GROUP, grid: str = "minmax") -> "QuantLinear":
+        """Quantize `linear` on `device` (the GPU is fast at it; the layer's own device otherwise), its int4
+        groups found as `grid` says (`int4_grid`)."""
         weight = linear.weight.detach()
         dtype = weight.dtype
         with torch.device("meta"):  # every buffer is replaced below
             layer = cls(linear.in_features, linear.out_features, mode, dtype, linear.bias is not None, group)
-        parts = quantize(weight.to(device or weight.device), mode, dtype, layer.group or GROUP)
+        parts = quantize(weight.to(device or weight.device), mode, dtype, layer.group or GROUP, grid)
         if linear.bias is not None:
             parts["bias"] = linear.bias.detach().to(parts["q"].device)
         for name, value in parts.items():
@@ -198,9 +213,9 @@ def quantize_decoder(model: nn.Module, mode: str, device: torch.device | str, pr
     """Replace the layers `quantized_layers` names by `QuantLinear`s made on `device`, one at a time, so
     the float weights (on the CPU) never all sit on the GPU at once; `progress` wraps the layer list
     (a progress bar)."""
-    group = int4_group(model.config)
+    group, grid = int4_group(model.config), int4_grid(model.config)
     for parent, name, layer_mode in progress(list(quantized_layers(model, mode))):
-        setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), layer_mode, device, group))
+        setattr(parent, name, QuantLinear.from_linear(getattr(parent, name), layer_mode, device, group, grid))
     return model
 
 
