@@ -123,12 +123,9 @@ def test_eight_sessions_chat_at_once_and_each_gets_its_own_reply(app):
     messages = [f"Session {i}: tell me about the number {i * 7}" for i in range(8)]
     alone = [text_of(clients[0].predict(m, [], *params.values(), api_name="/chat")[1][-1]) for m in messages[:2]]
     jobs = [c.submit(m, [], *params.values(), api_name="/chat") for c, m in zip(clients, messages)]
-    running = 0
-    while not all(j.done() for j in jobs):
-        running = max(running, engine_status(clients[0])["running"])
-        time.sleep(0.02)
     replies = [job.result()[1] for job in jobs]
-    assert running > 1  # the engine decoded several sessions together
+    assert engine_status(clients[0])["most_running"] > 1  # the engine decoded several sessions together (it
+    # counts the most requests holding rows at once: polling "running" missed the batch on a busy machine)
     for message, history in zip(messages, replies):
         assert text_of(history[0]) == message and text_of(history[1])
     assert [text_of(h[1]) for h in replies[:2]] == alone  # batched with others, the same reply as alone

@@ -59,6 +59,7 @@ class Scheduler:
         self.prefilling: list[Request] = []  # prefilling[j] reads its prompt in row len(running) + j
         self._wake = threading.Condition()
         self._closed = False
+        self.most_held = 0  # the most requests that have held rows at once (a batch seen, whatever the polling)
 
     def add(self, request: Request) -> None:
         """Queue a request (any thread)."""
@@ -92,6 +93,7 @@ class Scheduler:
         row, reused = self.rows.claim(sig, request.table, request.session, first_free)
         request.row, request.sig = row, sig
         self.prefilling.append(request)
+        self.most_held = max(self.most_held, len(self.running) + len(self.prefilling))
         return reused
 
     def chunks(self) -> list[tuple[Request, int]]:
@@ -155,4 +157,5 @@ class Scheduler:
     def status(self) -> dict[str, int]:
         """Requests holding a row (`running`, those reading their prompts included) and waiting for one."""
         return {"running": len(self.running) + len(self.prefilling), "prefilling": len(self.prefilling),
-                "queued": len(self.waiting), "max_batch": self.max_batch, "cache_rows": len(self.rows)}
+                "queued": len(self.waiting), "max_batch": self.max_batch, "cache_rows": len(self.rows),
+                "most_running": self.most_held}
