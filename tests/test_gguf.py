@@ -35,9 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2  # every width a multiple of 256, the K-quants' block
 FLOATS = ("F32", "F16", "BF16")
 # Where each block type keeps its float16 scales (d, dmin), from ggml-common.h: random bytes there would be inf,
-# NaN or 60000. The types the app loads without such a field (IQ1_M packs its scale into the sub-scales' top
-# bits; MXFP4/NVFP4 keep 8-bit exponents) are written with the gguf package's encoder where it has one.
-SCALES = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
+# NaN or 60000. IQ1_M packs its one scale into the top nibbles of its four sub-scale words (`IQ1_M_SCALE`);
+# MXFP4 and NVFP4 (8-bit exponents; MoE models' types, not those of the mixes) are not written here.
+IQ1_M_SCALE = (49, 51, 53, 55)  # the bytes whose high nibbles hold the scale's bits 0–3, 4–7, 8–11, 12–15
+SCALES = {"IQ1_M": (IQ1_M_SCALE,), "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2),
           "Q6_K": (208,), "Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ2_XXS": (0,),
           "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,), "TQ1_0": (52,), "TQ2_0": (64,)}
 # Every quantized type the app loads: what llama.cpp's mixes are made of (the issue's list, and all the IQ types)
@@ -60,11 +61,22 @@ def random_blocks(kind: str, rows: int, cols: int, rng) -> np.ndarray:
     raw = rng.integers(0, 256, (rows, cols // per_block, nbytes), dtype=np.uint8)
     ones = raw.copy()
     for at in SCALES[kind]:
-        ones[..., at:at + 2] = np.ones(raw.shape[:2], np.float16)[..., None].view(np.uint8)
+        set_scale(ones, at, np.ones(raw.shape[:2]))
     size = 0.5 / max(np.abs(reference.dequantize(ones.reshape(rows, -1), qtype)).max(), 1e-3)
     for at in SCALES[kind]:
-        raw[..., at:at + 2] = (rng.uniform(-1, 1, raw.shape[:2]) * size).astype(np.float16)[..., None].view(np.uint8)
+        set_scale(raw, at, rng.uniform(-1, 1, raw.shape[:2]) * size)
     return raw.reshape(rows, -1)
+
+
+def set_scale(raw: np.ndarray, at, values: np.ndarray) -> None:
+    """Each block's float16 scale at byte `at` (or, for IQ1_M, in the high nibbles of the bytes `at` names)."""
+    half = values.astype(np.float16)
+    if isinstance(at, tuple):
+        bits = half.view(np.uint16)
+        for i, byte in enumerate(at):
+            raw[..., byte] = (raw[..., byte] & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4).astype(np.uint8)
+    else:
+        raw[..., at:at + 2] = half[..., None].view(np.uint8)
 
 
 def encode(x: np.ndarray, kind: str, rng) -> tuple[np.ndarray, GGMLQuantizationType | None]:
