@@ -149,9 +149,8 @@ def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: 
         return f"the low-bit kernels compute in bf16 or fp16, not {dtype}"
     if bits == 4 and group not in GROUPS:
         return f"the int4 kernels run groups of {', '.join(map(str, GROUPS))} inputs, not {group}"
-    chunk = 128 if bits == 4 else 64
-    if in_features % chunk:
-        return f"input width {in_features} is not a multiple of {chunk}"
+    if bits == 8 and in_features % 64:  # int4 widths are padded to whole chunks (`LowBitWeight.from_parts`)
+        return f"input width {in_features} is not a multiple of 64"
     return None
 
 
@@ -301,11 +300,11 @@ class LowBitWeight:
     `plugins.fused`'s SiLU·mul kernel after the plain product, which measured faster there."""
 
     def __init__(self, data: Tensor, scale: Tensor, zero: Tensor | None, bias: Tensor | None, bits: int,
-                 dtype: torch.dtype, workspace: Workspace, gated: bool = False):
+                 dtype: torch.dtype, workspace: Workspace, gated: bool = False, pad: int = 0):
         self.data, self.scale, self.zero, self.bias, self.bits, self.dtype = data, scale, zero, bias, bits, dtype
-        self.workspace, self.gated = workspace, gated
+        self.workspace, self.gated, self.pad = workspace, gated, pad
         self.out_features = scale.shape[-1]
-        self.in_features = data.shape[1] * 64 * 8 // bits
+        self.in_features = data.shape[1] * 64 * 8 // bits  # whole chunks: `pad` zero inputs past the layer's
         self.group = self.in_features // scale.shape[0] if bits == 4 else 0
         processors = torch.cuda.get_device_properties(data.device).multi_processor_count if data.is_cuda else 132
         self.config = default_config(bits, self.out_features, self.in_features, 1, processors)
@@ -315,12 +314,22 @@ class LowBitWeight:
     @classmethod
     def from_parts(cls, parts: dict[str, Tensor], bits: int, dtype: torch.dtype, bias: Tensor | None,
                    workspace: Workspace, gated: bool = False) -> "LowBitWeight":
-        """From the canonical format's tensors (`pipeline.llm.weights.quant.quantize`: q, scale[, zero])."""
+        """From the canonical format's tensors (`pipeline.llm.weights.quant.quantize`: q, scale[, zero]). An
+        int4 width that is not whole chunks of 128 inputs (SmolLM2's 576: 4.5) is padded to them with groups
+        whose weights, scale and zero point are 0, and the inputs with zeros at each call: each adds an exact
+        0, so the layer's numbers are its own."""
+        q, pad = parts["q"], 0
         if bits == 4:
-            scale, zero = parts["scale"].t().contiguous(), parts["zero"].t().contiguous()
+            scale, zero = parts["scale"], parts["zero"]
+            pad = -q.shape[1] * 2 % 128
+            if pad:
+                groups = pad // (q.shape[1] * 2 // scale.shape[1])
+                q = torch.nn.functional.pad(q, (0, pad // 2))
+                scale, zero = (torch.nn.functional.pad(t, (0, groups)) for t in (scale, zero))
+            scale, zero = scale.t().contiguous(), zero.t().contiguous()
         else:
             scale, zero = parts["scale"].view(1, -1).contiguous(), None
-        return cls(kernel_bytes(parts["q"], bits), scale, zero, bias, bits, dtype, workspace, gated)
+        return cls(kernel_bytes(q, bits), scale, zero, bias, bits, dtype, workspace, gated, pad)
 
     def shape_key(self) -> str:
         """What a tuned launch shape is chosen for (layers alike in this run alike). Groups other than
@@ -331,6 +340,8 @@ class LowBitWeight:
         return f"int{self.bits} {self.in_features}->{self.out_features}{extras}"
 
     def __call__(self, x: Tensor, config: Config | None = None, compile_only: bool = False) -> Tensor:
+        if self.pad:
+            x = torch.nn.functional.pad(x, (0, self.pad))
         rows = x.numel() // x.shape[-1]
         as_one_row = 1 < rows <= BLOCK_M and _AS_ONE_ROW.get()
         chosen = config or (self.config if rows == 1 or as_one_row else self.batch_config if rows <= BLOCK_M

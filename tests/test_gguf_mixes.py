@@ -177,9 +177,9 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     mode, why = choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)
     assert mode == "int4" and "its Q4_0 blocks of 32 run as int4 as they are" in why
     assert choose_quant("int4", mix_config, bf16, gpu, 40 << 30, 1024) == ("int4", "asked for")
-    smollm2 = read_config(locate("builtin/smollm2-135m-instruct").path)  # Q4_1 blocks, but 576 wide: int8's kernel
+    smollm2 = read_config(locate("builtin/smollm2-135m-instruct").path)  # Q4_1 blocks, 576 wide (padded on the kernels)
     assert smollm2.gguf_tensor_types == ("Q4_1",)
-    assert choose_quant("auto", smollm2, bf16, gpu, 40 << 30, 1024)[0] == "int8"
+    assert choose_quant("auto", smollm2, bf16, gpu, 40 << 30, 1024)[0] == "int4"
     assert choose_quant("auto", mix_config, bf16, cpu, None, 1024)[0] == "none"
     assert run(["--model", str(mixed), "--check"], lambda config, plan: 1) == 0
     assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as int8 (a Q4_K_M file holds" in capsys.readouterr().out

@@ -22,7 +22,8 @@ CASES = [  # rows, out, in, (rows per program, chunks per step, split-K)
     (4, 64, 384, (16, 2, 3)), (7, 48, 256, (32, 1, 2)), (20, 48, 256, (32, 1, 1)),
 ]
 GROUP_CASES = [(1, 96, 256, (32, 1, 1)), (1, 80, 512, (32, 2, 4)), (1, 64, 384, (16, 2, 3)), (3, 64, 512, (16, 2, 2)),
-               (20, 48, 256, (32, 1, 1))]
+               (20, 48, 256, (32, 1, 1)),
+               (1, 96, 576, (32, 1, 2)), (3, 64, 576, (16, 2, 2)), (20, 48, 576, (32, 1, 1))]  # 4.5 chunks: padded
 
 SCRIPT = r'''
 import itertools
@@ -73,7 +74,8 @@ from pipeline.llm.weights.quant import quantize
 torch.manual_seed(0)
 for (mode, bits, group), dtype, kernel, (n, k, shape, gated) in itertools.product(
         (("int4", 4, 128), ("int4", 4, 32), ("int8", 8, 128)), (torch.bfloat16, torch.float16),
-        ("packed", "gemv", "mma"), ((96, 256, (32, 1, 1), True), (80, 512, (32, 2, 4), False))):
+        ("packed", "gemv", "mma"), ((96, 256, (32, 1, 1), True), (80, 512, (32, 2, 4), False),
+                                    (64, 576, (32, 1, 2), False))):
     parts = quantize(torch.randn(n, k) * 0.05, mode, dtype, group)
     bias = torch.randn(n).to(dtype) if gated else None
     layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")), gated)

@@ -67,8 +67,8 @@ def int4_grid(config) -> str:
 
 def group_size(in_features: int, largest: int = GROUP) -> int:
     """`largest` where it divides the width, else the largest of 64, 32, 16 below it that does: the tiny
-    demo models' widths, and SmolLM2's 576 (4.5 groups of 128), which then run on the reference path
-    (the kernel reads inputs in chunks of 128, whatever the group)."""
+    demo models' widths, and SmolLM2's 576 (4.5 groups of 128: groups of 64, padded to whole chunks of 128
+    inputs on the kernels, `plugins.lowbit.LowBitWeight.from_parts`)."""
     for size in (largest, 64, 32, 16):
         if size <= largest and in_features % size == 0:
             return size
