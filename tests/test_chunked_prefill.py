@@ -173,3 +173,27 @@ def test_a_chunk_that_fails_ends_only_its_request(model):
     assert stream.stats.finish_reason == FinishReason.ERROR and len(beside) == 1  # the chat was running
     assert [first, *tokens] == alone(model, chat, long) and running.stats.finish_reason == FinishReason.LENGTH
     engine.close()
+
+
+def test_a_short_prompt_is_not_queued_behind_a_long_ones_prefill(model):
+    """Nothing else running: a 900-token prompt is read in steps of 8 budgets of 16 (`IDLE_BUDGETS`: 128
+    positions), and a 10-token prompt that joins after its first step shares the next one: it is read whole
+    in it, and answered, while the long one is still being read. (Before: with nothing running a prompt was
+    read whole, and prompts took the budget first come first served: the short one waited for the long one's
+    whole prefill.) Both replies are the unchunked engine's."""
+    engine = engine_of(model, 16)
+    long, short = Prompt(ids_of(2, 900)), Prompt(ids_of(3, 10))
+    calls, joined = [], []
+
+    def each_chunk(prompt, start, end):
+        calls.append(("long" if prompt is long else "short", start, end))
+        if prompt is long and start == 0:
+            joined.append(engine.submit(short, GREEDY, set()))  # joins while the long one is read
+
+    spy_on_prefill(engine, each_chunk)
+    long_tokens = list(engine.submit(long, GREEDY, set()))
+    assert list(joined[0]) == alone(model, short) and long_tokens == alone(model, long)
+    assert calls[0] == ("long", 0, 128) and ("short", 0, 10) in calls[1:3], calls[:4]  # the next step
+    assert ("long", 128, 246) in calls[1:3]  # beside it, the rest of that step's 128
+    assert calls[-1][0] == "long" and calls[-1][2] == 900 and all(c[0] == "long" for c in calls[3:])
+    engine.close()

@@ -2,10 +2,10 @@
 
 Continuous batching as in vLLM and TensorRT-LLM's executor: up to `max_batch` requests hold a row; new
 ones join between decode steps, and finished or cancelled ones leave at once. A joining request
-first reads its prompt, in chunks (vLLM's chunked prefill): while requests run, each engine step has
-a budget of `step_tokens` positions, one for each running request's decode and the rest for prompt
-chunks of the requests reading theirs, first come first served, so a long prompt no longer stalls
-the running chats for its whole prefill. Rows are kept in one order: running requests in rows 0..R-1 (so a
+first reads its prompt, in chunks (vLLM's chunked prefill): each engine step has a budget of
+`step_tokens` positions, one for each running request's decode and the rest for prompt chunks of the
+requests reading theirs, shared fairly (`chunks`), so a long prompt stalls neither the running chats
+nor a short prompt that joins after it. Rows are kept in one order: running requests in rows 0..R-1 (so a
 decode step reads the cache as a plain view), then the requests reading their prompts; a joining
 request's row is moved to the first free place, a request whose prompt is read moves to row R, and
 a leaving one's row is swapped out of the block. The engine thread alone changes the rows; any
@@ -25,6 +25,9 @@ from pipeline.llm.engine.seam import Prompt, TokenStream
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.engine.sampling import Draws, SamplingParams
 from pipeline.llm.engine.speculation import DraftState
+
+
+IDLE_BUDGETS = 8  # with nothing decoding, a step reads this many budgets of prompt (2,048 positions at 256)
 
 
 @dataclasses.dataclass(eq=False)
@@ -97,20 +100,26 @@ class Scheduler:
         return reused
 
     def chunks(self) -> list[tuple[Request, int]]:
-        """This step's prompt chunks, as (request, the position its chunk ends at): the budget left
-        after one position per running request, at least one position so that prompts always advance.
-        With no request running there is nothing to keep flowing: prompts are read whole (a chunk
-        costs its own launches)."""
-        if not self.step_tokens or not self.running:
+        """This step's prompt chunks, as (request, the position its chunk ends at), in row order: the budget
+        left after one position per running request (at least one, so that prompts always advance), shared
+        fairly among the prompts being read: each gets an equal part, and what a short one leaves goes to
+        the others (water-filling). So a short prompt that joins while a long one is read gets its first
+        token after a step or two, not after the long one's whole prefill, with or without running chats.
+        With nothing decoding the budget is `IDLE_BUDGETS` times larger: a lone long prompt takes fewer
+        forwards (its first token sooner), and one that joins waits for one such step at most. Without a
+        budget (`step_tokens` None) prompts are read whole."""
+        if not self.step_tokens:
             return [(r, len(r.sig)) for r in self.prefilling]
-        room, out = max(self.step_tokens - len(self.running), 1), []
-        for r in self.prefilling:
+        room = max(self.step_tokens - len(self.running), 1) if self.running else self.step_tokens * IDLE_BUDGETS
+        left = sorted(self.prefilling, key=lambda r: len(r.sig) - r.position)
+        ends = {}
+        for i, r in enumerate(left):
             if room == 0:
                 break
-            end = min(r.position + room, len(r.sig))
-            out.append((r, end))
-            room -= end - r.position
-        return out
+            take = min(len(r.sig) - r.position, max(room // (len(left) - i), 1))
+            ends[id(r)] = r.position + take
+            room -= take
+        return [(r, ends[id(r)]) for r in self.prefilling if id(r) in ends]
 
     def promote(self, request: Request) -> None:
         """`request` has read its prompt: it joins the running requests, in row len(running)."""
