@@ -176,13 +176,15 @@ def test_a_chunk_that_fails_ends_only_its_request(model):
 
 
 def test_a_short_prompt_is_not_queued_behind_a_long_ones_prefill(model):
-    """Nothing else running: a 900-token prompt is read in steps of 8 budgets of 16 (`IDLE_BUDGETS`: 128
-    positions), and a 10-token prompt that joins after its first step shares the next one: it is read whole
-    in it, and answered, while the long one is still being read. (Before: with nothing running a prompt was
-    read whole, and prompts took the budget first come first served: the short one waited for the long one's
-    whole prefill.) Both replies are the unchunked engine's."""
+    """A chat decoding, a 300-token prompt read in chunks of the step's budget (16: 15 beside the chat's
+    decode), and a 10-token prompt that joins after its first chunk: from the next step they share the 15
+    equally (7 and 8), so the short one is read in two steps, and answered, while the long one is still
+    being read. (Before: first come first served, the short one waited for the long one's whole prefill.)
+    Both replies are the unchunked engine's."""
     engine = engine_of(model, 16)
-    long, short = Prompt(ids_of(2, 900)), Prompt(ids_of(3, 10))
+    running = engine.submit(Prompt(ids_of(1, 9)), SamplingParams(max_new_tokens=400, temperature=0), set())
+    next(iter(running))
+    long, short = Prompt(ids_of(2, 300)), Prompt(ids_of(3, 10))
     calls, joined = [], []
 
     def each_chunk(prompt, start, end):
@@ -192,8 +194,10 @@ def test_a_short_prompt_is_not_queued_behind_a_long_ones_prefill(model):
 
     spy_on_prefill(engine, each_chunk)
     long_tokens = list(engine.submit(long, GREEDY, set()))
+    running.cancel()
     assert list(joined[0]) == alone(model, short) and long_tokens == alone(model, long)
-    assert calls[0] == ("long", 0, 128) and ("short", 0, 10) in calls[1:3], calls[:4]  # the next step
-    assert ("long", 128, 246) in calls[1:3]  # beside it, the rest of that step's 128
-    assert calls[-1][0] == "long" and calls[-1][2] == 900 and all(c[0] == "long" for c in calls[3:])
+    shorts = [c for c in calls if c[0] == "short"]
+    assert shorts == [("short", 0, 7), ("short", 7, 10)], calls[:6]
+    assert calls.index(shorts[-1]) <= 4  # within two steps of joining: not after the long one's 20 chunks
+    assert calls[-1][0] == "long" and calls[-1][2] == 300
     engine.close()

@@ -2,10 +2,10 @@
 
 Continuous batching as in vLLM and TensorRT-LLM's executor: up to `max_batch` requests hold a row; new
 ones join between decode steps, and finished or cancelled ones leave at once. A joining request
-first reads its prompt, in chunks (vLLM's chunked prefill): each engine step has a budget of
-`step_tokens` positions, one for each running request's decode and the rest for prompt chunks of the
-requests reading theirs, shared fairly (`chunks`), so a long prompt stalls neither the running chats
-nor a short prompt that joins after it. Rows are kept in one order: running requests in rows 0..R-1 (so a
+first reads its prompt, in chunks (vLLM's chunked prefill): while requests run, each engine step has a
+budget of `step_tokens` positions, one for each running request's decode and the rest for prompt chunks
+of the requests reading theirs, shared fairly (`chunks`), so a long prompt stalls neither the running
+chats nor a short prompt that joins after it. Rows are kept in one order: running requests in rows 0..R-1 (so a
 decode step reads the cache as a plain view), then the requests reading their prompts; a joining
 request's row is moved to the first free place, a request whose prompt is read moves to row R, and
 a leaving one's row is swapped out of the block. The engine thread alone changes the rows; any
@@ -25,9 +25,6 @@ from pipeline.llm.engine.seam import Prompt, TokenStream
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.engine.sampling import Draws, SamplingParams
 from pipeline.llm.engine.speculation import DraftState
-
-
-IDLE_BUDGETS = 8  # with nothing decoding, a step reads this many budgets of prompt (2,048 positions at 256)
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,14 +100,14 @@ class Scheduler:
         """This step's prompt chunks, as (request, the position its chunk ends at), in row order: the budget
         left after one position per running request (at least one, so that prompts always advance), shared
         fairly among the prompts being read: each gets an equal part, and what a short one leaves goes to
-        the others (water-filling). So a short prompt that joins while a long one is read gets its first
-        token after a step or two, not after the long one's whole prefill, with or without running chats.
-        With nothing decoding the budget is `IDLE_BUDGETS` times larger: a lone long prompt takes fewer
-        forwards (its first token sooner), and one that joins waits for one such step at most. Without a
-        budget (`step_tokens` None) prompts are read whole."""
-        if not self.step_tokens:
+        the others (water-filling). So a short prompt that joins while a long one is read beside running
+        chats gets its first token after a step or two, not after the long one's whole prefill. With no
+        request running, or no budget (`step_tokens` None), prompts are read whole: on a CPU a prompt read
+        in chunks took 2.2× as long (each chunk's attention runs masked over all its keys; whole, causal
+        attention skips the masked half: `bench/RESULTS.md`, issue 41)."""
+        if not self.step_tokens or not self.running:
             return [(r, len(r.sig)) for r in self.prefilling]
-        room = max(self.step_tokens - len(self.running), 1) if self.running else self.step_tokens * IDLE_BUDGETS
+        room = max(self.step_tokens - len(self.running), 1)
         left = sorted(self.prefilling, key=lambda r: len(r.sig) - r.position)
         ends = {}
         for i, r in enumerate(left):
