@@ -68,6 +68,10 @@ def test_prompt_fitting_renders_a_long_history_a_few_times_not_once_per_turn(qwe
     assert len(render(history[-(kept + 2):])) > 300
 
 
+def running_replies(client: Client) -> int:
+    return json.loads(client.predict(api_name="/engine_status"))["chat"]["running"]
+
+
 def test_a_session_cannot_queue_more_than_its_limit_of_replies(running_app):
     """The service's per-client limit (`MAX_IN_FLIGHT`): the fifth reply of one browser session is
     refused while four run; Stop then ends the four (endless: greedy, 1500 tokens)."""
@@ -76,8 +80,10 @@ def test_a_session_cannot_queue_more_than_its_limit_of_replies(running_app):
     client = Client(running_app[0], verbose=False)
     jobs = [client.submit("Write a long essay", [], "", 0, 1.0, 0, 1.0, 1500, -1, api_name="/chat")
             for i in range(MAX_IN_FLIGHT + 1)]
-    deadline = time.time() + 60
-    while not any(job.done() for job in jobs) and time.time() < deadline:
+    deadline = time.time() + 120
+    # Stop once the four are in the engine (Stop ends the replies that run: pressed as soon as the fifth was
+    # refused, it could come before the four had started, which then ran to their end)
+    while running_replies(client) < MAX_IN_FLIGHT and time.time() < deadline:
         time.sleep(0.05)
     client.predict(api_name="/stop")
     errors, stopped = [], 0
