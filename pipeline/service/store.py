@@ -51,15 +51,15 @@ PATH = """WITH RECURSIVE path(id) AS (SELECT head FROM conversations WHERE id = 
           FROM messages m JOIN path ON m.id = path.id ORDER BY m.id"""
 
 
+INTEGRITY = "the integrity check failed"
+
+
 def _damaged(error: sqlite3.DatabaseError) -> bool:
     """Whether `error` says the file is not a readable SQLite database (the only case it is set aside)."""
     code = getattr(error, "sqlite_errorcode", None)  # Python 3.11+
     if code is not None and code & 0xFF in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
         return True
     return any(words in str(error) for words in ("not a database", "malformed", INTEGRITY))
-
-
-INTEGRITY = "the integrity check failed"
 
 
 class ConversationStore:

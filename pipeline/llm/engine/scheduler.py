@@ -109,14 +109,14 @@ class Scheduler:
             return [(r, len(r.sig)) for r in self.prefilling]
         room = max(self.step_tokens - len(self.running), 1)
         left = sorted(self.prefilling, key=lambda r: len(r.sig) - r.position)
-        ends = {}
+        ends: dict[Request, int] = {}
         for i, r in enumerate(left):
             if room == 0:
                 break
             take = min(len(r.sig) - r.position, max(room // (len(left) - i), 1))
-            ends[id(r)] = r.position + take
+            ends[r] = r.position + take
             room -= take
-        return [(r, ends[id(r)]) for r in self.prefilling if id(r) in ends]
+        return [(r, ends[r]) for r in self.prefilling if r in ends]
 
     def promote(self, request: Request) -> None:
         """`request` has read its prompt: it joins the running requests, in row len(running)."""

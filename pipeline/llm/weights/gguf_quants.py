@@ -2,7 +2,7 @@
 
 Why the package's and not our own: ours (torch, for F32/F16/BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
 ran at 0.08–0.71× its speed where the app dequantizes, on the CPU as the file is read
-(`bench/gguf_dequant.py`, bench/RESULTS.md), and it reads every type llama.cpp's mixes use besides
+(bench/RESULTS.md, "GGUF dequantization"; the bench is in commit 9be2b70), and it reads every type llama.cpp's mixes use besides
 (Q5_0, Q5_1, Q2_K, Q3_K, the IQ and ternary types: the fallbacks of rows that are not a multiple of 256).
 """
 

@@ -23,7 +23,7 @@ row of it.
 
 Kernels: on CUDA, our Triton kernel (`plugins/lowbit.py`: magic-number dequantization into tensor-core
 dots, batch 1–16 in one weight pass) reads this format as it is (int8 with its sign bit flipped; int4 in
-groups of 128, 64 or a GGUF file's 32, with inputs a multiple of 128), with launch shapes tuned once per
+groups of 128, 64 or a GGUF file's 32, widths padded to whole chunks of 128 inputs), with launch shapes tuned once per
 GPU (`plugins/lowbit_tuning.py`). Elsewhere (the CPU, or a GPU without Triton) the
 reference path dequantizes the weight at each call and runs a plain matmul: the same numbers, the
 float layer's speed at best.
