@@ -28,8 +28,9 @@ from pipeline.llm.weights.checkpoint import to_internal  # noqa: E402
 from pipeline.llm.weights.config import config_from_hf  # noqa: E402
 from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine.seam import GenerationStats, Prompt  # noqa: E402
+from pipeline.llm.engine.seam import GenerationStats  # noqa: E402
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
+from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from plugins.fused import REFERENCE  # noqa: E402
 from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 

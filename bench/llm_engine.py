@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth_tbps  # noqa: E402
 from pipeline.llm.weights.config import config_from_hf  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine.seam import Prompt  # noqa: E402
 from pipeline.llm.model import Decoder  # noqa: E402
 from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.text.prompt import Prompt  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944,

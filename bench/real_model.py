@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
-from pipeline.llm.engine.seam import Prompt  # noqa: E402
+from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from engine_builder.onnxruntime_backend import cpu_model  # noqa: E402
 from pipeline.llm.evaluate import TextScore, agreement, score_text, score_windows  # noqa: E402
 from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
@@ -439,7 +439,7 @@ def cpu(args) -> dict:
 def gpu(args) -> dict:
     os.environ.setdefault("STUDIO_CACHE", "/tmp/real_model_cache")
     from pipeline.models import locate
-    from pipeline.llm.weights.checkpoint import load_decoder
+    from pipeline.llm.loading import load_decoder
     from pipeline.llm.text.tokenizer import load_tokenizer
     import transformers
 

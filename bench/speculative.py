@@ -311,9 +311,9 @@ class SameDrafts:
 def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] = ("none", "int4")) -> None:
     from llm_engine import random_prompt, random_qwen25_7b
     from pipeline.llm.engine.sampling import SamplingParams
-    from pipeline.llm.engine.seam import Prompt
     from pipeline.llm.engine.speculation import GPU_FLOAT, GPU_LOW_BIT, Speculation, VerifyCost
     from pipeline.llm.engine.torch_engine import TorchLLMEngine
+    from pipeline.llm.text.prompt import Prompt
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit_tuning import TunedConfigs
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from pipeline.errors import UserError
-from pipeline.llm.weights.demo import DEMO_MODELS, demo_model_dir
+from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
 from pipeline.llm.weights.gguf_file import SPLIT
 from pipeline.llm.weights.gguf_folder import gguf_model_dir
 

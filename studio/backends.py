@@ -22,13 +22,14 @@ from pipeline.models import resolve
 from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
-from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.loading import load_decoder
+from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.engine.draft_model import DraftModel
 from pipeline.llm.engine.speculation import prompt_lookup
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
-from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
 from studio.draft_choice import draft_modes, fastest_draft, record_name
 from studio.quantized_weights import quantized_decoder

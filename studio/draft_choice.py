@@ -20,8 +20,8 @@ import torch
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
 from pipeline.llm.engine.sampling import SamplingParams
-from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.language_model import LanguageModel
+from pipeline.llm.text.prompt import Prompt
 
 GPU_MODES = ("none", "int4")
 PROBE = Prompt(tuple(range(1, 33)))  # a fixed prompt: the speed of a step does not depend on the words

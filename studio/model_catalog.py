@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.weights.demo import demo_model_dir
+from pipeline.llm.demo import demo_model_dir
 from pipeline.minigpt4.weights import projection_width
 from pipeline.models import ModelEntry, cache_dir
 from pipeline.service.tools import Tool, ToolHost, ToolSpec

@@ -30,7 +30,7 @@ from huggingface_hub import scan_cache_dir
 
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.weights.demo import DEMO_MODELS
+from pipeline.llm.demo import DEMO_MODELS
 from pipeline.llm.weights.gguf_file import SPLIT
 from pipeline.llm.weights.gguf_folder import gguf_model_dir
 from pipeline.llm.model import KVCache

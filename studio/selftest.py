@@ -26,7 +26,7 @@ from engine_builder.build import RUNTIMES, EngineOptions
 from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import load_language_model, sam_engine, vision_encoder
-from pipeline.llm.weights.demo import DEMO_MODELS, demo_model_dir
+from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
 from pipeline.minigpt4.weights import demo_parts, load_vision_folder
 from pipeline.models import cache_dir
 from pipeline.sam.model import load_sam

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("STUDIO_DATA", tempfile.mkdtemp(prefix="studio-test-data-"))
 sys.path.insert(0, str(ROOT))
 
-from pipeline.llm.weights.demo import demo_model_dir  # noqa: E402
+from pipeline.llm.demo import demo_model_dir  # noqa: E402
 
 
 def pytest_configure(config) -> None:
@@ -47,7 +47,7 @@ def train_sentencepiece(folder: Path) -> Path:
     (identity normalisation, no whitespace folding; <unk>, <s>, </s> at 0, 1, 2)."""
     import sentencepiece
 
-    from pipeline.llm.weights.demo import CORPUS
+    from pipeline.llm.demo import CORPUS
 
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(CORPUS.read_text().splitlines()), model_prefix=str(folder / "tokenizer"),

@@ -595,7 +595,7 @@ def test_models_tab_switches_the_chat_model_downloads_and_deletes(browser, tmp_p
     from conftest import launched
     from hub_server import serving
 
-    from pipeline.llm.weights.demo import demo_model_dir
+    from pipeline.llm.demo import demo_model_dir
 
     repo = tmp_path / "repo"
     shutil.copytree(demo_model_dir("demo/qwen2-tiny", studio_cache), repo)

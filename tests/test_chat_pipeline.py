@@ -175,7 +175,7 @@ def test_reply_fills_context_with_notice(qwen_v1_demo):
 
 
 def test_a_model_without_chat_format_is_refused_clearly(studio_cache):
-    from pipeline.llm.weights.demo import demo_model_dir
+    from pipeline.llm.demo import demo_model_dir
 
     with pytest.raises(UserError, match="neither a chat template nor ChatML"):
         make_pipeline(demo_model_dir("demo/llama-tiny", studio_cache), "demo/llama-tiny", 64)

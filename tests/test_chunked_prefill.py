@@ -4,10 +4,11 @@ between their decode steps, and gives what the unchunked engine gives (CPU, fp32
 import pytest
 import torch
 
-from pipeline.llm.weights.checkpoint import load_decoder
+from pipeline.llm.loading import load_decoder
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
-from pipeline.llm.engine.seam import FinishReason, Prompt
+from pipeline.llm.engine.seam import FinishReason
 from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.prompt import Prompt
 
 CONTEXT = 1024
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.1)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine_builder.engine_check import check_llm
-from pipeline.llm.weights.checkpoint import load_decoder
+from pipeline.llm.loading import load_decoder
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
-from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.text.prompt import Prompt
 
 IMAGE_QUERIES, SCALE = 8, 1.0
 

@@ -8,14 +8,15 @@ import torch
 
 from pipeline.llm.engine import cache_rows as cache_rows_module
 from pipeline.llm.engine.cache_rows import BLOCK, CacheRows
-from pipeline.llm.weights.checkpoint import load_decoder
+from pipeline.llm.loading import load_decoder
 from pipeline.llm.weights.config import DecoderConfig
-from pipeline.llm.engine.seam import Prompt, TokenStream
+from pipeline.llm.engine.seam import TokenStream
 from pipeline.llm.model import Prefill
 from pipeline.llm.engine.model_runner import ModelRunner
 from pipeline.llm.engine.sampler import Sampler
 from pipeline.llm.engine.sampling import Draws, SamplingParams
 from pipeline.llm.engine.scheduler import Request, Scheduler
+from pipeline.llm.text.prompt import Prompt
 
 CONFIG = DecoderConfig("qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
                        num_kv_heads=1, head_dim=8, max_position_embeddings=256)

@@ -18,9 +18,9 @@ import torch
 from plugins import decode_attention, fused
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
-from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.model import Decoder
 from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.prompt import Prompt
 
 fused._use_triton = decode_attention._use_triton = lambda x: True  # the interpreter runs them on CPU tensors
 configs = [

@@ -22,8 +22,9 @@ from gguf import quants as reference
 
 from conftest import train_sentencepiece
 from pipeline.errors import UserError
-from pipeline.llm.weights.checkpoint import load_decoder, read_config
-from pipeline.llm.weights.demo import _train_bpe
+from pipeline.llm.loading import load_decoder
+from pipeline.llm.weights.checkpoint import read_config
+from pipeline.llm.demo import _train_bpe
 from pipeline.llm.weights.gguf_file import read_gguf
 from pipeline.llm.weights.gguf_quants import supported
 from pipeline.llm.model import KVCache, Prefill, RotaryTables

@@ -17,10 +17,10 @@ from pipeline.pipelines.chat import ChatPipeline  # noqa: E402
 from studio.backends import load_language_model, sam_engine, vision_encoder  # noqa: E402
 from pipeline.pipelines.image_chat import ImageChatPipeline  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
-from pipeline.llm.weights.demo import demo_model_dir  # noqa: E402
+from pipeline.llm.demo import demo_model_dir  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine.seam import Prompt  # noqa: E402
 from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder  # noqa: E402
 from pipeline.sam.model import load_sam  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.images import load_image
-from pipeline.llm.weights.demo import demo_model_dir
+from pipeline.llm.demo import demo_model_dir
 from pipeline.llm.engine.sampling import SamplingParams
 from studio.backends import load_language_model, vision_encoder
 from pipeline.llm.engine.seam import TokenStream

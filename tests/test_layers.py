@@ -191,3 +191,34 @@ def test_inside_pipeline_each_layer_imports_only_those_below_it():
             if name.startswith("pipeline.") and layer(name) > layer(own):
                 wrong.append(f"{own} imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+# Inside pipeline/llm/, lowest first: the text (tokenizers, prompts and the `Prompt` engines take), the
+# weights (configs and checkpoint formats, which write tokenizer files), the decoder and its loading
+# from a checkpoint, the engine; anything else there (language_model, remote, evaluate, demo) above them all.
+LLM_LAYERS = {"text": 0, "weights": 1, "model": 2, "loading": 2, "engine": 3}
+LLM_REST = 4
+
+
+def llm_sublayer(module: str) -> tuple[int, str] | None:
+    """(rank, name) of a module's sub-layer of `pipeline/llm/`; None outside it."""
+    parts = module.split(".")
+    if parts[:2] != ["pipeline", "llm"]:
+        return None
+    name = parts[2] if len(parts) > 2 and parts[2] in LLM_LAYERS else "the rest of pipeline/llm"
+    return LLM_LAYERS.get(name, LLM_REST), name
+
+
+def test_inside_pipeline_llm_each_sub_layer_imports_only_those_below_it():
+    """Every import counts (inside functions and under `TYPE_CHECKING` too), named as precisely as it is
+    written: `from pipeline.llm.engine.seam import X` is an import of `...seam.X`."""
+    wrong = []
+    for path in sorted((ROOT / "pipeline" / "llm").rglob("*.py")):
+        own = llm_sublayer(module_name(path))
+        names = {name for name, _ in imports(path)}
+        for name in sorted(n for n in names if not any(m.startswith(n + ".") for m in names)):
+            target = llm_sublayer(name)
+            if target is not None and target[0] > own[0]:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}: {own[1]} may not import {target[1]}, "
+                             f"a sub-layer above it")
+    assert not wrong, "\n".join(wrong)

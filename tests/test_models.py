@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.weights.demo import demo_model_dir
+from pipeline.llm.demo import demo_model_dir
 from pipeline.models import EMBEDDED, auto_model, locate, resolve
 
 

@@ -17,11 +17,11 @@ from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, torch_decoder, weight_bytes
 from pipeline.errors import UserError
-from pipeline.llm.weights.checkpoint import from_internal, layout_of, load_decoder, read_config, to_internal, write_checkpoint
+from pipeline.llm.loading import load_decoder, load_prequantized
+from pipeline.llm.weights.checkpoint import from_internal, layout_of, read_config, to_internal, write_checkpoint
 from pipeline.llm.weights.config import CONFIG_WRITERS, config_from_hf
-from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
-from pipeline.llm.weights.prequantized import load_prequantized
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import QuantLinear
 from pipeline.llm.engine.sampling import SamplingParams
 

@@ -11,10 +11,11 @@ from engine_builder.build import EngineOptions
 from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, weight_bytes
-from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.loading import load_decoder
+from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.config import DecoderConfig, config_from_hf
-from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, quantize_decoder, unpack_int4
 from studio.quantized_weights import quantized_decoder
 

@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from pipeline.errors import UserError
-from pipeline.llm.weights.checkpoint import load_decoder, read_config
+from pipeline.llm.loading import load_decoder
+from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
 from pipeline.llm.text.tokenizer import load_tokenizer
 from conftest import train_sentencepiece

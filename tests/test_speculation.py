@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.llm.engine.speculation import (CPU, DRAFT_SIZES, GPU_FLOAT, PROBE_EVERY, DraftState, PromptLookup, Speculation,
                                              StepClock, VerifyCost, best_draft)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.loading import load_decoder
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
-from pipeline.llm.weights.checkpoint import load_decoder
+from pipeline.llm.text.prompt import Prompt
 
 
 def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():

@@ -11,10 +11,10 @@ import sentencepiece as spm
 import torch
 import transformers
 
-from pipeline.llm.weights.demo import CORPUS
-from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.demo import CORPUS
 from pipeline.llm.text.grammar import GrammarVocabulary, json_schema_grammar
 from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ReActReader, TaggedReader
 from studio.backends import load_language_model

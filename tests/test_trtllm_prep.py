@@ -15,10 +15,11 @@ from engine_builder import trtllm
 from engine_builder.trtllm.build import build_settings
 from engine_builder.trtllm.checkpoint import write_trtllm_checkpoint
 from engine_builder.trtllm.prompt_table import content_id, prompt_table_input
-from pipeline.llm.weights.checkpoint import load_decoder, read_config, read_tensors, to_internal
+from pipeline.llm.loading import load_decoder
+from pipeline.llm.weights.checkpoint import read_config, read_tensors, to_internal
 from pipeline.llm.weights.config import DecoderConfig
-from pipeline.llm.weights.demo import demo_model_dir
-from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.demo import demo_model_dir
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.families import TRTLLM_LAYOUT
 from pipeline.llm.text.tokenizer import load_tokenizer
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables, Verify
-from pipeline.llm.weights.checkpoint import load_decoder
+from pipeline.llm.loading import load_decoder
 
 CONTEXT = 512
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from pipeline.llm.weights.config import DecoderConfig
-from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.text.prompt import Prompt
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.tokenizer import Tokenizer
 
 IMAGE = object()  # where `segments` puts the image

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.weights.demo import demo_model_dir
+from pipeline.llm.demo import demo_model_dir
 from pipeline.minigpt4.vision import TINY, MiniGPT4Vision, VisionConfig
 from pipeline.random_weights import spread_weights
 from pipeline.weights_io import read_json, read_weight_file, write_weight_file

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeline.llm.engine.sampling import SamplingParams
-from pipeline.llm.engine.seam import LLMEngine, Prompt
+from pipeline.llm.engine.seam import LLMEngine
+from pipeline.llm.text.prompt import Prompt
 
 
 class DraftModel:

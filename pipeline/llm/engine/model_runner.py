@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
-from pipeline.llm.engine.seam import Prompt
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT
 from pipeline.llm.model import Chunk, Decode, Decoder, KVCache, Prefill, RotaryTables, Verify
 from plugins.lowbit import rows_as_one_row

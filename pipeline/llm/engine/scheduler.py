@@ -21,7 +21,8 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
-from pipeline.llm.engine.seam import Prompt, TokenStream
+from pipeline.llm.engine.seam import TokenStream
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.engine.sampling import Draws, SamplingParams
 from pipeline.llm.engine.speculation import DraftState

@@ -1,8 +1,9 @@
 """The LLM engine's contract: what pipelines hand an engine, what they get back, and the two protocols.
 
 Pipelines hand an engine a `Prompt` (token ids, plus embeddings for marked slots: image chat's
-query embeddings), `SamplingParams`, stop ids and optionally a session name; they get back a
-`TokenStream` of token ids that they iterate, and can cancel, from any thread. Everything above
+query embeddings; defined in `text/prompt.py`, the layer below, where the prompt formats build it),
+`SamplingParams`, stop ids and optionally a session name; they get back a `TokenStream` of token ids
+that they iterate, and can cancel, from any thread. Everything above
 this seam (prompt formats, context fitting, UTF-8-safe text) is the same for every backend.
 Above that, a `ChatModel` (a local `LanguageModel` or a remote server) turns messages into
 `ChatEvent`s. A leaf module: engines and models import it, never the reverse, so the seam's
@@ -20,8 +21,9 @@ from typing import Protocol
 
 from torch import Tensor
 
-from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.text.grammar import Grammar
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ToolCall
 
@@ -34,37 +36,6 @@ class FinishReason(enum.StrEnum):
     CONTEXT = "context"  # the context window is full
     CANCELLED = "cancelled"  # Stop, or the caller stopped listening
     ERROR = "error"
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    """Token ids, where `slots` ((start, length) runs) take their inputs from `embeds` instead.
-
-    Ids inside a slot are placeholders. `keys` name each slot's content (an image hash) so an
-    engine can recognise a cached prefix that includes it.
-    """
-
-    ids: tuple[int, ...]
-    slots: tuple[tuple[int, int], ...] = ()
-    embeds: tuple[Tensor, ...] = ()
-    keys: tuple[str, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def fill(self, embeds: Tensor, key: str) -> Prompt:
-        """Every slot filled with `embeds` [length, hidden] (MiniGPT-4 shows one image per prompt)."""
-        for _, length in self.slots:
-            if length != embeds.shape[0]:
-                raise ValueError(f"a slot of {length} positions cannot hold {embeds.shape[0]} embeddings")
-        return dataclasses.replace(self, embeds=(embeds,) * len(self.slots), keys=(key,) * len(self.slots))
-
-    def signature(self) -> list:
-        """What identifies each position's input: its id, or (content key, offset) inside a slot."""
-        sig: list = list(self.ids)
-        for (start, length), key in zip(self.slots, self.keys):
-            sig[start:start + length] = [(key, i) for i in range(length)]
-        return sig
 
 
 @dataclasses.dataclass

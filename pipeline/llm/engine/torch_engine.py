@@ -30,7 +30,8 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
-from pipeline.llm.engine.seam import FinishReason, Prompt, TokenStream
+from pipeline.llm.engine.seam import FinishReason, TokenStream
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.model import Decoder
 from pipeline.llm.engine.model_runner import ModelRunner

@@ -9,15 +9,48 @@ single over-long message is cut in the middle; each cut comes back as a notice f
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+from torch import Tensor
+
 from pipeline.errors import UserError
-from pipeline.llm.engine.seam import Prompt
 from pipeline.llm.text.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
 from pipeline.llm.text.tool_calls import ReActCalls, TaggedCalls, TaggedCallsInMessages
 
 ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """Token ids, where `slots` ((start, length) runs) take their inputs from `embeds` instead.
+
+    Ids inside a slot are placeholders. `keys` name each slot's content (an image hash) so an
+    engine can recognise a cached prefix that includes it.
+    """
+
+    ids: tuple[int, ...]
+    slots: tuple[tuple[int, int], ...] = ()
+    embeds: tuple[Tensor, ...] = ()
+    keys: tuple[str, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def fill(self, embeds: Tensor, key: str) -> Prompt:
+        """Every slot filled with `embeds` [length, hidden] (MiniGPT-4 shows one image per prompt)."""
+        for _, length in self.slots:
+            if length != embeds.shape[0]:
+                raise ValueError(f"a slot of {length} positions cannot hold {embeds.shape[0]} embeddings")
+        return dataclasses.replace(self, embeds=(embeds,) * len(self.slots), keys=(key,) * len(self.slots))
+
+    def signature(self) -> list:
+        """What identifies each position's input: its id, or (content key, offset) inside a slot."""
+        sig: list = list(self.ids)
+        for (start, length), key in zip(self.slots, self.keys):
+            sig[start:start + length] = [(key, i) for i in range(length)]
+        return sig
 
 
 class PromptFormat(Protocol):

@@ -1,1 +1,1 @@
-"""Weights: configs, checkpoints in every on-disk format (HF folders, GGUF files, AWQ/GPTQ), quantization, the demo models."""
+"""Weights: configs, checkpoints in every on-disk format (HF folders, GGUF files, AWQ/GPTQ), quantization."""

@@ -3,7 +3,8 @@
 Formats: transformers folders (Qwen2/2.5, Qwen3, LLaMA/Vicuna; safetensors or `.bin`, single or
 sharded with an index) and Qwen v1 folders (Qwen-7B-Chat: `transformer.h.N.attn.c_attn` holds
 q/k/v, `mlp.w1` is up, `mlp.w2` is gate). Every format maps onto the decoder's own names
-(see `model.py`), so one writer per format also gives the Qwen v1 → Qwen2 converter.
+(see `model.py`), so one writer per format also gives the Qwen v1 → Qwen2 converter. The tensors
+go into a `Decoder` in `loading.py`, above the decoder: this layer never imports it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pipeline.files import atomic_folder
 from pipeline.llm.weights.config import CONFIG_WRITERS, DecoderConfig, config_from_hf
 from pipeline.llm.weights.families import QWEN_V1, Layout, family_of
 from pipeline.llm.weights.gguf_file import hf_tensors, read_gguf
-from pipeline.llm.model import Decoder
-from pipeline.llm.weights.quant import empty_quantized
 from pipeline.weights_io import read_json, read_weight_file
 
 StateDict = dict[str, Tensor]
@@ -134,33 +133,6 @@ def from_internal(config: DecoderConfig, sd: StateDict, layout: Layout) -> State
 
 def layout_of(config: DecoderConfig) -> Layout:
     return family_of(config.family).layout
-
-
-def build_decoder(config: DecoderConfig, sd: StateDict, dtype: torch.dtype, device: str | torch.device,
-                  mode: str = "none") -> Decoder:
-    """The decoder holding `sd` (its own names; under `mode` int8/int4 the quantized layers' buffers, as
-    `quant.empty_quantized` lays them out; a tied LM head may be left out)."""
-    with torch.device("meta"):
-        model = Decoder(config).to(dtype)
-        if mode != "none":
-            empty_quantized(model, mode)
-    if config.tie_word_embeddings:
-        sd["lm_head.weight"] = sd["embed.weight"]
-    model.load_state_dict(sd, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.embed.weight
-    return model.to(device).eval()
-
-
-def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
-    """Build the decoder for a checkpoint folder of any supported format, weights in `dtype` on `device`."""
-    folder = Path(folder)
-    config = read_config(folder)
-    if config.quantization:
-        raise UserError(f"{folder.name} holds {config.quantization.upper()} int4 weights: it loads as int4 "
-                        f"(`quantized_weights.quantized_decoder`), not as float weights")
-    sd = to_internal(config, read_tensors(folder, dtype), layout_of(config))
-    return build_decoder(config, sd, dtype, device)
 
 
 def _contiguous(sd: StateDict) -> StateDict:

@@ -18,7 +18,7 @@ from filelock import FileLock
 from pipeline.errors import UserError
 from pipeline.files import atomic_folder
 from pipeline.llm.weights.gguf_file import hf_config, read_gguf, split_parts
-from pipeline.llm.text.gguf_tokenizer import write_tokenizer_files
+from pipeline.llm.weights.gguf_tokenizer import write_tokenizer_files
 
 VERSION = "2"  # bumped when the files written here change: older folders are rebuilt
 

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
-from pipeline.llm.weights.checkpoint import StateDict, build_decoder, layout_of, read_config, read_tensors, take, to_internal
-from pipeline.llm.model import Decoder
+from pipeline.llm.weights.checkpoint import StateDict, layout_of, read_config, read_tensors, take, to_internal
+from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.weights.quant import GROUP, HEAD_MODE, pack_int4, quantize
 from pipeline.llm.weights.quant_config import Scheme, scheme_of
 from pipeline.weights_io import read_json
@@ -65,9 +65,10 @@ def _linear(raw: StateDict, modules: list[str], scheme: Scheme, dtype: torch.dty
     return {"q": pack_int4(q), "scale": scale.to(dtype), "zero": zero.to(dtype)}
 
 
-def load_prequantized(folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Decoder:
-    """The decoder of an AWQ/GPTQ folder with int4 block projections and an int8 LM head (a tied head
-    stays float), laid out as `quantized_weights.load_quantized`'s, floats in `dtype`."""
+def prequantized_weights(folder: Path, dtype: torch.dtype) -> tuple[DecoderConfig, StateDict]:
+    """An AWQ/GPTQ folder's config and tensors under the decoder's names: int4 block projections and an
+    int8 LM head (a tied head stays float), laid out as `quantized_weights.load_quantized`'s, floats in
+    `dtype` (`loading.load_prequantized` puts them into a decoder)."""
     folder = Path(folder)
     config = read_config(folder)
     scheme = scheme_of(read_json(folder / "config.json")["quantization_config"])
@@ -75,4 +76,4 @@ def load_prequantized(folder: Path, dtype: torch.dtype, device: torch.device | s
     sd = to_internal(config, read_tensors(folder, dtype), layout_of(config), linear)
     if not config.tie_word_embeddings:  # the head `quant.quantized_layers` names, in its mode
         sd.update({f"lm_head.{k}": v for k, v in quantize(sd.pop("lm_head.weight"), HEAD_MODE, dtype).items()})
-    return build_decoder(config, sd, dtype, device, "int4")
+    return config, sd

@@ -8,6 +8,7 @@ The file's metadata holds the vocabulary in one of two kinds (`tokenizer.ggml.mo
 - `llama`: SentencePiece pieces with scores and `<0xNN>` byte pieces; run as byte-fallback BPE whose
   merges rank by the merged piece's score (what transformers' fast LLaMA tokenizers do).
 Token types (llama.cpp's): 3 control tokens are special; 4 user-defined ones are added tokens.
+It lives with the other GGUF readers in `weights/`: the text layer below only reads the files it writes.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import json
 from typing import Any
 
 from pipeline.errors import UserError
-from pipeline.llm.weights.gguf_file import GGUFModel
 from pipeline.llm.text.tokenizer import QWEN_PAT_STR
+from pipeline.llm.weights.gguf_file import GGUFModel
 
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PAT = (r"""(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""

@@ -9,6 +9,7 @@ loaders real checkpoints use. Their text is meaningless: the weights are random.
   (`▁` for spaces, `<0xNN>` byte tokens, `<s>`/`</s>`): the Vicuna stand-in for image chat.
 All vocabularies are BPE-trained by `tokenizers` on `assets/demo_corpus.txt` (English, Chinese,
 emoji, code), so multi-byte characters really are split across tokens, as in the real ones.
+Here, above `model.py` rather than in `weights/`: the random weights are a fresh `Decoder`'s.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ import torch
 from filelock import FileLock
 
 from pipeline.files import atomic_folder
-from pipeline.llm.weights.checkpoint import write_checkpoint_files
-from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.model import Decoder
 from pipeline.llm.text.tokenizer import (ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, byte_level_alphabet,
-                                    write_tiktoken_ranks)
+                                         write_tiktoken_ranks)
+from pipeline.llm.weights.checkpoint import write_checkpoint_files
+from pipeline.llm.weights.config import DecoderConfig
 
-CORPUS = Path(__file__).resolve().parents[3] / "assets" / "demo_corpus.txt"
+CORPUS = Path(__file__).resolve().parents[2] / "assets" / "demo_corpus.txt"
 BPE_VOCAB = 640
 SEED = 1234
 # Qwen2.5's way of writing tools (our own template, the same prompt layout): the functions as JSON in
