@@ -69,7 +69,7 @@ def engine_for(model: Decoder, graphs: bool = True) -> TorchLLMEngine:
 
 def prefill_logits(model: Decoder, tokens: torch.Tensor) -> torch.Tensor:
     cache = KVCache(model.config, 1, 2048, torch.bfloat16, "cuda")
-    return model(cache, RotaryTables(model.config, 2048, "cuda"), Prefill(0, 0), tokens=tokens)
+    return model(cache, RotaryTables(model.config, 2048, "cuda"), (Prefill(0, 0),), tokens=tokens)
 
 
 def main() -> None:

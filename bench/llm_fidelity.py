@@ -59,7 +59,7 @@ def main() -> None:
             for ids in prompts:
                 ref = hf32(ids).logits[0].double()
                 hf_err.append(rel(hf16(ids).logits[0], ref))
-                ours_err.append(rel(ours(cache, rope, Prefill(0, 0), tokens=ids, last_only=False)[0], ref))
+                ours_err.append(rel(ours(cache, rope, (Prefill(0, 0),), tokens=ids)[0], ref))
             res[f"depth{depth}_ours_bf16_vs_fp32"] = [round(e, 5) for e in ours_err]
             res[f"depth{depth}_hf_bf16_vs_fp32"] = [round(e, 5) for e in hf_err]
     Path(os.environ.get("OUT", "/tmp")).joinpath("llm_fidelity.json").write_text(json.dumps(res, indent=1))

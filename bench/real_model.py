@@ -229,7 +229,7 @@ class BareLoop:
     @torch.inference_mode()
     def generate(self, ids: tuple[int, ...], n: int) -> dict:
         cpu_start, start = time.process_time(), time.perf_counter()
-        token = int(self.model(self.cache, self.rope, Prefill(0, 0), tokens=torch.tensor([ids]))[0, -1].argmax())
+        token = int(self.model(self.cache, self.rope, (Prefill(0, 0),), tokens=torch.tensor([ids]))[0, -1].argmax())
         first = time.perf_counter()
         tokens = [token]
         for i in range(n - 1):
@@ -256,7 +256,7 @@ def step_breakdown(model, hf, ids: tuple[int, ...], steps: int) -> dict:
     sdpa = _SdpaAttention(model)
     out: dict = {}
     with torch.inference_mode():
-        first = [model(cache, rope, Prefill(0, 0), tokens=prompt)[0, -1].argmax() for cache in caches]
+        first = [model(cache, rope, (Prefill(0, 0),), tokens=prompt)[0, -1].argmax() for cache in caches]
         hf_cache = DynamicCache()
         hf_out = hf(prompt, past_key_values=hf_cache, use_cache=True)
         hf_cache = hf_out.past_key_values

@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from pipeline.llm.engine.speculation import PerRequest  # noqa: E402
 from timing import report  # noqa: E402
 
 KS = tuple(range(1, 9))
@@ -214,7 +215,7 @@ def replay(prompt: Sequence[int], reply: Sequence[int], k: int) -> list[tuple[in
 
     index, steps, at = PromptLookup().index(), [], 0
     while at < len(reply):
-        draft = index.propose([*prompt, *reply[:at]], min(k, len(reply) - at - 1))
+        draft = index.draft([*prompt, *reply[:at]], min(k, len(reply) - at - 1))
         accepted = 0
         while accepted < len(draft) and draft[accepted] == reply[at + accepted]:
             accepted += 1
@@ -242,7 +243,7 @@ def project_part(res: dict, verify_json: Path, real_json: Path) -> None:
 
 # ---- engine7b: the engine itself at 7B shapes, drafts kept as the real replies kept them ---------
 
-class ShadowDrafts:
+class ShadowDrafts(PerRequest):
     """A drafter for the 7B engine that keeps, at each step, exactly as many drafted tokens as prompt lookup
     kept at the same place of a real SmolLM2 reply (with the draft length the engine asks for): the first
     ones are the 7B model's own next tokens (from a plain run), the rest are other tokens. So the engine
@@ -263,11 +264,11 @@ class ShadowDrafts:
     def close(self) -> None:
         """Nothing held."""
 
-    def propose(self, history, k: int, last=()) -> list[int]:
+    def draft(self, history, k: int, last=()) -> list[int]:
         made = len(history) + len(last) - len(self.prompt)  # reply tokens so far
         if made >= len(self.real_reply):
             return []
-        draft = self.lookup.propose([*self.real_prompt, *self.real_reply[:made]], k)
+        draft = self.lookup.draft([*self.real_prompt, *self.real_reply[:made]], k)
         kept = 0
         while kept < len(draft) and made + kept < len(self.real_reply) and draft[kept] == self.real_reply[made + kept]:
             kept += 1
@@ -289,7 +290,7 @@ def decisive(model):
     return model
 
 
-class SameDrafts:
+class SameDrafts(PerRequest):
     """Drafts the last token again: on `decisive` weights (which repeat it) every draft is kept, so the
     engine's speed-up at each draft length is its ceiling."""
 
@@ -304,7 +305,7 @@ class SameDrafts:
     def close(self) -> None:
         """Nothing held."""
 
-    def propose(self, history, k: int, last=()) -> list[int]:
+    def draft(self, history, k: int, last=()) -> list[int]:
         return [(*history, *last)[-1]] * min(k, self.most)
 
 

@@ -25,8 +25,11 @@ On the CPU, or without Triton, `decode_attention` runs `decode_attention_referen
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -135,18 +138,30 @@ if triton is not None:
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 _MERGE_TILE = 4096  # fp32 partial outputs a merge program loads at once (LANES x head_dim)
-_workspaces: dict[tuple, Tensor] = {}
+_workspaces: contextvars.ContextVar[dict[tuple, Tensor]] = contextvars.ContextVar("decode_attention_workspaces",
+                                                                                 default={})
 _sm_counts: dict[int, int] = {}
 _failed = False  # set when a kernel failed to compile (the first call is outside any CUDA graph)
+
+
+@contextlib.contextmanager
+def using_workspaces(buffers: dict[tuple, Tensor]) -> Iterator[None]:
+    """Within it, the partials come from `buffers` (an engine's own dict): two engines' steps, on two
+    streams at once, must not write each other's partials (outside it: one dict shared by all callers)."""
+    token = _workspaces.set(buffers)
+    try:
+        yield
+    finally:
+        _workspaces.reset(token)
 
 
 def _workspace(device: torch.device, numel: int) -> Tensor:
     """An fp32 buffer of at least `numel` elements, one per (device, power-of-two size), kept forever (a
     captured graph keeps its address)."""
-    key = (str(device), triton.next_power_of_2(numel))
-    if key not in _workspaces:
-        _workspaces[key] = torch.empty(key[1], dtype=torch.float32, device=device)
-    return _workspaces[key]
+    key, buffers = (str(device), triton.next_power_of_2(numel)), _workspaces.get()
+    if key not in buffers:
+        buffers[key] = torch.empty(key[1], dtype=torch.float32, device=device)
+    return buffers[key]
 
 
 def _lanes(n_splits: int, dim: int) -> int:

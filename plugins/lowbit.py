@@ -275,6 +275,21 @@ def lowbit_matmul(x: Tensor, data: Tensor, scale: Tensor, zero: Tensor | None, b
 
 
 _AS_ONE_ROW: contextvars.ContextVar[bool] = contextvars.ContextVar("lowbit_as_one_row", default=False)
+_WORKSPACE: contextvars.ContextVar[Workspace | None] = contextvars.ContextVar("lowbit_workspace", default=None)
+
+
+@contextlib.contextmanager
+def using_workspace(workspace: Workspace) -> Iterator[None]:
+    """Within it, `LowBitWeight` calls take their split-K partials and arrival counters from `workspace`
+    instead of their model's. Why: two streams running one model's layers at once (a benchmark's plain and
+    speculating engines, a warm-up beside a step in flight) shared the counters; a counter left off zero
+    by the race made every later call on that tile add the wrong partials, and replies parted from plain
+    decoding's from run to run. Read when a call is traced: a CUDA graph keeps the workspace it captured."""
+    token = _WORKSPACE.set(workspace)
+    try:
+        yield
+    finally:
+        _WORKSPACE.reset(token)
 
 
 @contextlib.contextmanager
@@ -331,6 +346,23 @@ class LowBitWeight:
             scale, zero = parts["scale"].view(1, -1).contiguous(), None
         return cls(kernel_bytes(q, bits), scale, zero, bias, bits, dtype, workspace, gated, pad)
 
+    @classmethod
+    def stand_in(cls, bits: int, dtype: torch.dtype, in_features: int, out_features: int, group: int, bias: bool,
+                 device: torch.device, workspace: Workspace, gated: bool = False) -> "LowBitWeight":
+        """A layer of this shape whose weight bytes are not there (one chunk's worth): every launch argument
+        a kernel is compiled for (dtypes, alignment, widths) is that of the layer `from_parts` makes, so its
+        kernels can compile (`compile_only`) while the real weights are still being read. Never run it."""
+        pad = -in_features % 128 if bits == 4 else 0
+        width = in_features + pad
+        data = torch.empty(1, width * bits // 512, 1, 64, dtype=torch.uint8, device=device)  # [tiles, chunks, ...]
+        if bits == 4:
+            scale = torch.empty(width // group, out_features, dtype=dtype, device=device)
+            zero = torch.empty_like(scale)
+        else:
+            scale, zero = torch.empty(1, out_features, dtype=torch.float32, device=device), None
+        bias_ = torch.empty(out_features, dtype=dtype, device=device) if bias else None
+        return cls(data, scale, zero, bias_, bits, dtype, workspace, gated, pad)
+
     def shape_key(self) -> str:
         """What a tuned launch shape is chosen for (layers alike in this run alike). Groups other than
         GROUP are named (a GGUF file's 32 load more scales: their best shape may differ); GROUP's keys
@@ -348,6 +380,7 @@ class LowBitWeight:
                             else self.prefill)
         # more rows: the gated tile was slower (int4 prefill 1.3×, H100), unless they must round as one row does
         in_kernel = self.gated and (rows == 1 or as_one_row)
-        out = lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen, self.workspace,
+        out = lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen,
+                            _WORKSPACE.get() or self.workspace,
                             in_kernel, compile_only, as_one_row)
         return silu_mul_fused(out) if self.gated and not in_kernel and not compile_only else out

@@ -1,8 +1,9 @@
 """The LLM engine's parts, each alone: `CacheRows` (prefixes found by content through block hashes),
 the `Scheduler` (admission, prompt chunks under the step's budget, rows 0..B-1), the `ModelRunner`
-(prefill and decode steps match the model's own forward pass) and the `Sampler`'s draw."""
+(its steps match the model's own forward pass) and the `Sampler`'s draw."""
 
 import threading
+from types import SimpleNamespace
 
 import torch
 
@@ -12,7 +13,7 @@ from pipeline.llm.loading import load_decoder
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.engine.seam import TokenStream
 from pipeline.llm.model import Prefill
-from pipeline.llm.engine.model_runner import ModelRunner
+from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner, RowsFeed
 from pipeline.llm.engine.sampler import Sampler
 from pipeline.llm.engine.sampling import Draws, SamplingParams
 from pipeline.llm.engine.scheduler import Request, Scheduler
@@ -144,26 +145,29 @@ def test_a_running_request_that_leaves_hands_its_row_to_a_prompt_being_read():
     assert reading.row == -1 and rows[1].held == list(reading.prompt.ids)[:3] and scheduler.prefilling == []
 
 
-def test_the_model_runners_decode_steps_continue_its_prefill_like_one_forward_pass(qwen2_demo):
+def test_the_model_runners_steps_continue_its_prefill_like_one_forward_pass(qwen2_demo):
     model = load_decoder(qwen2_demo)
     vocab = model.config.vocab_size
     runner = ModelRunner(model, 64, vocab, max_batch=2, use_cuda_graphs=False)
     cache = rows_of_model(model)
     ids = [5, 9, 14, 3, 7, 22]
+    prompt = Prompt(tuple(ids[:4]))
     with torch.inference_mode():
         full = model_logits(model, ids)
-        first = runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=1, start=0, end=4, table=0)
+        _, (first,) = runner.step(cache.kv, None, [ChunkRead(prompt, 1, 0, 4, 0, logits=True)])
         assert torch.allclose(first, full[3], atol=1e-4)
-        assert runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=0, start=0, end=2, table=0, logits=False) is None
-        runner.prefill(cache.kv, Prompt(tuple(ids[:4])), row=0, start=2, end=4, table=0)  # in two chunks
-        step = runner.decode(cache.kv, 2, ([ids[4], ids[4]], [4, 4], [0, 0]), None, 5)
-        assert torch.allclose(step[0], full[4], atol=1e-4) and torch.allclose(step[1], full[4], atol=1e-4)
-        chained = runner.decode(cache.kv, 2, None, torch.tensor([ids[5], ids[5]]), 6)  # positions one further
-        assert torch.allclose(chained[1], full[5], atol=1e-4)
+        assert runner.step(cache.kv, None, [ChunkRead(prompt, 0, 0, 2, 0, logits=False)]) == (None, [])
+        runner.step(cache.kv, None, [ChunkRead(prompt, 0, 2, 4, 0, logits=False)])  # in two chunks
+        step, _ = runner.step(cache.kv, RowsFeed(2, [[ids[4]], [ids[4]]], [4, 4], [0, 0], kv_need=5))
+        assert torch.allclose(step[0, 0], full[4], atol=1e-4) and torch.allclose(step[1, 0], full[4], atol=1e-4)
+        chained, _ = runner.step(cache.kv, RowsFeed(2, chained=torch.tensor([ids[5], ids[5]]), kv_need=6))
+        assert torch.allclose(chained[1, 0], full[5], atol=1e-4)  # positions one further
         sampler = Sampler(cache, vocab, max_batch=2, device=torch.device("cpu"))
-        drawn = sampler.pick([SamplingParams(temperature=0, repetition_penalty=1.0)] * 2, [0.5, 0.5], chained,
-                             cache.seen[:2], cache.counts[:2])
-        assert drawn.tolist() == [int(full[5].argmax())] * 2 and cache.seen[0, drawn[0]]
+        greedy = [SimpleNamespace(params=SamplingParams(temperature=0, repetition_penalty=1.0), draws=Draws(0),
+                                  bias=None, grammar=None)] * 2
+        drawn, kept, _ = sampler.draw(greedy, chained, 0)
+        assert drawn[:, 0].tolist() == [int(full[5].argmax())] * 2 and kept.tolist() == [1, 1]
+        assert cache.seen[0, drawn[0, 0]]
 
 
 def rows_of_model(model) -> CacheRows:
@@ -176,5 +180,5 @@ def model_logits(model, ids: list[int]) -> list[torch.Tensor]:
     out = []
     for n in range(1, len(ids) + 1):
         cache = CacheRows(model.config, 1, 65, model.config.vocab_size, torch.float32, torch.device("cpu"))
-        out.append(model(cache.kv, rope, Prefill(0, 0, 0), tokens=torch.tensor([ids[:n]]))[0, -1, :model.config.vocab_size])
+        out.append(model(cache.kv, rope, (Prefill(0, 0, 0),), tokens=torch.tensor([ids[:n]]))[0, -1, :model.config.vocab_size])
     return out

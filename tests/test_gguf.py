@@ -178,8 +178,7 @@ def our_logits(folder: Path, ids: list[int]) -> torch.Tensor:
     model = load_decoder(folder)
     cache = KVCache(model.config, 1, len(ids), torch.float32, "cpu")
     with torch.inference_mode():
-        return model(cache, RotaryTables(model.config, len(ids), "cpu"), Prefill(0, 0), tokens=torch.tensor([ids]),
-                     last_only=False)[0]
+        return model(cache, RotaryTables(model.config, len(ids), "cpu"), (Prefill(0, 0),), tokens=torch.tensor([ids]))[0]
 
 
 IDS = np.random.default_rng(7).integers(0, 640, 40).tolist()

@@ -84,7 +84,7 @@ def test_image_embeddings_fill_the_slot(pipe, photo):
         embeds = model.embed(torch.tensor([prompt.ids]))
         embeds[0, start:start + length] = image_embeds
         cache, rope = KVCache(model.config, 1, 256, torch.float32, "cpu"), RotaryTables(model.config, 256, "cpu")
-        expected = model(cache, rope, Prefill(row=0, start=0), embeds=embeds)[0, -1, :pipe.llm.tokenizer.vocab_size]
+        expected = model(cache, rope, (Prefill(row=0, start=0),), embeds=embeds)[0, -1, :pipe.llm.tokenizer.vocab_size]
     stream = pipe.llm.engine.submit(prompt, GREEDY, stop_ids=set(), keep_logits=True)
     stream.wait()
     torch.testing.assert_close(stream.logits[0], expected, rtol=0, atol=1e-5)

@@ -10,7 +10,7 @@ from pipeline.llm.weights.checkpoint import (convert_qwen_v1_to_hf, read_config,
                                              to_internal, write_checkpoint)
 from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
+from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows  # noqa: E402
 from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 
@@ -63,7 +63,7 @@ def cache_for(model, max_seq: int = 128) -> tuple[KVCache, RotaryTables]:
 def our_logits(folder, ids: torch.Tensor) -> torch.Tensor:
     ours = load_decoder(folder)
     with torch.inference_mode():
-        return ours(*cache_for(ours), Prefill(row=0, start=0), tokens=ids, last_only=False)
+        return ours(*cache_for(ours), (Prefill(row=0, start=0),), tokens=ids)
 
 
 def test_checkpoint_is_sharded(hf_checkpoint):
@@ -105,8 +105,8 @@ def test_cached_decoding_matches_full_forward(hf_checkpoint):
     cache, rope = cache_for(model, 64)
     one = torch.zeros(1, dtype=torch.long)
     with torch.inference_mode():
-        steps = [model(cache, rope, Prefill(row=0, start=0), tokens=ids[:, :8], last_only=False)]
-        steps += [model(cache, rope, Decode(one + t, one, kv_len=t + 1), tokens=ids[:, t:t + 1])
+        steps = [model(cache, rope, (Prefill(row=0, start=0),), tokens=ids[:, :8])]
+        steps += [model(cache, rope, (Rows(one + t, one, kv_len=t + 1),), tokens=ids[:, t:t + 1])
                   for t in range(8, 20)]
     assert rel_err(torch.cat(steps, dim=1), full) <= 1e-5
 

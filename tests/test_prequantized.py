@@ -116,7 +116,7 @@ def logits(model, ids):
     cache = KVCache(model.config, 1, 64, torch.float32, "cpu")
     rope = RotaryTables(model.config, 64, "cpu")
     with torch.inference_mode():
-        return model(cache, rope, Prefill(0, 0), tokens=torch.tensor([ids]), last_only=False)[0]
+        return model(cache, rope, (Prefill(0, 0),), tokens=torch.tensor([ids]))[0]
 
 
 def projections(model):

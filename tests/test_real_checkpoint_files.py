@@ -77,8 +77,7 @@ def _ours(folder, ids):
     model = load_decoder(folder)
     cache = KVCache(model.config, 1, len(ids), torch.float32, "cpu")
     with torch.inference_mode():
-        return model(cache, RotaryTables(model.config, len(ids), "cpu"), Prefill(0, 0), tokens=torch.tensor([ids]),
-                     last_only=False)[0]
+        return model(cache, RotaryTables(model.config, len(ids), "cpu"), (Prefill(0, 0),), tokens=torch.tensor([ids]))[0]
 
 
 def _compare(tmp_path, config, length=120):

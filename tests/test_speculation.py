@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from pipeline.llm.engine.sampling import SamplingParams
-from pipeline.llm.engine.speculation import (CPU, DRAFT_SIZES, GPU_FLOAT, PROBE_EVERY, DraftState, PromptLookup, Speculation,
-                                             StepClock, VerifyCost, best_draft)
+from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PerRequest, PromptLookup, best_draft,
+                                             Speculation, VerifyCost)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.loading import load_decoder
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
@@ -21,16 +21,16 @@ from pipeline.llm.text.prompt import Prompt
 def test_prompt_lookup_drafts_what_followed_the_latest_longest_match():
     index = PromptLookup(max_ngram=3, min_ngram=2).index()
     history = [1, 2, 3, 4, 5, 9, 2, 3]
-    assert index.propose(history, 3) == [4, 5, 9]  # "2 3" last occurred at the start
+    assert index.draft(history, 3) == [4, 5, 9]  # "2 3" last occurred at the start
     history += [4]
-    assert index.propose(history, 3) == [5, 9, 2]  # "2 3 4" (the longest) there too
+    assert index.draft(history, 3) == [5, 9, 2]  # "2 3 4" (the longest) there too
     history += [7, 7, 2, 3]
-    assert index.propose(history, 4) == [4, 7, 7, 2]  # the latest "2 3" wins over the first
-    assert index.propose(history + [8], 4) == []  # "3 8" never occurred
+    assert index.draft(history, 4) == [4, 7, 7, 2]  # the latest "2 3" wins over the first
+    assert index.draft(history + [8], 4) == []  # "3 8" never occurred
     slots = [5, 6, ("image", 0), 5, 6]
-    assert PromptLookup().index().propose(slots, 3) == []  # an image's slot ends a draft
+    assert PromptLookup().index().draft(slots, 3) == []  # an image's slot ends a draft
     fresh = PromptLookup(max_ngram=3, min_ngram=2).index()
-    assert fresh.propose(history[:-1], 4, history[-1:]) == [4, 7, 7, 2]  # built at once or step by step: the same
+    assert fresh.draft(history[:-1], 4, history[-1:]) == [4, 7, 7, 2]  # built at once or step by step: the same
 
 
 def test_draft_length_follows_acceptance_and_pauses_where_drafts_do_not_pay():
@@ -47,43 +47,6 @@ def test_draft_length_follows_acceptance_and_pauses_where_drafts_do_not_pay():
         state.record(4, 4)
     assert state.wanted(GPU_FLOAT, 8, 100) == 8 and state.wanted(GPU_FLOAT, 8, 3) == 2
     assert state.wanted(GPU_FLOAT, 4, 100) == 4
-
-
-def test_a_measured_clock_replaces_the_prior_cost():
-    """A small model on a fast GPU is bound by launches: the engine's own step times decide there."""
-    clock = StepClock(GPU_FLOAT)
-    assert clock(4) == GPU_FLOAT(4)
-    for _ in range(StepClock.SEEN):
-        clock.plain(0.001)
-        for k in DRAFT_SIZES:
-            clock.verify(k, 0.002 + 0.0001 * k)
-    assert clock(4) == pytest.approx(2.4) and clock(0) == 1.0
-    assert best_draft(0.5, clock) == 0 and best_draft(0.5, GPU_FLOAT) == 8
-    assert best_draft(0.95, clock) == 8  # 6.6 tokens for 2.8 steps' time
-
-
-def test_a_step_that_captured_a_graph_is_no_sample_of_the_clock(model):
-    """A verify step that captured a CUDA graph (the first use of a draft size and length: eager runs and a
-    capture, tens of ms) would make every later verify step look as slow and stop drafting for good: the
-    engine leaves such a step out of its clock. Here the first verify step of each size counts as a capture
-    and takes 0.2 s longer."""
-    engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
-                            speculation=Speculation(TreeDraft({}), CPU, measured=True))
-    runner, verify, sizes = engine.runner, engine.runner.verify, set()
-
-    def first_verify_captures(cache, tokens, starts, tables):
-        if len(tokens[0]) not in sizes:
-            sizes.add(len(tokens[0]))
-            runner.captures += 1
-            time.sleep(0.2)
-        return verify(cache, tokens, starts, tables)
-
-    runner.verify = first_verify_captures
-    engine.speculation.drafter.propose = lambda history, k, last=(): [history[-1]] * k  # always a draft
-    list(engine.submit(PROMPT, SamplingParams(max_new_tokens=12, temperature=0), set()))
-    clock = engine.step_cost
-    engine.close()
-    assert sizes and clock.verify_s and all(seconds < 0.15 for seconds, _ in clock.verify_s.values()), clock.verify_s
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
@@ -108,7 +71,7 @@ def tree(model) -> dict[tuple[int, ...], list[tuple[int, float]]]:
     def grow(prefix: tuple[int, ...]) -> None:
         cache = KVCache(config, 1, 64, torch.float32, "cpu")
         with torch.inference_mode():
-            logits = model(cache, rope, Prefill(0, 0), tokens=torch.tensor([[*PROMPT.ids, *prefix]]))[0, -1]
+            logits = model(cache, rope, (Prefill(0, 0),), tokens=torch.tensor([[*PROMPT.ids, *prefix]]))[0, -1]
         top = logits.topk(3)
         out[prefix] = list(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
         if len(prefix) < 2:
@@ -119,7 +82,7 @@ def tree(model) -> dict[tuple[int, ...], list[tuple[int, float]]]:
     return out
 
 
-class TreeDraft:
+class TreeDraft(PerRequest):
     """A drafter that proposes the most likely continuation (as a greedy draft model would): half the time
     or so the model draws something else, so drafts are both kept and rejected."""
 
@@ -134,7 +97,7 @@ class TreeDraft:
     def index(self) -> "TreeDraft":
         return self
 
-    def propose(self, history, k: int, last=()) -> list[int]:
+    def draft(self, history, k: int, last=()) -> list[int]:
         reply, draft = (*history[len(PROMPT.ids):], *last), []
         while len(draft) < k and (*reply, *draft) in self.tree:
             draft.append(self.tree[(*reply, *draft)][0][0])
@@ -177,7 +140,7 @@ def test_speculative_sampling_keeps_the_distribution_and_each_seeds_tokens(model
     assert speculative[:200] == plain
 
 
-class RepeatDraft:
+class RepeatDraft(PerRequest):
     """Drafts one token again and again: with a bias towards it, its drafts are often kept, and the
     penalties of the positions after a kept one decide whether it comes again."""
 
@@ -192,7 +155,7 @@ class RepeatDraft:
     def index(self) -> "RepeatDraft":
         return self
 
-    def propose(self, history, k: int, last=()) -> list[int]:
+    def draft(self, history, k: int, last=()) -> list[int]:
         return [self.token] * k
 
 

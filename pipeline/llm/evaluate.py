@@ -45,7 +45,7 @@ def score_text(model: Decoder, ids: list[int], window: int = 512) -> TextScore:
     device = next(model.parameters()).device
     cache = KVCache(model.config, 1, window, next(model.parameters()).dtype, device)
     rope = RotaryTables(model.config, window, device)
-    return score_windows(lambda tokens: model(cache, rope, Prefill(0, 0), tokens=tokens, last_only=False)[
+    return score_windows(lambda tokens: model(cache, rope, (Prefill(0, 0),), tokens=tokens)[
         0, :, :model.config.vocab_size], ids, window, device)
 
 

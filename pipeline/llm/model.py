@@ -4,8 +4,9 @@ gpt-fast style: plain modules, fused q/k/v and gate/up projections (one GEMM eac
 and two). Family differences are switches on `DecoderConfig`: qkv bias, qk-norm, GQA, and Qwen v1's
 logn scaling and dynamic NTK. The model holds weights only: the KV cache and the rotary tables
 belong to the engine that schedules requests (`pipeline/llm/engine/torch_engine.py`) and come in as arguments,
-with a `Prefill` (one request's new tokens into one cache row) or a `Decode` (one token for each of
-the cache's first B rows, each at its own position).
+with the step's parts: `Rows` (decode and verify: tokens for each of the cache's first B rows, each at its
+own position), prompt `Chunk`s and a `Prefill` (a prompt read eagerly). One forward runs a whole engine
+step: the GEMMs once over every part's tokens, the attention part by part.
 
 State-dict names (the loaders map every checkpoint format onto these):
   embed.weight · layers.N.attn_norm.weight · layers.N.attn.wqkv.{weight,bias}
@@ -21,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import CausalBias, causal_lower_right
+from torch.nn.attention.bias import causal_lower_right
 
 from pipeline.llm.weights.config import DecoderConfig
 from plugins.fused import FUSED, Kernels
@@ -162,55 +163,75 @@ class RotaryTables:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rows:
+    """`per_row` tokens for each cache row 0..B-1, row b's at positions starts[b].. with rotary table
+    tables[b]: one for a decode step, the last token and the tokens drafted after it for speculative
+    decoding's check (a decode step is a check without drafts). Each query attends in place to its row
+    up to its own position (the decode attention), reading at most the first `kv_len` positions."""
+
+    starts: Tensor
+    tables: Tensor
+    kv_len: int
+    per_row: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
 class Prefill:
-    """One request's tokens at positions start.. of cache row `row`; `table` picks its rotary table."""
+    """A prompt's tokens at positions start.. of cache row `row` (`size` of them; 0: all the step's
+    tokens left), read eagerly: its keys are read exactly up to its end, causal attention aligned to
+    the last key (plain causal attention for a fresh prompt, which skips the masked half)."""
 
     row: int
     start: int
     table: int = 0
+    size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """A prompt chunk of cache row `row` [1] at positions `start` [1].. with rotary table `table` [1],
-    all tensors, attending to the row's first `kv_len` positions (a mask hides those past each query):
-    its shapes stay the same from chunk to chunk, so a CUDA graph replays it. `positions` [T] are made
-    by the decoder."""
+    """A prompt chunk of `size` tokens (padded to a fixed length) of cache row `row` [1] at positions
+    `start` [1].. with rotary table `table` [1], all tensors, attending to the row's first `kv_len`
+    positions (a mask hides those past each query): its shapes stay the same from chunk to chunk, so a
+    CUDA graph replays it."""
 
     row: Tensor
     start: Tensor
     table: Tensor
     kv_len: int
-    positions: Tensor | None = None
+    size: int
+
+
+Part = Rows | Prefill | Chunk
+ALL = slice(None)  # `Decoder.forward`'s outputs: logits at every position
 
 
 @dataclasses.dataclass(frozen=True)
-class Decode:
-    """One token for each cache row 0..B-1, at `positions` [B], with rotary `tables` [B]; attention
-    reads at most the first `kv_len` positions of each row, and of row b its first positions[b] + 1
-    (`lengths`, made once per step by the decoder)."""
+class _Span:
+    """A part's place in the step's flat token list, its tokens' positions and tables [size], and for
+    `Rows` each query's key count [size]."""
 
+    part: Part
+    begin: int
+    end: int
     positions: Tensor
     tables: Tensor
-    kv_len: int
-    lengths: Tensor | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Verify:
-    """T tokens for each cache row 0..B-1 at positions starts[b]..starts[b]+T-1, rotary `tables` [B]:
-    speculative decoding's check (a row's last token and the tokens drafted after it, scored in one
-    step). The decode attention reads each row in place, each query up to its own position; `positions`
-    [B, T] and `lengths` [B*T] are made by the decoder."""
-
-    starts: Tensor
-    tables: Tensor
-    kv_len: int
-    positions: Tensor | None = None
-    lengths: Tensor | None = None
-
-
-Step = Prefill | Chunk | Decode | Verify
+def _spans(parts: tuple[Part, ...], total: int, device: torch.device) -> list[_Span]:
+    spans, begin = [], 0
+    for part in parts:
+        if isinstance(part, Rows):
+            size = part.starts.shape[0] * part.per_row
+            positions = (part.starts[:, None] + torch.arange(part.per_row, device=device)).flatten()
+            tables = part.tables[:, None].expand(-1, part.per_row).flatten()
+        else:
+            size = part.size or total - begin
+            positions = part.start + torch.arange(size, device=device)
+            tables = part.table.expand(size) if isinstance(part, Chunk) else torch.full((size,), part.table, device=device)
+        spans.append(_Span(part, begin, begin + size, positions, tables))
+        begin += size
+    assert begin == total, f"the parts cover {begin} tokens of {total}"
+    return spans
 
 
 class Attention(nn.Module):
@@ -224,51 +245,68 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, mask: CausalBias | Tensor | None,
-                k_cache: Tensor, v_cache: Tensor, step: Step) -> Tensor:
-        """`k_cache`/`v_cache` are this layer's [rows, kv_heads, max_seq, head_dim]. For a prefill, `mask`
-        None means a fresh one (positions 0..T-1): plain causal attention; else the causal mask aligned
-        to the last key (a chunk after cached positions), which SDPA's flash kernel takes as it is, grouped
-        KV heads included. A `Chunk`'s mask is a boolean [T, kv_len] (positions given as tensors); a
-        decode step masks by its rows' positions itself."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None, k_cache: Tensor, v_cache: Tensor,
+                spans: list[_Span]) -> Tensor:
+        """x [1, N, hidden]: the step's tokens, part after part; `k_cache`/`v_cache` are this layer's [rows,
+        kv_heads, max_seq, head_dim]. The projections run once over all N tokens (the weights are read once
+        per step); each part writes its keys and attends as its kind says (`_attend`)."""
         c = self.config
-        bsz, seqlen, _ = x.shape
+        n = x.shape[1]
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(bsz, seqlen, c.num_heads, c.head_dim)
-        k = k.view(bsz, seqlen, c.num_kv_heads, c.head_dim)
-        v = v.view(bsz, seqlen, c.num_kv_heads, c.head_dim)
+        q = q.view(1, n, c.num_heads, c.head_dim)
+        k = k.view(1, n, c.num_kv_heads, c.head_dim)
+        v = v.view(1, n, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if isinstance(step, Prefill):
-            q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
-            end = step.start + seqlen
-            k_cache[step.row, :, step.start:end] = k[0].transpose(0, 1)
-            v_cache[step.row, :, step.start:end] = v[0].transpose(0, 1)
-            keys, values = k_cache[step.row:step.row + 1, :, :end], v_cache[step.row:step.row + 1, :, :end]
-        elif isinstance(step, Verify):
-            q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
-            rows = torch.arange(bsz, device=x.device)[:, None].expand(bsz, seqlen)
-            k_cache[rows, :, step.positions] = k
-            v_cache[rows, :, step.positions] = v
-        elif isinstance(step, Chunk):
-            q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
-            k_cache[step.row, :, step.positions] = k[0]
-            v_cache[step.row, :, step.positions] = v[0]
-            keys = k_cache[:, :, :step.kv_len].index_select(0, step.row)
-            values = v_cache[:, :, :step.kv_len].index_select(0, step.row)
-            if logn is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-                return self.wo(_flash_chunk(q[0], keys[0], values[0], step).reshape(bsz, seqlen, c.q_size))
-        else:
-            q = self.kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, step.positions)
+        ys = [self._attend(q[:, s.begin:s.end], k[:, s.begin:s.end], v[:, s.begin:s.end], cos[s.begin:s.end],
+                           sin[s.begin:s.end], logn[s.begin:s.end] if logn is not None else None, k_cache, v_cache, s)
+              for s in spans]
+        return self.wo((ys[0] if len(ys) == 1 else torch.cat(ys)).view(1, n, c.q_size))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor, logn: Tensor | None,
+                k_cache: Tensor, v_cache: Tensor, span: _Span) -> Tensor:
+        """One part's attention → [size, q_size]. `Rows`: the decode attention, each query reading its row
+        in place up to its own position. `Prefill`: SDPA over the row's keys up to its end, causal aligned
+        to the last key (flash takes it as it is, grouped KV heads included). `Chunk`: a boolean mask
+        [size, kv_len] (positions given as tensors), or FlashAttention's variable-length kernel."""
+        c, part = self.config, span.part
+        if isinstance(part, Rows):
+            rows, per_row = part.starts.shape[0], part.per_row
+            q, k, v = (t[0].view(rows, per_row, t.shape[2], c.head_dim) for t in (q, k, v))
+            cos, sin = cos.view(rows, per_row, -1), sin.view(rows, per_row, -1)
+            if per_row == 1:
+                q = self.kernels.rope_cache_write(q, k, v, cos, sin, k_cache, v_cache, part.starts)
+            else:
+                q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
+                at = torch.arange(rows, device=q.device)[:, None].expand(rows, per_row)
+                positions = span.positions.view(rows, per_row)
+                k_cache[at, :, positions] = k
+                v_cache[at, :, positions] = v
+            if logn is not None:
+                q = q * logn.view(rows, per_row, 1, 1).to(q.dtype)
+            return self.kernels.decode_attention(q.flatten(0, 1), k_cache, v_cache, span.positions + 1, part.kv_len,
+                                                 tokens=per_row)
+        size = q.shape[1]
+        q, k = self.kernels.rotary(q, cos[None], sin[None]), self.kernels.rotary(k, cos[None], sin[None])
         if logn is not None:
-            q = q * logn[:, :, None, None].to(q.dtype)
-        if isinstance(step, Decode | Verify):  # each query's own valid positions, read in place
-            y = self.kernels.decode_attention(q.flatten(0, 1), k_cache, v_cache, step.lengths, step.kv_len,
-                                              tokens=seqlen)
-            return self.wo(y.view(bsz, seqlen, c.q_size))
+            q = q * logn[None, :, None, None].to(q.dtype)
+        if isinstance(part, Prefill):
+            end = part.start + size
+            k_cache[part.row, :, part.start:end] = k[0].transpose(0, 1)
+            v_cache[part.row, :, part.start:end] = v[0].transpose(0, 1)
+            keys, values = k_cache[part.row:part.row + 1, :, :end], v_cache[part.row:part.row + 1, :, :end]
+            mask = None if part.start == 0 else causal_lower_right(size, end)
+        else:
+            k_cache[part.row, :, span.positions] = k[0]
+            v_cache[part.row, :, span.positions] = v[0]
+            keys = k_cache[:, :, :part.kv_len].index_select(0, part.row)
+            values = v_cache[:, :, :part.kv_len].index_select(0, part.row)
+            if logn is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+                return _flash_chunk(q[0], keys[0], values[0], part).reshape(size, c.q_size)
+            mask = torch.arange(part.kv_len, device=q.device)[None] <= span.positions[:, None]
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=keys.shape[1] != c.num_heads)
-        return self.wo(y.transpose(1, 2).reshape(bsz, seqlen, c.q_size))
+        return y[0].transpose(0, 1).reshape(size, c.q_size)
 
 
 def _flash_chunk(q: Tensor, keys: Tensor, values: Tensor, step: Chunk) -> Tensor:
@@ -307,11 +345,11 @@ class Block(nn.Module):
         self.mlp = FeedForward(config, kernels)
 
     def forward(self, x: Tensor, delta: Tensor | None, cos: Tensor, sin: Tensor, logn: Tensor | None,
-                mask: CausalBias | None, k_cache: Tensor, v_cache: Tensor, step: Step) -> tuple[Tensor, Tensor]:
+                k_cache: Tensor, v_cache: Tensor, spans: list[_Span]) -> tuple[Tensor, Tensor]:
         """The residual stream is `x + delta`; returns the stream and this block's own delta (its MLP's
         output), left for the next norm to add: each add is fused into the norm that follows it."""
         x, h = self.attn_norm.add(x, delta)
-        x, h = self.mlp_norm.add(x, self.attn(h, cos, sin, logn, mask, k_cache, v_cache, step))
+        x, h = self.mlp_norm.add(x, self.attn(h, cos, sin, logn, k_cache, v_cache, spans))
         return x, self.mlp(h)
 
 
@@ -328,45 +366,24 @@ class Decoder(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
-    def forward(self, cache: KVCache, rope: RotaryTables, step: Step, tokens: Tensor | None = None,
-                embeds: Tensor | None = None, last_only: bool = True, logits: bool = True,
-                last: Tensor | None = None) -> Tensor | None:
-        """Logits for `tokens` [B, T] (or ready-made `embeds` [B, T, hidden]) placed as `step` says.
-
-        A `Prefill` or a `Chunk` is one row (B = 1) of T tokens; `last_only` skips the LM head for all
-        but its last position, and `logits` False skips it altogether (a prompt chunk before the last
-        only writes the cache). A `Decode` is one token (T = 1) for each of cache rows 0..B-1, a
-        `Verify` T tokens for each of them (with `last_only` False: logits at every position).
+    def forward(self, cache: KVCache, rope: RotaryTables, parts: tuple[Part, ...], tokens: Tensor | None = None,
+                embeds: Tensor | None = None, outputs: Tensor | slice | None = ALL) -> Tensor | None:
+        """Logits [1, P, vocab] for one engine step: `tokens` [1, N] (or ready-made `embeds` [1, N, hidden]),
+        `parts` in order covering them: decode and verify rows, prompt chunks, a prompt read whole. The
+        GEMMs run once over all N tokens. `outputs`: the positions (of the N) whose logits are wanted: a
+        tensor of indices, `ALL`, or None for no logits (a prompt chunk before the last only writes the cache).
         """
         x = self.embed(tokens) if embeds is None else embeds
-        bsz, seqlen = x.shape[:2]
-        if isinstance(step, Prefill):
-            positions = torch.arange(step.start, step.start + seqlen, device=x.device)[None]
-            cos, sin = rope.cos[step.table, positions], rope.sin[step.table, positions]
-            mask = None if step.start == 0 else causal_lower_right(seqlen, step.start + seqlen)
-        elif isinstance(step, Chunk):
-            step = dataclasses.replace(step, positions=step.start + torch.arange(seqlen, device=x.device))
-            positions = step.positions[None]
-            cos, sin = rope.cos[step.table[:, None], positions], rope.sin[step.table[:, None], positions]
-            mask = torch.arange(step.kv_len, device=x.device)[None] <= step.positions[:, None]
-        elif isinstance(step, Verify):  # as many decode steps: each query masked by its own length
-            positions = step.starts[:, None] + torch.arange(seqlen, device=x.device)
-            step = dataclasses.replace(step, positions=positions, lengths=positions.flatten() + 1)
-            cos, sin = rope.cos[step.tables[:, None], positions], rope.sin[step.tables[:, None], positions]
-            mask = None
-        else:  # the decode attention masks each row by its own length
-            step = dataclasses.replace(step, lengths=step.positions + 1)
-            positions = step.positions[:, None]
-            cos, sin = rope.cos[step.tables[:, None], positions], rope.sin[step.tables[:, None], positions]
-            mask = None
+        spans = _spans(parts, x.shape[1], x.device)
+        positions = spans[0].positions if len(spans) == 1 else torch.cat([s.positions for s in spans])
+        tables = spans[0].tables if len(spans) == 1 else torch.cat([s.tables for s in spans])
+        cos, sin = rope.cos[tables, positions], rope.sin[tables, positions]
         logn = rope.logn[positions] if rope.logn is not None else None
         delta = None
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, delta, cos, sin, logn, mask, cache.k[i], cache.v[i], step)
-        if not logits:
+            x, delta = layer(x, delta, cos, sin, logn, cache.k[i], cache.v[i], spans)
+        if outputs is None:
             return None
-        if last is not None:
-            x, delta = x.index_select(1, last), delta.index_select(1, last)
-        elif last_only:
-            x, delta = x[:, -1:].contiguous(), delta[:, -1:].contiguous()
+        if isinstance(outputs, Tensor):
+            x, delta = x.index_select(1, outputs), delta.index_select(1, outputs)
         return self.lm_head(self.norm.add(x, delta)[1])

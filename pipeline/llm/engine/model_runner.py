@@ -1,13 +1,20 @@
-"""ModelRunner: runs the decoder for the engine: prompt chunks, and decode steps as CUDA graphs.
+"""ModelRunner: runs the decoder for the engine, one forward per engine step, replayed as CUDA graphs.
 
-It owns the model, the rotary tables, the captured graphs and the pinned buffers that carry a step's
-inputs up and its tokens down, so the engine thread's host work never waits for the GPU except where
-it reads the drawn tokens (once per step, one step behind). It knows nothing of requests or rows'
-contents: it is handed row numbers and positions.
+A step is what the scheduler planned: the running rows' tokens (one each for a decode, the last token and
+its drafts for a verify: a decode is a verify without drafts) and the prompt chunks read beside them, all in
+one forward (`Decoder.forward`: the GEMMs once over every token, the attention part by part), so a chunk
+costs the running chats little more than the weights they read anyway. The runner owns the model, the
+rotary tables, the captured graphs, the split-K scratch of its steps and the pinned buffers that carry a
+step's inputs up and its tokens down, so the engine thread's host work never waits for the GPU except
+where it reads the drawn tokens. It knows nothing of requests or rows' contents: it is handed row numbers,
+positions and token ids.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
@@ -15,12 +22,12 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
+from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT, VerifyCost
+from pipeline.llm.model import Chunk, Decoder, KVCache, Part, Prefill, RotaryTables, Rows
 from pipeline.llm.text.prompt import Prompt
-from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT
-from pipeline.llm.model import Chunk, Decode, Decoder, KVCache, Prefill, RotaryTables, Verify
-from plugins.lowbit import rows_as_one_row
+from plugins import decode_attention, lowbit
 
-GRAPH_BUCKET = 256  # decode graphs are captured for context lengths rounded up to this
+GRAPH_BUCKET = 256  # the rows' key count is rounded up to this for their graphs
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
 # turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -31,6 +38,37 @@ MAX_GRAPHED_CHUNK = 512  # longer prompt reads (a lone prompt, read whole) run e
 
 def pow2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRead:
+    """A prompt chunk of a step: `prompt`'s positions start..end-1 into cache row `row`, rotary table `table`
+    (an image slot may begin before `start` or end after `end`); `logits`: its last position's are wanted
+    (the prompt's last chunk, whose first token is drawn in the same step)."""
+
+    prompt: Prompt
+    row: int
+    start: int
+    end: int
+    table: int
+    logits: bool
+
+    def has_slots(self) -> bool:
+        return any(slot < self.end and self.start < slot + length for slot, length in self.prompt.slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsFeed:
+    """What rows 0..n-1 feed in a step: `tokens[i]` (one token, or the last one and its drafts) at positions
+    starts[i].. with rotary tables[i]; or, `chained`, the tokens the previous step drew (on the device),
+    each row one position further, so the host never stalls the GPU for them."""
+
+    n: int
+    tokens: list[list[int]] | None = None
+    starts: list[int] | None = None
+    tables: list[int] | None = None
+    chained: Tensor | None = None
+    kv_need: int = 0  # the most positions a row reads in this step (its last position + 1)
 
 
 class ModelRunner:
@@ -44,10 +82,14 @@ class ModelRunner:
         self.rope = RotaryTables(model.config, self.positions, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[tuple, CapturedCall] = {}
-        self.captures = 0  # graphs captured so far: a step that captured one took far longer than its kind does
+        self.captures = 0  # graphs captured so far
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
-        self._packed = torch.zeros(3, max_batch, dtype=torch.long, device=self.device)  # tokens, positions, tables
+        self._state = torch.zeros(max_batch, 3, dtype=torch.long, device=self.device)  # rows' token, position, table
+        # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
+        # benchmark's plain and speculating ones), or a step and a warm-up on two streams, never share them.
+        self._lowbit_scratch = lowbit.Workspace(self.device)
+        self._attention_scratch: dict = {}
         # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
         # behind decode steps already launched.
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -62,129 +104,156 @@ class ModelRunner:
         self._graphs.clear()
         self.model = self.rope = None
 
-    def prefill(self, cache: KVCache, prompt: Prompt, row: int, start: int, end: int, table: int,
-                logits: bool = True, graphed: bool = False) -> Tensor | None:
-        """Write `prompt`'s positions start..end-1 into cache row `row` (a chunk of it, or all that a cached
-        prefix leaves: an image slot may begin before `start` or end after `end`); the chunk's last
-        position's logits where asked for (a prompt's last chunk), else None. The ids go up from pinned
-        memory without waiting for the GPU: a chunk queues behind the decode step in flight. `graphed`:
-        a chunk read while other requests decode, which must not keep them waiting on the host
-        (`_chunk`)."""
-        if graphed and end - start <= MAX_GRAPHED_CHUNK and start + pow2_at_least(end - start) <= self.scratch + 1 \
-                and not any(slot < end and start < slot + length for slot, length in prompt.slots):
-            return self._chunk(cache, prompt.ids[start:end], row, start, table, logits)
-        ids = torch.tensor([prompt.ids[start:end]], dtype=torch.long, pin_memory=self._pinned)
-        ids = ids.to(self.device, non_blocking=True)
-        embeds = None
-        if any(slot < end and start < slot + length for slot, length in prompt.slots):
-            if self._stream is not None:  # the embeddings were made on another thread's stream
-                self._stream.wait_stream(torch.cuda.default_stream(self.device))
-                for values in prompt.embeds:
+    def graphable(self, chunk: ChunkRead) -> bool:
+        """A chunk that a captured graph can read: short, no image slot, its padding inside the row."""
+        size = chunk.end - chunk.start
+        return size <= MAX_GRAPHED_CHUNK and chunk.start + pow2_at_least(size) <= self.scratch + 1 \
+            and not chunk.has_slots()
+
+    def step(self, cache: KVCache, rows: RowsFeed | None, chunks: list[ChunkRead] = (),
+             graphed: bool = True) -> tuple[Tensor | None, list[Tensor]]:
+        """One engine step: the rows' logits [n, T, vocab] (None without rows) and the logits [vocab] of each
+        chunk that asks for them. On a GPU, where `graphed` and every chunk is `graphable`, one captured graph
+        per (rows bucket, T, key length, chunk shapes) replays it; the ids go up from pinned memory without
+        waiting for the GPU. Else it runs eagerly, chunks as `Prefill`s (a lone prompt read whole, an image's)."""
+        graphed = graphed and self.use_cuda_graphs and all(map(self.graphable, chunks))
+        rows_in, shape = self._rows_input(rows) if rows is not None else (None, (0, 0, 0, 0))
+        bucket, per_row, need, kv_len = shape
+        specs = tuple((pow2_at_least(c.end - c.start), min(pow2_at_least(c.start + pow2_at_least(c.end - c.start)),
+                                                           self.scratch + 1), c.logits) if graphed
+                      else (c.end - c.start, 0, c.logits) for c in chunks)
+        ids = [[*c.prompt.ids[c.start:c.end], *[0] * (size - c.end + c.start)] for c, (size, _, _) in zip(chunks, specs)]
+        meta = [[c.row, c.start, c.table, c.end - c.start - 1] for c in chunks] if graphed else []
+        chunk_in = None
+        if chunks:
+            host = torch.tensor([v for part in ids + meta for v in part], dtype=torch.long, pin_memory=self._pinned)
+            chunk_in = host.to(self.device, non_blocking=True)
+        embeds = self._embeds(chunks, rows_in, per_row, chunk_in) if any(c.has_slots() for c in chunks) else None
+
+        def forward(rows_in: Tensor | None, chunk_in: Tensor | None) -> Tensor | None:
+            parts: list[Part] = []
+            tokens, outputs = [], []
+            if rows_in is not None:
+                tokens.append(rows_in[:, :per_row].flatten())
+                parts.append(Rows(rows_in[:, per_row], rows_in[:, per_row + 1], kv_len, per_row))
+                outputs.append(torch.arange(bucket * per_row, device=self.device))
+            offset, at = bucket * per_row, sum(size for size, _, _ in specs)
+            for i, (c, (size, chunk_kv, logits)) in enumerate(zip(chunks, specs)):
+                begin = sum(s for s, _, _ in specs[:i])
+                tokens.append(chunk_in[begin:begin + size])
+                if graphed:
+                    m = chunk_in[at + 4 * i:at + 4 * i + 4]
+                    parts.append(Chunk(m[0:1], m[1:2], m[2:3], chunk_kv, size))
+                    last = offset + m[3:4]
+                else:
+                    parts.append(Prefill(c.row, c.start, c.table, size))
+                    last = torch.arange(offset + size - 1, offset + size, device=self.device)
+                if logits:
+                    outputs.append(last)
+                offset += size
+            wanted = torch.cat(outputs) if outputs else None
+            with sdpa_kernel(CHUNK_ATTENTION if graphed else PREFILL_ATTENTION), self.scratch_of_this_runner(), \
+                    lowbit.rows_as_one_row(bucket == 1 and not chunks):  # one chat's positions round as its decode steps
+                return self.model(cache, self.rope, tuple(parts), tokens=torch.cat(tokens)[None] if embeds is None
+                                  else None, embeds=embeds, outputs=wanted)
+
+        key = ("step", bucket, per_row, kv_len, specs)
+        out = self._run(key, forward, rows_in, chunk_in) if graphed else forward(rows_in, chunk_in)
+        if out is None:
+            return None, []
+        out = out[0, :, :self.vocab_size]
+        rows_logits = out[:bucket * per_row].view(bucket, per_row, -1)[:rows.n, :need] if rows is not None else None
+        return rows_logits, list(out[bucket * per_row:])
+
+    def _rows_input(self, rows: RowsFeed) -> tuple[Tensor, tuple[int, int, int, int]]:
+        """The rows' inputs on the device [bucket, T + 2] (tokens, start, table; padding rows write the
+        scratch positions), and (bucket, T, the T asked for, key length). A verify step takes a longer
+        draft size whose graph exists rather than capture one (eager runs and a capture cost tens of ms,
+        more than the padding: the extra positions repeat the row's last token and are written again later)."""
+        n, bucket = rows.n, pow2_at_least(rows.n)
+        need = 1 if rows.tokens is None else len(rows.tokens[0])
+
+        def kv_len_for(size: int) -> int:  # padding rows write (and read) scratch positions up to scratch + size - 1
+            return min(-(-(rows.kv_need + size - need) // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + size)
+
+        if need == 1:
+            if rows.chained is not None:
+                self._state[:n, 0].copy_(rows.chained)
+                self._state[:n, 1] += 1
+            else:
+                # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
+                # run): one buffer kept for every step was rewritten while an earlier step's copy still
+                # waited in the stream, and that step ran on the next one's tokens and positions.
+                host = torch.tensor([[t[0], s, tb] for t, s, tb in zip(rows.tokens, rows.starts, rows.tables)]
+                                    + [[0, self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
+                self._state[:bucket].copy_(host, non_blocking=True)
+            return self._state[:bucket], (bucket, 1, 1, kv_len_for(1))
+        size = next((k + 1 for k in DRAFT_SIZES if k + 1 >= need and any(
+            key[:4] == ("step", bucket, k + 1, kv_len_for(k + 1)) for key in self._graphs)), need)
+        host = torch.tensor([[*t, *t[-1:] * (size - need), s, tb] for t, s, tb in zip(rows.tokens, rows.starts, rows.tables)]
+                            + [[0] * size + [self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
+        return host.to(self.device, non_blocking=True), (bucket, size, need, kv_len_for(size))
+
+    def _embeds(self, chunks: list[ChunkRead], rows_in: Tensor | None, per_row: int, chunk_in: Tensor) -> Tensor:
+        """The step's input embeddings where a chunk holds an image's slots: the ids' embeddings with the
+        slots' positions replaced by the image's (made on another thread's stream)."""
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.default_stream(self.device))
+            for c in chunks:
+                for values in c.prompt.embeds:
                     values.record_stream(self._stream)
-            embeds = self.model.embed(ids)
-            for (slot, length), values in zip(prompt.slots, prompt.embeds):
-                lo, hi = max(slot, start), min(slot + length, end)
+        ids = [chunk_in] if rows_in is None else [rows_in[:, :per_row].flatten(), chunk_in]
+        embeds = self.model.embed(torch.cat(ids)[None])
+        offset = 0 if rows_in is None else rows_in.shape[0] * per_row
+        for c in chunks:
+            for (slot, length), values in zip(c.prompt.slots, c.prompt.embeds):
+                lo, hi = max(slot, c.start), min(slot + length, c.end)
                 if lo < hi:
-                    embeds[0, lo - start:hi - start] = values[lo - slot:hi - slot].to(embeds.device, embeds.dtype)
-        with sdpa_kernel(PREFILL_ATTENTION):
-            out = self.model(cache, self.rope, Prefill(row, start, table), tokens=ids, embeds=embeds, logits=logits)
-        return out[0, -1, :self.vocab_size] if logits else None
+                    embeds[0, offset + lo - c.start:offset + hi - c.start] = \
+                        values[lo - slot:hi - slot].to(embeds.device, embeds.dtype)
+            offset += c.end - c.start
+        return embeds
 
-    def _chunk(self, cache: KVCache, ids: tuple[int, ...], row: int, start: int, table: int,
-               logits: bool) -> Tensor | None:
-        """A prompt chunk (no image slot) as a `Chunk` step: its ids padded to a power of two, with row,
-        start, table and last real position in one tensor, its keys read up to a power of two, so on a
-        GPU one captured graph per (length, key length, logits) replays it. The padding's cache entries
-        lie past the prompt, where nothing reads before a decode step writes them. Launched eagerly, a
-        chunk costs 13–25 ms of host time on an H100 machine, more than the GPU takes for it
-        (bench/chunked_prefill.py): the running chats' next token would wait for the host."""
-        n, size = len(ids), pow2_at_least(len(ids))
-        host = torch.tensor([*ids, *[0] * (size - n), row, start, table, n - 1], dtype=torch.long,
-                            pin_memory=self._pinned)
-        packed = host.to(self.device, non_blocking=True)
-        kv_len = min(pow2_at_least(start + size), self.scratch + 1)
+    @contextlib.contextmanager
+    def scratch_of_this_runner(self):
+        """The low-bit kernels' split-K scratch and the decode attention's partials: this runner's own."""
+        with lowbit.using_workspace(self._lowbit_scratch), decode_attention.using_workspaces(self._attention_scratch):
+            yield
 
-        def step(inputs: Tensor) -> Tensor | None:
-            chunk = Chunk(inputs[size:size + 1], inputs[size + 1:size + 2], inputs[size + 2:size + 3], kv_len)
-            with sdpa_kernel(CHUNK_ATTENTION):
-                return self.model(cache, self.rope, chunk, tokens=inputs[None, :size], logits=logits,
-                                  last=inputs[size + 3:size + 4])
-
-        out = self._run(("chunk", size, kv_len, logits), step, packed)
-        return out[0, -1, :self.vocab_size].clone() if logits else None  # the graph's buffer is reused
-
-    def decode(self, cache: KVCache, n: int, rows: tuple[list[int], list[int], list[int]] | None,
-               chained: Tensor | None, kv_len: int) -> Tensor:
-        """Logits [n, vocab] for one decode step of rows 0..n-1. Their inputs are `rows` (tokens,
-        positions, rotary tables) when the batch changed, else `chained`: the tokens the previous
-        step drew, each row one position further, made on the GPU so the host never stalls it."""
-        bucket = pow2_at_least(n)
-        if rows is None:
-            self._packed[0, :n].copy_(chained)
-            self._packed[1, :n] += 1
-        else:
-            pad = bucket - n
-            # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
-            # run): one buffer kept for every step was rewritten while an earlier step's copy still
-            # waited in the stream, and that step ran on the next one's tokens and positions.
-            host = torch.tensor([list(values) + [fill] * pad for values, fill in zip(rows, (0, self.scratch, 0))],
-                                dtype=torch.long, pin_memory=self._pinned)
-            self._packed[:, :bucket].copy_(host, non_blocking=True)
-        kv_len = min(-(-kv_len // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + 1)
-        packed = self._packed[:, :bucket]
-
-        def step(inputs: Tensor) -> Tensor:
-            return self.model(cache, self.rope, Decode(inputs[1], inputs[2], kv_len), tokens=inputs[0, :, None])[:, -1]
-
-        return self._run(("decode", bucket, kv_len), step, packed)[:n, :self.vocab_size]
-
-    def verify(self, cache: KVCache, tokens: list[list[int]], starts: list[int], tables: list[int]) -> Tensor:
-        """Logits [n, T, vocab] for a verify step of rows 0..n-1: row i's `tokens[i]` (its last token and the
-        drafted ones after it, padded to T) at positions starts[i]..starts[i]+T-1. The rows are padded to a
-        power of two with rows that write the scratch positions; on a GPU one captured graph per
-        (rows, T, key length) replays it. The host waits for nothing here: the ids go up from pinned memory."""
-        n, need = len(tokens), len(tokens[0])
-        bucket = pow2_at_least(n)
-        pad = bucket - n
-
-        def kv_len_for(size: int) -> int:
-            return min(-(-(max(starts) + size) // GRAPH_BUCKET) * GRAPH_BUCKET, self.positions)
-
-        # A larger draft size whose graph exists beats capturing one (eager runs and a capture: tens of ms,
-        # more than its padding costs); the padding positions repeat each row's last token and are rewritten later.
-        size = next((k + 1 for k in DRAFT_SIZES if k + 1 >= need
-                     and ("verify", bucket, k + 1, kv_len_for(k + 1)) in self._graphs), need)
-        rows = [[*t, *t[-1:] * (size - need), start, table] for t, start, table in zip(tokens, starts, tables)]
-        host = torch.tensor(rows + [[0] * size + [self.scratch, 0]] * pad, dtype=torch.long, pin_memory=self._pinned)
-        packed = host.to(self.device, non_blocking=True)
-        kv_len = kv_len_for(size)
-
-        def step(inputs: Tensor) -> Tensor:
-            with rows_as_one_row(bucket == 1):  # one chat's positions: low-bit layers round as its decode steps do
-                return self.model(cache, self.rope, Verify(inputs[:, size], inputs[:, size + 1], kv_len),
-                                  tokens=inputs[:, :size], last_only=False)
-
-        return self._run(("verify", bucket, size, kv_len), step, packed)[:n, :need, :self.vocab_size]
-
-    def warm_verify(self, cache: KVCache) -> None:
-        """Compile the verify step's kernels for every draft size before a reply needs them (a first
-        launch's Triton compiles take seconds): one step each, in the scratch positions, which hold nothing."""
-        with torch.inference_mode():
-            for k in DRAFT_SIZES:
-                self.verify(cache, [[0] * (k + 1)], [self.scratch], [0])
-        if self.device.type == "cuda":
+    def verify_cost(self, cache: KVCache, repeats: int = 20) -> VerifyCost:
+        """What a step checking k drafted tokens costs in one-token steps for this model on this GPU,
+        measured once (every draft size's step compiled and captured on the way, before a reply needs it):
+        one chat's steps, replayed in the scratch positions, which hold nothing; host work included (a small
+        model on a fast GPU is bound by it, not by its weights). Fixed from then on, so which steps verify
+        follows from the tokens alone, never from the clock between steps. Fitted as `VerifyCost`."""
+        def seconds(k: int) -> float:
+            feed = RowsFeed(1, [[0] * (k + 1)], [self.scratch], [0], kv_need=self.scratch + k + 1)
+            for _ in range(3):  # the capture, and a replay
+                self.step(cache, feed)
             torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                self.step(cache, feed)
+            torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - start) / repeats
 
-    def _run(self, key: tuple, step: Callable[[Tensor], Tensor | None], packed: Tensor) -> Tensor | None:
-        """`step(packed)`: eagerly, or on a GPU by replaying the graph captured for `key` (at its first use)
-        with `packed` copied into its input; its output is the graph's own buffer, reused by the next replay."""
-        if not self.use_cuda_graphs:
-            return step(packed)
+        plain = seconds(0)
+        extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]
+        mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
+        slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
+        slope = max(slope, 0.0)
+        return VerifyCost(max(mean_e - slope * mean_k, 0.0), slope)
+
+    def _run(self, key: tuple, forward: Callable[..., Tensor | None], *inputs: Tensor | None) -> Tensor | None:
+        """`forward(*inputs)` by replaying the graph captured for `key` (at its first use) with `inputs`
+        copied into its own; its output is the graph's own buffer, reused by the next replay."""
         if key not in self._graphs:
-            self._graphs[key] = CapturedCall(step, packed, pool=self._pool)
+            self._graphs[key] = CapturedCall(forward, *inputs, pool=self._pool)
             self.captures += 1
         graph = self._graphs[key]
-        graph.inputs[0].copy_(packed)
+        for buffer, value in zip(graph.inputs, inputs):
+            if buffer is not None:
+                buffer.copy_(value)
         return graph.replay()
 
     def to_host(self, values: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:

@@ -28,17 +28,15 @@ class Sampler:
     def __init__(self, rows: CacheRows, vocab_size: int, max_batch: int, device: torch.device):
         self.rows, self.vocab_size, self.max_batch, self.device = rows, vocab_size, max_batch, device
         pinned = device.type == "cuda"
-        # Host buffers are flat and viewed per batch size: a copy from a strided view would go through
-        # pageable memory, which waits for the GPU.
-        self._columns_host = torch.zeros(2, len(COLUMNS) * max_batch, dtype=torch.float32, pin_memory=pinned)
-        self._columns = torch.zeros(len(COLUMNS) * max_batch, dtype=torch.float32, device=device)
+        # Host buffers are flat and viewed per step: a copy from a strided view would go through pageable
+        # memory, which waits for the GPU. Two, used in turn: a step may be queued while the next is prepared.
+        size = len(COLUMNS) * (MAX_DRAFT + 1) * max_batch
+        self._columns_host = torch.zeros(2, size, dtype=torch.float32, pin_memory=pinned)
+        self._columns = torch.zeros(size, dtype=torch.float32, device=device)
         self._ones = torch.ones(max_batch, 1, dtype=torch.float32, device=device)
+        self._ones_long = torch.ones(max_batch, dtype=torch.long, device=device)
         self._bitmask: Tensor | None = None  # grammar masks on the host, two steps' worth (made at first use)
-        self._flip_columns = self._flip_mask = 0
-        # A verify step's numbers for each of its positions; it ends reading its tokens, so one set suffices.
-        self._verify_columns = torch.zeros(len(COLUMNS) * (MAX_DRAFT + 1) * max_batch, dtype=torch.float32,
-                                           pin_memory=pinned)
-        self._verify_bitmask: Tensor | None = None
+        self._flip = self._flip_mask = 0
 
     def start(self, request: Request) -> None:
         """`request` starts its reply in row `request.row`: the row's penalty state is reset (the prompt's
@@ -61,102 +59,91 @@ class Sampler:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
-    def draw(self, requests: Sequence[Request], logits: Tensor, first_row: int) -> tuple[Tensor, Tensor | None]:
-        """Each request's next token (on the device) from its logits row, and where a request asks for
-        them the log-probabilities (see `logprobs_of`); the requests run in the consecutive cache rows
-        from `first_row`."""
-        uniforms = [r.draws.next() for r in requests]  # drawn every step, so a request's stream never shifts
-        rows = slice(first_row, first_row + len(requests))
-        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
-        # log-softmax of the model's own logits in fp32, before any sampling setting or grammar, as OpenAI reports them
-        logprobs = logits.float().log_softmax(-1) if wanted else None
-        allowed = _biased(requests, logits) if any(r.bias is not None for r in requests) else logits
-        if any(r.grammar is not None for r in requests):
-            allowed = self._masked(requests, allowed)
-        drawn = self.pick([r.params for r in requests], uniforms, allowed, self.rows.seen[rows],
-                          self.rows.counts[rows])
-        return drawn, (_chosen_and_top(logprobs, drawn, max(wanted)) if wanted else None)
-
-    def pick(self, params: list[SamplingParams], uniforms: list[float], logits: Tensor, seen: Tensor,
-             counts: Tensor) -> Tensor:
-        """Each row's next token (on the device) from its logits, parameters, uniform number, repetition
-        mask `seen` and its reply's token `counts` (both updated with the drawn tokens; the counts only
-        while a row of the batch uses them: a row's are reset when its request starts)."""
-        n = len(params)
-        columns = self._columns[:len(COLUMNS) * n].view(len(COLUMNS), n)
+    def draw(self, requests: Sequence[Request], logits: Tensor, first_row: int,
+             drafts: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Every position's token for requests in the consecutive cache rows from `first_row`: `logits`
+        [n, T, vocab] score each request's fed tokens, its last token and the tokens drafted after it
+        (`drafts[i]`, up to T - 1; none in a decode step, T = 1). At each position a row draws its token
+        exactly as a decode step would there if the drafted tokens before it were kept (bias, grammar,
+        penalties counting those tokens, its own next uniform number), all positions in one batch; its
+        draft stays accepted while the drawn token equals the drafted one. That is the rejection-sampling
+        rule (Leviathan et al., Chen et al.) for a draft that proposes one token for certain, q = 1 at the
+        drafted token: the draft is kept with probability min(1, p/q) = p(drafted), and on rejection the
+        token comes from max(0, p - q) renormalised, p without the drafted token; one draw from p does
+        both. So the reply has plain decoding's distribution, and a seeded one its very tokens. Returns on
+        the device: the drawn tokens [n, T], how many each row keeps [n] (its accepted drafted tokens + 1)
+        and the log-probabilities [n, T, ...] where a request asks for them (see `logprobs_of`). The rows'
+        penalty state takes the kept tokens; the uniform numbers are the caller's to `skip` (kept ones).
+        The host never waits for the GPU here."""
+        n, positions, vocab = logits.shape
+        drafts = drafts or [()] * n
+        params = [r.params for r in requests for _ in range(positions)]  # row i's position j: entry i*T + j
+        uniforms = [u for r in requests for u in r.draws.peek(positions)]
+        columns = self._columns[:len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
         if counts_penalized(params) or any(p.temperature or p.repetition_penalty != 1.0 for p in params):
-            self._flip_columns ^= 1  # the other buffer's upload may still be queued behind the step in flight
-            host = self._columns_host[self._flip_columns, :len(COLUMNS) * n].view(len(COLUMNS), n)
+            self._flip ^= 1  # the other buffer's upload may still be queued behind the step in flight
+            host = self._columns_host[self._flip, :len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
             host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
             columns.copy_(host, non_blocking=True)
-        drawn = sample(logits, params, seen, columns, counts)  # greedy alone reads no columns
-        seen.scatter_(1, drawn[:, None], True)
-        if counts_penalized(params):
-            counts.scatter_add_(1, drawn[:, None], self._ones[:n])
-        return drawn
+        rows = slice(first_row, first_row + n)
+        seen, counts = self._penalty_state(rows, drafts, positions, counts_penalized(params))
+        flat = logits.reshape(n * positions, vocab)
+        allowed = _biased([r for r in requests for _ in range(positions)], flat) \
+            if any(r.bias is not None for r in requests) else flat
+        if any(r.grammar is not None for r in requests):
+            allowed = apply_masks(allowed, self._masks(requests, drafts, positions))
+        drawn = sample(allowed, params, seen, columns, counts).view(n, positions)  # greedy alone reads no columns
+        if positions == 1:  # the state was the rows' own
+            kept = self._ones_long[:n]
+            seen.scatter_(1, drawn, True)
+            if counts is not None:
+                counts.scatter_add_(1, drawn, self._ones[:n])
+        else:
+            drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
+            kept = (drawn == drafted).long().cumprod(1).sum(1) + 1
+            taken = torch.arange(positions, device=self.device)[None] < kept[:, None]
+            self.rows.seen[rows].scatter_(1, torch.where(taken, drawn, drawn[:, :1]), True)  # every write True
+            if counts is not None:
+                self.rows.counts[rows].scatter_add_(1, drawn, taken.float())
+        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
+        logprobs = _chosen_and_top(flat.float().log_softmax(-1), drawn.view(-1), max(wanted)).view(n, positions, -1) \
+            if wanted else None  # log-softmax of the model's own logits, before any setting or grammar, as OpenAI's
+        return drawn, kept, logprobs
 
-    def verify_draw(self, requests: Sequence[Request], logits: Tensor,
-                    drafts: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor, Tensor | None]:
-        """A verify step's tokens: `logits` [n, T, vocab] score each request's last token and the tokens
-        drafted after it (`drafts[i]`, up to T - 1; requests in rows 0..n-1). At each position a row draws
-        its token exactly as a decode step would there if the drafted tokens before it were kept (bias,
-        grammar, penalties counting those tokens, its own next uniform number), all positions in one
-        batch; its draft stays accepted while the drawn token equals the drafted one. That is the
-        rejection-sampling rule (Leviathan et al., Chen et al.) for a draft that proposes one token for
-        certain, q = 1 at the drafted token: the draft is kept with probability min(1, p/q) = p(drafted),
-        and on rejection the token comes from max(0, p - q) renormalised, p without the drafted token;
-        one draw from p does both. So the reply has plain decoding's distribution, and a seeded one its
-        very tokens. Returns on the device: the drawn tokens [n, T], how many of them each row keeps [n]
-        (its accepted drafted tokens + 1), and `logprobs` [n, T, ...] (see `draw`) where asked for."""
-        n, positions, vocab = logits.shape
-        params = [r.params for r in requests for _ in range(positions)]  # row i's position j: entry i*T + j
-        uniforms = [u for r in requests for u in r.draws.peek(positions)]  # taken for good when kept
-        host = self._verify_columns[:len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
-        host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
-        columns = host.to(self.device, non_blocking=True)
-        drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
-        # each position's penalty state: the row's, plus the drafted tokens before that position
+    def _penalty_state(self, rows: slice, drafts: Sequence[Sequence[int]], positions: int,
+                       counted: bool) -> tuple[Tensor, Tensor | None]:
+        """The repetition mask and reply counts each position draws with: the rows' own (one position), or
+        a copy per position (repeat_interleave waits for the GPU) with the drafted tokens before it added."""
+        seen, counts = self.rows.seen[rows], self.rows.counts[rows] if counted else None
+        if positions == 1:
+            return seen, counts
+        n, vocab = seen.shape
+
+        def each_position(state: Tensor) -> Tensor:
+            return state[:, None].expand(n, positions, vocab).contiguous().view(n * positions, vocab)
+
+        seen, counts = each_position(seen), each_position(counts) if counted else None
         before = [(i * positions + j) * vocab + t for i, d in enumerate(drafts) for j in range(1, len(d) + 1)
                   for t in d[:j]]  # as flat indices
-        def each_position(state: Tensor) -> Tensor:  # a copy per position (repeat_interleave waits for the GPU)
-            return state[:n, None].expand(n, positions, vocab).contiguous().view(n * positions, vocab)
-
-        seen = each_position(self.rows.seen)
-        counts = each_position(self.rows.counts) if counts_penalized(params) else None
         if before:  # index_fill_ and index_add_: an assigned Python value would come up from pageable memory
             at = self._upload(before, torch.long)
             seen.view(-1).index_fill_(0, at, True)
             if counts is not None:
                 counts.view(-1).index_add_(0, at, torch.ones(len(before), device=self.device))
-        flat = logits.reshape(n * positions, vocab)
-        allowed = _biased([r for r in requests for _ in range(positions)], flat) \
-            if any(r.bias is not None for r in requests) else flat
-        masks = self._draft_masks(requests, drafts, positions)
-        if masks is not None:
-            allowed = apply_masks(allowed, masks)
-        drawn = sample(allowed, params, seen, columns, counts).view(n, positions)
-        kept = (drawn == drafted).long().cumprod(1).sum(1) + 1
-        taken = torch.arange(positions, device=self.device)[None] < kept[:, None]
-        self.rows.seen[:n].scatter_(1, torch.where(taken, drawn, drawn[:, :1]), True)  # every write True
-        if counts is not None:
-            self.rows.counts[:n].scatter_add_(1, drawn, taken.float())
-        wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
-        logprobs = _chosen_and_top(flat.float().log_softmax(-1), drawn.view(-1), max(wanted)).view(n, positions, -1) \
-            if wanted else None
-        return drawn, kept, logprobs
+        return seen, counts
 
-    def _draft_masks(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]],
-                     positions: int) -> Tensor | None:
-        """Each position's grammar masks [n * T, words] on the device (None without grammars): a row's
-        grammar is stepped through its drafted tokens (all of which it allows: the engine drafts no
-        other) to make the masks of the positions after them, then rolled back."""
-        if not any(r.grammar is not None for r in requests):
-            return None
-        if self._verify_bitmask is None:
-            self._verify_bitmask = torch.zeros((MAX_DRAFT + 1) * self.max_batch * bitmask_words(self.vocab_size),
-                                               dtype=torch.int32, pin_memory=self.device.type == "cuda")
+    def _masks(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]], positions: int) -> Tensor:
+        """Each position's grammar masks [n * T, words] on the device: made on the host (while the GPU runs
+        the forward pass), uploaded in one asynchronous copy from the buffer the step before did not use. A
+        row's grammar is stepped through its drafted tokens (all of which it allows: the engine drafts no
+        other) to make the masks of the positions after them, then rolled back; rows without a grammar,
+        and positions past a row's draft, allow everything."""
         words = bitmask_words(self.vocab_size)
-        host = self._verify_bitmask[:positions * len(requests) * words].view(positions, len(requests), words)
+        if self._bitmask is None:
+            self._bitmask = torch.zeros(2, (MAX_DRAFT + 1) * self.max_batch * words, dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
+        self._flip_mask ^= 1
+        host = self._bitmask[self._flip_mask, :positions * len(requests) * words].view(positions, len(requests), words)
         taken = [0] * len(requests)
         for j in range(positions):
             fill_masks([r.grammar if j <= len(d) else None for r, d in zip(requests, drafts)], host[j])
@@ -167,17 +154,6 @@ class Sampler:
             if r.grammar is not None:
                 r.grammar.rollback(n)
         return host.to(self.device, non_blocking=True).transpose(0, 1).reshape(len(requests) * positions, -1)
-
-    def _masked(self, requests: Sequence[Request], logits: Tensor) -> Tensor:
-        """`logits` with each constrained row's forbidden tokens at -inf: the masks are made on the
-        host, uploaded in one asynchronous copy and applied on the device (other rows stay as they were)."""
-        if self._bitmask is None:
-            self._bitmask = torch.zeros(2, self.max_batch, bitmask_words(self.vocab_size), dtype=torch.int32,
-                                        pin_memory=self.device.type == "cuda")
-        self._flip_mask ^= 1  # the other buffer's upload may still be queued
-        host = self._bitmask[self._flip_mask, :len(requests)]
-        fill_masks([r.grammar for r in requests], host)
-        return apply_masks(logits, host.to(self.device, non_blocking=True))
 
 
 def logprobs_of(values: Tensor, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -97,19 +97,21 @@ class Scheduler:
         self.most_held = max(self.most_held, len(self.running) + len(self.prefilling))
         return reused
 
-    def chunks(self) -> list[tuple[Request, int]]:
+    def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
         """This step's prompt chunks, as (request, the position its chunk ends at), in row order: the budget
-        left after one position per running request (at least one, so that prompts always advance), shared
+        left after one position per running request and the `drafted` tokens they check (at least one, so
+        that prompts always advance), shared
         fairly among the prompts being read: each gets an equal part, and what a short one leaves goes to
         the others (water-filling). So a short prompt that joins while a long one is read beside running
         chats gets its first token after a step or two, not after the long one's whole prefill. With no
         request running, or no budget (`step_tokens` None), prompts are read whole: on a CPU a prompt read
         in chunks took 2.2× as long (each chunk's attention runs masked over all its keys; whole, causal
         attention skips the masked half: `bench/RESULTS.md`, issue 41)."""
+        reading = [r for r in self.prefilling if r.position < len(r.sig)]  # not those whose first token is drawn
         if not self.step_tokens or not self.running:
-            return [(r, len(r.sig)) for r in self.prefilling]
-        room = max(self.step_tokens - len(self.running), 1)
-        left = sorted(self.prefilling, key=lambda r: len(r.sig) - r.position)
+            return [(r, len(r.sig)) for r in reading]
+        room = max(self.step_tokens - len(self.running) - drafted, 1)
+        left = sorted(reading, key=lambda r: len(r.sig) - r.position)
         ends: dict[Request, int] = {}
         for i, r in enumerate(left):
             if room == 0:

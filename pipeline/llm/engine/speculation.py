@@ -12,7 +12,10 @@ How many to draft is decided per request from its recent acceptance rate (a geom
 drafted token accepted with probability a, independently): k maximises the expected tokens per step,
 (1 - a^(k+1)) / (1 - a), over the step's cost, `VerifyCost`; where no k pays, the request stops
 drafting and tries again with a short draft every `PROBE_EVERY` steps, so a chat where lookup does not
-pay runs as plain decode steps. Which token is kept is the sampler's business
+pay runs as plain decode steps. The cost is fixed while the engine runs (measured once when it starts, on
+a GPU: `ModelRunner.verify_cost`), never read from the clock between steps: which steps verify follows
+from the tokens alone, the same in every run. A drafter is asked once per step for every row that drafts
+(`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Which token is kept is the sampler's business
 (`Sampler.verify_draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
 tokens, exactly those of plain decoding.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 MAX_DRAFT = 8  # drafted tokens per step at most (a verify step scores MAX_DRAFT + 1 positions)
 DRAFT_SIZES = (1, 2, 4, 8)  # a step checks one of these many positions past the last token (one CUDA graph each)
@@ -48,39 +51,6 @@ GPU_LOW_BIT = VerifyCost(0.07, 0.34)
 CPU = VerifyCost(0.0, 0.085)
 
 
-class StepClock:
-    """What steps cost on this engine, measured: seconds per plain decode step (while steps follow each
-    other unchanged) and per verify step of each draft size (host work and the wait for its tokens
-    included), as exponential averages. A verify step's cost in decode steps comes from these once both
-    were seen a few times, else from the `prior` (a small model on a fast GPU is bound by launches and
-    the host, not by its weights: there a verify step costs far more than the prior says)."""
-
-    SEEN = 4  # samples before a measured average replaces the prior
-
-    def __init__(self, prior: VerifyCost):
-        self.prior = prior
-        self.plain_s, self.plain_n = 0.0, 0
-        self.verify_s: dict[int, tuple[float, int]] = {}
-
-    def plain(self, seconds: float) -> None:
-        self.plain_s, self.plain_n = _averaged(self.plain_s, self.plain_n, seconds)
-
-    def verify(self, k: int, seconds: float) -> None:
-        self.verify_s[k] = _averaged(*self.verify_s.get(k, (0.0, 0)), seconds)
-
-    def __call__(self, k: int) -> float:
-        seconds, n = self.verify_s.get(k, (0.0, 0))
-        if k and n >= self.SEEN and self.plain_n >= self.SEEN:
-            return seconds / self.plain_s
-        return self.prior(k)
-
-
-def _averaged(mean: float, n: int, value: float) -> tuple[float, int]:
-    """An exponential average over about the last ten values (the plain mean while fewer were seen)."""
-    n += 1
-    return mean + (value - mean) / min(n, 10), n
-
-
 def expected_tokens(accept: float, k: int) -> float:
     """Tokens a step gives with k drafted tokens, each accepted with probability `accept` (independently):
     the accepted run plus the one token the check always yields."""
@@ -97,7 +67,15 @@ def best_draft(accept: float, cost: Callable[[int], float], limit: int = MAX_DRA
     return best
 
 
-class PromptLookup:
+class PerRequest:
+    """A drafter whose requests draft one by one, each from its own state (`index()`), which drafts with
+    `draft(history, k, last)`: prompt lookup (each request's own n-gram index), and plain test drafters."""
+
+    def propose(self, asks: Sequence[Ask]) -> list[list[int]]:
+        return [a.state.draft(a.history, a.k, a.last) for a in asks]
+
+
+class PromptLookup(PerRequest):
     """Drafts from the conversation itself: the tokens that followed the most recent earlier occurrence of
     the longest n-gram (`max_ngram` down to `min_ngram` tokens) that ends the text so far. A request
     keeps its own index of where each n-gram last ended (`NgramIndex`), brought up to date with each
@@ -125,7 +103,7 @@ class NgramIndex:
         self._ends: dict[tuple, int] = {}
         self._done = 0  # n-grams ending before this position are indexed
 
-    def propose(self, history: Sequence, k: int, last: Sequence = ()) -> list[int]:
+    def draft(self, history: Sequence, k: int, last: Sequence = ()) -> list[int]:
         """Up to `k` tokens that followed the longest n-gram ending `history` (+ `last`: a row's held tokens
         and its token not yet fed, not copied into one list at every step) where it last occurred before."""
         history = _Joined(history, last) if last else history
@@ -164,15 +142,28 @@ class _Joined(Sequence):
         return self.head[index] if index < n else self.tail[index - n]
 
 
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """One request's draft wanted in a step: its own drafting state (`Drafter.index()`), its text so far
+    (`history` + `last`: a row's held tokens and its token not yet fed) and at most `k` tokens."""
+
+    state: Any
+    history: Sequence
+    last: Sequence
+    k: int
+
+
 class Drafter(Protocol):
-    """Where drafts come from: `index()` makes a request's own drafter, whose `propose(history, k, last)`
-    drafts up to k tokens after history + last. `always`: it always has a draft (else the engine looks
-    with the tokens it already knows before it waits for the step in flight)."""
+    """Where drafts come from: `index()` makes a request's own state; `propose(asks)` drafts for every asking
+    request of a step at once (up to each one's k tokens after its text). `always`: it always has a draft
+    (else the engine looks with the tokens it already knows before it waits for the step in flight)."""
 
     always: bool
     name: str
 
-    def index(self): ...
+    def index(self) -> Any: ...
+
+    def propose(self, asks: Sequence[Ask]) -> list[list[int]]: ...
 
     def close(self) -> None: ...
 
@@ -184,7 +175,7 @@ class Speculation:
     drafter: Drafter
     cost: VerifyCost
     max_draft: int = MAX_DRAFT
-    measured: bool = False  # the engine measures its steps' cost (`StepClock`) instead of trusting `cost`
+    measured: bool = False  # the engine measures the cost once when it starts (`ModelRunner.verify_cost`)
 
     @property
     def description(self) -> str:
@@ -193,8 +184,8 @@ class Speculation:
 
 def prompt_lookup(device: str, low_bit: bool) -> Speculation:
     """Prompt lookup with the verify cost measured for `device`'s kind ("cuda" or "cpu") and weights; on a
-    GPU the engine measures its own steps (a CPU's costs were measured once: its tests decide nothing by
-    the clock)."""
+    GPU the engine measures its own steps once as it starts (a CPU's costs were measured once: its tests
+    decide nothing by the clock)."""
     if device == "cpu":
         return Speculation(PromptLookup(), CPU)
     return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True)
@@ -205,7 +196,7 @@ class DraftState:
     """One request's drafting: its drafter, its recent acceptance (decayed counts of accepted and
     checked drafted tokens) and how long its drafting has been paused."""
 
-    drafts: NgramIndex  # the request's own drafter (`Drafter.index()`)
+    drafts: Any  # the request's own drafting state (`Drafter.index()`)
     accepted: float = 2.0  # a prior of 2 accepted of 3 checked: new requests try drafting at once
     checked: float = 3.0
     paused: int = 0  # plain steps since its drafts stopped paying

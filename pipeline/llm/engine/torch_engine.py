@@ -1,26 +1,27 @@
 """The torch LLM engine: one thread that serves many chats at once behind the `LLMEngine` seam
 (`pipeline.llm.engine.seam`).
 
-`TorchLLMEngine` works like a serving engine (vLLM, TensorRT-LLM's executor): one engine thread runs
-continuous batching over four parts, each testable alone: the `Scheduler` (which requests wait, which
-read their prompts and which run, in which cache rows, and each step's token budget), `CacheRows` (the
-static KV cache and what each row holds, found by content through block hashes: token ids, and image
-slots by the image's hash), the `ModelRunner` (the decoder, its rotary tables and CUDA graphs) and the
-`Sampler` (the next-token draw with its biases, grammar masks, penalties and log-probabilities). This
-module keeps the loop and each request's life. A joining request reads its prompt in chunks under
-each step's token budget, between the decode steps of the running requests, and then joins them;
-every decode step advances all running requests together, each at its own position with its own
-sampling parameters and random stream; finished or cancelled requests leave at once. A row keeps
-its tokens after a reply, and a new request runs in the idle row holding the longest prefix of it, so
-a conversation's next turn prefills only what is new whoever sends it: the UI, an API client that
-resends the whole conversation, the terminal chat. A session name only breaks ties. Idle rows are
-reclaimed least recently used. With `speculation` (`speculation.py`), a step where requests drafted
-tokens is a verify step (`_verify_step`); rows without drafts take part as one position.
+`TorchLLMEngine` works like a serving engine (vLLM v1, TensorRT-LLM's executor): one engine thread runs
+continuous batching over four parts, each testable alone: the `Scheduler` (which requests wait, read their
+prompts or run, in which cache rows, and each step's token budget), `CacheRows` (the static KV cache and
+what each row holds, found by content through block hashes), the `ModelRunner` (the decoder, its rotary
+tables and CUDA graphs) and the `Sampler` (every draw, with biases, grammar masks, penalties and
+log-probabilities). This module keeps the loop and each request's life.
+
+There is one kind of step (`_step`): under one token budget, every running request feeds its last token
+(and, speculating, the tokens drafted after it: `speculation.py`, asked of the drafter once for all rows),
+and requests reading their prompts feed chunks of them, shared fairly; one forward runs it all and one
+draw keeps each row's tokens. A step without drafts is pipelined: its inputs are the previous step's
+tokens, made on the GPU, and the host reads those tokens while the GPU runs this step. A prompt's last
+chunk draws its first token, and the request joins the running ones. Finished or cancelled requests
+leave at once. A row keeps its tokens after a reply, and a new request runs in the idle row holding the
+longest prefix of it, so a conversation's next turn prefills only what is new whoever sends it (the UI,
+an API client resending the whole conversation, the terminal chat). Idle rows are reclaimed least
+recently used.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -34,26 +35,13 @@ from pipeline.llm.engine.seam import FinishReason, TokenStream
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.model import Decoder
-from pipeline.llm.engine.model_runner import ModelRunner
-from pipeline.llm.engine.sampler import Sampler, logprobs_of
+from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner, RowsFeed
+from pipeline.llm.engine.outputs import Launched, Outputs
+from pipeline.llm.engine.sampler import Sampler
 from pipeline.llm.engine.sampling import Draws, InvalidSampling, SamplingParams
 from pipeline.llm.engine.scheduler import Request, Scheduler
-from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation, StepClock
-
-
-@dataclasses.dataclass
-class _Step:
-    """A launched decode step, or the first draw of a request whose prompt is read: who ran in it, the
-    drawn tokens (on the device and, once `copied` is done, on the host, with their log-probabilities
-    where asked for), and the logits where a request keeps them. `consumed`: its tokens have advanced
-    the requests' grammars."""
-
-    requests: list[Request]
-    drawn: Tensor
-    logits: Tensor | None
-    logprobs: Tensor | None
-    copied: tuple[Tensor, "torch.cuda.Event | None"]
-    consumed: bool = False
+from pipeline.llm.engine.proposer import Proposer
+from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
 
 
 class TorchLLMEngine:
@@ -66,7 +54,7 @@ class TorchLLMEngine:
     prompt is read whole at once, stalling the running requests meanwhile). With 256, while a 4,000-token
     prompt joins 7 chats at Qwen2.5-7B's shapes on an H100, a running chat waits at most ~3 decode steps
     for a token instead of ~14, and the prompt's first token comes in ~290 ms instead of ~110
-    (`bench/chunked_prefill.py`; on a GPU the chunks replay CUDA graphs, `ModelRunner._chunk`).
+    (`bench/chunked_prefill.py`, chunks as forwards of their own; each step is one forward now, `ModelRunner.step`).
     """
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
@@ -84,11 +72,11 @@ class TorchLLMEngine:
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.embed.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
-        self._pending: _Step | None = None  # the decode step in flight, its tokens not yet read
-        self._starting: list[_Step] = []  # first tokens drawn after prompts' last chunks, read a step later
+        self.outputs = Outputs(self.scheduler, self.rows, context, self.runner.to_host)
+        self._pending: Launched | None = None  # the decode step in flight, its tokens not yet read
+        self._starting: list[Launched] = []  # first tokens drawn after prompts' last chunks, read a step later
         self.speculation = speculation
-        self.step_cost = speculation and (StepClock(speculation.cost) if speculation.measured else speculation.cost)
-        self._plain_since: tuple[float, int] | None = None  # when the plain step before started (and captures then)
+        self.proposer = Proposer(speculation, context) if speculation is not None else None
         self.steps = self.verify_steps = 0  # decode steps run, verify steps among them (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.drafted_tokens = self.accepted_tokens = 0  # speculative decoding's drafts checked, and kept
@@ -150,22 +138,26 @@ class TorchLLMEngine:
         self.runner.enter_thread()
         scheduler = self.scheduler
         with torch.inference_mode():
+            if self.speculation is not None and self.device.type == "cuda":
+                self._guarded([], self._measure)
             while (joining := scheduler.next_joining()) is not None:
                 for request in joining:
                     self._guarded([request], self._admit, request)
                 if any(r.stream.cancelled for r in scheduler.running):
                     self._guarded(list(scheduler.running), self._drain)  # settle the step in flight first
                 for r in [r for r in scheduler.running + scheduler.prefilling if r.stream.cancelled]:
-                    self._finish(r, r.stream.reason)
-                self._guarded(list(scheduler.running), self._decode_step)
-                starting, self._starting = self._starting, []
-                for step in starting:
-                    self._guarded(step.requests, self._read, step, True)
-                for request, end in scheduler.chunks():
-                    self._guarded([request], self._prefill, request, end)
+                    self.outputs.finish(r, r.stream.reason)
+                self._guarded(scheduler.running + scheduler.prefilling, self._step)
             self._pending, self._starting = None, []
             for request in scheduler.drop_all():
-                self._finish(request, FinishReason.CANCELLED)
+                self.outputs.finish(request, FinishReason.CANCELLED)
+
+    def _measure(self) -> None:
+        """Compile and capture every draft size's verify step before a reply needs it, and where the
+        speculation asks for it take the verify cost measured on this GPU (`ModelRunner.verify_cost`)."""
+        measured = self.runner.verify_cost(self.rows.kv)
+        if self.speculation.measured:
+            self.proposer.cost = measured
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
         """Run `fn`; if it fails, the requests involved end with the error and the engine carries on
@@ -173,20 +165,23 @@ class TorchLLMEngine:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - handed to the callers, who raise it
-            if isinstance(e, torch.OutOfMemoryError):
-                e = UserError("the GPU ran out of memory for this reply: shorten the conversation "
-                              "or lower max new tokens")
-            if self._pending is not None and set(requests) & set(self._pending.requests):
-                self._pending = None
-            for request in requests:
-                request.stream.deliver(e)
-                self._finish(request, FinishReason.ERROR)
+            self._fail(requests, e)
+
+    def _fail(self, requests: list[Request], e: Exception) -> None:
+        """End `requests` with the error `e` (the step in flight is dropped where they ran in it)."""
+        if isinstance(e, torch.OutOfMemoryError):
+            e = UserError("the GPU ran out of memory for this reply: shorten the conversation or lower max new tokens")
+        if self._pending is not None and set(requests) & set(self._pending.requests):
+            self._pending = None
+        for request in requests:
+            request.stream.deliver(e)
+            self.outputs.finish(request, FinishReason.ERROR)
 
     def _admit(self, request: Request) -> None:
         """Give a new request a row, the one holding the longest cached prefix of its prompt: its
-        prompt is read from there, chunk by chunk (`_prefill`)."""
+        prompt is read from there, chunk by chunk."""
         if request.stream.cancelled:
-            self._finish(request, request.stream.reason)
+            self.outputs.finish(request, request.stream.reason)
             return
         sig = request.prompt.signature()
         request.table = self.runner.rope.table_for(len(sig))
@@ -196,206 +191,116 @@ class TorchLLMEngine:
         request.stream.stats.cached_tokens = reused
         self.reused_tokens += reused
 
-    def _prefill(self, request: Request, end: int) -> None:
-        """Read the request's prompt up to position `end`; at its end, draw its first token, read at the
-        next step (as a decode step's tokens are: the host does not wait for this chunk), when the request
-        joins the running ones."""
-        last = end == len(request.sig)
-        logits = self.runner.prefill(self.rows.kv, request.prompt, request.row, request.position, end,
-                                     request.table, logits=last, graphed=bool(self.scheduler.running))
-        self.prefilled_tokens += end - request.position
-        request.position = self.rows[request.row].written = end
-        if not last:
-            return
-        self.rows.hold(request.row, request.sig, request.table, request.session)
-        self.sampler.start(request)
-        drawn, logprobs = self.sampler.draw([request], logits[None], request.row)
-        kept = logits[None] if request.stream.logits is not None else None
-        self._starting.append(self._launched([request], drawn, kept, logprobs))
-
-    def _decode_step(self) -> None:
-        """Launch a decode step for every running request, then read the previous step's tokens
-        while the GPU works on this one. While the batch stays the same, a step's inputs (the tokens
-        just drawn, positions one further) are made on the GPU, so the host never stalls it. When the
-        batch changed (a request joined or left), the step in flight is read first: the inputs come from
-        the host."""
+    def _step(self) -> None:
+        """One engine step: the drafts (where speculating), the prompt chunks the budget leaves room for,
+        one forward over all of it, the draws; then the first tokens of the prompts the step before
+        finished are read (while the GPU works on this one), and their requests join the running ones."""
         if self._pending is not None and self._pending.requests != self.scheduler.running:
-            self._drain()
+            self._drain()  # the batch changed: this step's inputs come from the host
+        drafts = self._propose() if self.speculation is not None and self.scheduler.running else None
         active = list(self.scheduler.running)
-        if not active:
-            return
-        if self.speculation is not None and self._speculate(active):
-            return
-        active = list(self.scheduler.running)  # a verify step's reading may have ended some
-        if not active:
-            return
-        chained = self._pending is not None
-        if isinstance(self.step_cost, StepClock):  # a step that captured a graph (first use of a length) is no sample
-            now = (time.perf_counter(), self.runner.captures)
-            if chained and self._plain_since is not None and self._plain_since[1] == now[1]:
-                self.step_cost.plain(now[0] - self._plain_since[0])
-            self._plain_since = now
-        inputs = None if chained else ([r.last_token for r in active], [r.position for r in active],
-                                       [r.table for r in active])
-        logits = self.runner.decode(self.rows.kv, len(active), inputs, self._pending.drawn if chained else None,
-                                    max(r.position for r in active) + 1)
-        self.steps += 1
-        for r in active:
-            r.position += 1
-            self.rows[r.row].written = r.position
-        if self._pending is not None and any(r.grammar is not None for r in active):
-            self._consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
-        kept = logits.clone() if any(r.stream.logits is not None for r in active) else None  # graphs reuse theirs
-        drawn, logprobs = self.sampler.draw(active, logits, 0)
-        previous, self._pending = self._pending, self._launched(active, drawn, kept, logprobs)
-        if previous is not None:
-            self._read(previous)
+        chunks = self.scheduler.chunks(sum(map(len, drafts)) if drafts else 0)
+        starting, self._starting = self._starting, []
+        if active or chunks:
+            try:
+                self._launch(active, drafts, chunks)
+            except Exception as e:  # noqa: BLE001 - a step that read prompts: theirs end, the running take it again
+                if not chunks:
+                    raise
+                self._fail([r for r, _ in chunks], e)
+                self._drain()  # the rows were not advanced: their next step starts from the host
+        for step in starting:
+            self._guarded(step.requests, self.outputs.read, step, True)
 
-    def _speculate(self, active: list[Request]) -> bool:
-        """Run this step as a verify step where any request drafts tokens (see `speculation`): the step in
-        flight is read first (drafts continue the last token). False where none wants to draft, or none
-        found a draft: the step is a plain decode step."""
-        most = self.speculation.max_draft
-        wanted = {r: r.draft.wanted(self.step_cost, most, self._draft_room(r)) for r in active}
+    def _launch(self, active: list[Request], drafts: list[list[int]] | None,
+                chunks: list[tuple[Request, int]]) -> None:
+        """Run one step: rows 0..n-1 feed their last token (after the step in flight, chained on the GPU) or,
+        where some drafted, their last token and drafts (padded to a draft size); the chunks are read beside
+        them. A prompt's last chunk draws its first token, read at the next step."""
+        feed = None
+        if active and (drafts is not None or self._pending is None):
+            size = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts or [[]]))) + 1
+            fed = [[r.last_token, *d, *[r.last_token] * (size - 1 - len(d))] for r, d in zip(active, drafts or [[]] * len(active))]
+            feed = RowsFeed(len(active), fed, [r.position for r in active], [r.table for r in active],
+                            kv_need=max(r.position for r in active) + size)
+        elif active:
+            feed = RowsFeed(len(active), chained=self._pending.drawn, kv_need=max(r.position for r in active) + 1)
+        reads = [ChunkRead(r.prompt, r.row, r.position, end, r.table, end == len(r.sig)) for r, end in chunks]
+        logits, firsts = self.runner.step(self.rows.kv, feed, reads, graphed=bool(active))
+        self.steps += bool(active)
+        for r, end in chunks:
+            self.prefilled_tokens += end - r.position
+            r.position = self.rows[r.row].written = end
+        for r, first in zip([r for r, end in chunks if end == len(r.sig)], firsts):
+            self.rows.hold(r.row, r.sig, r.table, r.session)
+            self.sampler.start(r)
+            drawn, _, logprobs = self.sampler.draw([r], first[None, None], r.row)
+            r.draws.skip(1)
+            self._starting.append(self.outputs.launched([r], drawn[:, 0], first[None].clone() if r.stream.logits is not None
+                                                 else None, logprobs[:, 0] if logprobs is not None else None))
+        if drafts is not None:
+            self._settle(active, drafts, logits)
+        elif active:
+            for r in active:
+                r.position += 1
+                self.rows[r.row].written = r.position
+            if self._pending is not None and any(r.grammar is not None for r in active):
+                self.outputs.consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
+            kept = logits[:, 0].clone() if any(r.stream.logits is not None for r in active) else None  # graphs reuse theirs
+            drawn, _, logprobs = self.sampler.draw(active, logits, 0)
+            for r in active:
+                r.draws.skip(1)
+            previous, self._pending = self._pending, self.outputs.launched(active, drawn[:, 0], kept,
+                                                                    logprobs[:, 0] if logprobs is not None else None)
+            if previous is not None:
+                self.outputs.read(previous)
+
+    def _propose(self) -> list[list[int]] | None:
+        """This step's drafts for the running requests (`Proposer`); None where none wants to draft or none
+        was found: the step is a plain one. The step in flight is read first where a draft may come (drafts
+        continue the last token)."""
+        wanted = self.proposer.wanted(self.scheduler.running)
         if not any(wanted.values()):
-            return False
-        if self._pending is not None:  # look without the token in flight first: reading it stalls the GPU
-            if not self.speculation.drafter.always and not any(
-                    k and r.draft.drafts.propose(self.rows[r.row].held, 1, (r.last_token,)) for r, k in wanted.items()):
-                return False
+            return None
+        if self._pending is not None:
+            if not self.proposer.may_find(wanted, self.rows):
+                return None
             self._drain()
-            self._plain_since = None
-        started, captures = time.perf_counter(), self.runner.captures
-        active = list(self.scheduler.running)  # the tokens read may have ended some
-        drafts = [self._draft(r, wanted[r]) if wanted[r] else [] for r in active]
-        if not any(drafts):
-            return False
-        size = self._verify_step(active, drafts)
-        if isinstance(self.step_cost, StepClock) and self.runner.captures == captures:
-            self.step_cost.verify(size - 1, time.perf_counter() - started)
-        return True
+        return self.proposer.drafts(self.scheduler.running, wanted, self.rows)
 
-    def _draft_room(self, r: Request) -> int:
-        """Tokens `r` may draft: what its reply's length and the context leave after this step's own token."""
-        return min(r.params.max_new_tokens - r.stream.stats.new_tokens, self.context - r.position) - 1
-
-    def _draft(self, r: Request, k: int) -> list[int]:
-        """Up to `k` tokens drafted for `r` (none where `k` is 0): cut after a stop id, and where `r` has a
-        grammar, to what it allows before any stop id (its masks are made through the draft)."""
-        if r.row < 0:
-            return []
-        draft = r.draft.drafts.propose(self.rows[r.row].held, min(k, self._draft_room(r)), (r.last_token,))
-        ends = [i for i, t in enumerate(draft) if t in r.stop_ids]
-        if r.grammar is not None:
-            draft = draft[:ends[0] if ends else len(draft)]
-            return draft[:r.grammar.allowed_prefix(draft)]
-        return draft[:ends[0] + 1] if ends else draft
-
-    def _verify_step(self, active: list[Request], drafts: list[list[int]]) -> int:
-        """Score each request's last token and its drafted ones in one forward, keep each row's drafted tokens
-        up to its first rejection plus the token drawn there (`Sampler.verify_draw`), and roll the cache back
-        by length: positions past the kept ones are written again later. Returns the positions scored per row."""
-        size = next(k for k in DRAFT_SIZES if k >= max(map(len, drafts))) + 1
-        tokens = [[r.last_token, *d, *[r.last_token] * (size - 1 - len(d))] for r, d in zip(active, drafts)]
-        logits = self.runner.verify(self.rows.kv, tokens, [r.position for r in active], [r.table for r in active])
-        self.steps += 1
+    def _settle(self, active: list[Request], drafts: list[list[int]], logits: Tensor) -> None:
+        """A step that checked drafts: each row keeps its drafted tokens up to its first rejection plus the
+        token drawn there, and its cache is rolled back by length (positions past the kept ones are written
+        again later). The host waits for the step here."""
         self.verify_steps += 1
         kept_logits = logits.clone() if any(r.stream.logits is not None for r in active) else None
-        drawn, kept, logprobs = self.sampler.verify_draw(active, logits, drafts)
-        drawn, kept = drawn.tolist(), kept.tolist()  # the host waits for the step here
+        drawn, kept, logprobs = self.sampler.draw(active, logits, 0, drafts)
+        drawn, kept = drawn.tolist(), kept.tolist()
         logprobs = logprobs.cpu() if logprobs is not None else None
         for i, (r, draft) in enumerate(zip(active, drafts)):
+            fed = [r.last_token, *draft]
             r.draws.skip(kept[i])
             r.draft.record(len(draft), kept[i] - 1)
             r.stream.stats.drafted_tokens += len(draft)
             r.stream.stats.accepted_tokens += kept[i] - 1
             self.drafted_tokens += len(draft)
             self.accepted_tokens += kept[i] - 1
-            fed = tokens[i]
             for j in range(kept[i]):
                 if r.row < 0:  # ended by an earlier token of this step
                     break
                 if r.stream.cancelled:
-                    self._finish(r, r.stream.reason)
+                    self.outputs.finish(r, r.stream.reason)
                     break
                 if r.grammar is not None:
                     r.grammar.consume(drawn[i][j])
                 self.rows.append(r.row, fed[j])
                 r.position += 1
                 self.rows[r.row].written = r.position
-                self._deliver(r, drawn[i][j], kept_logits[i, j] if kept_logits is not None else None,
+                self.outputs.deliver(r, drawn[i][j], kept_logits[i, j] if kept_logits is not None else None,
                               logprobs[i, j] if logprobs is not None else None)
-        return size
-
-    def _launched(self, requests: list[Request], drawn: Tensor, kept: Tensor | None,
-                  logprobs: Tensor | None) -> _Step:
-        """A step whose tokens `drawn` (and log-probabilities) start their way to the host."""
-        if logprobs is not None:
-            logprobs = logprobs.to("cpu", non_blocking=True)  # pinned: ready with the tokens' copy
-        return _Step(requests, drawn, kept, logprobs, self.runner.to_host(drawn))
 
     def _drain(self) -> None:
         if self._pending is not None:
             step, self._pending = self._pending, None
-            self._read(step)
-
-    def _consume(self, step: _Step) -> None:
-        """Advance the grammars of a step's requests by the tokens it drew (once per step)."""
-        if step.consumed:
-            return
-        step.consumed = True
-        host, done = step.copied
-        if done is not None:
-            done.synchronize()
-        for r, token in zip(step.requests, host.tolist()):
-            if r.grammar is not None and r.row >= 0 and not r.stream.cancelled:
-                r.grammar.consume(token)
-
-    def _read(self, step: _Step, starting: bool = False) -> None:
-        """Hand out a finished step's tokens to the requests still running (`starting`: their first
-        tokens, with which they join the running ones)."""
-        self._consume(step)
-        host, _ = step.copied
-        rows = step.logits if step.logits is not None else [None] * len(step.requests)
-        logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.requests)
-        for r, token, row_logits, row_logprobs in zip(step.requests, host.tolist(), rows, logprobs):
-            if r.row < 0:  # finished while this step ran
-                continue
-            if r.stream.cancelled:
-                self._finish(r, r.stream.reason)
-                continue
-            if starting:
-                self.scheduler.promote(r)
-            else:
-                self.rows.append(r.row, r.last_token)
-            self._deliver(r, token, row_logits, row_logprobs)
-
-    def _deliver(self, r: Request, token: int, logits: Tensor | None, logprobs: Tensor | None = None) -> None:
-        """Hand `token` to its request, or end the request (a stop id, its length, the context end)."""
-        stats = r.stream.stats
-        now = time.perf_counter()
-        if r.stream.logits is not None:
-            r.stream.logits.append(logits.float().cpu())
-        if r.stream.logprobs is not None and token not in r.stop_ids:
-            r.stream.logprobs.append(logprobs_of(logprobs, r.params.logprobs))
-        if not r.first_token_at:
-            r.first_token_at = now
-            stats.time_to_first_token_s = now - r.submitted
-        stats.decode_s = now - r.first_token_at
-        if token in r.stop_ids:
-            self._finish(r, FinishReason.STOP)
-            return
-        stats.new_tokens += 1
-        r.last_token = token
-        r.stream.deliver(token)
-        if stats.new_tokens >= r.params.max_new_tokens:
-            self._finish(r, FinishReason.LENGTH)
-        elif len(self.rows[r.row].held) + 1 >= self.context:
-            self._finish(r, FinishReason.CONTEXT)
-
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        """End a request: its row, holding its tokens for whoever continues them, leaves the block of rows
-        in use; then its stream closes."""
-        self.scheduler.leave(request, error=reason == FinishReason.ERROR)
-        request.stream.end(reason)
+            self.outputs.read(step)
 

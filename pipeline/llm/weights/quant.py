@@ -245,9 +245,32 @@ def use_kernels(model: nn.Module, tuned: lowbit_tuning.TunedConfigs | None = Non
     if not layers:
         return 0
     workspace = lowbit.Workspace(layers[0].q.device)
-    gate_ups = {id(m) for name, m in model.named_modules() if name.endswith("mlp.w_gate_up")}
+    gate_ups = _gate_ups(model)
     for layer in layers:
         layer.use_kernel(workspace, silu_mul=id(layer) in gate_ups)
     if tuned is not None:
         lowbit_tuning.tune_layers([layer.kernel for layer in layers], tuned)
     return len(layers)
+
+
+def _gate_ups(model: nn.Module) -> set[int]:
+    """The ids of the MLPs' fused gate and up projections (their kernels apply SiLU·mul)."""
+    return {id(m) for name, m in model.named_modules() if name.endswith("mlp.w_gate_up")}
+
+
+def kernel_stand_ins(model: nn.Module, device: torch.device) -> list[lowbit.LowBitWeight]:
+    """One `LowBitWeight.stand_in` per distinct layer shape that `use_kernels` would make of `model` (a
+    meta-device decoder after `empty_quantized`: shapes only) on `device`, so that their kernels compile
+    while the weights are read (`lowbit_tuning.compile_ahead`); none where a layer could not run on the
+    kernels there."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if any(lowbit.available(device, m.dtype, BITS[m.mode], m.in_features, m.group or GROUP) for m in layers):
+        return []
+    workspace, gate_ups, shapes = lowbit.Workspace(device), _gate_ups(model), {}
+    for m in layers:
+        gated = id(m) in gate_ups
+        key = (m.mode, m.dtype, m.in_features, m.out_features, m.group, m.bias is not None, gated)
+        if key not in shapes:
+            shapes[key] = lowbit.LowBitWeight.stand_in(BITS[m.mode], m.dtype, m.in_features, m.out_features,
+                                                       m.group, m.bias is not None, device, workspace, gated)
+    return list(shapes.values())

@@ -1,0 +1,59 @@
+"""The engine's side of speculative decoding (`speculation.py` has the policy and the drafters): which
+running requests draft in a step and how many tokens each, and their drafts, asked of the drafter once
+for all of them, so a draft model's engine drafts them as one batch instead of one blocking call per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.llm.engine.cache_rows import CacheRows
+from pipeline.llm.engine.scheduler import Request
+from pipeline.llm.engine.speculation import Ask, Speculation, VerifyCost
+
+
+class Proposer:
+    """`cost`: what a verify step costs, fixed while the engine runs (the prior, or measured once as the
+    engine starts on a GPU), so which steps verify follows from the tokens alone."""
+
+    def __init__(self, speculation: Speculation, context: int):
+        self.speculation, self.context = speculation, context
+        self.cost: VerifyCost = speculation.cost
+
+    def wanted(self, running: Sequence[Request]) -> dict[Request, int]:
+        """How many tokens each running request would draft this step (0: none), by its acceptance so far."""
+        most = self.speculation.max_draft
+        return {r: r.draft.wanted(self.cost, most, self.room(r)) for r in running}
+
+    def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
+        """Whether a draft may come, looked at with the tokens already known (without the step in flight's,
+        whose reading stalls the GPU): a drafter that always has one says yes without looking."""
+        drafter = self.speculation.drafter
+        return drafter.always or any(drafter.propose([Ask(r.draft.drafts, rows[r.row].held, (r.last_token,), 1)
+                                                      for r, k in wanted.items() if k]))
+
+    def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows) -> list[list[int]] | None:
+        """Each running request's draft (in row order), asked of the drafter in one call; None where none was
+        found: the step is a plain one."""
+        asking = [r for r in running if wanted.get(r) and self.room(r) > 0]
+        if not asking:
+            return None
+        proposed = self.speculation.drafter.propose(
+            [Ask(r.draft.drafts, rows[r.row].held, (r.last_token,), min(wanted[r], self.room(r))) for r in asking])
+        found = {r: self.cut(r, draft) for r, draft in zip(asking, proposed)}
+        drafts = [found.get(r, []) for r in running]
+        return drafts if any(drafts) else None
+
+    def room(self, r: Request) -> int:
+        """Tokens `r` may draft: what its reply's length and the context leave after this step's own token."""
+        return min(r.params.max_new_tokens - r.stream.stats.new_tokens, self.context - r.position) - 1
+
+    @staticmethod
+    def cut(r: Request, draft: list[int]) -> list[int]:
+        """`draft` cut after a stop id, and where `r` has a grammar, to what it allows before any stop id (its
+        masks are made through the draft)."""
+        ends = [i for i, t in enumerate(draft) if t in r.stop_ids]
+        if r.grammar is not None:
+            draft = draft[:ends[0] if ends else len(draft)]
+            return draft[:r.grammar.allowed_prefix(draft)]
+        return draft[:ends[0] + 1] if ends else draft
