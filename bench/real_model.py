@@ -45,7 +45,7 @@ from timing import report  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from engine_builder.onnxruntime_backend import cpu_model  # noqa: E402
 from pipeline.llm.evaluate import TextScore, agreement, score_text, score_windows  # noqa: E402
-from pipeline.llm.model import Decode, KVCache, Prefill, RotaryTables  # noqa: E402
+from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows  # noqa: E402
 from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 
 MODEL_ID = "builtin/smollm2-135m-instruct"
@@ -235,7 +235,7 @@ class BareLoop:
         for i in range(n - 1):
             pos = len(ids) + i
             kv_len = min(-(-(pos + 1) // 256) * 256, self.context + 1)
-            step = Decode(torch.tensor([pos]), torch.tensor([0]), kv_len)
+            step = (Rows(torch.tensor([pos]), torch.tensor([0]), kv_len),)
             token = int(self.model(self.cache, self.rope, step, tokens=torch.tensor([[token]]))[0, -1].argmax())
             tokens.append(token)
         end = time.perf_counter()
@@ -266,8 +266,8 @@ def step_breakdown(model, hf, ids: tuple[int, ...], steps: int) -> dict:
         worst = 0.0
         for i in range(steps):
             pos = len(ids) + i
-            kv_len = min(-(-(pos + 1) // 256) * 256, context + 1)  # the engine's bucket (ModelRunner.decode)
-            step = Decode(torch.tensor([pos]), torch.tensor([0]), kv_len)
+            kv_len = min(-(-(pos + 1) // 256) * 256, context + 1)  # the engine's bucket (ModelRunner._rows_input)
+            step = (Rows(torch.tensor([pos]), torch.tensor([0]), kv_len),)
             a = time.perf_counter()
             logits = model(caches[0], rope, step, tokens=torch.tensor([[tok["ours"]]]))[0, -1]
             tok["ours"] = int(logits.argmax())
@@ -312,7 +312,7 @@ def step_breakdown(model, hf, ids: tuple[int, ...], steps: int) -> dict:
             nonlocal pos
             for _ in range(n):
                 pos += 1
-                model(caches[0], rope, Decode(torch.tensor([pos]), torch.tensor([0]), 256),
+                model(caches[0], rope, (Rows(torch.tensor([pos]), torch.tensor([0]), 256),),
                       tokens=torch.tensor([[5]]))[0, -1].argmax()
 
         def hf_steps(n):

@@ -78,7 +78,7 @@ def verify_part(res: dict, layers: int) -> None:
     from llm_engine import random_qwen25_7b
     from pipeline.cuda_graphs import CapturedCall
     from pipeline.llm.engine.model_runner import CHUNK_ATTENTION
-    from pipeline.llm.model import Chunk, Decode, KVCache, RotaryTables, Verify
+    from pipeline.llm.model import Chunk, KVCache, RotaryTables, Rows
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit import rows_as_one_row
     from plugins.lowbit_tuning import TunedConfigs
@@ -100,7 +100,7 @@ def verify_part(res: dict, layers: int) -> None:
             decode_in = torch.tensor([[5], [CONTEXT], [0]], device="cuda")
 
             def decode(inputs: torch.Tensor) -> torch.Tensor:
-                return model(cache, rope, Decode(inputs[1], inputs[2], 2048), tokens=inputs[0, :, None])[:, -1]
+                return model(cache, rope, (Rows(inputs[1], inputs[2], 2048),), tokens=inputs[0][None])[0]
 
             graph = CapturedCall(decode, decode_in, pool=pool)
             row["decode_ms"] = round(cuda_ms(graph.replay, warm=5, iters=50), 4)
@@ -109,16 +109,16 @@ def verify_part(res: dict, layers: int) -> None:
                 chunk_in = torch.tensor([*([7] * size), 0, CONTEXT, 0], device="cuda")
 
                 def chunk(inputs: torch.Tensor, size: int = size) -> torch.Tensor:
-                    step = Chunk(inputs[size:size + 1], inputs[size + 1:size + 2], inputs[size + 2:size + 3], 2048)
+                    step = Chunk(inputs[size:size + 1], inputs[size + 1:size + 2], inputs[size + 2:size + 3], 2048, size)
                     with sdpa_kernel(CHUNK_ATTENTION):
-                        return model(cache, rope, step, tokens=inputs[None, :size], last_only=False)
+                        return model(cache, rope, (step,), tokens=inputs[None, :size])
 
                 verify_in = torch.tensor([[7] * size + [CONTEXT, 0]], device="cuda")
 
                 def verify(inputs: torch.Tensor, size: int = size, exact: bool = True) -> torch.Tensor:
-                    step = Verify(inputs[:, size], inputs[:, size + 1], 2048)
+                    step = Rows(inputs[:, size], inputs[:, size + 1], 2048, per_row=size)
                     with rows_as_one_row(exact):  # as the engine runs one chat's verify step
-                        return model(cache, rope, step, tokens=inputs[:, :size], last_only=False)
+                        return model(cache, rope, (step,), tokens=inputs[:, :size].reshape(1, -1))
 
                 steps = [("chunk", chunk, chunk_in), ("verify", verify, verify_in)]
                 if mode != "none":  # the batch kernels for the verify rows: faster, but they round otherwise
@@ -132,8 +132,8 @@ def verify_part(res: dict, layers: int) -> None:
             drafted = torch.tensor([[11, 12, 13, 14, 15]], device="cuda")
             starts, tables = torch.tensor([CONTEXT], device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
             with rows_as_one_row():
-                verified = model(cache, rope, Verify(starts, tables, 2048), tokens=drafted, last_only=False)[0].float()
-            stepped = torch.stack([model(cache, rope, Decode(starts + t, tables, 2048), tokens=drafted[:, t:t + 1])[0, -1]
+                verified = model(cache, rope, (Rows(starts, tables, 2048, per_row=5),), tokens=drafted)[0].float()
+            stepped = torch.stack([model(cache, rope, (Rows(starts + t, tables, 2048),), tokens=drafted[:, t:t + 1])[0, -1]
                                    for t in range(5)]).float()
             row["verify_vs_decode_logits_rel_err"] = round(((verified - stepped).norm() / stepped.norm()).item(), 5)
             row["verify_vs_decode_same_argmax"] = bool((verified.argmax(-1) == stepped.argmax(-1)).all())
@@ -166,11 +166,9 @@ def real_part(res: dict, max_new_tokens: int) -> None:
     greedy = SamplingParams(temperature=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens)
     res.update(device=torch.cuda.get_device_name() if device == "cuda" else "cpu", model=EMBEDDED,
                dtype=str(dtype).removeprefix("torch."), max_new_tokens=max_new_tokens)
-    engines = {"plain": lm.engine,  # and lookup as the app runs it (on a GPU the engine times its own steps)
+    engines = {"plain": lm.engine,  # and lookup as the app runs it (on a GPU the engine measures its steps as it starts)
                "lookup": TorchLLMEngine(lm.engine.model, lm.context, lm.engine.vocab_size, max_batch=4,
                                         speculation=prompt_lookup(device, low_bit=False))}
-    if device == "cuda":
-        engines["lookup"].runner.warm_verify(engines["lookup"].rows.kv)
     for kind, prompts in (("input_grounded", INPUT_GROUNDED), ("open_chat", OPEN_CHAT)):
         rows, replies = {}, {}
         for name, text in prompts.items():
@@ -344,7 +342,6 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
                 cost = GPU_LOW_BIT if mode != "none" else GPU_FLOAT
                 fast = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2, speculation=Speculation(
                     ShadowDrafts(r["prompt"], r["plain"], prompt, reply), cost, measured=True))
-                fast.runner.warm_verify(fast.rows.kv)
                 for _ in range(2):
                     stream = fast.submit(Prompt(prompt), params, set())
                     got = list(stream)

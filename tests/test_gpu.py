@@ -229,7 +229,7 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode, g
     kernel ran the verify rows and rounded otherwise; with one pinned buffer for every decode step's rows
     (before 2026-11-27) the graphed decode steps read the next step's tokens once the GPU fell behind.
     A Q4_K GGUF file's int4 keeps its blocks of 32 (`quant.int4_group`) and must hold to it too."""
-    from pipeline.llm.engine.model_runner import ModelRunner
+    from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner, RowsFeed
     from pipeline.llm.model import Decoder, KVCache
     from pipeline.llm.weights.config import DecoderConfig
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
@@ -252,14 +252,56 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode, g
         runner = ModelRunner(model, 512, config.vocab_size, max_batch=2)
         cache = KVCache(config, 2, runner.positions, torch.bfloat16, "cuda")
         with torch.inference_mode():
-            runner.prefill(cache, Prompt(tuple(range(3, 43))), 0, 0, 40, 0)
-            stepped = torch.stack([runner.decode(cache, 1, ([token], [40 + t], [0]), None, 41 + t)[0].clone()
+            runner.step(cache, None, [ChunkRead(Prompt(tuple(range(3, 43))), 0, 0, 40, 0, logits=False)], graphed=False)
+            stepped = torch.stack([runner.step(cache, RowsFeed(1, [[token]], [40 + t], [0], kv_need=41 + t))[0][0, 0].clone()
                                    for t, token in enumerate(tokens)])
             for size in (2, 3, 5, 9):
-                verified = runner.verify(cache, [tokens[:size]], [40], [0])[0]
+                verified = runner.step(cache, RowsFeed(1, [tokens[:size]], [40], [0], kv_need=40 + size))[0][0]
                 assert torch.equal(verified, stepped[:size]), (mode, gguf_type, one_row, size,
                                                                (verified - stepped[:size]).abs().max())
         runner.close()
+
+
+def test_two_engines_over_one_int4_model_at_once_give_what_each_gives_alone():
+    """A plain and a speculating engine over one int4 model, decoding at the same time on their two streams,
+    each give the greedy replies they give alone, and the speculating one plain decoding's, round after
+    round. Before each runner had its own split-K scratch (2026-11-27), the two shared one model's
+    arrival counters: a race left a counter off zero, every later call on that tile added the wrong
+    partials, and int4 speculation's replies parted from plain decoding's in some runs and not in others."""
+    import threading
+
+    from pipeline.llm.model import Decoder
+    from pipeline.llm.weights.config import DecoderConfig
+    from pipeline.llm.weights.quant import quantize_decoder, use_kernels
+    from pipeline.llm.engine.speculation import GPU_LOW_BIT, PromptLookup, Speculation
+    from plugins.lowbit_tuning import TunedConfigs
+
+    config = DecoderConfig(family="qwen2", vocab_size=1024, hidden_size=1024, intermediate_size=4096, num_layers=4,
+                           num_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=2048, qkv_bias=True)
+    torch.manual_seed(0)
+    model = quantize_decoder(Decoder(config).to(torch.bfloat16), "int4", "cuda").cuda().eval()
+    use_kernels(model, TunedConfigs())
+    prompts = [Prompt(tuple(int(t) for t in torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n))))
+               for n in (40, 300, 700)]
+    params = SamplingParams(max_new_tokens=96, temperature=0, repetition_penalty=1.0)
+    plain = TorchLLMEngine(model, 2048, 1024, max_batch=4)
+    fast = TorchLLMEngine(model, 2048, 1024, max_batch=4, speculation=Speculation(PromptLookup(), GPU_LOW_BIT))
+
+    def replies(engine) -> list[list[int]]:  # one chat at a time: its verify rows round as its decode steps
+        return [list(engine.submit(p, params, set())) for p in prompts]
+
+    alone = replies(plain)
+    assert replies(fast) == alone
+    for _ in range(3):
+        beside: list = []
+        thread = threading.Thread(target=lambda: beside.append(replies(plain)))
+        thread.start()
+        together = replies(fast)
+        thread.join()
+        assert together == alone and beside == [alone]
+    assert fast.status()["drafted_tokens"] > 0
+    plain.close()
+    fast.close()
 
 
 def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
@@ -326,7 +368,7 @@ def test_the_sampling_kernels_draw_the_reference_tokens_at_qwens_vocabulary(monk
 
 
 def test_speculation_on_gpu_keeps_greedy_replies(studio_cache):
-    """On the GPU (CUDA graphs for the verify steps, the engine timing its own steps): prompt lookup and a
+    """On the GPU (CUDA graphs for the verify steps, the engine measuring them as it starts): prompt lookup and a
     draft model (the model drafting for itself, through an engine of its own) give plain decoding's
     greedy tokens, and drafts were checked and kept. fp32, so that a verify step's GEMM and a decode
     step's GEMV round alike (in bf16 they need not: `bench/RESULTS.md`, issue 32)."""

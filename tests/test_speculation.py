@@ -172,3 +172,82 @@ def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, ke
     plain, _ = replies(model, None, range(200), **penalties)
     assert speculative == plain
     assert status["accepted_tokens"] >= kept, status
+
+
+# ---- one ask per step, and no clock -------------------------------------------------------------------------
+
+def test_a_draft_model_is_asked_once_per_step_for_all_rows_and_drafts_them_as_one_batch(model):
+    """Three chats speculate with a draft model (the model drafting for itself through an engine of its
+    own): each engine step asks the drafter once, for every row that drafts, and the draft engine runs
+    those drafts side by side. The replies are plain decoding's."""
+    from pipeline.llm.engine.draft_model import DraftModel
+
+    params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
+    prompts = [Prompt(tuple(range(5 + i, 25 + i))) for i in range(3)]
+    plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=4)
+    expected = [list(plain.submit(p, params, set())) for p in prompts]
+    plain.close()
+    drafter_engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=4)
+    drafter = DraftModel(drafter_engine, "itself")
+    engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=4, speculation=Speculation(drafter, CPU))
+    calls, propose = [], drafter.propose
+    drafter.propose = lambda asks: calls.append((engine.steps, len(asks))) or propose(asks)
+    streams = [engine.submit(p, params, set()) for p in prompts]
+    assert [list(s) for s in streams] == expected
+    status = engine.status()
+    engine.close()
+    steps = [step for step, _ in calls]
+    assert len(steps) == len(set(steps)), calls  # one call a step
+    assert max(n for _, n in calls) == 3 and drafter_engine.status()["most_running"] == 3, calls  # one batch
+    assert status["accepted_tokens"] > 0
+
+
+class FirstRight(PerRequest):
+    """Drafts the reply's next token right and the ones after it wrong: half of each draft kept at best, so
+    how long a draft pays depends on what a verify step costs."""
+
+    always, name = True, "first right"
+
+    def __init__(self, prompt: Prompt, reply: list[int]):
+        self.prompt, self.reply = prompt, reply
+
+    def index(self) -> "FirstRight":
+        return self
+
+    def close(self) -> None:
+        """Nothing held."""
+
+    def draft(self, history, k: int, last=()) -> list[int]:
+        made = len(history) + len(last) - len(self.prompt)
+        return [t if i == 0 else t + 1 for i, t in enumerate(self.reply[made:made + k])]
+
+
+def test_which_steps_verify_follows_from_the_tokens_not_from_the_clock(model):
+    """Two engines, one of whose steps take 50 ms longer when they check drafts: the same steps verify,
+    with the same drafts kept (a step's cost is fixed while an engine runs; the engine once timed its own
+    steps, so a busy machine changed what it drafted from run to run)."""
+    prompt = Prompt(tuple(range(5, 35)))
+    params = SamplingParams(max_new_tokens=30, temperature=0, repetition_penalty=1.0)
+    plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2)
+    reply = list(plain.submit(prompt, params, set()))
+    plain.close()
+
+    def run(slow: bool) -> dict:
+        engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
+                                speculation=Speculation(FirstRight(prompt, reply), CPU, measured=True))
+        if slow:
+            step = engine.runner.step
+
+            def slow_verify(cache, rows, *args, **kwargs):
+                if rows is not None and rows.tokens is not None and len(rows.tokens[0]) > 1:
+                    time.sleep(0.05)
+                return step(cache, rows, *args, **kwargs)
+
+            engine.runner.step = slow_verify
+        tokens = list(engine.submit(prompt, params, set()))
+        status = engine.status()
+        engine.close()
+        return {"tokens": tokens, **{k: status[k] for k in ("verify_steps", "drafted_tokens", "accepted_tokens")}}
+
+    quick, slow = run(False), run(True)
+    assert quick == slow and quick["tokens"] == reply and quick["verify_steps"] > 0, (quick, slow)
