@@ -205,3 +205,24 @@ def test_a_short_prompt_is_not_queued_behind_a_long_ones_prefill(model):
     assert calls.index(shorts[-1]) <= 4  # within two steps of joining: not after the long one's 20 chunks
     assert calls[-1][0] == "long" and calls[-1][2] == 300
     engine.close()
+
+
+def test_with_nothing_running_a_short_prompt_waits_for_one_chunk_of_a_long_ones_read(model):
+    """Nothing decoding, a 700-token prompt read in chunks of 8 × 16 = 128, and a 10-token prompt that joins
+    during its first chunk: the next step reads all of the short one beside 118 of the long one, so the
+    short one's first token is drawn in the second step (before: the long prompt was read whole, and the
+    short one waited for all of it). Both replies are the unchunked engine's."""
+    engine = engine_of(model, 16)
+    long, short = Prompt(ids_of(4, 700)), Prompt(ids_of(5, 10))
+    calls, joined = [], []
+
+    def each_chunk(prompt, start, end):
+        calls.append(("long" if prompt is long else "short", start, end))
+        if prompt is long and start == 0:
+            joined.append(engine.submit(short, GREEDY, set()))
+
+    spy_on_prefill(engine, each_chunk)
+    long_tokens = list(engine.submit(long, GREEDY, set()))
+    assert list(joined[0]) == alone(model, short) and long_tokens == alone(model, long)
+    assert calls[:3] == [("long", 0, 128), ("long", 128, 246), ("short", 0, 10)], calls[:4]
+    engine.close()

@@ -22,9 +22,9 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.bias import causal_lower_right
 
 from pipeline.llm.weights.config import DecoderConfig
+from plugins.chunk_attention import prefill_attention
 from plugins.fused import FUSED, Kernels
 
 
@@ -295,7 +295,8 @@ class Attention(nn.Module):
             k_cache[part.row, :, part.start:end] = k[0].transpose(0, 1)
             v_cache[part.row, :, part.start:end] = v[0].transpose(0, 1)
             keys, values = k_cache[part.row:part.row + 1, :, :end], v_cache[part.row:part.row + 1, :, :end]
-            mask = None if part.start == 0 else causal_lower_right(size, end)
+            y = prefill_attention(q.transpose(1, 2), keys, values, part.start)
+            return y[0].transpose(0, 1).reshape(size, c.q_size)
         else:
             k_cache[part.row, :, span.positions] = k[0]
             v_cache[part.row, :, span.positions] = v[0]
@@ -304,7 +305,7 @@ class Attention(nn.Module):
             if logn is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
                 return _flash_chunk(q[0], keys[0], values[0], part).reshape(size, c.q_size)
             mask = torch.arange(part.kv_len, device=q.device)[None] <= span.positions[:, None]
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=mask is None,
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                            enable_gqa=keys.shape[1] != c.num_heads)
         return y[0].transpose(0, 1).reshape(size, c.q_size)
 

@@ -51,10 +51,13 @@ class Request:
 
 
 class Scheduler:
-    """`step_tokens` None or 0: no budget, a joining prompt is read whole in one step (for comparison)."""
+    """`step_tokens`: each step's budget while requests run; `lone_tokens`: while none runs. None: no
+    budget, a prompt is read whole in one step."""
 
-    def __init__(self, max_batch: int, rows: CacheRows, step_tokens: int | None = None):
-        self.max_batch, self.rows, self.step_tokens = max_batch, rows, step_tokens
+    def __init__(self, max_batch: int, rows: CacheRows, step_tokens: int | None = None,
+                 lone_tokens: int | None = None):
+        self.max_batch, self.rows = max_batch, rows
+        self.step_tokens, self.lone_tokens = step_tokens or None, lone_tokens or None
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # running[i] runs in cache row i
         self.prefilling: list[Request] = []  # prefilling[j] reads its prompt in row len(running) + j
@@ -98,19 +101,19 @@ class Scheduler:
         return reused
 
     def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
-        """This step's prompt chunks, as (request, the position its chunk ends at), in row order: the budget
-        left after one position per running request and the `drafted` tokens they check (at least one, so
-        that prompts always advance), shared
-        fairly among the prompts being read: each gets an equal part, and what a short one leaves goes to
-        the others (water-filling). So a short prompt that joins while a long one is read beside running
-        chats gets its first token after a step or two, not after the long one's whole prefill. With no
-        request running, or no budget (`step_tokens` None), prompts are read whole: on a CPU a prompt read
-        in chunks took 2.2× as long (each chunk's attention runs masked over all its keys; whole, causal
-        attention skips the masked half: `bench/RESULTS.md`, issue 41)."""
+        """This step's prompt chunks, as (request, the position its chunk ends at), in row order. The budget:
+        while requests run, `step_tokens` less one position per running request and the `drafted` tokens
+        they check (at least one, so that prompts always advance); with none running, `lone_tokens`. It is
+        shared fairly among the prompts being read: each gets an equal part, and what a short one leaves
+        goes to the others (water-filling). So a short prompt that joins while a long one is read gets its
+        first token after a step or two, not after the long one's whole prefill. No budget (None): prompts
+        are read whole (for comparison)."""
         reading = [r for r in self.prefilling if r.position < len(r.sig)]  # not those whose first token is drawn
-        if not self.step_tokens or not self.running:
+        budget = (self.step_tokens - len(self.running) - drafted if self.step_tokens else None) if self.running \
+            else self.lone_tokens
+        if budget is None:
             return [(r, len(r.sig)) for r in reading]
-        room = max(self.step_tokens - len(self.running) - drafted, 1)
+        room = max(budget, 1)
         left = sorted(reading, key=lambda r: len(r.sig) - r.position)
         ends: dict[Request, int] = {}
         for i, r in enumerate(left):

@@ -43,6 +43,8 @@ from pipeline.llm.engine.scheduler import Request, Scheduler
 from pipeline.llm.engine.proposer import Proposer
 from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
 
+LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (2,048 by default)
+
 
 class TorchLLMEngine:
     """Continuous batching over a static KV cache; see the module docstring.
@@ -50,11 +52,10 @@ class TorchLLMEngine:
     `max_batch` (a power of two) requests decode together; `rows` cache rows (≥ max_batch) keep
     idle sessions' turns for reuse. Decode steps replay a CUDA graph per (batch bucket, context
     bucket) on a GPU and run eagerly on the CPU. `prefill_chunk`: each step's token budget while
-    requests run, shared by their decodes and the prompt chunks of joining ones (None or 0: a joining
-    prompt is read whole at once, stalling the running requests meanwhile). With 256, while a 4,000-token
-    prompt joins 7 chats at Qwen2.5-7B's shapes on an H100, a running chat waits at most ~3 decode steps
-    for a token instead of ~14, and the prompt's first token comes in ~290 ms instead of ~110
-    (`bench/chunked_prefill.py`, chunks as forwards of their own; each step is one forward now, `ModelRunner.step`).
+    requests run, shared by their decodes (and drafts) and the prompt chunks of joining ones; with none
+    running, prompts are read in chunks LONE times as long, so a prompt that joins then waits for one such
+    chunk, not for a long prompt's whole read (None or 0: a joining prompt is read whole at once, stalling
+    the running requests meanwhile; for comparison).
     """
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
@@ -70,7 +71,7 @@ class TorchLLMEngine:
         rows = max(rows or 2 * max_batch, max_batch)
         self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs)
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.embed.weight.dtype, self.device)
-        self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk)
+        self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
         self.outputs = Outputs(self.scheduler, self.rows, context, self.runner.to_host)
         self._pending: Launched | None = None  # the decode step in flight, its tokens not yet read
