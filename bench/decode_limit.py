@@ -327,7 +327,7 @@ def launch_part(res: dict, layers: int) -> None:
                 times[attempt] = {"failed": done.stderr[-2000:]}
                 break
             times[attempt] = json.loads(lines[-1])
-            print(attempt, times[attempt], flush=True)
+            print(attempt, {k: v for k, v in times[attempt].items() if k != "profile"}, flush=True)
         res["first_launch"] = times
         report(OUT_NAME, res)
 
@@ -342,16 +342,20 @@ def one_launch(folder: Path, engines: Path, spawned: float) -> None:
     from engine_builder.cache import EngineCache
     from studio.backends import load_language_model
 
+    from launch_profile import LaunchProfile
+
     t0 = time.perf_counter()
     report_, stamps = StartupReport(), []
-    with report_.listening(lambda line: stamps.append((round(time.perf_counter() - t0, 2), line))):
-        lm = load_language_model(folder, "qwen25-7b-random", device="cuda", dtype=torch.bfloat16, max_context=4096,
-                                 quant="int4", engines=EngineOptions(EngineCache(engines), report_))
-    with torch.inference_mode():
-        ids = tuple(i % lm.tokenizer.vocab_size for i in random_prompt(2, 64))  # the small tokenizer's ids
-        lm.engine.submit(Prompt(ids), dataclasses.replace(UI_DEFAULT, max_new_tokens=8), set()).wait()
-    ready = time.perf_counter() - t0
-    times = {"ready_s": round(ready, 1), "process_ready_s": round(time.time() - spawned, 1), "log": stamps}
+    with LaunchProfile() as profile:
+        with report_.listening(lambda line: stamps.append((round(time.perf_counter() - t0, 2), line))):
+            lm = load_language_model(folder, "qwen25-7b-random", device="cuda", dtype=torch.bfloat16,
+                                     max_context=4096, quant="int4", engines=EngineOptions(EngineCache(engines), report_))
+        with torch.inference_mode():
+            ids = tuple(i % lm.tokenizer.vocab_size for i in random_prompt(2, 64))  # the small tokenizer's ids
+            lm.engine.submit(Prompt(ids), dataclasses.replace(UI_DEFAULT, max_new_tokens=8), set()).wait()
+        ready = time.perf_counter() - t0
+    times = {"ready_s": round(ready, 1), "process_ready_s": round(time.time() - spawned, 1), "log": stamps,
+             "profile": profile.summary()}  # where the time went: Triton's compiles, and sampled stacks
     if on_disk := [at for at, line in stamps if "made and cached" in line]:
         times |= {"quantized_on_disk_at_s": on_disk[0], "ready_after_quantization_s": round(ready - on_disk[0], 1)}
     lm.engine.close()

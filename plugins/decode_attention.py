@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import warnings
 from collections.abc import Iterator
@@ -187,13 +188,16 @@ def _chunk(kv_len: int, programs_per_split: int, device: torch.device) -> int:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                     out: Tensor | None = None, tokens: int = 1) -> Tensor:
+                     out: Tensor | None = None, tokens: int = 1, compile_only: bool = False) -> Tensor:
     """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
     the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
     valid positions of each row, >= 1 and <= kv_len). Returns [B, heads*head_dim] in q's dtype, written
     into `out` when given. The launches depend on B and kv_len, never on the values in `lengths`.
     `tokens` > 1: that many queries per cache row, query b reading row b // tokens up to its own
-    length (a verify step's positions, causal among them by their lengths)."""
+    length (a verify step's positions, causal among them by their lengths). `compile_only`: compile the
+    kernels this call needs (in Triton's `AsyncCompileMode`: in the background) and launch nothing; what
+    they compile for depends on the dtypes, heads, head_dim and `tokens` only (every stride is a multiple
+    of 16), so small stand-in tensors compile a model's (`plugins.precompile.attention_calls`)."""
     global _failed
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -216,20 +220,26 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     dot = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32  # CPU tensors: the interpreter (tests)
     merge_args = (lengths, out, acc, ml, kv_len, chunk, n_splits)
     merge_kw = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, num_warps=4)
+
+    def launch(kernel, grid):
+        return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+
     try:
         if q.is_cuda and (q.device, q.dtype, kv_heads, group, dim) not in _merges_compiled:
             _merges_compiled.add((q.device, q.dtype, kv_heads, group, dim))
             for lanes in {_lanes(2 ** i, dim) for i in range(12)}:  # every lane count a length can ask for, now
                 _merge_kernel.warmup(*merge_args, LANES=lanes, grid=(batch * heads,), **merge_kw)
-        _split_kernel[(n_splits, batch * kv_heads)](
+        launch(_split_kernel, (n_splits, batch * kv_heads))(
             q, k_cache, v_cache, lengths, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim), KV_HEADS=kv_heads, GROUP=group,
             GROUP_PAD=group_pad, DIM=dim, BLOCK_N=max(16, min(64, 16384 // (dim * q.element_size()))), DOT=dot,
             PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=tokens,
             num_warps=8 if dim * q.element_size() >= 512 else 4,
             num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
-        _merge_kernel[(batch * heads,)](*merge_args, LANES=_lanes(n_splits, dim), **merge_kw)
+        launch(_merge_kernel, (batch * heads,))(*merge_args, LANES=_lanes(n_splits, dim), **merge_kw)
     except Exception as e:  # noqa: BLE001 - a Triton that cannot compile them falls back, once, saying so
+        if compile_only:  # compiled ahead: the step's own call decides
+            raise
         _failed = True
         warnings.warn(f"the decode-attention kernels did not compile ({type(e).__name__}: {e}); using the torch "
                       f"reference for them", stacklevel=2)

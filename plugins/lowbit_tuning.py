@@ -13,17 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from tqdm.auto import tqdm
 
 from plugins.lowbit import Config, LowBitWeight, kernel_for, triton
+from plugins.precompile import Case, compile_in_background, compile_now, prefill_calls, step_calls
 
 KERNEL_VERSION = "6"  # bump when the kernels change what a config means
 SPLITS = (1, 2, 4, 8, 16)
@@ -108,18 +107,34 @@ def tune_layers(weights: list[LowBitWeight], tuned: TunedConfigs) -> None:
 
 def compile_candidates(cases: list[tuple[LowBitWeight, int]], say: Callable[[str], None]) -> None:
     """Compile every candidate for these (layer, rows) at once on all CPU cores (Triton's
-    `AsyncCompileMode`; about a second each, one after another otherwise). Where this Triton lacks it,
-    the timing loop compiles each on first use. A candidate that fails to compile is left to it too."""
-    mode = getattr(triton, "AsyncCompileMode", None)
-    if mode is None:
-        return
-    start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool, mode(pool, ignore_errors=True):
-        for layer, rows in cases:
-            x = torch.empty(rows, layer.in_features, device=layer.data.device, dtype=layer.dtype)
-            for config in candidates(layer, rows):
-                layer(x, config, compile_only=True)
-    say(f"compiled the low-bit kernel candidates in {time.perf_counter() - start:.1f} s (all CPU cores)")
+    `AsyncCompileMode`; about a second each, one after another otherwise), those compiled ahead
+    (`compile_ahead`) excepted. Where this Triton lacks it, the timing loop compiles each on first use. A
+    candidate that fails to compile is left to it too."""
+    compile_now(candidate_cases(cases), say, "low-bit kernel candidates")
+
+
+def candidate_cases(cases: list[tuple[LowBitWeight, int]]) -> list[Case]:
+    return [(layer, rows, False, config) for layer, rows in cases for config in candidates(layer, rows)]
+
+
+def compile_ahead(stand_ins: list[LowBitWeight], tuned: TunedConfigs, verify: bool, others: list[Case] = ()) -> None:
+    """Start compiling, in the background, the kernels a load will need that depend on no weights, for
+    layers of these shapes (`LowBitWeight.stand_in`, one per shape): where `tuned` has a shape's configs,
+    every variant its steps can launch (`plugins.precompile.step_calls`; `verify`: the engine
+    speculates); where it lacks them, the tuning candidates and the prefill tiles (which tuning does not
+    change); and `others` (the decode attention's, `plugins.precompile.attention_calls`). `tune_layers`
+    and `compile_steps` wait for them (`settle`)."""
+    cases: list[Case] = list(others)
+    for w in stand_ins:
+        key = w.shape_key()
+        if all(f"{key} b{rows}" in tuned.configs for rows in CANDIDATES):
+            w.config, w.batch_config = tuned.configs[f"{key} b1"], tuned.configs[f"{key} b8"]
+            cases += [(w, *call) for call in step_calls(w, verify)]
+        else:
+            missing = [(w, rows) for rows in CANDIDATES if f"{key} b{rows}" not in tuned.configs]
+            cases += candidate_cases(missing) + [(w, *call) for call in prefill_calls(w)]
+    if stand_ins:
+        compile_in_background(cases, stand_ins[0].data.device, "kernels")
 
 
 def candidates(layer: LowBitWeight, rows: int) -> list[Config]:
@@ -130,7 +145,7 @@ def candidates(layer: LowBitWeight, rows: int) -> list[Config]:
 def fastest(layers: list[LowBitWeight], rows: int) -> Config:
     """The candidate that runs `rows` rows through `layers` (rotating through them) in the least time."""
     w0 = layers[0]
-    x = torch.randn(rows, w0.in_features, device=w0.data.device, dtype=w0.dtype)
+    x = torch.randn(rows, w0.in_features - w0.pad, device=w0.data.device, dtype=w0.dtype)  # the layer pads it
     best: tuple[float, Config] | None = None
     for config in candidates(w0, rows):
         try:

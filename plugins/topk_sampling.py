@@ -19,6 +19,8 @@ row's uniform number (a difference of ~1e-7).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -86,11 +88,14 @@ def applies(top_ks: list[int], temperatures: list[float], device: torch.device) 
         t == 0 or 0 < k <= K_MAX for k, t in zip(top_ks, temperatures))
 
 
-def sample_top_k(logits: Tensor, seen: Tensor, columns: Tensor, block: int = BLOCK) -> Tensor:
+def sample_top_k(logits: Tensor, seen: Tensor, columns: Tensor, block: int = BLOCK, compile_only: bool = False) -> Tensor:
     """Token ids [B] (int64) from `logits` [B, V] with the repetition mask `seen` [B, V] (bool) and the
     per-row numbers `columns` [5, B] (`pipeline.llm.engine.sampling.COLUMNS`: uniform, temperature, top-k,
     top-p, penalty; float32, on the logits' device). `block`: vocabulary entries per first-kernel program
-    (a power of two ≥ K_MAX; smaller in the interpreter's tests, where sorting 4096 entries takes seconds)."""
+    (a power of two ≥ K_MAX; smaller in the interpreter's tests, where sorting 4096 entries takes seconds).
+    `compile_only`: compile the two kernels for tensors like these (in Triton's `AsyncCompileMode`: in the
+    background, `plugins.precompile.compile_now`) and launch nothing: the block kernel alone took 5.3–5.6 s
+    to compile at a first launch's first sampled token (H200, 2026-11-27)."""
     rows, vocab = logits.shape
     blocks = triton.cdiv(vocab, block)
     candidates = torch.empty(rows, blocks * K_MAX, dtype=torch.int64, device=logits.device)
@@ -98,8 +103,11 @@ def sample_top_k(logits: Tensor, seen: Tensor, columns: Tensor, block: int = BLO
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     seen = seen.view(torch.int8)
-    _block_top_kernel[(rows, blocks)](logits, seen, columns, candidates, vocab, blocks, logits.stride(0),
-                                      seen.stride(0), columns.stride(0), BLOCK=block, K=K_MAX, num_warps=8)
-    _pick_kernel[(rows,)](candidates, columns, out, vocab, blocks, columns.stride(0),
-                          C=triton.next_power_of_2(blocks * K_MAX), K=K_MAX, num_warps=8)
+    def launch(kernel, grid):
+        return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+
+    launch(_block_top_kernel, (rows, blocks))(logits, seen, columns, candidates, vocab, blocks, logits.stride(0),
+                                              seen.stride(0), columns.stride(0), BLOCK=block, K=K_MAX, num_warps=8)
+    launch(_pick_kernel, (rows,))(candidates, columns, out, vocab, blocks, columns.stride(0),
+                                  C=triton.next_power_of_2(blocks * K_MAX), K=K_MAX, num_warps=8)
     return out

@@ -30,7 +30,8 @@ from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.text.prompt import Prompt
-from pipeline.llm.weights.quant import MODES, int4_group, kernel_unavailable, quantized_layers, use_kernels
+from pipeline.llm.weights.quant import (MODES, QuantLinear, empty_quantized, int4_group, kernel_stand_ins,
+                                        kernel_unavailable, quantized_layers, use_kernels)
 from studio.draft_choice import draft_modes, fastest_draft, record_name
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.engine.sampling import SamplingParams, checkpoint_defaults
@@ -39,7 +40,8 @@ from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
-from plugins.lowbit_tuning import TunedConfigs
+from plugins.precompile import attention_calls, compile_steps, settle
+from plugins.lowbit_tuning import TunedConfigs, compile_ahead
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")
 KV_SHARE_OF_FREE_MEMORY = 0.4  # of what is free (on the GPU, or under the budget) once the weights are in
@@ -155,14 +157,27 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
 
 
 def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype, device: torch.device,
-                  engines: EngineOptions | None) -> tuple[Decoder, str]:
-    """The decoder with `mode` weights on `device`, and how its layers run."""
+                  engines: EngineOptions | None, verify: bool = False) -> tuple[Decoder, str]:
+    """The decoder with `mode` weights on `device`, and how its layers run. On a GPU the low-bit kernels
+    its steps can launch (`verify`: speculative verify steps too) compile on all CPU cores, those that need
+    no weights while the weights load (`plugins.precompile`)."""
     say = engines.report.tell if engines is not None else (lambda line: None)  # long work and fallbacks
     if mode == "none":
         gguf_type = read_config(model_dir).gguf_type
         if gguf_type:  # read anew each launch (seconds for a 7B): say so, in the terminal and the UI
             say(f"{model_id}: dequantizing its {gguf_type} GGUF weights to {str(dtype).removeprefix('torch.')}")
         return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
+    tuned = TunedConfigs(say)
+    path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) \
+        if engines is not None and device.type == "cuda" else None
+    if path is not None and path.is_file():
+        tuned.from_json(path.read_text())
+    if device.type == "cuda":
+        config = read_config(model_dir)
+        with torch.device("meta"):
+            shapes = empty_quantized(Decoder(config).to(dtype), mode)
+        attention = attention_calls(config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, verify)
+        compile_ahead(kernel_stand_ins(shapes, device), tuned, verify, attention)
     try:
         model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
     except EngineBuildError as e:  # refused by its check, or its making failed: never used
@@ -170,13 +185,12 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
         return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     why = kernel_unavailable(model)
     if why is None:
-        tuned = TunedConfigs(say)
-        path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) if engines is not None else None
-        if path is not None and path.is_file():
-            tuned.from_json(path.read_text())
+        settle(say)  # the compiles begun above first: beside them, repacking the weights took 12 s, not 0.02 s
         use_kernels(model, tuned)
         if path is not None and tuned.changed:
             atomic_write(path, tuned.to_json())
+        if device.type == "cuda":
+            compile_steps([m.kernel for m in model.modules() if isinstance(m, QuantLinear)], verify, say)
         return model, f"{mode} weights (Triton low-bit kernels)"
     say(f"{model_id}: {why}")
     return model, f"{mode} weights (reference: dequantized per call)"
@@ -188,9 +202,8 @@ def warm_up(engine: TorchLLMEngine, model_id: str, say) -> None:
     user's first message does not pay for them in silence."""
     start = time.perf_counter()
     say(f"{model_id}: compiling the decode step's kernels and capturing its CUDA graph")
+    # (speculating, the engine first compiles and captures each draft size's verify step and measures it)
     engine.submit(Prompt(tuple(range(1, 9))), SamplingParams(max_new_tokens=4, seed=0), set()).wait()
-    if engine.speculation is not None:  # the verify step's kernels, one per draft size (the engine is idle)
-        engine.runner.warm_verify(engine.rows.kv)
     say(f"{model_id}: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
@@ -266,7 +279,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                                  checkpoint_defaults(model_dir))
         except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
             engines.report.tell(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
-    model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines)
+    model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines, speculate != "off")
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)

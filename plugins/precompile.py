@@ -1,0 +1,237 @@
+"""Compiling the kernels a model's steps can use at load (the low-bit ones, the decode attention's), all at
+once on every CPU core.
+
+Why: Triton compiles a kernel at its first launch, once for each distinct set of compile-time values:
+the constexprs (tile, loop step, rows per launch), and of the other arguments whether an integer is 1
+or a multiple of 16 and whether a pointer is 16-byte aligned. One after another that took a first
+launch of a 7B int4 chat tens of seconds, most of it in the speculative verify step's several-row
+GEMVs ("decode step ready in 37–43 s", H100, 2026-11-27). Here every variant a step can launch is
+listed per distinct layer shape (`step_calls`) and compiled in Triton's `AsyncCompileMode` on a pool
+of all cores, with progress in the terminal and through the loader's `say`; later steps (and their
+CUDA graph captures) find them compiled. Variants no step launches are not compiled
+(`tests/test_precompile.py`). With it no low-bit or attention kernel compiled one at a time in a first
+launch any more (H200, 2026-11-27, `bench/RESULTS.md`, "Quick to start").
+
+Two moments (`studio.backends.torch_decoder`): while the weights are still being read or quantized,
+a thread of its own (`Background`) compiles what needs no weights (layer stand-ins,
+`LowBitWeight.stand_in`: the tuning candidates on a new GPU, every step variant where the tuned configs
+are on disk); after tuning, `compile_steps` compiles the step variants of the tuned configs that are
+not compiled yet, and shows their progress.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+
+import torch
+from tqdm.auto import tqdm
+
+from plugins.decode_attention import decode_attention
+from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
+
+# A speculative verify step of one chat: its last token and k drafted ones, k one of the engine's draft
+# sizes (`pipeline.llm.engine.speculation.DRAFT_SIZES` = 1, 2, 4, 8), as one-row launches (`rows_as_one_row`).
+VERIFY_ROWS = (2, 3, 5, 9)
+# Representative row counts for the tensor-core kernel: every count in a class compiles to one kernel
+# (the rows are a value, but Triton compiles a multiple of 16 apart): 2–15 and 16 rows (the batch
+# shape, `batch_config`: decode batches, a verify step of several chats, short prompts); more rows
+# (prefill tiles, `prefill`), not a multiple of 16 and a multiple.
+BATCH_ROWS = (8, BLOCK_M)
+PREFILL_ROWS = (BLOCK_M + 1, 2 * BLOCK_M)
+
+# a layer, rows, as one-row launches, the launch shape; or a call that asks for other kernels (`compile_only`)
+Case = tuple[LowBitWeight, int, bool, Config] | Callable[[], object]
+
+
+def step_calls(layer: LowBitWeight, verify: bool) -> list[tuple[int, bool, Config]]:
+    """(rows, as one-row launches, config) of calls that launch, between them, every kernel variant a step
+    can launch on `layer` with its current configs: one row (a chat's decode step, a prompt's last
+    position), a verify step's rows as one-row launches (`verify`: the engine speculates), the batch
+    kernel's two row classes and the prefill tiles' two."""
+    calls = [(1, False, layer.config)]
+    calls += [(rows, True, layer.config) for rows in VERIFY_ROWS] if verify else []
+    calls += [(rows, False, layer.batch_config) for rows in BATCH_ROWS]
+    calls += [(rows, False, layer.prefill) for rows in PREFILL_ROWS]
+    return calls
+
+
+def prefill_calls(layer: LowBitWeight) -> list[tuple[int, bool, Config]]:
+    """The calls of `step_calls` that tuning does not change (prefill tiles have one launch shape)."""
+    return [(rows, False, layer.prefill) for rows in PREFILL_ROWS]
+
+
+def distinct_shapes(weights: Iterable[LowBitWeight]) -> list[LowBitWeight]:
+    """One layer per shape key: layers alike have the same configs, so the same kernels."""
+    return list({w.shape_key(): w for w in weights}.values())
+
+
+def attention_calls(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                    verify: bool) -> list[Callable[[], object]]:
+    """Calls that compile the decode-attention kernels a step launches (`plugins.decode_attention`: one
+    query per cache row, and `verify`: a verify step's VERIFY_ROWS per row, with every merge width), from
+    stand-in tensors of a few bytes: those kernels compile for the dtypes, the heads, head_dim and the
+    queries per row only."""
+    def call(tokens: int) -> None:
+        q = torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)
+        cache = torch.empty(1, kv_heads, 16, head_dim, dtype=dtype, device=device)
+        lengths = torch.ones(tokens, dtype=torch.long, device=device)
+        decode_attention(q, cache, cache, lengths, 16, tokens=tokens, compile_only=True)
+
+    return [functools.partial(call, tokens) for tokens in (1, *(VERIFY_ROWS if verify else ()))]
+
+
+def issue(cases: Iterable[Case]) -> list[str]:
+    """Ask for each case's kernels with `compile_only` (in `AsyncCompileMode`: queued, not waited for);
+    returns why any could not be asked for (left to compile at its first launch)."""
+    failed = []
+    for case in cases:
+        try:
+            if callable(case):
+                case()
+                continue
+            layer, rows, as_one_row, config = case
+            x = torch.empty(rows, layer.in_features - layer.pad, device=layer.data.device, dtype=layer.dtype)
+            with rows_as_one_row(as_one_row):
+                layer(x, config, compile_only=True)
+        except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation: the launch compiles it
+            what = f"{case[0].shape_key()} {case[1]} rows" if isinstance(case, tuple) else "decode attention"
+            failed.append(f"{what}: {type(e).__name__}: {e}")
+    return failed
+
+
+def workers() -> int:
+    return os.cpu_count() or 4
+
+
+class _Pool(ThreadPoolExecutor):
+    """A thread pool that keeps the futures of what it was given (one per compile Triton starts), and holds
+    it until `start`: asking for the kernels is Python work of the asking thread, and Triton's compiles
+    hold the GIL much of their time, so asked for while they ran it took seconds (12 variants: 4 s), and the
+    loader's own work beside them (repacking the weights: 12 s, 0.02 s alone; H200, 2026-11-27)."""
+
+    def __init__(self):
+        super().__init__(max_workers=workers(), thread_name_prefix="triton-compile")
+        self.futures: list[Future] = []
+        self._held: list[tuple] | None = []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if self._held is None:
+            future = super().submit(fn, *args, **kwargs)
+        else:
+            future = Future()
+            self._held.append((future, fn, args, kwargs))
+        self.futures.append(future)
+        return future
+
+    def start(self) -> None:
+        """Run what was held (and from now on, what is given at once)."""
+        held, self._held = self._held or [], None
+        for future, fn, args, kwargs in held:
+            super().submit(_run_into, future, fn, args, kwargs)
+
+
+def _run_into(future: Future, fn, args, kwargs) -> None:
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - the future carries it to whoever waits (Triton: ignored)
+            future.set_exception(e)
+
+
+def _mode():
+    return getattr(triton, "AsyncCompileMode", None) if triton is not None else None
+
+
+def compile_now(cases: list[Case], say: Callable[[str], None], what: str) -> int:
+    """Compile every kernel `cases` launch that is not compiled (or under way) yet, all at once; returns how
+    many were. Where this Triton lacks `AsyncCompileMode` each compiles at its first launch."""
+    settle(say)
+    mode = _mode()
+    if mode is None or not cases:
+        return 0
+    start, pool = time.perf_counter(), _Pool()
+    with pool, mode(pool, ignore_errors=True):  # leaving it waits for every compile and keeps the kernels
+        try:
+            failed = issue(cases)
+        finally:
+            pool.start()
+        if pool.futures:
+            say(f"compiling {len(pool.futures)} {what} on {workers()} CPU cores")
+        for _ in tqdm(as_completed(pool.futures), total=len(pool.futures), desc=f"compiling {what}", unit="kernel",
+                      file=sys.stderr, disable=not pool.futures):
+            pass
+    if failed:
+        say(f"{len(failed)} {what} left to compile at first use ({failed[0]})")
+    if pool.futures:
+        say(f"compiled {len(pool.futures)} {what} in {time.perf_counter() - start:.1f} s")
+    return len(pool.futures)
+
+
+def compile_steps(weights: Iterable[LowBitWeight], verify: bool, say: Callable[[str], None] = lambda line: None) -> int:
+    """Compile the kernel variants a step can launch on these layers (`step_calls`, per distinct shape,
+    with their tuned configs) that are not compiled yet; how many were."""
+    cases = [(w, *call) for w in distinct_shapes(weights) for call in step_calls(w, verify)]
+    return compile_now(cases, say, "low-bit kernel variants the steps use")
+
+
+class Background:
+    """Compiles running on all cores in a thread of their own while the caller goes on (reading weights):
+    the kernels are in Triton's cache from the moment they are asked for (a launch meanwhile waits for its
+    own), finished by `settle`."""
+
+    def __init__(self, cases: list[Case], device: torch.device, what: str):
+        self.what, self.started, self.finished, self.failed = what, time.perf_counter(), None, []
+        self.pool = _Pool()
+        self.thread = threading.Thread(target=self._run, args=(cases, device), daemon=True, name="kernel compiles")
+        _running.append(self)
+        self.thread.start()
+
+    def _run(self, cases: list[Case], device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # Triton compiles for the thread's current device
+        try:
+            with self.pool, _mode()(self.pool, ignore_errors=True):
+                try:
+                    self.failed = issue(cases)
+                finally:
+                    self.pool.start()
+        except Exception as e:  # noqa: BLE001 - as in `issue`: what did not compile compiles at its launch
+            self.failed.append(f"{type(e).__name__}: {e}")
+        self.finished = time.perf_counter()
+
+    def wait(self, say: Callable[[str], None]) -> None:
+        """Until every compile has finished, with a bar of those left."""
+        if self.thread.is_alive():
+            with tqdm(total=len(self.pool.futures), desc=f"compiling {self.what}", unit="kernel", file=sys.stderr) as bar:
+                while self.thread.is_alive():
+                    bar.total = len(self.pool.futures)
+                    bar.update(sum(f.done() for f in self.pool.futures) - bar.n)
+                    self.thread.join(0.1)
+                bar.total = len(self.pool.futures)
+                bar.update(bar.total - bar.n)
+        if self.failed:
+            say(f"{len(self.failed)} {self.what} left to compile at first use ({self.failed[0]})")
+        took = (self.finished or time.perf_counter()) - self.started
+        say(f"compiled {len(self.pool.futures)} {self.what} while the weights loaded ({took:.1f} s)")
+
+
+_running: list[Background] = []
+
+
+def compile_in_background(cases: list[Case], device: torch.device, what: str) -> Background | None:
+    """Start compiling `cases`' kernels in the background (see `Background`); None where this Triton cannot."""
+    if _mode() is None or not cases:
+        return None
+    return Background(cases, device, what)
+
+
+def settle(say: Callable[[str], None] = lambda line: None) -> None:
+    """Wait for the compiles started in the background (before timing kernels or compiling others)."""
+    while _running:
+        _running.pop(0).wait(say)
