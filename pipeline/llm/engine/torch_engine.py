@@ -195,13 +195,18 @@ class TorchLLMEngine:
     def _step(self) -> None:
         """One engine step: the drafts (where speculating), the prompt chunks the budget leaves room for,
         one forward over all of it, the draws; then the first tokens of the prompts the step before
-        finished are read (while the GPU works on this one), and their requests join the running ones."""
+        finished are read (while the GPU works on this one; first, where nothing decodes), and their
+        requests join the running ones. The host stays at most one step ahead of the GPU."""
         if self._pending is not None and self._pending.requests != self.scheduler.running:
             self._drain()  # the batch changed: this step's inputs come from the host
+        starting, self._starting = self._starting, []
+        if not self.scheduler.running:  # no GPU work to overlap: read them now, and they decode in this step
+            for step in starting:
+                self._guarded(step.requests, self.outputs.read, step, True)
+            starting = []
         drafts = self._propose() if self.speculation is not None and self.scheduler.running else None
         active = list(self.scheduler.running)
         chunks = self.scheduler.chunks(sum(map(len, drafts)) if drafts else 0)
-        starting, self._starting = self._starting, []
         if active or chunks:
             try:
                 self._launch(active, drafts, chunks)
@@ -210,6 +215,7 @@ class TorchLLMEngine:
                     raise
                 self._fail([r for r, _ in chunks], e)
                 self._drain()  # the rows were not advanced: their next step starts from the host
+            self.runner.one_step_ahead()
         for step in starting:
             self._guarded(step.requests, self.outputs.read, step, True)
 
