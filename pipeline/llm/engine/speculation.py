@@ -1,7 +1,7 @@
 """Speculative decoding's policy: where drafts come from, how many to check, and what a check costs.
 
-A decode step at batch 1 reads every weight for one token; a `Verify` step reads them once for the
-row's last token and k drafted after it, at little more cost (1.07-1.14x a decode step for k = 1..8 in
+A decode step at batch 1 reads every weight for one token; a verify step (the same step, its row feeding
+1 + k tokens) reads them once for the row's last token and k drafted after it, at little more cost (1.07-1.14x a decode step for k = 1..8 in
 bf16 at Qwen2.5-7B's shapes on an H100, `bench/speculative.py`). Each drafted token the model would
 have produced itself is a token gained. The drafts here come from *prompt lookup* (llama.cpp's
 `lookup`, vLLM's n-gram proposer): the longest recent n-gram of the conversation that ends the text so
@@ -16,7 +16,7 @@ pay runs as plain decode steps. The cost is fixed while the engine runs (measure
 a GPU: `ModelRunner.verify_cost`), never read from the clock between steps: which steps verify follows
 from the tokens alone, the same in every run. A drafter is asked once per step for every row that drafts
 (`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Which token is kept is the sampler's business
-(`Sampler.verify_draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
+(`Sampler.draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
 tokens, exactly those of plain decoding.
 """
 
