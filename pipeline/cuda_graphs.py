@@ -28,7 +28,10 @@ class CapturedCall:
                 fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another thread's engine (a second chat model, a draft model's, SAM's) may launch,
+        # synchronise or allocate on its own stream meanwhile; in the default global mode that invalidated
+        # this capture ("operation not permitted when stream is capturing", two engines at once, H200)
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.outputs = fn(*self.inputs)
 
     def __call__(self, *args: Tensor | None):
