@@ -258,10 +258,10 @@ class ShadowDrafts(PerRequest):
         from pipeline.llm.engine.speculation import PromptLookup
 
         self.cases = cases
-        self.lookups = [PromptLookup().index() for _ in cases]
+        self.lookups = [PromptLookup().index() for _ in cases]  # a request's own: an index only grows
 
     def index(self) -> "ShadowDrafts":
-        return self
+        return ShadowDrafts(self.cases)
 
     def close(self) -> None:
         """Nothing held."""

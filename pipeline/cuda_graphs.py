@@ -8,6 +8,7 @@ copies of the outputs. Callers keep one per shape and serialise calls (the buffe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -18,21 +19,30 @@ def _clone(out):
     return tuple(_clone(o) for o in out) if isinstance(out, tuple) else out.clone()
 
 
+# One capture at a time in the process. Engines run on threads of their own (a chat model, a draft model,
+# SAM) and capture at first use of a shape: two captures at once shared torch's one default capture stream
+# ("beginAllocateToPool: already recording to mempool_id", H200, two engines over one model). Each capture
+# now has its own stream too; the lock costs nothing once the shapes are captured.
+_CAPTURING = threading.Lock()
+
+
 class CapturedCall:
     def __init__(self, fn: Callable, *example: Tensor | None, pool=None):
         self.inputs = [t.clone() if t is not None else None for t in example]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
-            for _ in range(2):
-                fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's engine (a second chat model, a draft model's, SAM's) may launch,
-        # synchronise or allocate on its own stream meanwhile; in the default global mode that invalidated
-        # this capture ("operation not permitted when stream is capturing", two engines at once, H200)
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.outputs = fn(*self.inputs)
+        with _CAPTURING:
+            with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
+                for _ in range(2):
+                    fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's engine may launch, synchronise or allocate on its own stream
+            # meanwhile; in the default global mode that invalidated this capture ("operation not permitted
+            # when stream is capturing", two engines at once, H200)
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                self.outputs = fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(stream)
 
     def __call__(self, *args: Tensor | None):
         for buffer, value in zip(self.inputs, args):
