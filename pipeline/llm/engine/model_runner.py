@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
@@ -120,9 +121,8 @@ class ModelRunner:
         graphed = graphed and self.use_cuda_graphs and all(map(self.graphable, chunks))
         rows_in, shape = self._rows_input(rows) if rows is not None else (None, (0, 0, 0, 0))
         bucket, per_row, need, kv_len = shape
-        specs = tuple((pow2_at_least(c.end - c.start), min(pow2_at_least(c.start + pow2_at_least(c.end - c.start)),
-                                                           self.scratch + 1), c.logits) if graphed
-                      else (c.end - c.start, 0, c.logits) for c in chunks)
+        specs = tuple(self._chunk_shape(c, graphed) for c in chunks)
+        begins = list(itertools.accumulate((size for size, _, _ in specs), initial=0))  # each chunk's ids in chunk_in
         ids = [[*c.prompt.ids[c.start:c.end], *[0] * (size - c.end + c.start)] for c, (size, _, _) in zip(chunks, specs)]
         meta = [[c.row, c.start, c.table, c.end - c.start - 1] for c in chunks] if graphed else []
         chunk_in = None
@@ -138,10 +138,9 @@ class ModelRunner:
                 tokens.append(rows_in[:, :per_row].flatten())
                 parts.append(Rows(rows_in[:, per_row], rows_in[:, per_row + 1], kv_len, per_row))
                 outputs.append(torch.arange(bucket * per_row, device=self.device))
-            offset, at = bucket * per_row, sum(size for size, _, _ in specs)
+            offset, at = bucket * per_row, begins[-1]  # the chunks' row, start, table, last come after their ids
             for i, (c, (size, chunk_kv, logits)) in enumerate(zip(chunks, specs)):
-                begin = sum(s for s, _, _ in specs[:i])
-                tokens.append(chunk_in[begin:begin + size])
+                tokens.append(chunk_in[begins[i]:begins[i + 1]])
                 if graphed:
                     m = chunk_in[at + 4 * i:at + 4 * i + 4]
                     parts.append(Chunk(m[0:1], m[1:2], m[2:3], chunk_kv, size))
@@ -165,6 +164,14 @@ class ModelRunner:
         out = out[0, :, :self.vocab_size]
         rows_logits = out[:bucket * per_row].view(bucket, per_row, -1)[:rows.n, :need] if rows is not None else None
         return rows_logits, list(out[bucket * per_row:])
+
+    def _chunk_shape(self, chunk: ChunkRead, graphed: bool) -> tuple[int, int, bool]:
+        """(tokens it feeds, key length it reads, its logits wanted): graphed, its ids are padded to a power
+        of two and its keys read up to one, so that a graph serves many chunks; eagerly, as they are."""
+        if not graphed:
+            return chunk.end - chunk.start, 0, chunk.logits
+        size = pow2_at_least(chunk.end - chunk.start)
+        return size, min(pow2_at_least(chunk.start + size), self.scratch + 1), chunk.logits
 
     def _rows_input(self, rows: RowsFeed) -> tuple[Tensor, tuple[int, int, int, int]]:
         """The rows' inputs on the device [bucket, T + 2] (tokens, start, table; padding rows write the
