@@ -1,5 +1,5 @@
 """A short prompt sent while a long one is being read, on this machine's CPU: both prompts' times to first
-token with a lone prompt read in chunks (the engine now: 8 × the step budget of 256, so 2,048 tokens a
+token with a lone prompt read in chunks (the engine now: 8 × the step budget of 128, so 1,024 tokens a
 step) against each prompt read whole, in the same run; and a chunk's attention per layer, the old
 function (SDPA over the materialised lower-right causal mask) against `plugins.chunk_attention`'s.
 
@@ -43,7 +43,7 @@ from plugins.chunk_attention import prefill_attention  # noqa: E402
 
 MODEL_ID = "builtin/smollm2-135m-instruct"
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0)
-CHUNK = 2048  # what the engine reads of a lone prompt a step under its default budget (8 × 256)
+CHUNK = 1024  # what the engine reads of a lone prompt a step under its default budget (8 × 128)
 
 
 def old_prefill_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
@@ -153,9 +153,9 @@ def main() -> None:
     c = model.config
     attention = attention_per_layer(c.num_heads, c.num_kv_heads, c.head_dim, args.long)
 
-    modes = {f"chunks of {CHUNK} (now)": (256, prefill_attention), "whole": (None, prefill_attention)}
+    modes = {f"chunks of {CHUNK} (now)": (CHUNK // 8, prefill_attention), "whole": (None, prefill_attention)}
     if args.old:
-        modes[f"chunks of {CHUNK}, old attention"] = (256, old_prefill_attention)
+        modes[f"chunks of {CHUNK}, old attention"] = (CHUNK // 8, old_prefill_attention)
     alone: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits every mode alike
         for name, (chunk, fn) in modes.items():

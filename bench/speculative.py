@@ -80,13 +80,11 @@ OPEN_CHAT = {
 def verify_part(res: dict, layers: int) -> None:
     from llm_engine import random_qwen25_7b
     from pipeline.cuda_graphs import CapturedCall
-    from pipeline.llm.engine.model_runner import CHUNK_ATTENTION
     from pipeline.llm.model import Chunk, KVCache, RotaryTables, Rows
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit import rows_as_one_row
     from plugins.lowbit_tuning import TunedConfigs
     from timing import cuda_ms
-    from torch.nn.attention import sdpa_kernel
 
     for mode in ("none", "int4"):
         started = time.perf_counter()
@@ -113,8 +111,7 @@ def verify_part(res: dict, layers: int) -> None:
 
                 def chunk(inputs: torch.Tensor, size: int = size) -> torch.Tensor:
                     step = Chunk(inputs[size:size + 1], inputs[size + 1:size + 2], inputs[size + 2:size + 3], 2048, size)
-                    with sdpa_kernel(CHUNK_ATTENTION):
-                        return model(cache, rope, (step,), tokens=inputs[None, :size])
+                    return model(cache, rope, (step,), tokens=inputs[None, :size])
 
                 verify_in = torch.tensor([[7] * size + [CONTEXT, 0]], device="cuda")
 

@@ -20,6 +20,12 @@ reads all splits x group x head_dim partials alone, so at batch 1 with 4 kv head
 where the separate merge, spread over B x heads programs, takes 8-15 us (kv_len 4096-16384, Qwen2.5-7B
 shapes; masked SDPA: 17-23 us).
 
+A prompt chunk (`row` given) runs the same two launches, each split program scoring a tile of the chunk's
+queries (all q heads of a kv head) so each key is loaded once per tile: FlashAttention's variable-length
+kernel, which it replaced, gives one program per (128 queries, head) and reads the earlier keys serially,
+so 7 running chats' step grew from 8.6 to 12.2 ms while an 8th read its 4,000 tokens in chunks of 256
+(H200, 2026-11-27).
+
 On the CPU, or without Triton, `decode_attention` runs `decode_attention_reference`.
 """
 
@@ -47,14 +53,15 @@ def _use_triton(x: Tensor) -> bool:
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                               out: Tensor | None = None, tokens: int = 1) -> Tensor:
+                               out: Tensor | None = None, tokens: int = 1, row: Tensor | None = None) -> Tensor:
     """q [B, heads, head_dim]; caches [rows, kv_heads, max_seq, head_dim]; query b attends to positions
-    0..lengths[b]-1 of cache row b // tokens (within the first kv_len). Math in fp32; returns
-    [B, heads*head_dim]."""
+    0..lengths[b]-1 of cache row b // tokens (of row `row` [1] when given), within the first kv_len. Math in
+    fp32; returns [B, heads*head_dim]."""
     batch, heads, dim = q.shape
     group = heads // k_cache.shape[1]
-    keys = k_cache[:batch // tokens, :, :kv_len].float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
-    values = v_cache[:batch // tokens, :, :kv_len].float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
+    rows = row if row is not None else torch.arange(batch // tokens, device=q.device)
+    keys = k_cache[:, :, :kv_len].index_select(0, rows).float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
+    values = v_cache[:, :, :kv_len].index_select(0, rows).float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
     scores = torch.einsum("bhd,bhnd->bhn", q.float(), keys) / math.sqrt(dim)
     valid = torch.arange(kv_len, device=q.device) < lengths[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
@@ -67,26 +74,35 @@ if triton is not None:
     # Triton would otherwise compile a kernel again where a length first equals 1 or the splits reach a new
     # power of two (a short context, a verify step's few splits), in the middle of a reply (seen on an H100:
     # 0.2-0.4 s each).
-    @triton.jit(do_not_specialize=["kv_len", "chunk", "n_splits"])
-    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, acc_ptr, ml_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
-                      kv_len, chunk, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    @triton.jit(do_not_specialize=["batch", "kv_len", "chunk", "n_splits"])
+    def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, row_ptr, acc_ptr, ml_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
+                      batch, kv_len, chunk, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
-                      PRECISION: tl.constexpr, TOKENS: tl.constexpr):
+                      PRECISION: tl.constexpr, TOKENS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
+                      ROW: tl.constexpr):
         # DOT: the dtype of tl.dot's operands (the cache's, or float32 under the interpreter, whose dot
-        # multiplies bf16 bit patterns as integers; bf16 products are exact in fp32, so the numbers agree)
-        split, bh = tl.program_id(0), tl.program_id(1)
-        b, kh = bh // KV_HEADS, bh % KV_HEADS
-        length = tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len)
+        # multiplies bf16 bit patterns as integers; bf16 products are exact in fp32, so the numbers agree).
+        # A program scores QUERIES consecutive queries of one cache row (ROWS >= QUERIES x GROUP rows, query
+        # qi's head g at row qi * GROUP + g; one query: its group padded to GROUP_PAD rows); ROW: the cache
+        # row is read from row_ptr (a prompt chunk), else it is the first query's // TOKENS.
+        split, tile_kh = tl.program_id(0), tl.program_id(1)
+        tile, kh = tile_kh // KV_HEADS, tile_kh % KV_HEADS
+        r, d = tl.arange(0, ROWS), tl.arange(0, DIM)
+        qi, g = r // GROUP, r % GROUP
+        b = tile * QUERIES + qi
+        real = (qi < QUERIES) & (b < batch)  # rows past the tile's queries pad it for tl.dot: q = 0, never stored
+        lengths = tl.minimum(tl.load(len_ptr + b, mask=real, other=0).to(tl.int32), kv_len)
+        length = tl.max(lengths, 0)
         start = split * chunk
-        if start < length:  # chunks past the row's length read nothing
-            g, d = tl.arange(0, GROUP_PAD), tl.arange(0, DIM)
-            real = g < GROUP  # rows >= GROUP pad the group for tl.dot: q = 0, never stored
-            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + (kh * GROUP + g)[:, None] * stride_qh + d[None, :],
+        if start < length:  # chunks past the queries' lengths read nothing
+            q = tl.load(q_ptr + b.to(tl.int64)[:, None] * stride_qb + (kh * GROUP + g)[:, None] * stride_qh + d[None, :],
                         mask=real[:, None], other=0.0)
-            kv_off = (b // TOKENS).to(tl.int64) * stride_kb + kh * stride_kh  # TOKENS queries per cache row
-            m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores (log2 units)
-            l = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp2(score - m)
-            acc = tl.zeros([GROUP_PAD, DIM], tl.float32)
+            row = tl.load(row_ptr) if ROW else tile * QUERIES // TOKENS
+            kv_off = row.to(tl.int64) * stride_kb + kh * stride_kh
+            # running max of the scores (log2 units); -1e30 for -inf: a row with no position here makes no NaN
+            m = tl.full([ROWS], -1e30, tl.float32)
+            l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
+            acc = tl.zeros([ROWS, DIM], tl.float32)
             end = tl.minimum(start + chunk, length)
             for n0 in range(start, end, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
@@ -94,7 +110,7 @@ if triton is not None:
                 offs = kv_off + n[:, None] * DIM + d[None, :]
                 k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
                 s = tl.dot(q.to(DOT), tl.trans(k).to(DOT), input_precision=PRECISION) * qk_scale
-                s = tl.where(valid[None, :], s, float("-inf"))
+                s = tl.where(valid[None, :] & (n[None, :] < lengths[:, None]), s, float("-inf"))  # up to its own length
                 m_new = tl.maximum(m, tl.max(s, 1))
                 p = tl.math.exp2(s - m_new[:, None])
                 alpha = tl.math.exp2(m - m_new)
@@ -102,7 +118,8 @@ if triton is not None:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT), v.to(DOT), input_precision=PRECISION)
                 l = l * alpha + tl.sum(p, 1)
                 m = m_new
-            part = (bh * n_splits + split) * GROUP_PAD + g  # this split's rows in the workspace
+            # this split's rows in the workspace; a query with no position in it stores rows the merge skips
+            part = ((b * KV_HEADS + kh) * n_splits + split) * GROUP_PAD + g
             tl.store(acc_ptr + part[:, None] * DIM + d[None, :], acc, mask=real[:, None])
             tl.store(ml_ptr + 2 * part, m, mask=real)
             tl.store(ml_ptr + 2 * part + 1, l, mask=real)
@@ -139,6 +156,7 @@ if triton is not None:
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 _MERGE_TILE = 4096  # fp32 partial outputs a merge program loads at once (LANES x head_dim)
+_TILE_ROWS = 64  # a prompt chunk's program: its queries x group rows (one load of each key for all of them)
 _workspaces: contextvars.ContextVar[dict[tuple, Tensor]] = contextvars.ContextVar("decode_attention_workspaces",
                                                                                  default={})
 _sm_counts: dict[int, int] = {}
@@ -188,23 +206,29 @@ def _chunk(kv_len: int, programs_per_split: int, device: torch.device) -> int:
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                     out: Tensor | None = None, tokens: int = 1, compile_only: bool = False) -> Tensor:
+                     out: Tensor | None = None, tokens: int = 1, row: Tensor | None = None,
+                     compile_only: bool = False) -> Tensor:
     """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
     the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
     valid positions of each row, >= 1 and <= kv_len). Returns [B, heads*head_dim] in q's dtype, written
     into `out` when given. The launches depend on B and kv_len, never on the values in `lengths`.
     `tokens` > 1: that many queries per cache row, query b reading row b // tokens up to its own
-    length (a verify step's positions, causal among them by their lengths). `compile_only`: compile the
-    kernels this call needs (in Triton's `AsyncCompileMode`: in the background) and launch nothing; what
-    they compile for depends on the dtypes, heads, head_dim and `tokens` only (every stride is a multiple
-    of 16), so small stand-in tensors compile a model's (`plugins.precompile.attention_calls`)."""
+    length (a verify step's positions, causal among them by their lengths). `row` [1] (a prompt chunk:
+    `tokens` = B): every query reads that cache row, and a program scores `_TILE_ROWS` // group queries
+    at once (each of a decode or verify step's queries has its own program: a verify reads exactly a
+    decode step's sums). `compile_only`: compile the kernels this call needs (in Triton's
+    `AsyncCompileMode`: in the background) and launch nothing; what they compile for depends on the
+    dtypes, heads, head_dim, and `tokens` or else `row` only (a chunk's kernel is the same for any size;
+    every stride is a multiple of 16), so small stand-in tensors compile a model's
+    (`plugins.precompile.attention_calls`)."""
     global _failed
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
+    assert row is None or tokens == batch, "a chunk's queries all read its one row"
     if (not _use_triton(q) or _failed or dim < 16 or dim & (dim - 1) or heads % kv_heads
             or q.dtype not in _TL_DTYPES or q.dtype != k_cache.dtype or q.dtype != v_cache.dtype
             or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
-        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens)
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens, row)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -212,7 +236,11 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     assert out.shape == (batch, heads * dim) and out.dtype == q.dtype and out.is_contiguous(), "bad `out`"
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    chunk = _chunk(kv_len, batch // tokens * kv_heads, q.device)  # as a decode step of these rows: the same sums
+    queries = max(1, _TILE_ROWS // group) if row is not None else 1
+    tile_rows = max(16, triton.next_power_of_2(queries * group))
+    tiles = triton.cdiv(batch, queries)
+    # a verify step splits as a decode step of its rows: the same sums
+    chunk = _chunk(kv_len, (tiles if row is not None else batch // tokens) * kv_heads, q.device)
     n_splits = triton.cdiv(kv_len, chunk)
     rows = batch * kv_heads * n_splits * group_pad
     partials = _workspace(q.device, rows * (dim + 2))  # each row's output, then its (max, sum)
@@ -229,12 +257,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
             _merges_compiled.add((q.device, q.dtype, kv_heads, group, dim))
             for lanes in {_lanes(2 ** i, dim) for i in range(12)}:  # every lane count a length can ask for, now
                 _merge_kernel.warmup(*merge_args, LANES=lanes, grid=(batch * heads,), **merge_kw)
-        launch(_split_kernel, (n_splits, batch * kv_heads))(
-            q, k_cache, v_cache, lengths, acc, ml, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim), KV_HEADS=kv_heads, GROUP=group,
-            GROUP_PAD=group_pad, DIM=dim, BLOCK_N=max(16, min(64, 16384 // (dim * q.element_size()))), DOT=dot,
-            PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=tokens,
-            num_warps=8 if dim * q.element_size() >= 512 else 4,
+        launch(_split_kernel, (n_splits, tiles * kv_heads))(
+            q, k_cache, v_cache, lengths, lengths if row is None else row, acc, ml, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), batch, kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim),
+            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim,
+            BLOCK_N=max(16, min(64, 16384 // (dim * q.element_size()))), DOT=dot,
+            PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=1 if row is not None else tokens, QUERIES=queries, ROWS=tile_rows,
+            ROW=row is not None, num_warps=8 if dim * q.element_size() * tile_rows >= 8192 else 4,
             num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
         launch(_merge_kernel, (batch * heads,))(*merge_args, LANES=_lanes(n_splits, dim), **merge_kw)
     except Exception as e:  # noqa: BLE001 - a Triton that cannot compile them falls back, once, saying so
@@ -243,5 +272,5 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         _failed = True
         warnings.warn(f"the decode-attention kernels did not compile ({type(e).__name__}: {e}); using the torch "
                       f"reference for them", stacklevel=2)
-        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens)
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens, row)
     return out

@@ -232,26 +232,28 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
 
 
 def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                          tokens: int = 1) -> Tensor:
+                          tokens: int = 1, row: Tensor | None = None) -> Tensor:
     """The reference decode attention: SDPA over each row's cache slice [:kv_len] with the positions past
-    each query's length masked; q [B, heads, head_dim] → [B, heads*head_dim], `tokens` queries per row."""
+    each query's length masked; q [B, heads, head_dim] → [B, heads*head_dim], `tokens` queries per row
+    (of row `row` [1], a prompt chunk's, when given)."""
     batch, heads, dim = q.shape
     rows = batch // tokens
+    keys, values = ((c[:rows, :, :kv_len] if row is None else c[:, :, :kv_len].index_select(0, row))
+                    for c in (k_cache, v_cache))
     mask = (torch.arange(kv_len, device=q.device)[None] < lengths[:, None]).view(rows, 1, tokens, kv_len)
-    y = F.scaled_dot_product_attention(q.unflatten(0, (rows, tokens)).transpose(1, 2), k_cache[:rows, :, :kv_len],
-                                       v_cache[:rows, :, :kv_len], attn_mask=mask,
+    y = F.scaled_dot_product_attention(q.unflatten(0, (rows, tokens)).transpose(1, 2), keys, values, attn_mask=mask,
                                        enable_gqa=heads != k_cache.shape[1])
     return y.transpose(1, 2).reshape(batch, heads * dim)
 
 
 def decode_attention_fused(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                           tokens: int = 1) -> Tensor:
+                           tokens: int = 1, row: Tensor | None = None) -> Tensor:
     """Our Triton kernel where it runs (CUDA); elsewhere SDPA, not the kernel's fp32 einsum reference: on
     the CPU that copies the KV heads out to every query head and made SmolLM2's decode 0.93× transformers'
     (216 µs a layer against SDPA's 65 µs, `bench/real_model.py`)."""
     if q.is_cuda:
-        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens)
-    return decode_attention_sdpa(q, k_cache, v_cache, lengths, kv_len, tokens)
+        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens, row=row)
+    return decode_attention_sdpa(q, k_cache, v_cache, lengths, kv_len, tokens, row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +266,7 @@ class Kernels:
     rope_cache_write: Callable[..., Tensor]  # a decode step's RoPE and KV write; may rotate q in place
     silu_mul: Callable[[Tensor], Tensor]
     decode_attention: Callable[..., Tensor]  # q [B, heads, dim] → [B, heads·dim]; `tokens` queries per cache row
+    # (`row`: a prompt chunk's)
 
 
 REFERENCE = Kernels(rms_norm_reference, add_rms_norm_reference, rotary_reference, rope_cache_write_reference,

@@ -41,6 +41,7 @@ def test_split_choice_spreads_over_the_gpu(kv_len, batch_kv_heads, chunk):
 
 SCRIPT = r'''
 import torch
+from torch.nn.attention.bias import causal_lower_right
 from plugins import decode_attention as da
 da._use_triton = lambda x: True  # the interpreter runs the kernel on CPU tensors
 torch.manual_seed(0)
@@ -89,6 +90,22 @@ for b in range(6):  # query b: row b // 3, as a lone decode query of that length
                                           lengths[b:b + 1], 256)
     assert worst(expected[b:b + 1], alone) < 1e-6, b
 assert worst(da.decode_attention(q, k_cache, v_cache, lengths, 256, tokens=3), expected) < 1e-5
+
+# a prompt chunk: 40 queries of cache row 2 at positions 100..139, tiles of 16 queries (the last one short),
+# splits of 128 positions (queries up to 128 have none in the second); the reference equals SDPA's causal
+# attention aligned to the last key
+row, lengths = torch.tensor([2]), torch.arange(101, 141)
+for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+    q, k_cache, v_cache = (t.to(dtype) for t in (torch.randn(40, 8, 16), *(torch.randn(4, 2, 272, 16) for _ in range(2))))
+    k_cache[2, :, 140:], v_cache[2, :, 140:] = 100.0, 1e4  # garbage past the chunk's end
+    expected = da.decode_attention_reference(q, k_cache, v_cache, lengths, 256, tokens=40, row=row)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k_cache[2:3, :, :140].float(), v_cache[2:3, :, :140].float(),
+        attn_mask=causal_lower_right(40, 140), enable_gqa=True)
+    assert worst(expected, sdpa[0].transpose(0, 1).reshape(40, 128)) < tol
+    out = torch.full((40, 128), float("nan"), dtype=dtype)
+    da.decode_attention(q, k_cache, v_cache, lengths, 256, out, tokens=40, row=row)
+    assert not out.isnan().any() and worst(out, expected) < tol, (dtype, worst(out, expected))
 print("ok")
 '''
 

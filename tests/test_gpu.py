@@ -324,6 +324,25 @@ def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
     assert torch.equal(caches[3], caches[1])
 
 
+def test_a_prompt_chunks_attention_matches_the_reference_at_qwen_7b_heads():
+    """The chunk path of `decode_attention` (tiles of one row's queries, split over its keys) against the fp32
+    reference, for a chunk at the start of a row and one after 3,744 positions, a split boundary inside it."""
+    from plugins.decode_attention import decode_attention, decode_attention_reference
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, kv_heads, dim = 28, 4, 128
+    k_cache, v_cache = (torch.randn(3, kv_heads, 4096 + 9, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+                        for _ in range(2))
+    row = torch.tensor([1], device="cuda")
+    for size, start in ((256, 0), (256, 3744), (100, 1000)):
+        q = torch.randn(size, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        lengths = torch.arange(start + 1, start + size + 1, device="cuda")
+        kv_len = 1 << (start + size - 1).bit_length()
+        expected = decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, tokens=size, row=row)
+        got = decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=size, row=row)
+        assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() <= 4e-3, (size, start)
+
+
 def test_the_segment_overlay_drawn_on_the_gpu_equals_the_cpu_one():
     from app.segment_render import render_overlay
 

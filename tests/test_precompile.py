@@ -195,12 +195,16 @@ def test_the_attention_calls_compile_the_split_kernels_a_steps_attention_launche
                 for kv_len in (256, 4096):
                     lengths = torch.arange(batch * tokens) % kv_len + 1
                     attention.decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens)
+        for size, start in ((16, 0), (256, 3744)):  # prompt chunks of row 5
+            q = torch.empty(size, (heads + 2 * kv_heads) * dim, dtype=dtype)[:, :heads * dim].view(size, heads, dim)
+            attention.decode_attention(q, k_cache, v_cache, torch.arange(start + 1, start + size + 1), 4096,
+                                       tokens=size, row=torch.tensor([5]))
         expected = {n for n in seen if n[0] == "_split_kernel"}
         seen.clear()
         assert issue(attention_calls(heads, kv_heads, dim, dtype, CPU, verify)) == []
         got = {n for n in seen if n[0] == "_split_kernel"}
         seen.clear()
-        assert got == expected and len(got) == (5 if verify else 1)
+        assert got == expected and len(got) == (6 if verify else 2)
 
 
 def test_the_compile_pool_holds_what_it_is_given_until_started():

@@ -267,8 +267,8 @@ class Attention(nn.Module):
                 k_cache: Tensor, v_cache: Tensor, span: _Span) -> Tensor:
         """One part's attention → [size, q_size]. `Rows`: the decode attention, each query reading its row
         in place up to its own position. `Prefill`: SDPA over the row's keys up to its end, causal aligned
-        to the last key (flash takes it as it is, grouped KV heads included). `Chunk`: a boolean mask
-        [size, kv_len] (positions given as tensors), or FlashAttention's variable-length kernel."""
+        to the last key (flash takes it as it is, grouped KV heads included). `Chunk`: the decode attention over
+        its row in place, each query up to its own position (positions given as tensors, so graphable)."""
         c, part = self.config, span.part
         if isinstance(part, Rows):
             rows, per_row = part.starts.shape[0], part.per_row
@@ -297,30 +297,10 @@ class Attention(nn.Module):
             keys, values = k_cache[part.row:part.row + 1, :, :end], v_cache[part.row:part.row + 1, :, :end]
             y = prefill_attention(q.transpose(1, 2), keys, values, part.start)
             return y[0].transpose(0, 1).reshape(size, c.q_size)
-        else:
-            k_cache[part.row, :, span.positions] = k[0]
-            v_cache[part.row, :, span.positions] = v[0]
-            keys = k_cache[:, :, :part.kv_len].index_select(0, part.row)
-            values = v_cache[:, :, :part.kv_len].index_select(0, part.row)
-            if logn is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-                return _flash_chunk(q[0], keys[0], values[0], part).reshape(size, c.q_size)
-            mask = torch.arange(part.kv_len, device=q.device)[None] <= span.positions[:, None]
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                           enable_gqa=keys.shape[1] != c.num_heads)
-        return y[0].transpose(0, 1).reshape(size, c.q_size)
-
-
-def _flash_chunk(q: Tensor, keys: Tensor, values: Tensor, step: Chunk) -> Tensor:
-    """A chunk's attention [T, heads, head_dim] by FlashAttention's variable-length kernel: the key count
-    (the chunk's end) is read from the device, so the shapes stay fixed under a CUDA graph, and the
-    causal mask is aligned to the last key, grouped KV heads read as they are (SDPA's flash takes no
-    key count, and its masked kernels run several times slower here)."""
-    seqlen, dev = q.shape[0], q.device
-    cum_q = torch.arange(2, device=dev, dtype=torch.int32) * seqlen
-    cum_k = torch.cat([torch.zeros(1, device=dev, dtype=torch.int32), (step.start + seqlen).to(torch.int32)])
-    return torch.ops.aten._flash_attention_forward(q, keys.transpose(0, 1), values.transpose(0, 1), cum_q, cum_k,
-                                                   seqlen, step.kv_len, 0.0, True, False,
-                                                   scale=q.shape[-1] ** -0.5)[0]
+        k_cache[part.row, :, span.positions] = k[0]
+        v_cache[part.row, :, span.positions] = v[0]
+        return self.kernels.decode_attention(q[0], k_cache, v_cache, span.positions + 1, part.kv_len, tokens=size,
+                                             row=part.row)
 
 
 class FeedForward(nn.Module):

@@ -32,7 +32,6 @@ GRAPH_BUCKET = 256  # the rows' key count is rounded up to this for their graphs
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
 # turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-CHUNK_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # a `Chunk` off FlashAttention has a mask
 SCRATCH = MAX_DRAFT + 1  # positions past the context that padding rows write: a verify step's T at most
 MAX_GRAPHED_CHUNK = 512  # longer prompt reads (a lone prompt, read whole) run eagerly: a graph per length would not pay
 
@@ -152,7 +151,7 @@ class ModelRunner:
                     outputs.append(last)
                 offset += size
             wanted = torch.cat(outputs) if outputs else None
-            with sdpa_kernel(CHUNK_ATTENTION if graphed else PREFILL_ATTENTION), self.scratch_of_this_runner(), \
+            with sdpa_kernel(PREFILL_ATTENTION), self.scratch_of_this_runner(), \
                     lowbit.rows_as_one_row(bucket == 1 and not chunks):  # one chat's positions round as its decode steps
                 return self.model(cache, self.rope, tuple(parts), tokens=torch.cat(tokens)[None] if embeds is None
                                   else None, embeds=embeds, outputs=wanted)

@@ -43,7 +43,7 @@ from pipeline.llm.engine.scheduler import Request, Scheduler
 from pipeline.llm.engine.proposer import Proposer
 from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
 
-LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (2,048 by default)
+LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
 
 
 class TorchLLMEngine:
@@ -52,14 +52,16 @@ class TorchLLMEngine:
     `max_batch` (a power of two) requests decode together; `rows` cache rows (≥ max_batch) keep
     idle sessions' turns for reuse. Decode steps replay a CUDA graph per (batch bucket, context
     bucket) on a GPU and run eagerly on the CPU. `prefill_chunk`: each step's token budget while
-    requests run, shared by their decodes (and drafts) and the prompt chunks of joining ones; with none
+    requests run, shared by their decodes (and drafts) and the prompt chunks of joining ones (128: the
+    running chats' largest gap while an 8th reads 4,000 tokens is 1.65× their step at 7B on an H200, 2.33×
+    with 256, whose extra GEMM rows alone make 1.8×; `bench/chunked_prefill.py`); with none
     running, prompts are read in chunks LONE times as long, so a prompt that joins then waits for one such
     chunk, not for a long prompt's whole read (None or 0: a joining prompt is read whole at once, stalling
     the running requests meanwhile; for comparison).
     """
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
-                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 256,
+                 use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 128,
                  speculation: Speculation | None = None):
         if max_batch < 1 or max_batch & (max_batch - 1):
             raise ValueError(f"max_batch must be a power of two, got {max_batch}")
