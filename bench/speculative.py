@@ -327,13 +327,15 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
     res.update(device=torch.cuda.get_device_name(), layers=layers, context=2048, seed=seed,
                note="random weights made decisive (`decisive`): same shapes and work, greedy tokens that no "
                     "rounding difference flips, so drafts are kept exactly where the real replies kept them")
-    for mode in modes:
+    for mode in modes:  # "int4:fast": int4 weights, one chat's verify steps on the batch kernels (`--speculate fast`)
+        quant, _, kind = mode.partition(":")
+        exact = kind != "fast"
         model = decisive(random_qwen25_7b(layers))
-        if mode != "none":
-            quantize_decoder(model, mode, "cuda")
+        if quant != "none":
+            quantize_decoder(model, quant, "cuda")
             use_kernels(model, TunedConfigs())
         vocab = model.config.vocab_size
-        cost = GPU_LOW_BIT if mode != "none" else GPU_FLOAT
+        cost = GPU_LOW_BIT if quant != "none" else GPU_FLOAT
         plain = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16)
         cases = []
         for kind in ("input_grounded", "open_chat"):
@@ -353,7 +355,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
                 case = (r["prompt"], r["plain"], tuple(prompt), reply)
                 cases.append((case, params))
                 fast = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16,
-                                      speculation=Speculation(ShadowDrafts([case]), cost, measured=True))
+                                      speculation=Speculation(ShadowDrafts([case]), cost, measured=True, exact=exact))
                 for _ in range(2):
                     stream = fast.submit(Prompt(prompt), params, set())
                     got = list(stream)
@@ -369,7 +371,8 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
                                      "acceptance": round(kept / drafted, 3) if drafted else 0.0}
             print(mode, kind, res[f"{mode}_{kind}"], flush=True)
         fast = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16,
-                              speculation=Speculation(ShadowDrafts([c for c, _ in cases]), cost, measured=True))
+                              speculation=Speculation(ShadowDrafts([c for c, _ in cases]), cost, measured=True,
+                                                                exact=exact))
         together = {}
         for name, engine in (("plain", plain), ("lookup", fast)):
             for _ in range(2):  # the first run captures the graphs
@@ -391,7 +394,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
             base = None
             for most in (0, 1, 2, 4, 8):  # the ceiling: every draft kept
                 engine = TorchLLMEngine(model, 2048, vocab, max_batch=1, rows=2, speculation=Speculation(
-                    SameDrafts(most), VerifyCost(0.0, 0.0)) if most else None)
+                    SameDrafts(most), VerifyCost(0.0, 0.0), exact=exact) if most else None)
                 for _ in range(2):
                     stream = engine.submit(Prompt(prompt), params, set())
                     list(stream)
@@ -423,7 +426,8 @@ def main() -> None:
     parser.add_argument("--real-json", type=Path)
     parser.add_argument("--projection-json", type=Path)
     parser.add_argument("--engine7b-json", type=Path)
-    parser.add_argument("--modes", default="none,int4", help="engine7b: the weights' modes (none: bf16)")
+    parser.add_argument("--modes", default="none,int4,int4:fast",
+                        help="engine7b: the weights' modes (none: bf16; int4:fast: --speculate fast)")
     parser.add_argument("--seed", type=int, default=0, help="engine7b: other prompts and draft patterns")
     parser.add_argument("--no-ceiling", action="store_true", help="engine7b: skip the every-draft-kept runs")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "speculative.json")

@@ -246,12 +246,12 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
                         kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
                         quant: str = "none", image_queries: int = 0, free_bytes: int | None = None,
-                        speculate: str = "lookup", draft: LanguageModel | None = None) -> LanguageModel:
+                        speculate: str = "exact", draft: LanguageModel | None = None) -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
     `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`). Under `tensorrt`
     the engine is TensorRT-LLM's (with a prompt table for `image_queries` image embeddings per sequence),
-    built once into the engine cache; a failed build falls back to torch. `speculate`: lookup or off (the
-    torch engine's speculative decoding, `pipeline.llm.engine.speculation`); with a `draft` model (loaded,
+    built once into the engine cache; a failed build falls back to torch. `speculate`: exact, fast or off
+    (the torch engine's speculative decoding, `pipeline.llm.engine.speculation`); with a `draft` model (loaded,
     sharing the tokenizer: `load_draft`) drafts come from it instead of prompt lookup, and closing this model
     closes it."""
     tokenizer = load_tokenizer(model_dir)
@@ -283,7 +283,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)
-    speculation = None if speculate == "off" else prompt_lookup(target.type, quant != "none")
+    speculation = None if speculate == "off" else prompt_lookup(target.type, quant != "none", speculate == "exact")
     if speculation is not None and draft is not None:  # its cost is its own steps too: measured
         speculation = dataclasses.replace(speculation, drafter=DraftModel(draft.engine, f"the draft model "
                                                                                        f"{draft.model_id}"), measured=True)

@@ -19,7 +19,7 @@ BACKENDS = ("auto", "torch", "onnxruntime", "tensorrt")
 QUANTS = ("auto", "none", "int8", "int4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BATCHES = (1, 2, 4, 8, 16, 32)
-SPECULATE = ("lookup", "off")
+SPECULATE = ("exact", "fast", "off")
 GPU_SPEED = """GPU speed: with an NVIDIA GPU and CUDA (torch's CUDA build: see README), the tools run there
 on their own (--device cuda to insist), TensorRT / TensorRT-LLM engines are built on the first launch when
 those are installed, and bigger models fit: --model Qwen/Qwen2.5-7B-Instruct (or a .gguf file), --sam
@@ -54,7 +54,7 @@ class StudioConfig:
     dtype: str = "auto"
     context: int = 8192
     max_batch: int = 8
-    speculate: str = "lookup"
+    speculate: str = "exact"
     draft: str = "auto"
     gpu_memory: float | None = None  # GiB
     preload: bool = False
@@ -120,11 +120,13 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     p.add_argument("--context", type=int, default=8192, help="context window in tokens per conversation")
     p.add_argument("--max-batch", type=int, default=8, choices=MAX_BATCHES,
                    help="conversations the chat engine decodes together (more wait their turn)")
-    p.add_argument("--speculate", choices=SPECULATE, default="lookup",
-                   help="speculative decoding of chat replies: lookup (default) drafts tokens from the conversation "
-                        "itself and checks several in one step — up to ~2.5x faster where replies quote their input "
-                        "(code edits, summaries, documents), and it stops drafting where drafts are not kept; off "
-                        "decodes one token per step. Replies are the same either way")
+    p.add_argument("--speculate", choices=SPECULATE, default="exact",
+                   help="speculative decoding of chat replies: drafts tokens from the conversation itself (or --draft) "
+                        "and checks several in one step — up to ~2.4x faster where replies quote their input (code "
+                        "edits, summaries, documents); it stops drafting where drafts are not kept. exact (default): "
+                        "greedy replies are the same as with off; fast: with int8/int4 weights one chat's check takes "
+                        "the faster batch kernels, whose rounding may change a reply where two tokens are nearly "
+                        "tied; off: one token per step")
     p.add_argument("--draft", default="auto", metavar="MODEL",
                    help="a small model sharing the chat model's tokenizer that drafts its tokens (as --model names "
                         "one, e.g. Qwen/Qwen2.5-0.5B-Instruct for Qwen2.5-7B-Instruct); auto (default) takes the "

@@ -4,6 +4,7 @@ distribution of a tiny model's 3-token replies) and a seeded reply its very toke
 the real SmolLM2 is in test_real_model.py."""
 
 import math
+import threading
 import time
 
 import pytest
@@ -47,6 +48,8 @@ def test_draft_length_follows_acceptance_and_pauses_where_drafts_do_not_pay():
         state.record(4, 4)
     assert state.wanted(GPU_FLOAT, 8, 100) == 8 and state.wanted(GPU_FLOAT, 8, 3) == 2
     assert state.wanted(GPU_FLOAT, 4, 100) == 4
+    dear = VerifyCost(0.0, 1.5)  # each drafted token costs more than a step: nothing pays, all kept or not
+    assert state.whole and [state.wanted(dear, 8, 100) for _ in range(2 * PROBE_EVERY)] == [0] * 2 * PROBE_EVERY
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
@@ -192,7 +195,10 @@ def test_a_draft_model_is_asked_once_per_step_for_all_rows_and_drafts_them_as_on
     engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=4, speculation=Speculation(drafter, CPU))
     calls, propose = [], drafter.propose
     drafter.propose = lambda asks: calls.append((engine.steps, len(asks))) or propose(asks)
+    submitted, step = threading.Event(), engine.runner.step
+    engine.runner.step = lambda *args, **kwargs: submitted.wait() and step(*args, **kwargs)
     streams = [engine.submit(p, params, set()) for p in prompts]
+    submitted.set()  # the first step waits for all three (else the first chat may end before the last joins)
     assert [list(s) for s in streams] == expected
     status = engine.status()
     engine.close()
@@ -251,3 +257,61 @@ def test_which_steps_verify_follows_from_the_tokens_not_from_the_clock(model):
 
     quick, slow = run(False), run(True)
     assert quick == slow and quick["tokens"] == reply and quick["verify_steps"] > 0, (quick, slow)
+
+
+def test_a_step_drafts_by_what_a_verify_step_of_its_rows_costs(model):
+    """A chat drafts alone, where one row's check is cheap, and nothing while two run, where a check of two
+    rows costs more than the tokens it could give (low-bit weights' batch kernels: 8 rows x 9 tokens cost
+    several of 8 rows' decode steps), not even a probe."""
+    prompt = Prompt(tuple(range(5, 35)))
+    params = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.0)
+    plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2)
+    reply = list(plain.submit(prompt, params, set()))
+    plain.close()
+
+    def run(chats: int) -> dict[int, list[int]]:
+        """The draft lengths wanted, by how many requests ran."""
+        engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
+                                speculation=Speculation(FirstRight(prompt, reply), CPU))
+        engine.proposer.costs = {1: VerifyCost(0.0, 0.0), 2: VerifyCost(0.0, 2.0)}
+        asked: dict[int, list[int]] = {1: [], 2: []}
+        wanted = engine.proposer.wanted
+
+        def noted(running):
+            lengths = wanted(running)
+            asked[len(running)] += lengths.values()
+            return lengths
+
+        engine.proposer.wanted = noted
+        streams = [engine.submit(prompt, params, set()) for _ in range(chats)]
+        assert [list(s) for s in streams] == [reply] * chats
+        engine.close()
+        return asked
+
+    assert any(run(1)[1])
+    together = run(2)[2]  # (the second may join at once or a step or two later: the same either way)
+    assert len(together) >= 8 and not any(together), together
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_fast_speculation_checks_one_chats_drafts_on_the_batch_kernels(model, monkeypatch, exact):
+    """`--speculate exact`: one chat's every step runs its positions as one-row launches (low-bit weights
+    round as in its decode steps); `fast`: its verify steps take the batch kernels, its decode steps not."""
+    from plugins import lowbit
+
+    prompt = Prompt(tuple(range(5, 35)))
+    params = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.0)
+    plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2)
+    reply = list(plain.submit(prompt, params, set()))
+    plain.close()
+    one_row: list[bool] = []
+    original = lowbit.rows_as_one_row
+    monkeypatch.setattr(lowbit, "rows_as_one_row", lambda on: (one_row.append(on), original(on))[1])
+    engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
+                            speculation=Speculation(FirstRight(prompt, reply), CPU, exact=exact))
+    assert list(engine.submit(prompt, params, set())) == reply
+    status = engine.status()
+    engine.close()
+    assert status["verify_steps"] > 0 and one_row.count(True) > 0
+    prompt_steps = 1  # the prompt's read: a chunk's rows take the batch kernels
+    assert one_row.count(False) == prompt_steps + (0 if exact else status["verify_steps"]), (one_row, status)

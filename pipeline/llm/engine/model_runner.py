@@ -73,10 +73,13 @@ class RowsFeed:
 
 class ModelRunner:
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int,
-                 use_cuda_graphs: bool | None = None):
+                 use_cuda_graphs: bool | None = None, exact_verify: bool = True):
         """`context` positions per row, plus SCRATCH positions that padding rows of a bucketed step write
-        (`positions` in all: the cache rows' length)."""
-        self.model, self.vocab_size = model, vocab_size
+        (`positions` in all: the cache rows' length). `exact_verify`: one chat's verify step runs its
+        positions as one-row launches, rounding as its decode steps do (low-bit weights; greedy replies the
+        same as without speculation); else the batch kernels, faster, whose rounding may part a reply from
+        the plain one where two tokens are nearly tied."""
+        self.model, self.vocab_size, self.exact_verify = model, vocab_size, exact_verify
         self.device = model.embed.weight.device
         self.scratch, self.positions = context, context + SCRATCH
         self.rope = RotaryTables(model.config, self.positions, self.device)
@@ -152,7 +155,7 @@ class ModelRunner:
                 offset += size
             wanted = torch.cat(outputs) if outputs else None
             with sdpa_kernel(PREFILL_ATTENTION), self.scratch_of_this_runner(), \
-                    lowbit.rows_as_one_row(bucket == 1 and not chunks):  # one chat's positions round as its decode steps
+                    lowbit.rows_as_one_row(bucket == 1 and not chunks and (per_row == 1 or self.exact_verify)):
                 return self.model(cache, self.rope, tuple(parts), tokens=torch.cat(tokens)[None] if embeds is None
                                   else None, embeds=embeds, outputs=wanted)
 
@@ -227,14 +230,16 @@ class ModelRunner:
         with lowbit.using_workspace(self._lowbit_scratch), decode_attention.using_workspaces(self._attention_scratch):
             yield
 
-    def verify_cost(self, cache: KVCache, repeats: int = 20) -> VerifyCost:
-        """What a step checking k drafted tokens costs in one-token steps for this model on this GPU,
-        measured once (every draft size's step compiled and captured on the way, before a reply needs it):
-        one chat's steps, replayed in the scratch positions, which hold nothing; host work included (a small
-        model on a fast GPU is bound by it, not by its weights). Fixed from then on, so which steps verify
-        follows from the tokens alone, never from the clock between steps. Fitted as `VerifyCost`."""
+    def verify_cost(self, cache: KVCache, rows: int = 1, repeats: int = 20) -> VerifyCost:
+        """What a step of `rows` rows checking k drafted tokens each costs in one-token steps of those rows
+        for this model on this GPU, measured once (every draft size's step compiled and captured on the
+        way, before a reply needs it): steps replayed in the scratch positions, which hold nothing; host work
+        included (a small model on a fast GPU is bound by it, not by its weights). Fixed from then on, so
+        which steps verify follows from the tokens alone, never from the clock between steps. Fitted as
+        `VerifyCost`."""
         def seconds(k: int) -> float:
-            feed = RowsFeed(1, [[0] * (k + 1)], [self.scratch], [0], kv_need=self.scratch + k + 1)
+            feed = RowsFeed(rows, [[0] * (k + 1)] * rows, [self.scratch] * rows, [0] * rows,
+                            kv_need=self.scratch + k + 1)
             for _ in range(3):  # the capture, and a replay
                 self.step(cache, feed)
             torch.cuda.synchronize(self.device)

@@ -13,17 +13,23 @@ from pipeline.llm.engine.speculation import Ask, Speculation, VerifyCost
 
 
 class Proposer:
-    """`cost`: what a verify step costs, fixed while the engine runs (the prior, or measured once as the
-    engine starts on a GPU), so which steps verify follows from the tokens alone."""
+    """`costs`: what a verify step of so many rows costs, fixed while the engine runs (the prior, or measured
+    once as the engine starts on a GPU), so which steps verify follows from the tokens alone. Per row count:
+    low-bit weights' batch kernels make a step of 8 rows × 9 tokens cost several of 8 rows' decode steps,
+    where one row's 9 tokens cost little more than its one."""
 
     def __init__(self, speculation: Speculation, context: int):
         self.speculation, self.context = speculation, context
-        self.cost: VerifyCost = speculation.cost
+        self.costs: dict[int, VerifyCost] = {1: speculation.cost}
+
+    def cost_for(self, rows: int) -> VerifyCost:
+        """The cost measured for the fewest rows at least `rows` (the most measured, past them)."""
+        return self.costs[min((n for n in self.costs if n >= rows), default=max(self.costs))]
 
     def wanted(self, running: Sequence[Request]) -> dict[Request, int]:
         """How many tokens each running request would draft this step (0: none), by its acceptance so far."""
-        most = self.speculation.max_draft
-        return {r: r.draft.wanted(self.cost, most, self.room(r)) for r in running}
+        most, cost = self.speculation.max_draft, self.cost_for(len(running))
+        return {r: r.draft.wanted(cost, most, self.room(r)) for r in running}
 
     def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
         """Whether a draft may come, looked at with the tokens already known (without the step in flight's,

@@ -176,19 +176,20 @@ class Speculation:
     cost: VerifyCost
     max_draft: int = MAX_DRAFT
     measured: bool = False  # the engine measures the cost once when it starts (`ModelRunner.verify_cost`)
+    exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_verify`)
 
     @property
     def description(self) -> str:
         return f"speculative decoding by {self.drafter.name} (up to {self.max_draft} tokens)"
 
 
-def prompt_lookup(device: str, low_bit: bool) -> Speculation:
+def prompt_lookup(device: str, low_bit: bool, exact: bool = True) -> Speculation:
     """Prompt lookup with the verify cost measured for `device`'s kind ("cuda" or "cpu") and weights; on a
     GPU the engine measures its own steps once as it starts (a CPU's costs were measured once: its tests
-    decide nothing by the clock)."""
+    decide nothing by the clock). `exact`: see `Speculation.exact`."""
     if device == "cpu":
-        return Speculation(PromptLookup(), CPU)
-    return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True)
+        return Speculation(PromptLookup(), CPU, exact=exact)
+    return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True, exact=exact)
 
 
 @dataclasses.dataclass
@@ -209,10 +210,12 @@ class DraftState:
     def wanted(self, cost: Callable[[int], float], max_draft: int, room: int) -> int:
         """How many tokens to draft this step (at most `room`): by the acceptance rate and what a verify step
         `cost`s (acceptance comes in runs: a reply quoting its input keeps whole drafts, so after one the
-        next is as long as allowed), or a short probe every PROBE_EVERY steps while drafting does not pay."""
-        if self.whole:
-            return max((k for k in DRAFT_SIZES if k <= min(room, max_draft)), default=0)
-        k = best_draft(self.rate, cost, min(room, max_draft))
+        next is as long as pays if all is kept), or a short probe every PROBE_EVERY steps while drafting does
+        not pay at this rate; none where it would not pay even if all were kept (a step of many low-bit rows)."""
+        limit = min(room, max_draft)
+        if self.whole or best_draft(1.0, cost, limit) == 0:  # as long as pays if all is kept; none: nothing pays
+            return best_draft(1.0, cost, limit)
+        k = best_draft(self.rate, cost, limit)
         if k:
             return k
         self.paused += 1

@@ -71,7 +71,8 @@ class TorchLLMEngine:
         self.context, self.vocab_size, self.max_batch = context, vocab_size, max_batch
         self.device, self.hidden_size = model.embed.weight.device, c.hidden_size
         rows = max(rows or 2 * max_batch, max_batch)
-        self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs)
+        self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs,
+                                  exact_verify=speculation is None or speculation.exact)
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.embed.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
@@ -156,11 +157,12 @@ class TorchLLMEngine:
                 self.outputs.finish(request, FinishReason.CANCELLED)
 
     def _measure(self) -> None:
-        """Compile and capture every draft size's verify step before a reply needs it, and where the
-        speculation asks for it take the verify cost measured on this GPU (`ModelRunner.verify_cost`)."""
-        measured = self.runner.verify_cost(self.rows.kv)
+        """Compile and capture every draft size's verify step of one row and of a full batch before a reply
+        needs it, and where the speculation asks for it take their costs measured on this GPU
+        (`ModelRunner.verify_cost`)."""
+        measured = {rows: self.runner.verify_cost(self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
         if self.speculation.measured:
-            self.proposer.cost = measured
+            self.proposer.costs = measured
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
         """Run `fn`; if it fails, the requests involved end with the error and the engine carries on
