@@ -8,30 +8,24 @@ copies of the outputs. Callers keep one per shape and serialise calls (the buffe
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from plugins.cuda_streams import CAPTURING, own_stream
 
 
 def _clone(out):
     return tuple(_clone(o) for o in out) if isinstance(out, tuple) else out.clone()
 
 
-# One capture at a time in the process. Engines run on threads of their own (a chat model, a draft model,
-# SAM) and capture at first use of a shape: two captures at once shared torch's one default capture stream
-# ("beginAllocateToPool: already recording to mempool_id", H200, two engines over one model). Each capture
-# now has its own stream too; the lock costs nothing once the shapes are captured.
-_CAPTURING = threading.Lock()
-
-
 class CapturedCall:
     def __init__(self, fn: Callable, *example: Tensor | None, pool=None):
         self.inputs = [t.clone() if t is not None else None for t in example]
-        stream = torch.cuda.Stream()
+        stream = own_stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with _CAPTURING:
+        with CAPTURING:  # one at a time, on a stream no engine holds (`plugins.cuda_streams`)
             with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
                 for _ in range(2):
                     fn(*self.inputs)

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from plugins.cuda_streams import CAPTURING, own_stream
 from plugins.lowbit import Config, LowBitWeight, kernel_for, triton
 from plugins.precompile import Case, compile_in_background, compile_now, prefill_calls, step_calls
 
@@ -38,16 +39,18 @@ CALLS = 24
 
 def graphed_us(calls: list[Callable[[], object]], repeats: int = 10) -> float:
     """Median microseconds per call of `calls`, captured once as a CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
+    stream = own_stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls[:3]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
+    with CAPTURING:  # as `pipeline.cuda_graphs.CapturedCall`: an engine may be running beside the tuning
+        with torch.cuda.stream(stream):
+            for fn in calls[:3]:
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            for fn in calls:
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
     times = []

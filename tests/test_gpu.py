@@ -5,6 +5,7 @@ Each graphed path is checked against the same computation run eagerly.
 """
 
 import copy
+import gc
 
 import numpy as np
 import pytest
@@ -322,6 +323,19 @@ def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
     for a, b in ((got, expected), (caches[2], caches[0])):  # one rounding instead of three: within bf16
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() <= 4e-3
     assert torch.equal(caches[3], caches[1])
+
+
+def test_streams_of_their_own_are_never_shared_while_held():
+    """torch's pool hands out 32 streams per priority round-robin: the 33rd `torch.cuda.Stream()` is the
+    first again. An engine replaying on the stream another engine captured on broke the capture."""
+    from plugins.cuda_streams import own_stream
+
+    held = [own_stream() for _ in range(40)]
+    assert len({s.cuda_stream for s in held}) == 40
+    handle = held[0].cuda_stream
+    del held[:]
+    gc.collect()
+    assert handle in {own_stream().cuda_stream for _ in range(64)}  # released with its owner
 
 
 def test_a_prompt_chunks_attention_matches_the_reference_at_qwen_7b_heads():

@@ -27,6 +27,7 @@ from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT, VerifyCost
 from pipeline.llm.model import Chunk, Decoder, KVCache, Part, Prefill, RotaryTables, Rows
 from pipeline.llm.text.prompt import Prompt
 from plugins import decode_attention, lowbit
+from plugins.cuda_streams import own_stream
 
 GRAPH_BUCKET = 256  # the rows' key count is rounded up to this for their graphs
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
@@ -94,9 +95,9 @@ class ModelRunner:
         # benchmark's plain and speculating ones), or a step and a warm-up on two streams, never share them.
         self._lowbit_scratch = lowbit.Workspace(self.device)
         self._attention_scratch: dict = {}
-        # Its own CUDA stream: a SAM click or an image encode on the default stream does not queue
-        # behind decode steps already launched.
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Its own CUDA stream (one no other engine or capture holds): a SAM click or an image encode on the
+        # default stream does not queue behind decode steps already launched.
+        self._stream = own_stream(self.device) if self.device.type == "cuda" else None
 
     def enter_thread(self) -> None:
         """Make this runner's stream current on the calling thread (the engine's), after the cache's zeros."""
