@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from plugins.cuda_streams import CAPTURING, own_stream
+from plugins.cuda_streams import CAPTURING, capture_stream
 
 
 def _clone(out):
@@ -23,9 +23,9 @@ def _clone(out):
 class CapturedCall:
     def __init__(self, fn: Callable, *example: Tensor | None, pool=None):
         self.inputs = [t.clone() if t is not None else None for t in example]
-        stream = own_stream()
-        stream.wait_stream(torch.cuda.current_stream())
         with CAPTURING:  # one at a time, on a stream no engine holds (`plugins.cuda_streams`)
+            stream = capture_stream()
+            stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
                 for _ in range(2):
                     fn(*self.inputs)

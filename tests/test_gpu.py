@@ -5,7 +5,6 @@ Each graphed path is checked against the same computation run eagerly.
 """
 
 import copy
-import gc
 
 import numpy as np
 import pytest
@@ -328,14 +327,16 @@ def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
 def test_streams_of_their_own_are_never_shared_while_held():
     """torch's pool hands out 32 streams per priority round-robin: the 33rd `torch.cuda.Stream()` is the
     first again. An engine replaying on the stream another engine captured on broke the capture."""
-    from plugins.cuda_streams import own_stream
+    from plugins.cuda_streams import capture_stream, own_stream, release
 
     held = [own_stream() for _ in range(40)]
-    assert len({s.cuda_stream for s in held}) == 40
+    assert len({s.cuda_stream for s in held + [capture_stream()]}) == 41
     handle = held[0].cuda_stream
-    del held[:]
-    gc.collect()
-    assert handle in {own_stream().cuda_stream for _ in range(64)}  # released with its owner
+    release(held.pop(0))
+    fresh = [own_stream() for _ in range(24)]  # every stream not held
+    assert handle in {s.cuda_stream for s in fresh}  # given back, handed out again
+    for s in held + fresh:
+        release(s)
 
 
 def test_a_prompt_chunks_attention_matches_the_reference_at_qwen_7b_heads():

@@ -27,7 +27,7 @@ from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT, VerifyCost
 from pipeline.llm.model import Chunk, Decoder, KVCache, Part, Prefill, RotaryTables, Rows
 from pipeline.llm.text.prompt import Prompt
 from plugins import decode_attention, lowbit
-from plugins.cuda_streams import own_stream
+from plugins.cuda_streams import own_stream, release
 
 GRAPH_BUCKET = 256  # the rows' key count is rounded up to this for their graphs
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
@@ -108,6 +108,8 @@ class ModelRunner:
     def close(self) -> None:
         self._graphs.clear()
         self.model = self.rope = None
+        if self._stream is not None:
+            release(self._stream)
 
     def graphable(self, chunk: ChunkRead) -> bool:
         """A chunk that a captured graph can read: short, no image slot, its padding inside the row."""
