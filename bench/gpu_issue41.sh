@@ -4,7 +4,7 @@
 #   part_a / part_b: keep that part in /tmp;  tests: the engine's GPU tests;  chunked: bench/chunked_prefill.py
 #   attention: bench/chunk_attention.py (a chunk's attention, ours against FlashAttention varlen)
 #   real: SmolLM2's real replies and their draft patterns (bench/speculative.py --parts real)
-#   spec7b SEED LAYERS LIMIT: bench/speculative.py --parts engine7b on those patterns (the replies from `real`,
+#   spec7b SEED LAYERS LIMIT: bench/speculative.py --parts engine7b ($MODES, default none,int4,int4:fast) on those patterns (the replies from `real`,
 #   or from .device/speculative_real_replies.json: the same part run on the CPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +37,7 @@ sys.exit(pytest.main(['tests/test_gpu.py', '-q', '-p', 'no:cacheprovider', '-k',
     spec7b) seed=$2 layers=$3 limit=$4; shift 3
             [ -f /tmp/speculative_real_replies.json ] || cp .device/speculative_real_replies.json /tmp/
             step "$limit" "spec7b_seed$seed" python3 bench/speculative.py --parts engine7b --real-json /tmp/speculative_real_replies.json \
-                 --seed "$seed" --layers "$layers" --no-ceiling ;;
+                 --seed "$seed" --layers "$layers" --no-ceiling --modes "${MODES:-none,int4,int4:fast}" ;;
   esac
   shift
 done

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from plugins.cuda_streams import CAPTURING, capture_stream
+from plugins.cuda_streams import capture_stream, capturing
 
 
 def _clone(out):
@@ -23,7 +23,7 @@ def _clone(out):
 class CapturedCall:
     def __init__(self, fn: Callable, *example: Tensor | None, pool=None):
         self.inputs = [t.clone() if t is not None else None for t in example]
-        with CAPTURING:  # one at a time, on a stream no engine holds (`plugins.cuda_streams`)
+        with capturing():  # alone in the process, on a stream no engine holds (`plugins.cuda_streams`)
             stream = capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires

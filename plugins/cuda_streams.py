@@ -1,4 +1,5 @@
-"""CUDA streams that no other live owner shares, and the one lock every CUDA graph capture takes.
+"""CUDA streams that no other live owner shares, and the gate between CUDA graph captures and other
+threads' GPU work.
 
 `torch.cuda.Stream()` hands out streams from a pool of 32 per priority, round-robin, so after 32 requests
 two owners hold the same stream: an engine's thread then replayed its graphs on the very stream another
@@ -10,18 +11,73 @@ every capture runs on the one `capture_stream`.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
 
 _claimed: set[tuple[int, int]] = set()  # (device, stream handle) held by a live owner
 _lock = threading.Lock()
-# One capture at a time in the process. Engines run on threads of their own (a chat model, a draft model,
-# SAM) and capture at first use of a shape: two captures at once shared torch's one default capture stream
-# ("beginAllocateToPool: already recording to mempool_id", H200, two engines over one model). Captures run
-# on `capture_stream`, which no engine holds; the lock costs nothing once the shapes are captured.
-CAPTURING = threading.Lock()
+
+
+class _CaptureGate:
+    """One CUDA graph capture at a time in the process, and none while another thread launches GPU work.
+
+    Engines run on threads of their own (a chat model, a draft model, SAM) and capture at first use of a
+    shape. Two captures at once shared torch's one default capture stream ("beginAllocateToPool: already
+    recording to mempool_id", H200, two engines over one model); a capture in thread-local mode, on a
+    stream no engine held, was still invalidated while another engine decoded (H200, 2026-11-27: a
+    speculating engine measuring its steps beside a plain one). So work that launches on the GPU runs
+    inside `launching()` (any number of threads at once, re-entrant), and `capturing()` waits for every
+    other thread's launching to end and holds new ones back until the capture is done; a thread waiting
+    to capture does not count as launching meanwhile (two engines that both capture would otherwise wait
+    on each other). Once an engine's shapes are captured, the gate costs a lock per step."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._launching: dict[int, int] = {}  # thread → its nesting depth of launching()
+        self._capturer: int | None = None
+
+    @contextlib.contextmanager
+    def launching(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            # a thread already launching goes on (a capture waiting for it must not wait on it in turn)
+            self._cond.wait_for(lambda: self._capturer in (None, me) or me in self._launching)
+            self._launching[me] = self._launching.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._launching[me] -= 1
+                if not self._launching[me]:
+                    del self._launching[me]
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cond:
+            depth = self._launching.pop(me, 0)  # waiting here, this thread launches nothing
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._capturer is None)
+            self._capturer = me
+            self._cond.wait_for(lambda: not self._launching)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._capturer = None
+                if depth:
+                    self._launching[me] = depth
+                self._cond.notify_all()
+
+
+_gate = _CaptureGate()
+launching = _gate.launching
+capturing = _gate.capturing
 
 
 def own_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
@@ -46,7 +102,7 @@ def release(stream: torch.cuda.Stream) -> None:
 
 
 def capture_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
-    """The one stream every capture of `device` runs on, held for good: call it under CAPTURING (one
+    """The one stream every capture of `device` runs on, held for good: call it within `capturing()` (one
     capture at a time, so one stream is enough)."""
     index = _index(device)
     if index not in _capture_streams:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from plugins.cuda_streams import CAPTURING, capture_stream
+from plugins.cuda_streams import capture_stream, capturing
 from plugins.lowbit import Config, LowBitWeight, kernel_for, triton
 from plugins.precompile import Case, compile_in_background, compile_now, prefill_calls, step_calls
 
@@ -39,7 +39,7 @@ CALLS = 24
 
 def graphed_us(calls: list[Callable[[], object]], repeats: int = 10) -> float:
     """Median microseconds per call of `calls`, captured once as a CUDA graph and replayed."""
-    with CAPTURING:  # as `pipeline.cuda_graphs.CapturedCall`: an engine may be running beside the tuning
+    with capturing():  # as `pipeline.cuda_graphs.CapturedCall`: an engine may be running beside the tuning
         stream = capture_stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

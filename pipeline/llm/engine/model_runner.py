@@ -263,7 +263,13 @@ class ModelRunner:
         """`forward(*inputs)` by replaying the graph captured for `key` (at its first use) with `inputs`
         copied into its own; its output is the graph's own buffer, reused by the next replay."""
         if key not in self._graphs:
-            self._graphs[key] = CapturedCall(forward, *inputs, pool=self._pool)
+            try:
+                self._graphs[key] = CapturedCall(forward, *inputs, pool=self._pool)
+            except Exception:
+                # torch leaves a pool whose capture failed marked as recording: later captures into it would
+                # all fail ("already recording to mempool_id"), so the next ones take a new pool
+                self._pool = torch.cuda.graph_pool_handle()
+                raise
             self.captures += 1
         graph = self._graphs[key]
         for buffer, value in zip(graph.inputs, inputs):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -42,6 +43,7 @@ from pipeline.llm.engine.sampling import Draws, InvalidSampling, SamplingParams
 from pipeline.llm.engine.scheduler import Request, Scheduler
 from pipeline.llm.engine.proposer import Proposer
 from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
+from plugins.cuda_streams import launching
 
 LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
 
@@ -143,12 +145,17 @@ class TorchLLMEngine:
         scheduler = self.scheduler
         with torch.inference_mode():
             if self.speculation is not None and self.device.type == "cuda":
-                self._guarded([], self._measure)
+                try:
+                    self._measure()
+                except Exception as e:  # noqa: BLE001 - the prior costs serve; the steps capture at first use
+                    warnings.warn(f"measuring the verify steps failed ({type(e).__name__}: {e}); speculation "
+                                  f"takes the prior costs", stacklevel=1)
             while (joining := scheduler.next_joining()) is not None:
-                for request in joining:
-                    self._guarded([request], self._admit, request)
-                if any(r.stream.cancelled for r in scheduler.running):
-                    self._guarded(list(scheduler.running), self._drain)  # settle the step in flight first
+                with launching():  # GPU work: no other thread's graph capture meanwhile (`plugins.cuda_streams`)
+                    for request in joining:
+                        self._guarded([request], self._admit, request)
+                    if any(r.stream.cancelled for r in scheduler.running):
+                        self._guarded(list(scheduler.running), self._drain)  # settle the step in flight first
                 for r in [r for r in scheduler.running + scheduler.prefilling if r.stream.cancelled]:
                     self.outputs.finish(r, r.stream.reason)
                 self._guarded(scheduler.running + scheduler.prefilling, self._step)
@@ -160,7 +167,8 @@ class TorchLLMEngine:
         """Compile and capture every draft size's verify step of one row and of a full batch before a reply
         needs it, and where the speculation asks for it take their costs measured on this GPU
         (`ModelRunner.verify_cost`)."""
-        measured = {rows: self.runner.verify_cost(self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
+        with launching():
+            measured = {rows: self.runner.verify_cost(self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
         if self.speculation.measured:
             self.proposer.costs = measured
 
@@ -201,27 +209,29 @@ class TorchLLMEngine:
         one forward over all of it, the draws; then the first tokens of the prompts the step before
         finished are read (while the GPU works on this one; first, where nothing decodes), and their
         requests join the running ones. The host stays at most one step ahead of the GPU."""
-        if self._pending is not None and self._pending.requests != self.scheduler.running:
-            self._drain()  # the batch changed: this step's inputs come from the host
-        starting, self._starting = self._starting, []
-        if not self.scheduler.running:  # no GPU work to overlap: read them now, and they decode in this step
-            for step in starting:
-                self._guarded(step.requests, self.outputs.read, step, True)
-            starting = []
+        with launching():  # (the drafts outside: a draft model's engine may be waiting to capture a graph)
+            if self._pending is not None and self._pending.requests != self.scheduler.running:
+                self._drain()  # the batch changed: this step's inputs come from the host
+            starting, self._starting = self._starting, []
+            if not self.scheduler.running:  # no GPU work to overlap: read them now, and they decode in this step
+                for step in starting:
+                    self._guarded(step.requests, self.outputs.read, step, True)
+                starting = []
         drafts = self._propose() if self.speculation is not None and self.scheduler.running else None
         active = list(self.scheduler.running)
         chunks = self.scheduler.chunks(sum(map(len, drafts)) if drafts else 0)
-        if active or chunks:
-            try:
-                self._launch(active, drafts, chunks)
-            except Exception as e:  # noqa: BLE001 - a step that read prompts: theirs end, the running take it again
-                if not chunks:
-                    raise
-                self._fail([r for r, _ in chunks], e)
-                self._drain()  # the rows were not advanced: their next step starts from the host
-            self.runner.one_step_ahead()
-        for step in starting:
-            self._guarded(step.requests, self.outputs.read, step, True)
+        with launching():
+            if active or chunks:
+                try:
+                    self._launch(active, drafts, chunks)
+                except Exception as e:  # noqa: BLE001 - a step that read prompts: theirs end, the running take it again
+                    if not chunks:
+                        raise
+                    self._fail([r for r, _ in chunks], e)
+                    self._drain()  # the rows were not advanced: their next step starts from the host
+                self.runner.one_step_ahead()
+            for step in starting:
+                self._guarded(step.requests, self.outputs.read, step, True)
 
     def _launch(self, active: list[Request], drafts: list[list[int]] | None,
                 chunks: list[tuple[Request, int]]) -> None:
@@ -276,7 +286,8 @@ class TorchLLMEngine:
         if self._pending is not None:
             if not self.proposer.may_find(wanted, self.rows):
                 return None
-            self._drain()
+            with launching():
+                self._drain()
         return self.proposer.drafts(self.scheduler.running, wanted, self.rows)
 
     def _settle(self, active: list[Request], drafts: list[list[int]], logits: Tensor) -> None:
