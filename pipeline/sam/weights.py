@@ -12,10 +12,11 @@ from pipeline.random_weights import spread_weights
 from pipeline.sam.model import VARIANTS, Sam
 from pipeline.weights_io import write_weight_file
 
-CHECKPOINTS = {  # the official releases (facebookresearch/segment-anything)
+CHECKPOINTS = {  # the official releases (facebookresearch/segment-anything; MobileSAM: ChaoningZhang/MobileSAM)
     "sam_vit_h": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_h_4b8939.pth",
     "sam_vit_l": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_l_0b3195.pth",
     "sam_vit_b": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_b_01ec64.pth",
+    "mobile_sam": "https://github.com/ChaoningZhang/MobileSAM/raw/master/weights/mobile_sam.pt",
 }
 DEMO = "demo/sam-tiny"
 DEMO_SEED = 4321
