@@ -10,6 +10,7 @@ imports `launch`. Process-wide settings are made in one place, `configure_proces
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment import SegmentPipeline
 from pipeline.sam.model import load_sam
 from pipeline.sam.weights import DEMO as SAM_DEMO
+from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.sam.weights import locate_sam, resolve_sam
 from pipeline.service.store import ConversationStore
 from pipeline.service.studio import StudioService
@@ -35,7 +37,7 @@ from pipeline.service.tools import GIB, Tool, ToolHost, ToolSpec
 from studio.backends import load_draft, load_language_model, sam_engine, vision_encoder
 from studio.check import budget_of, check_report, engine_cache
 from studio.config import StudioConfig, parse_config
-from studio.hub_progress import READ_BYTES
+from studio.hub_progress import READ_BYTES, progress_class
 from studio.model_catalog import ModelCatalog
 from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, headlines, image_chat_parts, make_plan
@@ -103,10 +105,20 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
 
     def load_segment(say, free):
         with engines.report.listening(say):
-            sam_path = resolve_sam(plan.sam, cache_dir())
+            name = plan.sam
+            try:
+                if locate_sam(name, cache_dir())[1] == "download":
+                    engines.report.say(f"segment: downloading {name} ({SAM_SIZES.get(name, 'its checkpoint')})")
+                sam_path = resolve_sam(name, cache_dir(), progress_class(engines.report.say, threading.Event()))
+            except UserError as e:
+                if config.sam != "auto":
+                    raise
+                engines.report.tell(f"segment: {e}. The demo SAM (random weights) runs instead; with a connection, "
+                                    f"MobileSAM ({SAM_SIZES['mobile_sam']}, one download) gives real masks")
+                name, sam_path = SAM_DEMO, resolve_sam(SAM_DEMO, cache_dir())
             sam = load_sam(sam_path, device=plan.device, dtype=dtype)
             segment = SegmentPipeline(sam_engine(sam, plan.backends[SEGMENT].backend, sam_path, engines),
-                                      is_demo=plan.sam == SAM_DEMO)
+                                      is_demo=name == SAM_DEMO)
             del sam  # the engine holds what it needs (a built engine needs no torch module)
             segment.set_image(np.zeros((64, 64, 3), dtype=np.uint8))  # first kernels now, not on a click
             engines.report.say(f"segment: {segment.description}")

@@ -96,8 +96,9 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
                    "trtllm-serve, another AI Studio) instead of a local model; image chat and segment stay local")
     p.add_argument("--llm-model", help="the model to ask for at --llm-endpoint (default: the first it lists)")
     p.add_argument("--llm-api-key", help="the key --llm-endpoint asks for, if any")
-    p.add_argument("--sam", default="auto", help="sam_vit_h, sam_vit_l, sam_vit_b, demo/sam-tiny, a .pth file, "
-                                                 "or auto (vit_h on a GPU when cached, else the demo)")
+    p.add_argument("--sam", default="auto", help="mobile_sam (40 MB), sam_vit_b, sam_vit_l, sam_vit_h (2.4 GB), "
+                                                 "demo/sam-tiny, a .pth/.pt file, or auto: sam_vit_h on a GPU when "
+                                                 "cached, else MobileSAM, downloaded on first use (offline: the demo)")
     p.add_argument("--minigpt4-ckpt", type=Path, help="MiniGPT-4 checkpoint (prerained_minigpt4_7b.pth, holds llama_proj)")
     p.add_argument("--minigpt4-vision", type=Path, help="folder with eva_vit_g.pth + blip2_pretrained_flant5xxl.pth, "
                                                          "or a transformers BLIP-2 folder")

@@ -42,7 +42,7 @@ from studio.config import StudioConfig
 from studio.sizes import weights_size
 
 CHAT, IMAGE_CHAT, SEGMENT = Tool.CHAT, Tool.IMAGE_CHAT, Tool.SEGMENT
-SAM_PARAMS = {"sam_vit_h": 636_000_000, "sam_vit_l": 308_000_000, "sam_vit_b": 91_000_000}
+SAM_PARAMS = {"sam_vit_h": 636_000_000, "sam_vit_l": 308_000_000, "sam_vit_b": 91_000_000, "mobile_sam": 9_808_452}
 # The parts of a GGUF file's name that read as its quantization (Q4_K_M, IQ2_XXS, F16, BF16, fp16)
 QUANT_NAME = re.compile(r"^(i?q\d\w*|b?fp?\d+)$", re.IGNORECASE)
 
@@ -116,7 +116,7 @@ class ModelFinder:
             for item in sorted(Path(models_dir).iterdir()):
                 if (item / "config.json").is_file():
                     add(self._llm(str(item), item, "models folder"))
-                elif item.suffix == ".pth" and item.name.startswith("sam"):
+                elif item.suffix in (".pth", ".pt") and item.name.startswith(("sam", "mobile_sam")):
                     add(self._sam(str(item), item, "models folder"))
                 else:  # a GGUF file, or a folder of them (LM Studio's publisher/model/file.gguf too)
                     for file in gguf_models([item] if item.is_file() else [*item.glob("*.gguf"),

@@ -13,6 +13,7 @@ from pipeline.errors import UserError
 from pipeline.minigpt4.weights import DEMO_LLM, demo_parts
 from pipeline.models import CHAT_MODELS, EMBEDDED, auto_model, cache_dir, locate
 from pipeline.sam.weights import DEMO as SAM_DEMO
+from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.sam.weights import locate_sam
 from pipeline.service.tools import Tool
 from pipeline.llm.weights.checkpoint import read_config
@@ -104,12 +105,15 @@ def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str]]:
 
 
 def _sam(config: StudioConfig, device: str) -> tuple[str, list[str]]:
+    """auto: SAM ViT-H on a GPU where it is in the cache, else MobileSAM (downloaded on first use; the
+    demo if that fails, `compose.load_segment`)."""
     sam, notes = config.sam, []
     if sam == "auto":
-        cached = locate_sam("sam_vit_h", cache_dir())[1] == "cache"
-        sam = "sam_vit_h" if device.startswith("cuda") and cached else SAM_DEMO
-        notes.append(f"segment model {sam}: " + ("CUDA GPU and the checkpoint in the cache" if sam != SAM_DEMO else
-                     "the built-in demo SAM (random weights); pass --sam sam_vit_h to download the real one"))
+        vit_h = locate_sam("sam_vit_h", cache_dir())[1] == "cache"
+        sam = "sam_vit_h" if device.startswith("cuda") and vit_h else "mobile_sam"
+        notes.append(f"segment model {sam}: " + ("CUDA GPU and the checkpoint in the cache" if vit_h else
+                     f"MobileSAM ({SAM_SIZES['mobile_sam']}; offline and not in the cache: the demo SAM); "
+                     f"--sam sam_vit_h for the largest SAM"))
     return sam, notes + [f"segment weights: {locate_sam(sam, cache_dir())[1]}"]
 
 
@@ -131,10 +135,18 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
         chat = f"Chat: {plan.model_id} {where(CHAT, GPU_HINT)}"
     image = "Image chat: " + ("MiniGPT-4 " if config.minigpt4_ckpt else
                               "a demo MiniGPT-4 with random weights (--help says how to load the real one), ")
-    segment = "Segment: " + (f"SAM ({plan.sam}) " if plan.sam != SAM_DEMO else
-                             "a demo SAM with random weights (--sam sam_vit_h for real masks), ")
+    segment = "Segment: " + _segment_model(plan.sam)
     return [(Tool.CHAT, chat), (Tool.IMAGE_CHAT, image + where(IMAGE_CHAT_VISION)),
             (Tool.SEGMENT, segment + where(SEGMENT))]
+
+
+def _segment_model(sam: str) -> str:
+    if sam == SAM_DEMO:
+        return f"a demo SAM with random weights (--sam mobile_sam for real masks: a {SAM_SIZES['mobile_sam']} download), "
+    name = "MobileSAM" if sam == "mobile_sam" else f"SAM ({sam})"
+    if locate_sam(sam, cache_dir())[1] == "download":
+        return f"{name}, {SAM_SIZES[sam]}, downloads on first use, "
+    return f"{name} "
 
 
 def make_plan(config: StudioConfig) -> Plan:

@@ -74,8 +74,8 @@ class SegmentPipeline:
         self._lock = threading.Lock()
         self.everything_grid = 32 if self.engine.device.type == "cuda" else 12
         c = self.engine.config
-        self.description = (f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth} · {self.engine.name} · "
-                            f"{self.engine.precision}")
+        encoder = "MobileSAM (TinyViT)" if c.tiny_vit is not None else f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth}"
+        self.description = f"{encoder} · {self.engine.name} · {self.engine.precision}"
 
     def close(self) -> None:
         """Free the SAM engine and the cached embeddings (the tool is being unloaded); a session that

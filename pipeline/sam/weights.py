@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import socket
+import urllib.parse
 from pathlib import Path
 
 import torch
 from filelock import FileLock
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import HfHubHTTPError
+from tqdm import tqdm
 
 from pipeline.errors import UserError
 from pipeline.random_weights import spread_weights
@@ -18,6 +24,10 @@ CHECKPOINTS = {  # the official releases (facebookresearch/segment-anything; Mob
     "sam_vit_b": "https://dl.fbaipublicfiles.com/segment_anything/sam_vit_b_01ec64.pth",
     "mobile_sam": "https://github.com/ChaoningZhang/MobileSAM/raw/master/weights/mobile_sam.pt",
 }
+# Those also on the Hugging Face hub come from there (huggingface_hub's client: progress, Cancel, a dropped
+# connection resumed where it stopped); the rest from the URLs above.
+HUB = {"mobile_sam": ("dhkim2810/MobileSAM", "mobile_sam.pt")}
+SIZES = {"mobile_sam": "40 MB", "sam_vit_b": "375 MB", "sam_vit_l": "1.2 GB", "sam_vit_h": "2.4 GB"}
 DEMO = "demo/sam-tiny"
 DEMO_SEED = 4321
 
@@ -39,8 +49,9 @@ def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:
     raise UserError(f"unknown SAM model {name!r}: use {', '.join(CHECKPOINTS)}, {DEMO} or a .pth file")
 
 
-def resolve_sam(name: str, cache_dir: Path) -> Path:
-    """Like `locate_sam`, then build the demo or download the checkpoint (with a progress bar)."""
+def resolve_sam(name: str, cache_dir: Path, tqdm_class: type[tqdm] | None = None) -> Path:
+    """Like `locate_sam`, then build the demo or download the checkpoint (progress through `tqdm_class`,
+    which may raise to cancel: that propagates; the part fetched is kept and the next try resumes)."""
     path, source = locate_sam(name, cache_dir)
     if source in ("local file", "cache") or (source == "built-in demo" and path.is_file()):
         return path
@@ -51,9 +62,22 @@ def resolve_sam(name: str, cache_dir: Path) -> Path:
         if source == "built-in demo":
             _build_demo(path)
             return path
-        try:  # writes to a temporary file and renames it when complete
-            torch.hub.download_url_to_file(CHECKPOINTS[name], str(path), progress=True)
-        except Exception as e:
-            raise UserError(f"could not download {name} ({type(e).__name__}); offline? fetch "
-                            f"{CHECKPOINTS[name]} elsewhere and pass --sam /path/to/file.pth") from None
+        try:
+            if name in HUB:  # into our cache folder; an unfinished file waits there for the next try
+                _hub_reachable()
+                hf_hub_download(*HUB[name], local_dir=path.parent, tqdm_class=tqdm_class)
+            else:  # writes to a temporary file and renames it when complete
+                torch.hub.download_url_to_file(CHECKPOINTS[name], str(path), progress=True)
+        except (OSError, ValueError, RuntimeError, HfHubHTTPError) as e:  # offline, not found, disk full
+            where = f"the Hugging Face hub ({'/'.join(HUB[name])})" if name in HUB else CHECKPOINTS[name]
+            why = "no connection" if isinstance(e, OSError) and not isinstance(e, HfHubHTTPError) else type(e).__name__
+            raise UserError(f"could not download {name} from {where}: {why}. Fetch {CHECKPOINTS[name]} elsewhere "
+                            f"and pass --sam /path/to/file") from None
     return path
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> None:
+    """Raise OSError at once where the hub cannot be reached: huggingface_hub's client retries a failed
+    connection for 24 s before it gives up, and an offline user waits for the demo meanwhile."""
+    url = urllib.parse.urlsplit(hub_constants.ENDPOINT)
+    socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
