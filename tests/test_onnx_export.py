@@ -94,3 +94,15 @@ def test_minigpt4_vision_matches_torch(tmp_path):
     (ours,) = session.run({"pixels": pixels})
     assert ours.shape == reference.shape == (1, 32, TINY.llm_width)
     assert rel_err(ours, reference) <= RTOL
+
+
+def test_mobile_sams_tinyvit_encoder_builds_into_an_engine_that_matches_torch(tmp_path):
+    """MobileSAM's image encoder (TinyViT: convolutions, batch norm, window attention with learned biases)
+    through the same export and engine build as SAM's ViT, at its real shapes."""
+    mobile = spread_weights(lambda: Sam(VARIANTS["mobile_sam"]), seed=11).eval()
+    encoder_graph = next(g for g in sam_graphs(mobile.config) if g.component.endswith("encoder"))
+    engine = built(encoder_graph, mobile, tmp_path)
+    pixels = torch.randn(1, 3, 1024, 1024, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        reference = mobile.image_encoder(pixels)
+    assert rel_err(engine.run({"pixels": pixels})[0], reference) <= RTOL
