@@ -157,12 +157,18 @@ def quality(score: float) -> float:
     return min(max(float(score), 0.0), 1.0)
 
 
+# The page's demo banner is decided as it is built; a demo SAM that runs because MobileSAM could not be
+# downloaded (offline) is said here, beside every mask.
+DEMO_STATUS = "**Demo SAM with random weights: these masks mean nothing** (MobileSAM downloads when online) · "
+
+
 def status_line(s: SegmentSession) -> str:
     """What the user has prompted (and why there is nothing to download, where the chosen mask is
     empty), and what their own session cost."""
     st, n = s.stats, len(s.prompts.points)
     empty = " · the chosen mask is empty: nothing to download or ask about" if s.mask is not None and \
         not s.mask.any() else ""
-    return (f"{n} point{'' if n == 1 else 's'}{' + box' if s.prompts.box is not None else ''}{empty} · "
+    demo = DEMO_STATUS if s.pipeline.is_demo else ""
+    return (f"{demo}{n} point{'' if n == 1 else 's'}{' + box' if s.prompts.box is not None else ''}{empty} · "
             f"encoder runs {st.encoder_runs} (last {st.last_encoder_ms:.0f} ms), cached embeddings reused "
             f"{st.cache_hits}× · decoder {st.last_decoder_ms:.1f} ms")

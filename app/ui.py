@@ -29,8 +29,8 @@ MINIGPT4_DEMO_WARNING = ("**Demo MiniGPT-4.** Tiny vision and language models wi
                          "the answers are meaningless text. Pass `--minigpt4-ckpt`, `--minigpt4-vision` and "
                          "`--minigpt4-llm` (see README) for the real MiniGPT-4.")
 SAM_DEMO_WARNING = ("**Demo SAM.** A tiny SAM with *random weights* is running: masks follow your clicks "
-                    "mechanically but mean nothing. Start with `--sam sam_vit_h` (downloads 2.4 GB) or "
-                    "`--sam /path/to/sam_vit_h_4b8939.pth` for real masks.")
+                    "mechanically but mean nothing. Start with `--sam mobile_sam` (downloads 40 MB), "
+                    "`--sam sam_vit_h` (2.4 GB) or `--sam /path/to/checkpoint.pth` for real masks.")
 
 
 def example_images() -> list[str]:

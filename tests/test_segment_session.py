@@ -180,3 +180,17 @@ def test_display_copies_on_the_device_are_shared_by_image_bounded_and_counted(se
     assert len(seg._display) == segment.DISPLAY_COPIES and all(key[0] != sessions[0].handle.key for key in seg._display)
     again = sessions[0].display_copy(images[0])
     assert again is not first and torch.equal(again, torch.from_numpy(images[0]))
+
+
+def test_a_demo_sams_status_says_its_masks_mean_nothing(session, seg):
+    """The page's banner is decided as it is built; a demo that runs because MobileSAM could not be downloaded
+    is said beside every mask."""
+    from app.segment_render import status_line
+
+    session.click(400, 300, True)
+    assert status_line(session).startswith("**Demo SAM with random weights")
+    seg.is_demo = False
+    try:
+        assert status_line(session).startswith("1 point")
+    finally:
+        seg.is_demo = True
