@@ -36,6 +36,7 @@ from pipeline.llm.weights.gguf_folder import gguf_model_dir
 from pipeline.llm.model import KVCache
 from pipeline.models import EMBEDDED, HUB_GGUF, ModelEntry, cache_dir, embedded_gguf, gguf_files_for_tag
 from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
+from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.service.tools import Tool
 from studio.backends import choose_quant, weight_bytes
 from studio.config import StudioConfig
@@ -126,6 +127,8 @@ class ModelFinder:
             path, source = locate_sam(name, cache_dir())
             if path.is_file() or name == DEMO:
                 add(self._sam(name, path if path.is_file() else None, source))
+            elif name == "mobile_sam":  # Segment's default: what choosing it brings
+                add(self._sam(name, None, f"downloads on first use ({SAM_SIZES[name]})"))
         for source in self._engine_sources():
             if source.is_dir() and (source / "config.json").is_file():
                 add(self._llm(str(source), source, "behind a cached engine"))

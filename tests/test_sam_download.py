@@ -32,11 +32,15 @@ hub_progress.EVERY_S = 0
 config = parse_config(["--data-dir", "data"])
 printed = []
 service = build(config, make_plan(config), out=printed.append)
+def sam_entries():
+    return {e.id: e.source for e in service.catalog.refresh() if e.kind == "SAM"}
 try:
+    before = sam_entries()
     service.load(Tool.SEGMENT)
     segment = service.host.loaded(Tool.SEGMENT)
     segment.set_image(np.zeros((40, 60, 3), dtype=np.uint8))
-    print(json.dumps({"demo": segment.is_demo, "description": segment.description,
+    print(json.dumps({"demo": segment.is_demo, "description": segment.description, "before": before,
+                      "after": sam_entries(),
                       "report": list(service.startup), "printed": printed}))
 finally:
     service.close()
@@ -61,6 +65,7 @@ def test_mobile_sam_downloads_on_first_use_resumes_a_dropped_connection_and_is_c
         first = _load_segment(hub.url, cache, tmp_path)
         resumed = [r for f, r in hub.ranges if f == "mobile_sam.pt" and r]
     assert not first["demo"] and first["description"].startswith("MobileSAM (TinyViT)"), first
+    assert first["before"]["mobile_sam"] == "downloads on first use (40 MB)" and first["after"]["mobile_sam"] == "cache"
     said = " ".join(first["report"])
     assert "segment: downloading mobile_sam (40 MB)" in said and "downloaded " in said, said
     assert resumed and resumed[0].startswith("bytes=") and not resumed[0].startswith("bytes=0-"), hub.ranges
