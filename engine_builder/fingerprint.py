@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,9 +60,12 @@ def fingerprint(sources: list[Path], memo_dir: Path) -> str:
     stamps = {path: _stamp(path) for path in weight_files(sources)}
     new = [path for path, stamp in stamps.items() if memo.get(str(path.resolve()), {}).get("stamp") != stamp]
     with tqdm(total=sum(stamps[p][0] for p in new), desc="fingerprinting weights (once per file)", unit="B",
-              unit_scale=True, file=sys.stderr, disable=not new) as bar:
-        for path in new:
-            memo[str(path.resolve())] = {"stamp": stamps[path], "sha256": _sha256(path, bar.update)}
+              unit_scale=True, file=sys.stderr, disable=not new) as bar, \
+            ThreadPoolExecutor(max(1, min(len(new), os.cpu_count() or 1))) as pool:
+        # the files side by side: hashlib and file reads release the GIL, and one SHA-256 stream runs at
+        # ~0.5 GB/s (29.5 s of a 15 GB checkpoint's first launch on an H200 machine, 2026-11-27)
+        for path, digest in zip(new, pool.map(lambda p: _sha256(p, bar.update), new)):
+            memo[str(path.resolve())] = {"stamp": stamps[path], "sha256": digest}
     total = hashlib.sha256()
     for path in stamps:
         total.update(memo[str(path.resolve())]["sha256"].encode())
