@@ -3,6 +3,9 @@ random SmolVLM written as `save_pretrained` writes one, with SmolVLM-Instruct's 
 ids of a two-turn conversation equal its processor's (the picture with the first user turn, one slot per
 tile), and a reply's greedy tokens equal `Idefics3ForConditionalGeneration.generate`'s."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -95,3 +98,13 @@ def test_a_replys_greedy_tokens_equal_transformers(model_folder, processor, pipe
     theirs = [float(torch.log_softmax(step[0].float(), -1)[token]) for step, token in zip(out.logits, ref[:kept])]
     assert len(ours) >= kept and np.allclose(ours[:kept], theirs, atol=1e-4), (ours, theirs)
     assert pipeline.encoder_runs >= 1
+
+
+def test_a_processors_chat_template_json_is_read(model_folder, tmp_path):
+    """SmolVLM's folders keep the template in `chat_template.json` (a processor's file), not the tokenizer's."""
+    copy = tmp_path / "smolvlm"
+    shutil.copytree(model_folder, copy)
+    (copy / "chat_template.jinja").unlink()
+    assert load_tokenizer(copy).chat_template is None
+    (copy / "chat_template.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    assert load_tokenizer(copy).chat_template == TEMPLATE

@@ -177,10 +177,11 @@ def _read_json(path: Path) -> dict:
 
 
 def _chat_template_source(folder: Path, config: dict) -> str | None:
-    """`chat_template.jinja` (newer folders), else the config's template (or its "default" of several)."""
+    """`chat_template.jinja` (newer folders), else the config's template (or its "default" of several), else
+    `chat_template.json`'s (where a processor keeps it: SmolVLM's and other vision-language folders)."""
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    source = config.get("chat_template")
+    source = config.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
     if isinstance(source, list):
         named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
         source = named.get("default")
