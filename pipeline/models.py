@@ -12,7 +12,9 @@ import dataclasses
 import importlib.util
 import os
 import re
+import socket
 import sys
+import urllib.parse
 from pathlib import Path
 
 from pipeline.errors import UserError
@@ -273,3 +275,12 @@ class ModelEntry:
 
     def fits(self, budget: int | None) -> bool | None:
         return None if budget is None or self.gpu_bytes is None else self.gpu_bytes <= budget
+
+
+def hub_reachable(timeout_s: float = 3.0) -> None:
+    """Raise OSError at once where the hub cannot be reached: huggingface_hub's client retries a failed
+    connection for 24 s before it gives up, and an offline user waits for a tool's demo meanwhile."""
+    from huggingface_hub import constants as hub_constants
+
+    url = urllib.parse.urlsplit(hub_constants.ENDPOINT)
+    socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()

@@ -27,6 +27,7 @@ from pipeline.models import EMBEDDED, cache_dir, data_dir, draft_model_for, loca
 from pipeline.pipelines.chat import ChatPipeline
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment import SegmentPipeline
+from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline
 from pipeline.sam.model import load_sam
 from pipeline.sam.weights import DEMO as SAM_DEMO
 from pipeline.sam.weights import SIZES as SAM_SIZES
@@ -43,6 +44,8 @@ from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, headlines, image_chat_parts, make_plan
 from studio.sizes import llm_size, weights_size
 from studio.startup_report import StartupReport, print_line
+from studio.vlm import SIZES as VLM_SIZES
+from studio.vlm import fetch, local_folder, vlm_id
 
 # The engine threads and the request threads hand the GIL around constantly; Python's default 5 ms
 # switch interval would let a busy engine thread hold up a click by several of them.
@@ -71,10 +74,11 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
     not on a user's first request)."""
     dtype = getattr(torch, plan.dtype)
     chat_model = None if plan.remote_chat else locate(plan.model_id, config.weights)
+    vlm = vlm_id(config)  # SmolVLM (None: MiniGPT-4's checkpoints given); MiniGPT-4's demo where it cannot come
     image = image_chat_parts(config)
-    # Image chat over the same weights shares the chat's LLM, which then needs room for image
+    # MiniGPT-4 over the chat's own weights shares the chat's LLM, which then needs room for image
     # embeddings: a TensorRT-LLM engine is built with a prompt table for them.
-    shared = chat_model is not None and chat_model.path is not None and \
+    shared = vlm is None and chat_model is not None and chat_model.path is not None and \
         Path(image.llm_dir).resolve() == chat_model.path.resolve()
 
     def load_chat(say, free):
@@ -126,31 +130,46 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
 
     def load_image_chat(say, free):
         with engines.report.listening(say):
-            encoder = vision_encoder(load_vision_folder(image.ckpt, image.vision_dir, plan.device, dtype),
-                                     plan.backends[IMAGE_CHAT_VISION].backend, [image.ckpt, image.vision_dir],
-                                     engines)
-            if shared:
-                llm = host.loaded(Tool.CHAT).llm
-                engines.report.say("image chat: shares the chat tool's LLM (the same weights)")
-            else:
-                llm = load_language_model(image.llm_dir, image.llm_id, plan.backends[IMAGE_CHAT_LLM].backend,
-                                          plan.device, dtype, max_context=2048, max_batch=config.max_batch,
-                                          engines=engines, quant=config.quant,
-                                          image_queries=encoder.config.num_query_tokens, free_bytes=free,
-                                          speculate=config.speculate)
-            image_chat = ImageChatPipeline(encoder, llm, config.minigpt4_template, is_demo=image.is_demo,
-                                           owns_llm=not shared)
-            image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)
-            engines.report.say(f"image chat: {image_chat.description}")
-            return image_chat
+            if vlm is not None:
+                try:
+                    folder = fetch(vlm, engines.report.say)
+                    image_chat = SmolVLMChatPipeline.load(folder, vlm, plan.device, dtype, 2048, config.max_batch)
+                    image_chat.encode_image(np.zeros((64, 64, 3), dtype=np.uint8))  # first kernels now
+                    engines.report.say(f"image chat: {image_chat.description}")
+                    return image_chat
+                except UserError as e:
+                    if config.vlm != "auto":
+                        raise
+                    engines.report.tell(f"image chat: {e}. The MiniGPT-4 demo (random weights) runs instead; with a "
+                                        f"connection, SmolVLM ({VLM_SIZES.get(vlm, 'one download')}) answers for real")
+            return load_minigpt4(free)
 
-    image_size = weights_size(image.ckpt, image.vision_dir, dtype=dtype) + \
-        (0 if shared else llm_size(image.llm_dir, config.quant, dtype))
+    def load_minigpt4(free):
+        encoder = vision_encoder(load_vision_folder(image.ckpt, image.vision_dir, plan.device, dtype),
+                                 plan.backends[IMAGE_CHAT_VISION].backend, [image.ckpt, image.vision_dir],
+                                 engines)
+        if shared:
+            llm = host.loaded(Tool.CHAT).llm
+            engines.report.say("image chat: shares the chat tool's LLM (the same weights)")
+        else:
+            llm = load_language_model(image.llm_dir, image.llm_id, plan.backends[IMAGE_CHAT_LLM].backend,
+                                      plan.device, dtype, max_context=2048, max_batch=config.max_batch,
+                                      engines=engines, quant=config.quant,
+                                      image_queries=encoder.config.num_query_tokens, free_bytes=free,
+                                      speculate=config.speculate)
+        image_chat = ImageChatPipeline(encoder, llm, config.minigpt4_template, is_demo=image.is_demo,
+                                       owns_llm=not shared)
+        image_chat.encode_image(np.zeros((224, 224, 3), dtype=np.uint8))  # warm-up (captures the GPU graph)
+        engines.report.say(f"image chat: {image_chat.description}")
+        return image_chat
+
+    image_size = weights_size(local_folder(vlm), dtype=dtype) if vlm is not None else \
+        weights_size(image.ckpt, image.vision_dir, dtype=dtype) + (0 if shared else llm_size(image.llm_dir, config.quant, dtype))
     return [ToolSpec(Tool.CHAT, load_chat, 0 if plan.remote_chat else llm_size(chat_model.path, config.quant, dtype),
                      is_demo=chat_model is not None and chat_model.is_demo,
                      notice=SMALL_MODEL_NOTICE if plan.model_id == EMBEDDED else ""),
             ToolSpec(Tool.IMAGE_CHAT, load_image_chat, image_size, needs=(Tool.CHAT,) if shared else (),
-                     is_demo=image.is_demo),
+                     is_demo=vlm is None and image.is_demo),
             ToolSpec(Tool.SEGMENT, load_segment, weights_size(locate_sam(plan.sam, cache_dir())[0], dtype=dtype),
                      is_demo=plan.sam == SAM_DEMO)]
 

@@ -39,6 +39,7 @@ class StudioConfig:
     llm_model: str | None = None
     llm_api_key: str | None = None
     sam: str = "auto"
+    vlm: str = "auto"
     minigpt4_ckpt: Path | None = None
     minigpt4_vision: Path | None = None
     minigpt4_llm: Path | None = None
@@ -99,6 +100,10 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     p.add_argument("--sam", default="auto", help="mobile_sam (40 MB), sam_vit_b, sam_vit_l, sam_vit_h (2.4 GB), "
                                                  "demo/sam-tiny, a .pth/.pt file, or auto: sam_vit_h on a GPU when "
                                                  "cached, else MobileSAM, downloaded on first use (offline: the demo)")
+    p.add_argument("--vlm", default="auto", help="Image chat's model: smolvlm (SmolVLM-256M-Instruct, 0.5 GB), "
+                                                 "smolvlm-500m, a SmolVLM (Idefics3) hub id or folder; auto: SmolVLM, "
+                                                 "downloaded on first use (offline: the MiniGPT-4 demo). The "
+                                                 "--minigpt4-* options run MiniGPT-4 instead")
     p.add_argument("--minigpt4-ckpt", type=Path, help="MiniGPT-4 checkpoint (prerained_minigpt4_7b.pth, holds llama_proj)")
     p.add_argument("--minigpt4-vision", type=Path, help="folder with eva_vit_g.pth + blip2_pretrained_flant5xxl.pth, "
                                                          "or a transformers BLIP-2 folder")

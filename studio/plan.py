@@ -19,6 +19,8 @@ from pipeline.service.tools import Tool
 from pipeline.llm.weights.checkpoint import read_config
 from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
 from studio.config import StudioConfig
+from studio.vlm import SIZES as VLM_SIZES
+from studio.vlm import local_folder, vlm_id
 
 # The plan's parts: the LLMs and vision networks each tool runs (image chat has one of each).
 CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT = "chat", "image chat LLM", "image chat vision", "segment"
@@ -133,8 +135,13 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
         chat = f"Chat: {plan.model_id}, a demo with random weights (its replies mean nothing), {where(CHAT, GPU_HINT)}"
     else:
         chat = f"Chat: {plan.model_id} {where(CHAT, GPU_HINT)}"
-    image = "Image chat: " + ("MiniGPT-4 " if config.minigpt4_ckpt else
-                              "a demo MiniGPT-4 with random weights (--help says how to load the real one), ")
+    vlm = vlm_id(config)
+    if vlm is not None:
+        name = vlm.rstrip("/").rsplit("/", 1)[-1]
+        image = f"Image chat: {name}, {VLM_SIZES.get(vlm, 'a download')}, downloads on first use, " \
+            if local_folder(vlm) is None else f"Image chat: {name} "
+    else:
+        image = "Image chat: MiniGPT-4 "
     segment = "Segment: " + _segment_model(plan.sam)
     return [(Tool.CHAT, chat), (Tool.IMAGE_CHAT, image + where(IMAGE_CHAT_VISION)),
             (Tool.SEGMENT, segment + where(SEGMENT))]

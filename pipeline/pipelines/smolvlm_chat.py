@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,10 +24,13 @@ from pipeline.llm.engine.seam import ChatEvent
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
-from pipeline.llm.text.tokenizer import Tokenizer
+from pipeline.llm.engine.torch_engine import TorchLLMEngine
+from pipeline.llm.text.tokenizer import Tokenizer, load_tokenizer
 from pipeline.smolvlm.preprocess import PreprocessConfig, preprocess
 from pipeline.smolvlm.prompt import IMAGE, ImagePrompt, expand_images, image_ids
+from pipeline.smolvlm.text import load_text_decoder
 from pipeline.smolvlm.vision import SmolVLMVision
+from pipeline.smolvlm.weights import load_vision
 
 IMAGE_CACHE = 16  # pictures whose tile embeddings are kept
 END_OF_UTTERANCE = "<end_of_utterance>"
@@ -69,6 +73,17 @@ class SmolVLMChatPipeline:
         self._lock = threading.Lock()
         self.encoder_runs = 0
         self.description = f"SmolVLM over {llm.description}"
+
+    @classmethod
+    def load(cls, folder: Path, model_id: str, device: str, dtype: torch.dtype, context: int,
+             max_batch: int) -> SmolVLMChatPipeline:
+        """A SmolVLM folder as transformers writes it (its vision side, decoder, tokenizer and processor
+        files) on our engine."""
+        decoder = load_text_decoder(folder, dtype, device)
+        engine = TorchLLMEngine(decoder, min(context, decoder.config.max_position_embeddings),
+                                decoder.config.vocab_size, max_batch=max_batch)
+        llm = LanguageModel(load_tokenizer(folder), engine, model_id, f"{model_id} · {engine.description} · {device}")
+        return cls(load_vision(folder, device, dtype), PreprocessConfig.from_folder(folder), llm)
 
     def close(self) -> None:
         with self._lock:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import socket
-import urllib.parse
 from pathlib import Path
 
 import torch
 from filelock import FileLock
-from huggingface_hub import constants as hub_constants
 from huggingface_hub import hf_hub_download
 from huggingface_hub.errors import HfHubHTTPError
 from tqdm import tqdm
 
 from pipeline.errors import UserError
+from pipeline.models import hub_reachable
 from pipeline.random_weights import spread_weights
 from pipeline.sam.model import VARIANTS, Sam
 from pipeline.weights_io import write_weight_file
@@ -64,7 +62,7 @@ def resolve_sam(name: str, cache_dir: Path, tqdm_class: type[tqdm] | None = None
             return path
         try:
             if name in HUB:  # into our cache folder; an unfinished file waits there for the next try
-                _hub_reachable()
+                hub_reachable()
                 hf_hub_download(*HUB[name], local_dir=path.parent, tqdm_class=tqdm_class)
             else:  # writes to a temporary file and renames it when complete
                 torch.hub.download_url_to_file(CHECKPOINTS[name], str(path), progress=True)
@@ -75,9 +73,3 @@ def resolve_sam(name: str, cache_dir: Path, tqdm_class: type[tqdm] | None = None
                             f"and pass --sam /path/to/file") from None
     return path
 
-
-def _hub_reachable(timeout_s: float = 3.0) -> None:
-    """Raise OSError at once where the hub cannot be reached: huggingface_hub's client retries a failed
-    connection for 24 s before it gives up, and an offline user waits for the demo meanwhile."""
-    url = urllib.parse.urlsplit(hub_constants.ENDPOINT)
-    socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()

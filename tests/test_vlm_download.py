@@ -1,0 +1,85 @@
+"""Image chat's default model, SmolVLM, downloaded on first use from a local hub (tests/hub_server.py) as
+`save_pretrained` writes one (a tiny random SmolVLM with SmolVLM-Instruct's chat template), answering about a
+picture through the app's service; offline with nothing cached the MiniGPT-4 demo runs and the start-up report
+says what one download would give."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3")
+
+from hub_server import serving  # noqa: E402
+from test_smolvlm import folder  # noqa: E402,F401 - the tiny checkpoint fixture
+from test_smolvlm_chat import TEMPLATE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO = "HuggingFaceTB/SmolVLM-256M-Instruct"
+
+# In a child: huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE when it is imported.
+ASK = """
+import json, numpy as np
+from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.service.tools import Tool
+from studio import hub_progress
+from studio.compose import build
+from studio.config import parse_config
+from studio.plan import make_plan
+
+hub_progress.EVERY_S = 0
+config = parse_config(["--data-dir", "data"])
+printed = []
+service = build(config, make_plan(config), out=printed.append)
+try:
+    service.load(Tool.IMAGE_CHAT)
+    chat = service.host.loaded(Tool.IMAGE_CHAT)
+    picture = np.random.default_rng(0).integers(0, 256, (37, 300, 3), dtype=np.uint8)
+    reply = "".join(e.text for e in chat.stream(picture, [{"role": "user", "content": "What is in it?"}],
+                                                SamplingParams(max_new_tokens=6, temperature=0)))
+    print(json.dumps({"kind": type(chat).__name__, "demo": service.is_demo(Tool.IMAGE_CHAT) or chat.is_demo,
+                      "reply": reply, "report": list(service.startup), "printed": printed}))
+finally:
+    service.close()
+"""
+
+
+def _ask(hub_url: str, tmp: Path) -> dict:
+    env = {**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_CACHE": str(tmp / "hub"), "STUDIO_CACHE": str(tmp / "cache"),
+           "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", ASK], env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_smolvlm_downloads_on_first_use_and_answers_about_a_picture(folder, tmp_path):  # noqa: F811
+    (folder / "chat_template.jinja").write_text(TEMPLATE)
+    with serving({REPO: folder}, delay_s=0.0002) as hub:
+        first = _ask(hub.url, tmp_path)
+    assert first["kind"] == "SmolVLMChatPipeline" and not first["demo"] and first["reply"], first
+    assert first["printed"][1] == "Image chat: SmolVLM-256M-Instruct, 0.5 GB, downloads on first use, on the CPU " \
+                                  "(float32)", first["printed"]
+    said = " ".join(first["report"])
+    assert f"image chat: downloading {REPO} (0.5 GB)" in said and "downloaded " in said, said
+    with serving({}) as empty_hub:  # cached: nothing asked of the hub
+        again = _ask(empty_hub.url, tmp_path)
+        assert empty_hub.ranges == []
+    assert again["kind"] == "SmolVLMChatPipeline" and again["reply"] == first["reply"]
+    assert "downloading" not in " ".join(again["report"])
+    assert again["printed"][1] == "Image chat: SmolVLM-256M-Instruct on the CPU (float32)", again["printed"]
+
+
+def test_offline_with_nothing_cached_image_chat_runs_the_demo_and_says_what_a_download_gives(tmp_path):
+    with socket.socket() as s:  # a port nothing listens on: the hub unreachable
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"
+    got = _ask(closed, tmp_path)
+    assert got["kind"] == "ImageChatPipeline" and got["demo"], got
+    assert any(f"could not download {REPO}" in line and "no connection" in line and "SmolVLM (0.5 GB)" in line
+               for line in got["report"]), got["report"]
