@@ -102,8 +102,8 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
                                                  "cached, else MobileSAM, downloaded on first use (offline: the demo)")
     p.add_argument("--vlm", default="auto", help="Image chat's model: smolvlm (SmolVLM-256M-Instruct, 0.5 GB), "
                                                  "smolvlm-500m, a SmolVLM (Idefics3) hub id or folder; auto: SmolVLM, "
-                                                 "downloaded on first use (offline: the MiniGPT-4 demo). The "
-                                                 "--minigpt4-* options run MiniGPT-4 instead")
+                                                 "downloaded on first use (offline: the MiniGPT-4 demo); minigpt4: "
+                                                 "MiniGPT-4 (its --minigpt4-* checkpoints, else its demo)")
     p.add_argument("--minigpt4-ckpt", type=Path, help="MiniGPT-4 checkpoint (prerained_minigpt4_7b.pth, holds llama_proj)")
     p.add_argument("--minigpt4-vision", type=Path, help="folder with eva_vit_g.pth + blip2_pretrained_flant5xxl.pth, "
                                                          "or a transformers BLIP-2 folder")

@@ -26,8 +26,8 @@ FILES = ["*.json", "*.safetensors", "*.jinja"]  # weights, configs, tokenizer, p
 
 
 def vlm_id(config: StudioConfig) -> str | None:
-    """The SmolVLM hub id or folder Image chat runs; None: MiniGPT-4 (its checkpoints given)."""
-    if config.minigpt4_ckpt:
+    """The SmolVLM hub id or folder Image chat runs; None: MiniGPT-4 (its checkpoints given, or its demo)."""
+    if config.minigpt4_ckpt or config.vlm == "minigpt4":
         return None
     return SMOLVLM if config.vlm == "auto" else NAMES.get(config.vlm, config.vlm)
 

@@ -24,6 +24,7 @@ PHOTO = "assets/examples/street.jpg"
 SAMPLING = (0.7, 0.9, 40, 1.05, 16, 7)  # temperature, top-p, top-k, repetition penalty, max new tokens, seed
 COMPONENTS = ("sam_image_encoder", "sam_mask_decoder", "minigpt4_vision")
 ORT = ("--backend", "onnxruntime")
+DEMOS = ("--sam", "demo/sam-tiny", "--vlm", "minigpt4")  # the models whose engines these tests build, offline
 
 
 def answers(url: str) -> dict:
@@ -48,7 +49,7 @@ def test_engines_are_built_on_the_first_launch_and_loaded_on_the_second(tmp_path
     assert not any("engine (" in line for line in reference["startup"])
     runs = []
     for name in ("first", "second"):
-        with launched(tmp_path / f"{name}.log", cache, *ORT, "--engine-dir", str(engines)) as (url, log, *_):
+        with launched(tmp_path / f"{name}.log", cache, *ORT, *DEMOS, "--engine-dir", str(engines)) as (url, log, *_):
             runs.append(answers(url))
     first, second = runs
     for component in COMPONENTS:
@@ -69,7 +70,7 @@ def build_engines(tmp_path, name: str, cache, engines) -> subprocess.Popen:
     env = {**os.environ, "STUDIO_CACHE": str(cache), "GRADIO_ANALYTICS_ENABLED": "False"}
     with open(tmp_path / f"{name}.log", "w") as out:
         return subprocess.Popen([sys.executable, "launch.py", "--build-engines", "--verbose", "--model", TEST_MODEL, *ORT,
-                                 "--engine-dir", str(engines)],
+                                 *DEMOS, "--engine-dir", str(engines)],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
@@ -108,7 +109,7 @@ def test_check_reports_backends_and_engine_cache(tmp_path):
     engines = tmp_path / "engines"
 
     def check(*args: str) -> str:
-        done = subprocess.run([sys.executable, "launch.py", "--check", *args, "--engine-dir", str(engines)],
+        done = subprocess.run([sys.executable, "launch.py", "--check", *args, *DEMOS, "--engine-dir", str(engines)],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         return done.stdout

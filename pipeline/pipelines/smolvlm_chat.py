@@ -79,10 +79,10 @@ class SmolVLMChatPipeline:
              max_batch: int) -> SmolVLMChatPipeline:
         """A SmolVLM folder as transformers writes it (its vision side, decoder, tokenizer and processor
         files) on our engine."""
-        decoder = load_text_decoder(folder, dtype, device)
+        decoder, tokenizer = load_text_decoder(folder, dtype, device), load_tokenizer(folder)
         engine = TorchLLMEngine(decoder, min(context, decoder.config.max_position_embeddings),
-                                decoder.config.vocab_size, max_batch=max_batch)
-        llm = LanguageModel(load_tokenizer(folder), engine, model_id, f"{model_id} · {engine.description} · {device}")
+                                tokenizer.vocab_size, max_batch=max_batch)  # (the logits' padding never drawn)
+        llm = LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description} · {device}")
         return cls(load_vision(folder, device, dtype), PreprocessConfig.from_folder(folder), llm)
 
     def close(self) -> None:
