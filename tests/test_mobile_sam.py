@@ -12,6 +12,7 @@ from pipeline.sam.engine import TorchSamEngine
 from pipeline.sam.model import VARIANTS, Sam, load_sam
 from pipeline.sam.tiny_vit import CHECKPOINT_KEYS_NOT_USED
 from pipeline.sam.transforms import preprocess, upscale_masks
+from sam_prompts import PROMPTS, prompt_tensors
 
 OFFICIAL = official_mobile_sam()  # skips this module where mobilesam-mirror is not installed
 MOBILE_SAM = VARIANTS["mobile_sam"]
@@ -102,23 +103,6 @@ def test_image_embeddings_match(embeddings):
     theirs, mine = embeddings
     assert mine.shape == theirs.shape == (1, 256, 64, 64)
     assert max_err(mine, theirs) <= 1e-4 and rel_err(mine, theirs) <= 1e-5
-
-
-PROMPTS = {
-    "click": dict(points=([[500.0, 375.0]], [1])),
-    "clicks": dict(points=([[500.0, 375.0], [120.5, 700.0], [900.0, 60.0]], [1, 0, 1])),
-    "box": dict(box=[100.0, 200.0, 700.0, 650.0]),
-    "box_and_click": dict(points=([[400.0, 400.0]], [0]), box=[100.0, 200.0, 700.0, 650.0]),
-}
-
-
-def prompt_tensors(prompt):
-    points = None
-    if "points" in prompt:
-        coords, labels = prompt["points"]
-        points = (torch.tensor([coords]), torch.tensor([labels]))
-    box = torch.tensor([prompt["box"]]) if "box" in prompt else None
-    return points, box
 
 
 def mask_iou(a, b) -> float:

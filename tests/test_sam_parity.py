@@ -8,6 +8,7 @@ import torch
 from official_sam import official_sam_modules
 from pipeline.sam.model import PIXEL_MEAN, PIXEL_STD, VARIANTS, Sam, load_sam
 from pipeline.sam.transforms import upscale_masks
+from sam_prompts import PROMPTS, prompt_tensors
 
 DEMO = VARIANTS["demo"]
 
@@ -76,23 +77,6 @@ def test_image_embeddings_match(embeddings):
     theirs, mine = embeddings
     assert mine.shape == theirs.shape == (1, DEMO.prompt_embed_dim, 64, 64)
     assert rel_err(mine, theirs) <= 1e-4
-
-
-PROMPTS = {
-    "point": dict(points=([[500.0, 375.0]], [1])),
-    "multi_point": dict(points=([[500.0, 375.0], [120.5, 800.0], [900.0, 60.0]], [1, 0, 1])),
-    "box": dict(box=[100.0, 200.0, 700.0, 650.0]),
-    "box_and_point": dict(points=([[400.0, 400.0]], [0]), box=[100.0, 200.0, 700.0, 650.0]),
-}
-
-
-def prompt_tensors(prompt):
-    points = None
-    if "points" in prompt:
-        coords, labels = prompt["points"]
-        points = (torch.tensor([coords]), torch.tensor([labels]))
-    box = torch.tensor([prompt["box"]]) if "box" in prompt else None
-    return points, box
 
 
 def run_both(models, embeddings, prompt, mask_input=None, multimask=True):
