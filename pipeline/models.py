@@ -284,3 +284,11 @@ def hub_reachable(timeout_s: float = 3.0) -> None:
 
     url = urllib.parse.urlsplit(hub_constants.ENDPOINT)
     socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+
+
+def download_failure(e: Exception) -> str:
+    """Why a download failed, in a user's words: no connection (a socket's error, the hub unreachable), or
+    the error's kind (the hub's answer, a full disk)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return "no connection" if isinstance(e, OSError) and not isinstance(e, HfHubHTTPError) else type(e).__name__

@@ -15,7 +15,7 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from pipeline.errors import UserError
-from pipeline.models import hub_reachable
+from pipeline.models import download_failure, hub_reachable
 from studio.config import StudioConfig
 from studio.hub_progress import progress_class
 
@@ -53,8 +53,7 @@ def fetch(model_id: str, say: Callable[[str], None]) -> Path:
         folder = Path(snapshot_download(model_id, allow_patterns=FILES,
                                         tqdm_class=progress_class(say, threading.Event())))
     except (OSError, ValueError, HfHubHTTPError) as e:
-        why = "no connection" if isinstance(e, OSError) and not isinstance(e, HfHubHTTPError) else type(e).__name__
-        raise UserError(f"could not download {model_id} from the Hugging Face hub: {why}") from None
+        raise UserError(f"could not download {model_id} from the Hugging Face hub: {download_failure(e)}") from None
     if not (folder / "config.json").is_file():
         raise UserError(f"{model_id} has no config.json: it is not a model this app can run")
     return folder

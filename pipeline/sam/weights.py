@@ -11,7 +11,7 @@ from huggingface_hub.errors import HfHubHTTPError
 from tqdm import tqdm
 
 from pipeline.errors import UserError
-from pipeline.models import hub_reachable
+from pipeline.models import download_failure, hub_reachable
 from pipeline.random_weights import spread_weights
 from pipeline.sam.model import VARIANTS, Sam
 from pipeline.weights_io import write_weight_file
@@ -68,8 +68,7 @@ def resolve_sam(name: str, cache_dir: Path, tqdm_class: type[tqdm] | None = None
                 torch.hub.download_url_to_file(CHECKPOINTS[name], str(path), progress=True)
         except (OSError, ValueError, RuntimeError, HfHubHTTPError) as e:  # offline, not found, disk full
             where = f"the Hugging Face hub ({'/'.join(HUB[name])})" if name in HUB else CHECKPOINTS[name]
-            why = "no connection" if isinstance(e, OSError) and not isinstance(e, HfHubHTTPError) else type(e).__name__
-            raise UserError(f"could not download {name} from {where}: {why}. Fetch {CHECKPOINTS[name]} elsewhere "
+            raise UserError(f"could not download {name} from {where}: {download_failure(e)}. Fetch {CHECKPOINTS[name]} elsewhere "
                             f"and pass --sam /path/to/file") from None
     return path
 
