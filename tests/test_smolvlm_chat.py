@@ -18,7 +18,7 @@ from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.language_model import LanguageModel  # noqa: E402
 from pipeline.llm.text.tokenizer import load_tokenizer  # noqa: E402
-from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline, SmolVLMFormat  # noqa: E402
+from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline  # noqa: E402
 from pipeline.smolvlm.preprocess import PreprocessConfig  # noqa: E402
 from pipeline.smolvlm.text import load_text_decoder  # noqa: E402
 from pipeline.smolvlm.weights import load_vision  # noqa: E402
@@ -69,10 +69,10 @@ def test_a_conversations_prompt_ids_equal_the_processors(processor, pipeline, na
     image = IMAGES[name]
     text = processor.apply_chat_template(hf_turns(TURNS), add_generation_prompt=True)
     expected = processor(text=text, images=[image], return_tensors="pt")["input_ids"][0].tolist()
-    _, expansion, features = pipeline.encode_image(image)
-    prompt = SmolVLMFormat(pipeline.llm.tokenizer, expansion).render(TURNS)
+    _, encoded = pipeline.encode_image(image)
+    prompt = pipeline.format(encoded).render(TURNS)
     assert list(prompt.ids) == expected
-    assert len(prompt.slots) == len(features) and all(length == SEQ for _, length in prompt.slots)
+    assert len(prompt.slots) == len(encoded.embeds) and all(length == SEQ for _, length in prompt.slots)
     assert all(expected[start] == processor.tokenizer.convert_tokens_to_ids("<image>") for start, _ in prompt.slots)
 
 

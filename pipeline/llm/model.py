@@ -135,25 +135,32 @@ def qwen_logn_scale(max_seq: int, seq_length: int) -> Tensor:
 
 
 class RotaryTables:
-    """Position tables for sequences up to `max_seq`: cos/sin [tables, max_seq, head_dim].
+    """Position tables for sequences up to `max_seq`, flattened: cos/sin [tables * max_seq, head_dim].
 
     Most models have one table. Qwen v1's dynamic NTK picks the RoPE base from the prompt length
     at prefill (alpha 1, 3, 7, … per doubling past `seq_length`) and keeps it while decoding, so
-    requests of different lengths use different tables: one per alpha, indexed per row.
+    requests of different lengths use different tables: one per alpha. A part reads row
+    `offset + position` (`offset`): its table's start, plus an M-RoPE model's shift (Qwen2.5-VL: a text
+    token after a picture sits at its index plus the shift, negative, since the picture's tokens take
+    fewer positions than slots). The picture's own tokens have three positions each (time, row,
+    column), one per section of the rotary pairs (`sectioned`).
     """
 
     def __init__(self, config: DecoderConfig, max_seq: int, device):
         c = config
-        self.config = config
+        self.config, self.max_seq = config, max_seq
         self.alphas = [1.0]
         if c.dynamic_ntk:
             while self.alphas[-1] < qwen_ntk_alpha(max_seq, c.seq_length):
                 self.alphas.append(self.alphas[-1] * 2 + 1)
         tables = [rope_tables(c.head_dim, max_seq, c.rope_theta * a ** (c.head_dim / (c.head_dim - 2)), device,
                               c.rope_scaling) for a in self.alphas]
-        self.cos = torch.stack([cos for cos, _ in tables])
-        self.sin = torch.stack([sin for _, sin in tables])
+        self.cos = torch.cat([cos for cos, _ in tables])
+        self.sin = torch.cat([sin for _, sin in tables])
         self.logn = qwen_logn_scale(max_seq, c.seq_length).to(device) if c.logn_attn else None
+        sections = c.mrope_section or (c.head_dim // 2,)
+        pairs = torch.repeat_interleave(torch.arange(len(sections)), torch.tensor(sections))
+        self._section = torch.cat([pairs, pairs]).to(device)  # which of the three positions each dim reads
 
     def table_for(self, context_len: int) -> int:
         """Which table a prompt of `context_len` tokens uses (always 0 without dynamic NTK)."""
@@ -161,16 +168,28 @@ class RotaryTables:
             return 0
         return self.alphas.index(qwen_ntk_alpha(context_len, self.config.seq_length))
 
+    def offset(self, table: int, shift: int = 0) -> int:
+        """The row of the flat tables that position 0 of `table` reads, moved by an M-RoPE `shift`."""
+        return table * self.max_seq + shift
+
+    def sectioned(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin [n, head_dim] for M-RoPE `positions` [3, n]: each rotary pair turns by the position of
+        its section (time, row or column; `DecoderConfig.mrope_section` pairs each)."""
+        index = positions.to(self.cos.device)[self._section]  # [head_dim, n]: the position each dim turns by
+        dims = torch.arange(self.cos.shape[1], device=self.cos.device)[:, None]
+        return self.cos[index, dims].T, self.sin[index, dims].T
+
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-    """`per_row` tokens for each cache row 0..B-1, row b's at positions starts[b].. with rotary table
-    tables[b]: one for a decode step, the last token and the tokens drafted after it for speculative
-    decoding's check (a decode step is a check without drafts). Each query attends in place to its row
-    up to its own position (the decode attention), reading at most the first `kv_len` positions."""
+    """`per_row` tokens for each cache row 0..B-1, row b's at positions starts[b].. with rotary offset
+    offsets[b] (`RotaryTables.offset`): one for a decode step, the last token and the tokens drafted after
+    it for speculative decoding's check (a decode step is a check without drafts). Each query attends in
+    place to its row up to its own position (the decode attention), reading at most the first `kv_len`
+    positions."""
 
     starts: Tensor
-    tables: Tensor
+    offsets: Tensor
     kv_len: int
     per_row: int = 1
 
@@ -179,24 +198,26 @@ class Rows:
 class Prefill:
     """A prompt's tokens at positions start.. of cache row `row` (`size` of them; 0: all the step's
     tokens left), read eagerly: its keys are read exactly up to its end, causal attention aligned to
-    the last key (plain causal attention for a fresh prompt, which skips the masked half)."""
+    the last key (plain causal attention for a fresh prompt, which skips the masked half). Rotary: each
+    token at `offset` + its position, or, given, at its own M-RoPE positions `rope` [3, size]."""
 
     row: int
     start: int
-    table: int = 0
+    offset: int = 0
     size: int = 0
+    rope: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     """A prompt chunk of `size` tokens (padded to a fixed length) of cache row `row` [1] at positions
-    `start` [1].. with rotary table `table` [1], all tensors, attending to the row's first `kv_len`
+    `start` [1].. with rotary offset `offset` [1], all tensors, attending to the row's first `kv_len`
     positions (a mask hides those past each query): its shapes stay the same from chunk to chunk, so a
     CUDA graph replays it."""
 
     row: Tensor
     start: Tensor
-    table: Tensor
+    offset: Tensor
     kv_len: int
     size: int
 
@@ -207,14 +228,14 @@ ALL = slice(None)  # `Decoder.forward`'s outputs: logits at every position
 
 @dataclasses.dataclass(frozen=True)
 class _Span:
-    """A part's place in the step's flat token list, its tokens' positions and tables [size], and for
-    `Rows` each query's key count [size]."""
+    """A part's place in the step's flat token list, its tokens' positions in the cache and rows of the
+    rotary tables [size]."""
 
     part: Part
     begin: int
     end: int
     positions: Tensor
-    tables: Tensor
+    rotary: Tensor
 
 
 def _spans(parts: tuple[Part, ...], total: int, device: torch.device) -> list[_Span]:
@@ -223,12 +244,12 @@ def _spans(parts: tuple[Part, ...], total: int, device: torch.device) -> list[_S
         if isinstance(part, Rows):
             size = part.starts.shape[0] * part.per_row
             positions = (part.starts[:, None] + torch.arange(part.per_row, device=device)).flatten()
-            tables = part.tables[:, None].expand(-1, part.per_row).flatten()
+            offsets = part.offsets[:, None].expand(-1, part.per_row).flatten()
         else:
             size = part.size or total - begin
             positions = part.start + torch.arange(size, device=device)
-            tables = part.table.expand(size) if isinstance(part, Chunk) else torch.full((size,), part.table, device=device)
-        spans.append(_Span(part, begin, begin + size, positions, tables))
+            offsets = part.offset
+        spans.append(_Span(part, begin, begin + size, positions, positions + offsets))
         begin += size
     assert begin == total, f"the parts cover {begin} tokens of {total}"
     return spans
@@ -357,8 +378,11 @@ class Decoder(nn.Module):
         x = self.embed(tokens) if embeds is None else embeds
         spans = _spans(parts, x.shape[1], x.device)
         positions = spans[0].positions if len(spans) == 1 else torch.cat([s.positions for s in spans])
-        tables = spans[0].tables if len(spans) == 1 else torch.cat([s.tables for s in spans])
-        cos, sin = rope.cos[tables, positions], rope.sin[tables, positions]
+        rotary = spans[0].rotary if len(spans) == 1 else torch.cat([s.rotary for s in spans])
+        cos, sin = rope.cos[rotary], rope.sin[rotary]
+        for s in spans:
+            if isinstance(s.part, Prefill) and s.part.rope is not None:  # a picture's tokens: three positions each
+                cos[s.begin:s.end], sin[s.begin:s.end] = rope.sectioned(s.part.rope)
         logn = rope.logn[positions] if rope.logn is not None else None
         delta = None
         for i, layer in enumerate(self.layers):

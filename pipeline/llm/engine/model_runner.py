@@ -43,31 +43,35 @@ def pow2_at_least(n: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkRead:
-    """A prompt chunk of a step: `prompt`'s positions start..end-1 into cache row `row`, rotary table `table`
-    (an image slot may begin before `start` or end after `end`); `logits`: its last position's are wanted
-    (the prompt's last chunk, whose first token is drawn in the same step)."""
+    """A prompt chunk of a step: `prompt`'s positions start..end-1 into cache row `row`, rotary offset
+    `offset` (an image slot may begin before `start` or end after `end`); `logits`: its last position's are
+    wanted (the prompt's last chunk, whose first token is drawn in the same step)."""
 
     prompt: Prompt
     row: int
     start: int
     end: int
-    table: int
+    offset: int
     logits: bool
 
     def has_slots(self) -> bool:
         return any(slot < self.end and self.start < slot + length for slot, length in self.prompt.slots)
 
+    def rope(self) -> Tensor | None:
+        """Its tokens' own M-RoPE positions [3, size] where it holds a picture's (Qwen2.5-VL); else None."""
+        return self.prompt.rope[:, self.start:self.end] if self.prompt.rope is not None and self.has_slots() else None
+
 
 @dataclasses.dataclass(frozen=True)
 class RowsFeed:
     """What rows 0..n-1 feed in a step: `tokens[i]` (one token, or the last one and its drafts) at positions
-    starts[i].. with rotary tables[i]; or, `chained`, the tokens the previous step drew (on the device),
+    starts[i].. with rotary offsets[i]; or, `chained`, the tokens the previous step drew (on the device),
     each row one position further, so the host never stalls the GPU for them."""
 
     n: int
     tokens: list[list[int]] | None = None
     starts: list[int] | None = None
-    tables: list[int] | None = None
+    offsets: list[int] | None = None
     chained: Tensor | None = None
     kv_need: int = 0  # the most positions a row reads in this step (its last position + 1)
 
@@ -89,7 +93,7 @@ class ModelRunner:
         self.captures = 0  # graphs captured so far
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
-        self._state = torch.zeros(max_batch, 3, dtype=torch.long, device=self.device)  # rows' token, position, table
+        self._state = torch.zeros(max_batch, 3, dtype=torch.long, device=self.device)  # rows' token, position, rotary offset
         self._ahead: torch.cuda.Event | None = None  # marks the step launched last
         # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
         # benchmark's plain and speculating ones), or a step and a warm-up on two streams, never share them.
@@ -129,7 +133,7 @@ class ModelRunner:
         specs = tuple(self._chunk_shape(c, graphed) for c in chunks)
         begins = list(itertools.accumulate((size for size, _, _ in specs), initial=0))  # each chunk's ids in chunk_in
         ids = [[*c.prompt.ids[c.start:c.end], *[0] * (size - c.end + c.start)] for c, (size, _, _) in zip(chunks, specs)]
-        meta = [[c.row, c.start, c.table, c.end - c.start - 1] for c in chunks] if graphed else []
+        meta = [[c.row, c.start, c.offset, c.end - c.start - 1] for c in chunks] if graphed else []
         chunk_in = None
         if chunks:
             host = torch.tensor([v for part in ids + meta for v in part], dtype=torch.long, pin_memory=self._pinned)
@@ -143,7 +147,7 @@ class ModelRunner:
                 tokens.append(rows_in[:, :per_row].flatten())
                 parts.append(Rows(rows_in[:, per_row], rows_in[:, per_row + 1], kv_len, per_row))
                 outputs.append(torch.arange(bucket * per_row, device=self.device))
-            offset, at = bucket * per_row, begins[-1]  # the chunks' row, start, table, last come after their ids
+            offset, at = bucket * per_row, begins[-1]  # the chunks' row, start, offset, last come after their ids
             for i, (c, (size, chunk_kv, logits)) in enumerate(zip(chunks, specs)):
                 tokens.append(chunk_in[begins[i]:begins[i + 1]])
                 if graphed:
@@ -151,7 +155,7 @@ class ModelRunner:
                     parts.append(Chunk(m[0:1], m[1:2], m[2:3], chunk_kv, size))
                     last = offset + m[3:4]
                 else:
-                    parts.append(Prefill(c.row, c.start, c.table, size))
+                    parts.append(Prefill(c.row, c.start, c.offset, size, c.rope()))
                     last = torch.arange(offset + size - 1, offset + size, device=self.device)
                 if logits:
                     outputs.append(last)
@@ -179,7 +183,7 @@ class ModelRunner:
         return size, min(pow2_at_least(chunk.start + size), self.scratch + 1), chunk.logits
 
     def _rows_input(self, rows: RowsFeed) -> tuple[Tensor, tuple[int, int, int, int]]:
-        """The rows' inputs on the device [bucket, T + 2] (tokens, start, table; padding rows write the
+        """The rows' inputs on the device [bucket, T + 2] (tokens, start, rotary offset; padding rows write the
         scratch positions), and (bucket, T, the T asked for, key length). A verify step takes a longer
         draft size whose graph exists rather than capture one (eager runs and a capture cost tens of ms,
         more than the padding: the extra positions repeat the row's last token and are written again later)."""
@@ -197,13 +201,13 @@ class ModelRunner:
                 # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
                 # run): one buffer kept for every step was rewritten while an earlier step's copy still
                 # waited in the stream, and that step ran on the next one's tokens and positions.
-                host = torch.tensor([[t[0], s, tb] for t, s, tb in zip(rows.tokens, rows.starts, rows.tables)]
+                host = torch.tensor([[t[0], s, o] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
                                     + [[0, self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
                 self._state[:bucket].copy_(host, non_blocking=True)
             return self._state[:bucket], (bucket, 1, 1, kv_len_for(1))
         size = next((k + 1 for k in DRAFT_SIZES if k + 1 >= need and any(
             key[:4] == ("step", bucket, k + 1, kv_len_for(k + 1)) for key in self._graphs)), need)
-        host = torch.tensor([[*t, *t[-1:] * (size - need), s, tb] for t, s, tb in zip(rows.tokens, rows.starts, rows.tables)]
+        host = torch.tensor([[*t, *t[-1:] * (size - need), s, o] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
                             + [[0] * size + [self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
         return host.to(self.device, non_blocking=True), (bucket, size, need, kv_len_for(size))
 

@@ -233,6 +233,11 @@ class TorchLLMEngine:
             for step in starting:
                 self._guarded(step.requests, self.outputs.read, step, True)
 
+    def _offset(self, request: Request, position: int) -> int:
+        """The rotary offset of `request`'s tokens from `position` on: its table's, moved by its prompt's
+        M-RoPE shift there (0 but for Qwen2.5-VL's pictures)."""
+        return self.runner.rope.offset(request.table, request.prompt.shift(position))
+
     def _launch(self, active: list[Request], drafts: list[list[int]] | None,
                 chunks: list[tuple[Request, int]]) -> None:
         """Run one step: rows 0..n-1 feed their last token (after the step in flight, chained on the GPU) or,
@@ -242,11 +247,12 @@ class TorchLLMEngine:
         if active and (drafts is not None or self._pending is None):
             size = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts or [[]]))) + 1
             fed = [[r.last_token, *d, *[r.last_token] * (size - 1 - len(d))] for r, d in zip(active, drafts or [[]] * len(active))]
-            feed = RowsFeed(len(active), fed, [r.position for r in active], [r.table for r in active],
+            feed = RowsFeed(len(active), fed, [r.position for r in active], [self._offset(r, r.position) for r in active],
                             kv_need=max(r.position for r in active) + size)
         elif active:
             feed = RowsFeed(len(active), chained=self._pending.drawn, kv_need=max(r.position for r in active) + 1)
-        reads = [ChunkRead(r.prompt, r.row, r.position, end, r.table, end == len(r.sig)) for r, end in chunks]
+        reads = [ChunkRead(r.prompt, r.row, r.position, end, self._offset(r, r.position), end == len(r.sig))
+                 for r, end in chunks]
         logits, firsts = self.runner.step(self.rows.kv, feed, reads, graphed=bool(active))
         self.steps += bool(active)
         for r, end in chunks:

@@ -10,6 +10,7 @@ single over-long message is cut in the middle; each cut comes back as a notice f
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -27,16 +28,30 @@ class Prompt:
     """Token ids, where `slots` ((start, length) runs) take their inputs from `embeds` instead.
 
     Ids inside a slot are placeholders. `keys` name each slot's content (an image hash) so an
-    engine can recognise a cached prefix that includes it.
+    engine can recognise a cached prefix that includes it. `rope`: M-RoPE positions [3, len] (time,
+    row, column) where a model places a picture's tokens on a grid (Qwen2.5-VL); None: token i at i.
     """
 
     ids: tuple[int, ...]
     slots: tuple[tuple[int, int], ...] = ()
     embeds: tuple[Tensor, ...] = ()
     keys: tuple[str, ...] = ()
+    rope: Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def shift(self, at: int) -> int:
+        """How far a text token at index `at` sits from its rotary position (past the prompt: a reply's)."""
+        if self.rope is None:
+            return 0
+        if at >= len(self.ids):
+            return self._end_shift
+        return int(self.rope[0, at]) - at
+
+    @functools.cached_property
+    def _end_shift(self) -> int:
+        return int(self.rope.max()) + 1 - len(self.ids)
 
     def fill(self, embeds: Tensor, key: str) -> Prompt:
         """Every slot filled with `embeds` [length, hidden] (MiniGPT-4 shows one image per prompt)."""

@@ -39,6 +39,8 @@ class DecoderConfig:
     seq_length: int = 0
     # RoPE scaling as (key, value) pairs, `rope_type` first ("linear", "llama3", "yarn"); () = none.
     rope_scaling: tuple[tuple[str, Any], ...] = ()
+    # M-RoPE (Qwen2.5-VL's decoder): how many rotary pairs turn by a token's time, row and column position.
+    mrope_section: tuple[int, ...] = ()
     # "awq" or "gptq": the checkpoint holds pre-quantized int4 weights (`prequantized.py`); "": float ones.
     quantization: str = ""
     # A GGUF file's quantization as users name it ("Q4_K_M", "Q8_0", "F16"); "": not a GGUF file.
@@ -84,6 +86,7 @@ def _rope(cfg: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type")) or "default"
+    kind = "default" if kind == "mrope" else kind  # the hub's Qwen2.5-VL name for plain RoPE in sections
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UserError(f"rope partial_rotary_factor {rope['partial_rotary_factor']} is not supported")
     if kind == "default":
@@ -98,6 +101,17 @@ def _rope(cfg: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
     if missing:
         raise UserError(f"rope_scaling {kind!r} lacks {', '.join(missing)} in config.json")
     return theta, (("rope_type", kind),) + tuple((k, rope[k]) for k in required + optional if rope.get(k) is not None)
+
+
+def _mrope_section(cfg: dict) -> tuple[int, ...]:
+    """M-RoPE's sections (Qwen2.5-VL), checked to cover the rotary pairs: a wrong split would run."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    section = tuple(int(n) for n in rope.get("mrope_section") or ())
+    pairs = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+    if section and (len(section) != 3 or sum(section) != pairs):
+        raise UserError(f"rope mrope_section {list(section)} must be three counts adding up to {pairs}, "
+                        f"the rotary pairs of a head")
+    return section
 
 
 # Config fields that change the math, with the value we implement; anything else is refused by name.
@@ -145,6 +159,7 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
+        mrope_section=_mrope_section(cfg),
         qkv_bias=family.qkv_bias if family.qkv_bias is not None else attention_bias,
         o_bias=family.qkv_bias is None and attention_bias,
         qk_norm=family.qk_norm,
