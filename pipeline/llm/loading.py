@@ -13,6 +13,7 @@ from pipeline.errors import UserError
 from pipeline.llm.model import Decoder
 from pipeline.llm.weights.checkpoint import StateDict, layout_of, read_config, read_tensors, to_internal
 from pipeline.llm.weights.config import DecoderConfig
+from pipeline.llm.weights.families import Layout
 from pipeline.llm.weights.prequantized import prequantized_weights
 from pipeline.llm.weights.quant import empty_quantized
 
@@ -40,8 +41,14 @@ def load_decoder(folder: Path, dtype: torch.dtype = torch.float32, device: str |
     if config.quantization:
         raise UserError(f"{folder.name} holds {config.quantization.upper()} int4 weights: it loads as int4 "
                         f"(`quantized_weights.quantized_decoder`), not as float weights")
-    sd = to_internal(config, read_tensors(folder, dtype), layout_of(config))
-    return build_decoder(config, sd, dtype, device)
+    return decoder_from(folder, config, layout_of(config), dtype, device)
+
+
+def decoder_from(folder: Path, config: DecoderConfig, layout: Layout, dtype: torch.dtype,
+                 device: str | torch.device) -> Decoder:
+    """The decoder whose tensors the folder's weight files hold under `layout`'s names (a VLM's decoder
+    beside its vision tensors, which are left aside)."""
+    return build_decoder(config, to_internal(config, read_tensors(Path(folder), dtype), layout), dtype, device)
 
 
 def load_prequantized(folder: Path, dtype: torch.dtype, device: torch.device | str = "cpu") -> Decoder:

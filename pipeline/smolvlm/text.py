@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.loading import build_decoder
+from pipeline.llm.loading import decoder_from
 from pipeline.llm.model import Decoder
-from pipeline.llm.weights.checkpoint import read_tensors, to_internal
 from pipeline.llm.weights.config import DecoderConfig, config_from_hf
 from pipeline.llm.weights.families import HF_LAYOUT
 from pipeline.weights_io import read_json
@@ -40,6 +39,4 @@ def text_config(folder: Path) -> DecoderConfig:
 def load_text_decoder(folder: Path, dtype: torch.dtype = torch.float32,
                       device: str | torch.device = "cpu") -> Decoder:
     """SmolVLM's decoder as our `Decoder` (its vision tensors are read and left aside)."""
-    config = text_config(folder)
-    sd = to_internal(config, read_tensors(Path(folder), dtype), IDEFICS3_TEXT_LAYOUT)
-    return build_decoder(config, sd, dtype, device)
+    return decoder_from(folder, text_config(folder), IDEFICS3_TEXT_LAYOUT, dtype, device)
