@@ -20,7 +20,6 @@ from studio.config import StudioConfig
 from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_VISION, SEGMENT, Plan
 from studio.quantized_weights import quant_key
-from studio.vlm import vlm_id
 
 
 def engine_cache(config: StudioConfig) -> EngineCache:
@@ -47,7 +46,7 @@ def check_engines(config: StudioConfig, plan: Plan) -> list[str]:
         else:
             graphs = sam_graphs(variant_of(read_weight_file(path, "SAM checkpoint")))
             lines += [f"segment engines: {line}" for line in engine_status(graphs, [path], backend, plan.dtype, cache)]
-    if vlm_id(config) is None and (backend := plan.backends[IMAGE_CHAT_VISION].backend) != "torch":
+    if plan.vlm is None and (backend := plan.backends[IMAGE_CHAT_VISION].backend) != "torch":
         vision_dir = config.minigpt4_vision or demo_vision_folder(cache_dir())
         ckpt = config.minigpt4_ckpt or vision_dir / CHECKPOINT
         if not ckpt.exists():

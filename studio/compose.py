@@ -27,7 +27,6 @@ from pipeline.models import EMBEDDED, cache_dir, data_dir, draft_model_for, loca
 from pipeline.pipelines.chat import ChatPipeline
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment import SegmentPipeline
-from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline
 from pipeline.sam.model import load_sam
 from pipeline.sam.weights import DEMO as SAM_DEMO
 from pipeline.sam.weights import SIZES as SAM_SIZES
@@ -45,7 +44,7 @@ from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, 
 from studio.sizes import llm_size, weights_size
 from studio.startup_report import StartupReport, print_line
 from studio.vlm import SIZES as VLM_SIZES
-from studio.vlm import fetch, local_folder, vlm_id
+from studio.vlm import fetch, load_vlm, local_folder, model_name
 
 # The engine threads and the request threads hand the GIL around constantly; Python's default 5 ms
 # switch interval would let a busy engine thread hold up a click by several of them.
@@ -74,7 +73,7 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
     not on a user's first request)."""
     dtype = getattr(torch, plan.dtype)
     chat_model = None if plan.remote_chat else locate(plan.model_id, config.weights)
-    vlm = vlm_id(config)  # SmolVLM (None: MiniGPT-4's checkpoints given); MiniGPT-4's demo where it cannot come
+    vlm = plan.vlm  # SmolVLM or Qwen2.5-VL (None: MiniGPT-4's); MiniGPT-4's demo where it cannot come
     image = image_chat_parts(config)
     # MiniGPT-4 over the chat's own weights shares the chat's LLM, which then needs room for image
     # embeddings: a TensorRT-LLM engine is built with a prompt table for them.
@@ -134,14 +133,15 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                 try:
                     folder = fetch(vlm, engines.report.say)
                     # no warm-up encode: nothing is captured, and a picture costs 13-17 tiles of SigLIP on a CPU
-                    image_chat = SmolVLMChatPipeline.load(folder, vlm, plan.device, dtype, 2048, config.max_batch)
+                    image_chat = load_vlm(folder, vlm, plan.device, dtype, config.max_batch)
                     engines.report.say(f"image chat: {image_chat.description}")
                     return image_chat
                 except UserError as e:
                     if config.vlm != "auto":
                         raise
                     engines.report.tell(f"image chat: {e}. The MiniGPT-4 demo (random weights) runs instead; with a "
-                                        f"connection, SmolVLM ({VLM_SIZES.get(vlm, 'one download')}) answers for real")
+                                        f"connection, {model_name(vlm)} ({VLM_SIZES.get(vlm, 'one download')}) answers "
+                                        f"for real")
             return load_minigpt4(free)
 
     def load_minigpt4(free):

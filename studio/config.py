@@ -101,9 +101,11 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
                                                  "demo/sam-tiny, a .pth/.pt file, or auto: sam_vit_h on a GPU when "
                                                  "cached, else MobileSAM, downloaded on first use (offline: the demo)")
     p.add_argument("--vlm", default="auto", help="Image chat's model: smolvlm (SmolVLM-256M-Instruct, 0.5 GB), "
-                                                 "smolvlm-500m, a SmolVLM (Idefics3) hub id or folder; auto: SmolVLM, "
-                                                 "downloaded on first use (offline: the MiniGPT-4 demo); minigpt4: "
-                                                 "MiniGPT-4 (its --minigpt4-* checkpoints, else its demo)")
+                                                 "smolvlm-500m, qwen2.5-vl-3b (7.5 GB), qwen2.5-vl-7b (16.6 GB), a "
+                                                 "SmolVLM or Qwen2.5-VL hub id or folder; auto: Qwen2.5-VL on a GPU "
+                                                 "where it is cached, else SmolVLM, downloaded on first use (offline: "
+                                                 "the MiniGPT-4 demo); minigpt4: MiniGPT-4 (its --minigpt4-* "
+                                                 "checkpoints, else its demo)")
     p.add_argument("--minigpt4-ckpt", type=Path, help="MiniGPT-4 checkpoint (prerained_minigpt4_7b.pth, holds llama_proj)")
     p.add_argument("--minigpt4-vision", type=Path, help="folder with eva_vit_g.pth + blip2_pretrained_flant5xxl.pth, "
                                                          "or a transformers BLIP-2 folder")

@@ -20,7 +20,7 @@ from pipeline.llm.weights.checkpoint import read_config
 from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
 from studio.config import StudioConfig
 from studio.vlm import SIZES as VLM_SIZES
-from studio.vlm import local_folder, vlm_id
+from studio.vlm import local_folder, model_name, vlm_id
 
 # The plan's parts: the LLMs and vision networks each tool runs (image chat has one of each).
 CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT = "chat", "image chat LLM", "image chat vision", "segment"
@@ -36,6 +36,7 @@ class Plan:
     model_id: str
     sam: str
     notes: tuple[tuple[Tool | None, str], ...]  # (the tool it is about, None: all; the note)
+    vlm: str | None = None  # Image chat's VLM (hub id or folder); None: MiniGPT-4
 
     @property
     def remote_chat(self) -> bool:
@@ -135,9 +136,9 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
         chat = f"Chat: {plan.model_id}, a demo with random weights (its replies mean nothing), {where(CHAT, GPU_HINT)}"
     else:
         chat = f"Chat: {plan.model_id} {where(CHAT, GPU_HINT)}"
-    vlm = vlm_id(config)
+    vlm = plan.vlm
     if vlm is not None:
-        name = vlm.rstrip("/").rsplit("/", 1)[-1]
+        name = model_name(vlm)
         image = f"Image chat: {name}, {VLM_SIZES.get(vlm, 'a download')}, downloads on first use, " \
             if local_folder(vlm) is None else f"Image chat: {name} "
     else:
@@ -164,10 +165,13 @@ def make_plan(config: StudioConfig) -> Plan:
     sam, sam_notes = _sam(config, device)
     quant = f"LLM weights: --quant {config.quant}" + (" (at load: float where the weights fit the free memory, "
                                                       "else int8, else int4)" if config.quant == "auto" else "")
+    vlm = vlm_id(config, device)  # a VLM unless MiniGPT-4 is asked for: the MiniGPT-4 demo only where none can come
     image = "image chat: MiniGPT-4 from the given files" if config.minigpt4_ckpt else \
-        "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one"
+        "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one" if vlm is None \
+        else f"image chat model {vlm}" + (f" ({VLM_SIZES.get(vlm, 'a download')}; offline and not in the cache: the "
+                                          f"MiniGPT-4 demo)" if config.vlm == "auto" else "")
     notes = [(None, device_note), *((PART_TOOLS[part], f"{part}: {choice.backend} ({choice.why})")
                                     for part, choice in backends.items()),
              (Tool.CHAT, quant), *((Tool.CHAT, n) for n in model_notes), *((Tool.SEGMENT, n) for n in sam_notes),
              (Tool.IMAGE_CHAT, image)]
-    return Plan(backends, device, dtype, model_id, sam, tuple(notes))
+    return Plan(backends, device, dtype, model_id, sam, tuple(notes), vlm)

@@ -1,5 +1,6 @@
-"""Which vision-language model Image chat runs, and getting its folder: SmolVLM by default, from the hub on
-first use (progress, a dropped connection resumed); MiniGPT-4 where its three checkpoints are given.
+"""Which vision-language model Image chat runs, and getting its folder: on a GPU, Qwen2.5-VL where the hub
+cache holds it; else SmolVLM, from the hub on first use (progress, a dropped connection resumed);
+MiniGPT-4 where its three checkpoints are given.
 
 Offline with nothing cached, `--vlm auto` falls back to the MiniGPT-4 demo (`compose.load_image_chat`
 says so); a VLM asked for by name fails with the reason.
@@ -11,25 +12,53 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from pipeline.errors import UserError
 from pipeline.models import download_failure, hub_reachable
+from pipeline.pipelines.qwen_vl_chat import QwenVLChatPipeline
+from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline
+from pipeline.pipelines.vlm_chat import VLMChatPipeline
+from pipeline.weights_io import read_json
 from studio.config import StudioConfig
 from studio.hub_progress import progress_class
 
 SMOLVLM = "HuggingFaceTB/SmolVLM-256M-Instruct"
-NAMES = {"smolvlm": SMOLVLM, "smolvlm-500m": "HuggingFaceTB/SmolVLM-500M-Instruct"}
-SIZES = {SMOLVLM: "0.5 GB", NAMES["smolvlm-500m"]: "1.0 GB"}
-FILES = ["*.json", "*.safetensors", "*.jinja"]  # weights, configs, tokenizer, processor and chat template
+QWEN_VL_7B, QWEN_VL_3B = "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct"
+NAMES = {"smolvlm": SMOLVLM, "smolvlm-500m": "HuggingFaceTB/SmolVLM-500M-Instruct", "qwen2.5-vl-3b": QWEN_VL_3B,
+         "qwen2.5-vl-7b": QWEN_VL_7B}
+SIZES = {SMOLVLM: "0.5 GB", NAMES["smolvlm-500m"]: "1.0 GB", QWEN_VL_3B: "7.5 GB", QWEN_VL_7B: "16.6 GB"}
+GPU_VLMS = (QWEN_VL_7B, QWEN_VL_3B)  # what `auto` takes on a GPU where the cache holds it, best first
+FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # weights, configs, tokenizer, processor, chat template
+CONTEXT = {"qwen2_5_vl": 4096}  # a Qwen2.5-VL picture takes up to 1,280 positions; SmolVLM's 13 tiles 832
 
 
-def vlm_id(config: StudioConfig) -> str | None:
-    """The SmolVLM hub id or folder Image chat runs; None: MiniGPT-4 (its checkpoints given, or its demo)."""
+def vlm_id(config: StudioConfig, device: str = "cpu") -> str | None:
+    """The VLM hub id or folder Image chat runs; None: MiniGPT-4 (its checkpoints given, or its demo)."""
     if config.minigpt4_ckpt or config.vlm == "minigpt4":
         return None
-    return SMOLVLM if config.vlm == "auto" else NAMES.get(config.vlm, config.vlm)
+    if config.vlm != "auto":
+        return NAMES.get(config.vlm, config.vlm)
+    cached = [m for m in GPU_VLMS if local_folder(m) is not None] if device.startswith("cuda") else []
+    return cached[0] if cached else SMOLVLM
+
+
+def model_name(model_id: str) -> str:
+    """What a person calls it: the hub id's or folder's last part ("SmolVLM-256M-Instruct")."""
+    return model_id.rstrip("/").rsplit("/", 1)[-1]
+
+
+def load_vlm(folder: Path, model_id: str, device: str, dtype: torch.dtype, max_batch: int) -> VLMChatPipeline:
+    """The folder's model on our engine, by its config's `model_type`: Qwen2.5-VL or SmolVLM (Idefics3)."""
+    kind = read_json(folder / "config.json").get("model_type")
+    if kind == "qwen2_5_vl":
+        return QwenVLChatPipeline.load(folder, model_id, device, dtype, CONTEXT[kind], max_batch)
+    if kind in ("idefics3", "smolvlm"):
+        return SmolVLMChatPipeline.load(folder, model_id, device, dtype, 2048, max_batch)
+    raise UserError(f"{model_id}'s config.json says model_type {kind!r}: image chat runs SmolVLM (idefics3) and "
+                    f"Qwen2.5-VL (qwen2_5_vl) folders")
 
 
 def local_folder(model_id: str) -> Path | None:

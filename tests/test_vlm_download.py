@@ -19,13 +19,14 @@ pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3"
 from hub_server import serving  # noqa: E402
 from test_smolvlm import folder  # noqa: E402,F401 - the tiny checkpoint fixture
 from test_smolvlm_chat import TEMPLATE  # noqa: E402
+from test_qwen_vl_chat import folder as qwen_vl_folder  # noqa: E402,F401 - the tiny Qwen2.5-VL fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = "HuggingFaceTB/SmolVLM-256M-Instruct"
 
 # In a child: huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE when it is imported.
 ASK = """
-import json, numpy as np
+import json, sys, numpy as np
 from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.service.tools import Tool
 from studio import hub_progress
@@ -34,7 +35,7 @@ from studio.config import parse_config
 from studio.plan import make_plan
 
 hub_progress.EVERY_S = 0
-config = parse_config(["--data-dir", "data"])
+config = parse_config(["--data-dir", "data", *sys.argv[1:]])
 printed = []
 service = build(config, make_plan(config), out=printed.append)
 try:
@@ -50,10 +51,11 @@ finally:
 """
 
 
-def _ask(hub_url: str, tmp: Path) -> dict:
+def _ask(hub_url: str, tmp: Path, *args: str, script: str = ASK) -> dict:
     env = {**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_CACHE": str(tmp / "hub"), "STUDIO_CACHE": str(tmp / "cache"),
            "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", ASK], env=env, capture_output=True, text=True, timeout=600, cwd=tmp)
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -75,11 +77,34 @@ def test_smolvlm_downloads_on_first_use_and_answers_about_a_picture(folder, tmp_
     assert again["printed"][1] == "Image chat: SmolVLM-256M-Instruct on the CPU (float32)", again["printed"]
 
 
+CHOICE = """
+import json, sys
+from studio.config import parse_config
+from studio.vlm import vlm_id
+print(json.dumps({device: vlm_id(parse_config([]), device) for device in ("cuda", "cpu")}))
+"""
+
+
+def test_qwen_vl_downloads_when_asked_for_answers_and_is_the_gpus_choice_once_cached(qwen_vl_folder, tmp_path):  # noqa: F811
+    qwen = "Qwen/Qwen2.5-VL-3B-Instruct"
+    with serving({}) as empty_hub:
+        assert _ask(empty_hub.url, tmp_path, script=CHOICE) == {"cuda": REPO, "cpu": REPO}  # nothing cached
+    with serving({qwen: qwen_vl_folder}, delay_s=0.0002) as hub:
+        got = _ask(hub.url, tmp_path, "--vlm", "qwen2.5-vl-3b")
+    assert got["kind"] == "QwenVLChatPipeline" and not got["demo"] and got["reply"], got
+    said = " ".join(got["report"])
+    assert f"image chat: downloading {qwen} (7.5 GB)" in said and "downloaded " in said, said
+    assert got["printed"][1] == "Image chat: Qwen2.5-VL-3B-Instruct, 7.5 GB, downloads on first use, on the CPU " \
+                                "(float32)", got["printed"]
+    with serving({}) as empty_hub:  # cached: `auto` takes it on a GPU, SmolVLM stays the CPU's
+        assert _ask(empty_hub.url, tmp_path, script=CHOICE) == {"cuda": qwen, "cpu": REPO}
+
+
 def test_offline_with_nothing_cached_image_chat_runs_the_demo_and_says_what_a_download_gives(tmp_path):
     with socket.socket() as s:  # a port nothing listens on: the hub unreachable
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     got = _ask(closed, tmp_path)
     assert got["kind"] == "ImageChatPipeline" and got["demo"], got
-    assert any(f"could not download {REPO}" in line and "no connection" in line and "SmolVLM (0.5 GB)" in line
+    assert any(f"could not download {REPO}" in line and "no connection" in line and "SmolVLM-256M-Instruct (0.5 GB)" in line
                for line in got["report"]), got["report"]
