@@ -129,6 +129,21 @@ def read_json(path: Path) -> dict:
     return data
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """A transformers folder's weight files: those its index lists, else the single file, else every
+    `*.safetensors`."""
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).is_file():
+            return [folder / name for name in sorted(set(read_json(folder / index).get("weight_map", {}).values()))]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (folder / single).is_file():
+            return [folder / single]
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        raise UserError(f"no weights in {folder} (expected model.safetensors or an index of shards)")
+    return found
+
+
 def write_weight_file(path: Path, tensors: dict) -> None:
     """`torch.save` `tensors` (a state dict, or one wrapped as the original checkpoint wraps it) atomically.
     For small files (the demos'): it is written from memory."""

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.smolvlm.vision import SmolVLMVision, VisionConfig
-from pipeline.weights_io import read_json, read_weight_file
+from pipeline.weights_io import read_json, read_weight_file, weight_files
 
 # Idefics3VisionConfig's defaults: a config.json key left out means these.
 VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
@@ -54,21 +54,6 @@ def config_from_hf(cfg: dict) -> VisionConfig:
         depth=vision["num_hidden_layers"], heads=vision["num_attention_heads"], mlp=vision["intermediate_size"],
         eps=vision["layer_norm_eps"], gelu=GELU[vision["hidden_act"]], scale_factor=cfg.get("scale_factor", 2),
         text_width=text.get("hidden_size", 4096))
-
-
-def weight_files(folder: Path) -> list[Path]:
-    """A transformers folder's weight files: those its index lists, else the single file, else every
-    `*.safetensors`."""
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (folder / index).is_file():
-            return [folder / name for name in sorted(set(read_json(folder / index).get("weight_map", {}).values()))]
-    for single in ("model.safetensors", "pytorch_model.bin"):
-        if (folder / single).is_file():
-            return [folder / single]
-    found = sorted(folder.glob("*.safetensors"))
-    if not found:
-        raise UserError(f"no weights in {folder} (expected model.safetensors or an index of shards)")
-    return found
 
 
 def read_vision_tensors(folder: Path) -> dict[str, Tensor]:
