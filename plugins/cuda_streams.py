@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from collections.abc import Iterator
 
 import torch
@@ -82,7 +81,8 @@ capturing = _gate.capturing
 
 def own_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
     """A pool stream of `device` that no live owner holds (of either priority's 32), claimed until
-    `release(stream)` or until the returned object is garbage collected."""
+    `release(stream)`: an owner gives it back as it closes. (No `weakref.finalize` fallback: at interpreter
+    exit its callback on a stream still alive crashed the process, H200, 2026-11-27.)"""
     index = _index(device)
     with _lock:
         for _ in range(32):
@@ -91,7 +91,6 @@ def own_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:
                 key = (index, stream.cuda_stream)
                 if key not in _claimed:
                     _claimed.add(key)
-                    weakref.finalize(stream, _release, key)
                     return stream
     raise RuntimeError("all 64 CUDA streams of the pool are held: too many engines at once")
 

@@ -29,6 +29,8 @@ from pipeline.sam.engine import GraphedSamEngine, TorchSamEngine  # noqa: E402
 from pipeline.sam.transforms import preprocess, resize_longest  # noqa: E402
 from pipeline.pipelines.segment import SegmentPipeline, SegmentStats  # noqa: E402
 
+from test_qwen_vl_chat import folder as qwen_vl_folder  # noqa: E402,F401 - the tiny Qwen2.5-VL fixture
+
 GREEDY = SamplingParams(max_new_tokens=300, temperature=0, repetition_penalty=1.0)
 
 
@@ -327,13 +329,16 @@ def test_rope_and_kv_write_in_one_kernel_matches_the_reference():
 def test_streams_of_their_own_are_never_shared_while_held():
     """torch's pool hands out 32 streams per priority round-robin: the 33rd `torch.cuda.Stream()` is the
     first again. An engine replaying on the stream another engine captured on broke the capture."""
+    from plugins import cuda_streams
     from plugins.cuda_streams import capture_stream, own_stream, release
 
+    capture_stream()
+    others = len(cuda_streams._claimed)  # the capture stream, and the engines of earlier tests still alive
     held = [own_stream() for _ in range(40)]
     assert len({s.cuda_stream for s in held + [capture_stream()]}) == 41
     handle = held[0].cuda_stream
     release(held.pop(0))
-    fresh = [own_stream() for _ in range(24)]  # every stream not held
+    fresh = [own_stream() for _ in range(64 - others - 39)]  # every stream not held
     assert handle in {s.cuda_stream for s in fresh}  # given back, handed out again
     for s in held + fresh:
         release(s)
@@ -456,3 +461,47 @@ def test_a_draft_model_on_the_gpu_runs_in_the_weights_that_decode_faster(studio_
     assert loads == ["none", "int4"] and stored["quant"] == max(stored["tokens_per_s"], key=stored["tokens_per_s"].get)
     assert len(list(draft.engine.submit(Prompt(tuple(range(1, 9))), GREEDY, set()))) > 0
     draft.close()
+
+
+def test_qwen_vl_on_gpu_graphs_gives_transformers_greedy_reply_and_reuses_the_picture(qwen_vl_folder):  # noqa: F811
+    """Qwen2.5-VL's decode rows carry their M-RoPE shift through the captured graphs (fp32 on the GPU, against
+    transformers on the GPU with the same picture embeddings); a second turn finds the picture in the cache."""
+    import dataclasses
+
+    import transformers
+    from test_qwen_vl_chat import IMAGES, TURNS, hf_inputs, make_processor
+    from pipeline.llm.text.tokenizer import load_tokenizer
+    from pipeline.pipelines.qwen_vl_chat import QwenVLChatPipeline
+    from pipeline.pipelines.vlm_chat import language_model
+    from pipeline.qwen_vl.preprocess import PreprocessConfig
+    from pipeline.qwen_vl.text import load_text_decoder
+    from pipeline.qwen_vl.weights import load_vision
+
+    reference = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(qwen_vl_folder).cuda().eval()
+    llm = language_model(load_text_decoder(qwen_vl_folder, torch.float32, "cuda"), load_tokenizer(qwen_vl_folder),
+                         "tiny-qwen-vl", "cuda", 1024, 4)
+    chat = QwenVLChatPipeline(load_vision(qwen_vl_folder, "cuda"), PreprocessConfig.from_folder(qwen_vl_folder), llm)
+    qwen_processor = make_processor(qwen_vl_folder)
+    try:
+        assert chat.llm.engine.runner.use_cuda_graphs
+        image = IMAGES["tall_200x90"]
+        inputs = hf_inputs(qwen_processor, image, TURNS).to("cuda")
+        with torch.inference_mode():
+            features = reference.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output
+            out = reference.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        key, encoded = chat.encode_image(image)
+        chat._cache[key] = dataclasses.replace(encoded, embeds=(torch.cat(list(features)),))  # their picture
+        ref = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        theirs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, ref)]
+        params = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.0, logprobs=1)
+        events = list(chat.stream(image, TURNS, params, session="s"))
+        ours = [t.logprob for e in events for t in e.logprobs or []]
+        assert "".join(e.text for e in events) == qwen_processor.tokenizer.decode(ref, skip_special_tokens=True)
+        assert np.allclose(ours, theirs[:len(ours)], atol=1e-3), (ours, theirs)
+        follow = TURNS + [{"role": "assistant", "content": "".join(e.text for e in events)},
+                          {"role": "user", "content": "and?"}]
+        again = list(chat.stream(image, follow, SamplingParams(max_new_tokens=4), session="s"))
+        assert again[-1].stats.cached_tokens > encoded.expansion.slots[0][1]
+    finally:
+        chat.close()

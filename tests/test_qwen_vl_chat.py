@@ -114,12 +114,16 @@ class ImageProcessor(transformers.Qwen2_5_VLProcessor):
         return None if name == "video_processor" else super().check_argument_for_proper_class(name, arg)
 
 
-@pytest.fixture(scope="module")
-def processor(folder):
+def make_processor(folder):
     return ImageProcessor(
         image_processor=pil_processing.Qwen2VLImageProcessorPil.from_pretrained(folder),
         tokenizer=transformers.PreTrainedTokenizerFast.from_pretrained(folder), video_processor=None,
         chat_template=TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def processor(folder):
+    return make_processor(folder)
 
 
 @pytest.fixture(scope="module")
