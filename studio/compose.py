@@ -29,6 +29,7 @@ from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment import SegmentPipeline
 from pipeline.sam.model import load_sam
 from pipeline.sam.weights import DEMO as SAM_DEMO
+from pipeline.sam.weights import HUB as SAM_HUB
 from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.sam.weights import locate_sam, resolve_sam
 from pipeline.service.store import ConversationStore
@@ -37,7 +38,7 @@ from pipeline.service.tools import GIB, Tool, ToolHost, ToolSpec
 from studio.backends import load_draft, load_language_model, sam_engine, vision_encoder
 from studio.check import budget_of, check_report, engine_cache
 from studio.config import StudioConfig, parse_config
-from studio.hub_progress import READ_BYTES, progress_class
+from studio.hub_progress import CANCEL_HINT, READ_BYTES, DownloadCancelled, cancelled, progress_class
 from studio.model_catalog import ModelCatalog
 from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, headlines, image_chat_parts, make_plan
@@ -68,10 +69,18 @@ def engine_options(config: StudioConfig, out: Callable[[str], None] | None = pri
     return EngineOptions(engine_cache(config), StartupReport(out, config.verbose))
 
 
-def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: ToolHost) -> list[ToolSpec]:
+def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: ToolHost,
+               cancel: threading.Event | None = None) -> list[ToolSpec]:
     """How each tool loads (warm-up included: first kernels and graph captures happen in the load,
-    not on a user's first request)."""
+    not on a user's first request). `cancel` set stops the first-use download of Segment's SAM or Image
+    chat's VLM (`ModelCatalog.cancel_first_use`); each load clears it first, as the host loads one tool
+    at a time."""
+    cancel = cancel or threading.Event()
     dtype = getattr(torch, plan.dtype)
+
+    def cancellable(line: str) -> None:
+        """A first-use download's line, saying how to stop it (each replaces the last in a tool's status)."""
+        engines.report.say(f"{line} — {CANCEL_HINT}")
     chat_model = None if plan.remote_chat else locate(plan.model_id, config.weights)
     vlm = plan.vlm  # SmolVLM or Qwen2.5-VL (None: MiniGPT-4's); MiniGPT-4's demo where it cannot come
     image = image_chat_parts(config)
@@ -110,9 +119,13 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
         with engines.report.listening(say):
             name = plan.sam
             try:
+                cancel.clear()
+                say = cancellable if name in SAM_HUB else engines.report.say  # the others come by URL: no Cancel
                 if locate_sam(name, cache_dir())[1] == "download":
-                    engines.report.say(f"segment: downloading {name} ({SAM_SIZES.get(name, 'its checkpoint')})")
-                sam_path = resolve_sam(name, cache_dir(), progress_class(engines.report.say, threading.Event()))
+                    say(f"segment: downloading {name} ({SAM_SIZES.get(name, 'its checkpoint')})")
+                sam_path = resolve_sam(name, cache_dir(), progress_class(say, cancel))
+            except DownloadCancelled:
+                raise cancelled(name, "use Segment again") from None
             except UserError as e:
                 if config.sam != "auto":
                     raise
@@ -131,11 +144,15 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
         with engines.report.listening(say):
             if vlm is not None:
                 try:
-                    folder = fetch(vlm, engines.report.say)
+                    cancel.clear()
+                    folder = fetch(vlm, cancellable, cancel)
                     # no warm-up encode: nothing is captured, and a picture costs 13-17 tiles of SigLIP on a CPU
-                    image_chat = load_vlm(folder, vlm, plan.device, dtype, config.max_batch)
+                    image_chat = load_vlm(folder, vlm, plan.device, dtype, config.max_batch, config.quant,
+                                          engines.report.say)
                     engines.report.say(f"image chat: {image_chat.description}")
                     return image_chat
+                except DownloadCancelled:
+                    raise cancelled(vlm, "use Image chat again") from None
                 except UserError as e:
                     if config.vlm != "auto":
                         raise
@@ -193,18 +210,18 @@ def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = 
     report.say("memory budget: " + (f"{budget / GIB:.1f} GiB; tools load on first use and the least recently used "
                                     "idle one is unloaded to make room" if budget else
                                     "none on the CPU; tools load on first use"))
-    for spec in tool_specs(config, plan, engines, host):
-        host.add(spec)
-    store = ConversationStore(config.data_dir or data_dir())
-    report.tell(store.notice or f"conversations are kept in {store.path}")
 
     def respec(new: StudioConfig) -> tuple[Plan, list[ToolSpec]]:
         new_plan = make_plan(new)
-        return new_plan, tool_specs(new, new_plan, engines, host)
+        return new_plan, tool_specs(new, new_plan, engines, host, catalog.first_use)
 
     finder = ModelFinder(config, plan.dtype, plan.device, budget, engines.cache.root)
-    return StudioService(host, engines.report.lines, store=store,
-                         catalog=ModelCatalog(config, plan, host, finder, respec, report.tell))
+    catalog = ModelCatalog(config, plan, host, finder, respec, report.tell)
+    for spec in tool_specs(config, plan, engines, host, catalog.first_use):
+        host.add(spec)
+    store = ConversationStore(config.data_dir or data_dir())
+    report.tell(store.notice or f"conversations are kept in {store.path}")
+    return StudioService(host, engines.report.lines, store=store, catalog=catalog)
 
 
 def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,

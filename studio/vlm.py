@@ -1,5 +1,5 @@
 """Which vision-language model Image chat runs, and getting its folder: on a GPU, Qwen2.5-VL where the hub
-cache holds it; else SmolVLM, from the hub on first use (progress, a dropped connection resumed);
+cache holds it; else SmolVLM, from the hub on first use (progress, Cancel, a dropped connection resumed);
 MiniGPT-4 where its three checkpoints are given.
 
 Offline with nothing cached, `--vlm auto` falls back to the MiniGPT-4 demo (`compose.load_image_chat`
@@ -21,9 +21,12 @@ from pipeline.models import download_failure, hub_reachable
 from pipeline.pipelines.qwen_vl_chat import QwenVLChatPipeline
 from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline
 from pipeline.pipelines.vlm_chat import VLMChatPipeline
+from pipeline.qwen_vl.text import text_config as qwen_vl_text_config
+from pipeline.smolvlm.text import text_config as smolvlm_text_config
 from pipeline.weights_io import read_json
+from studio.backends import choose_quant
 from studio.config import StudioConfig
-from studio.hub_progress import progress_class
+from studio.hub_progress import interruptible, progress_class
 
 SMOLVLM = "HuggingFaceTB/SmolVLM-256M-Instruct"
 QWEN_VL_7B, QWEN_VL_3B = "Qwen/Qwen2.5-VL-7B-Instruct", "Qwen/Qwen2.5-VL-3B-Instruct"
@@ -32,7 +35,8 @@ NAMES = {"smolvlm": SMOLVLM, "smolvlm-500m": "HuggingFaceTB/SmolVLM-500M-Instruc
 SIZES = {SMOLVLM: "0.5 GB", NAMES["smolvlm-500m"]: "1.0 GB", QWEN_VL_3B: "7.5 GB", QWEN_VL_7B: "16.6 GB"}
 GPU_VLMS = (QWEN_VL_7B, QWEN_VL_3B)  # what `auto` takes on a GPU where the cache holds it, best first
 FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # weights, configs, tokenizer, processor, chat template
-CONTEXT = {"qwen2_5_vl": 4096}  # a Qwen2.5-VL picture takes up to 1,280 positions; SmolVLM's 13 tiles 832
+CONTEXT = {"qwen2_5_vl": 4096}  # a Qwen2.5-VL picture takes up to 1,280 positions; SmolVLM's 17 tiles 1,088
+FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "idefics3": "SmolVLM", "smolvlm": "SmolVLM"}  # config.json's model_type
 
 
 def vlm_id(config: StudioConfig, device: str = "cpu") -> str | None:
@@ -50,15 +54,24 @@ def model_name(model_id: str) -> str:
     return model_id.rstrip("/").rsplit("/", 1)[-1]
 
 
-def load_vlm(folder: Path, model_id: str, device: str, dtype: torch.dtype, max_batch: int) -> VLMChatPipeline:
-    """The folder's model on our engine, by its config's `model_type`: Qwen2.5-VL or SmolVLM (Idefics3)."""
+def load_vlm(folder: Path, model_id: str, device: str, dtype: torch.dtype, max_batch: int, quant: str = "none",
+             say: Callable[[str], None] = lambda line: None) -> VLMChatPipeline:
+    """The folder's model on our engine, by its config's `model_type` (Qwen2.5-VL or SmolVLM), its decoder's
+    weights as `--quant` says (auto: what fits the GPU, as for the chat model)."""
     kind = read_json(folder / "config.json").get("model_type")
     if kind == "qwen2_5_vl":
-        return QwenVLChatPipeline.load(folder, model_id, device, dtype, CONTEXT[kind], max_batch)
-    if kind in ("idefics3", "smolvlm"):
-        return SmolVLMChatPipeline.load(folder, model_id, device, dtype, 2048, max_batch)
-    raise UserError(f"{model_id}'s config.json says model_type {kind!r}: image chat runs SmolVLM (idefics3) and "
-                    f"Qwen2.5-VL (qwen2_5_vl) folders")
+        pipeline, config = QwenVLChatPipeline, qwen_vl_text_config(folder)
+    elif kind in ("idefics3", "smolvlm"):
+        pipeline, config = SmolVLMChatPipeline, smolvlm_text_config(folder)
+    else:
+        raise UserError(f"{model_id}'s config.json says model_type {kind!r}: image chat runs SmolVLM (idefics3) and "
+                        f"Qwen2.5-VL (qwen2_5_vl) folders")
+    context = CONTEXT.get(kind, 2048)
+    free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else None
+    mode, why = choose_quant(quant, config, dtype, torch.device(device), free, context)
+    if why != "asked for":
+        say(f"image chat: --quant {mode} ({why})")
+    return pipeline.load(folder, model_id, device, dtype, context, max_batch, mode)
 
 
 def local_folder(model_id: str) -> Path | None:
@@ -71,16 +84,17 @@ def local_folder(model_id: str) -> Path | None:
         return None
 
 
-def fetch(model_id: str, say: Callable[[str], None]) -> Path:
-    """The model's folder, downloaded into the hub cache if it is not there (progress to `say`)."""
+def fetch(model_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path:
+    """The model's folder, downloaded into the hub cache if it is not there (progress to `say`); `cancel`
+    set, or Ctrl+C, stops the download with `DownloadCancelled` (or the KeyboardInterrupt)."""
     found = local_folder(model_id)
     if found is not None:
         return found
     say(f"image chat: downloading {model_id} ({SIZES.get(model_id, 'its weights')})")
     try:
         hub_reachable()
-        folder = Path(snapshot_download(model_id, allow_patterns=FILES,
-                                        tqdm_class=progress_class(say, threading.Event())))
+        folder = Path(interruptible(lambda: snapshot_download(model_id, allow_patterns=FILES,
+                                                              tqdm_class=progress_class(say, cancel)), cancel))
     except (OSError, ValueError, HfHubHTTPError) as e:
         raise UserError(f"could not download {model_id} from the Hugging Face hub: {download_failure(e)}") from None
     if not (folder / "config.json").is_file():

@@ -239,3 +239,19 @@ def test_a_wrong_mrope_section_is_refused_by_name(hub_folder, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="mrope_section"):
         text_config(bad)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_decoder_weights_answer_close_to_the_float_ones(folder, pipeline, mode):
+    """`--quant int8|int4` quantizes the VLM's decoder as the chat model's (here the CPU's reference path)."""
+    llm = language_model(load_text_decoder(folder), load_tokenizer(folder), "tiny-qwen-vl", "cpu", 1024, 4, mode)
+    chat = QwenVLChatPipeline(load_vision(folder), PreprocessConfig.from_folder(folder), llm)
+    try:
+        assert f"{mode} weights" in chat.description
+        assert type(chat.llm.engine.runner.model.layers[0].attn.wqkv).__name__ == "QuantLinear"
+        image = IMAGES["tall_200x90"]
+        _, quantized = reply(chat, image, TURNS, steps=1)
+        _, full = reply(pipeline, image, TURNS, steps=1)
+        assert abs(quantized[0] - full[0]) < (0.005 if mode == "int8" else 0.02), (quantized, full)  # 6e-4, 2e-3 seen
+    finally:
+        chat.close()

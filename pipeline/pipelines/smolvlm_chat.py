@@ -13,7 +13,7 @@ import torch
 from pipeline.errors import UserError
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.text.tokenizer import load_tokenizer
-from pipeline.pipelines.vlm_chat import EncodedImage, VLMChatPipeline, VLMFormat, language_model
+from pipeline.pipelines.vlm_chat import EncodedImage, VLMChatPipeline, VLMFormat, language_model, load_device
 from pipeline.smolvlm.preprocess import PreprocessConfig, preprocess
 from pipeline.smolvlm.prompt import IMAGE, image_ids
 from pipeline.smolvlm.text import load_text_decoder
@@ -34,11 +34,11 @@ class SmolVLMChatPipeline(VLMChatPipeline):
 
     @classmethod
     def load(cls, folder: Path, model_id: str, device: str, dtype: torch.dtype, context: int,
-             max_batch: int) -> SmolVLMChatPipeline:
+             max_batch: int, quant: str = "none") -> SmolVLMChatPipeline:
         """A SmolVLM folder as transformers writes it (its vision side, decoder, tokenizer and processor
         files) on our engine."""
-        llm = language_model(load_text_decoder(folder, dtype, device), load_tokenizer(folder), model_id, device,
-                             context, max_batch)
+        llm = language_model(load_text_decoder(folder, dtype, load_device(device, quant)), load_tokenizer(folder),
+                             model_id, device, context, max_batch, quant)
         return cls(load_vision(folder, device, dtype), PreprocessConfig.from_folder(folder), llm)
 
     def release_vision(self) -> None:

@@ -28,6 +28,7 @@ from pipeline.llm.model import Decoder
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tokenizer import Tokenizer
+from pipeline.llm.weights.quant import kernel_unavailable, quantize_decoder, use_kernels
 from pipeline.smolvlm.prompt import ImagePrompt, expand_images
 
 IMAGE_CACHE = 16  # pictures whose embeddings are kept
@@ -73,11 +74,25 @@ class VLMFormat:
 
 
 def language_model(decoder: Decoder, tokenizer: Tokenizer, model_id: str, device: str, context: int,
-                   max_batch: int) -> LanguageModel:
-    """A VLM's decoder on our engine, as the chat tool runs text models."""
+                   max_batch: int, quant: str = "none") -> LanguageModel:
+    """A VLM's decoder on our engine, as the chat tool runs text models; `quant` int8/int4: its block
+    projections quantized now, from a decoder loaded on the CPU (`load_device`), onto `device` and the
+    low-bit kernels where they run there."""
+    weights = str(decoder.embed.weight.dtype).removeprefix("torch.")
+    if quant != "none":
+        decoder = quantize_decoder(decoder, quant, device).to(device)
+        why = kernel_unavailable(decoder)
+        if why is None:
+            use_kernels(decoder)
+        weights = f"{quant} weights" + (" (dequantized per call)" if why else "")
     engine = TorchLLMEngine(decoder, min(context, decoder.config.max_position_embeddings), tokenizer.vocab_size,
                             max_batch=max_batch)  # (the logits' padding never drawn)
-    return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {engine.description} · {device}")
+    return LanguageModel(tokenizer, engine, model_id, f"{model_id} · {weights} · {engine.description} · {device}")
+
+
+def load_device(device: str, quant: str) -> str:
+    """Where a VLM's float decoder loads: the CPU when it is quantized (never all its float weights on the GPU)."""
+    return "cpu" if quant != "none" else device
 
 
 class VLMChatPipeline:
