@@ -42,7 +42,7 @@ def model_table(entries: list[ModelEntry], budget: int | None, using: dict[Tool,
         keep = [i for i, column in enumerate(COLUMNS) if column not in GPU_COLUMNS]
         return [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in rows]
     return COLUMNS, rows
-SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat LLM"), (Tool.SEGMENT, "Segment (SAM)"))
+SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat model"), (Tool.SEGMENT, "Segment (SAM)"))
 
 
 def build_models_tab(service: StudioService, header: dict) -> dict:
@@ -84,8 +84,11 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
         yield f"Downloaded {repo_id.strip()}: it is listed above, ready to switch to."
 
     def cancel_download(request: gr.Request) -> None:
+        """This session's download from the box; with none, the first-use download of a tool's load."""
         if request.session_hash in downloads:
             downloads[request.session_hash].set()
+        else:
+            catalog.cancel_first_use()
 
     @shown_to_user
     def ask_delete(model_id: str | None) -> tuple:
@@ -100,7 +103,9 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
     gr.Markdown("Models on this machine: the Hugging Face cache, `--models-dir`, our cache, the SmolLM2 that "
                 "comes with the app and the weights behind cached engines; a GGUF file is listed as "
                 "`owner/repo:TAG` (its quantization) or by its path. A switch loads the new model now; replies "
-                "already streaming finish on the old one.")
+                "already streaming finish on the old one. **Cancel download** stops your download from the box "
+                "below, or else a tool's first-use download (Image chat's or Segment's model); using the tool "
+                "again starts it again.")
     models = gr.Dataframe(interactive=False, elem_id="models-table", wrap=True)
     status = gr.Markdown("", elem_id="models-status")
     pickers, buttons = [], []

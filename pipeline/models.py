@@ -256,7 +256,7 @@ DELETABLE_SOURCES = ("Hugging Face cache", "models folder", "cache", "local file
 @dataclasses.dataclass(frozen=True)
 class ModelEntry:
     id: str  # what --model / --sam take: a hub id, a demo name, a registry name, or a path
-    kind: str  # "LLM" or "SAM"
+    kind: str  # "LLM", "VLM" or "SAM" ("other": one that cannot run here)
     family: str
     params: int | None
     disk_bytes: int

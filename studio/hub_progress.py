@@ -13,15 +13,40 @@ import io
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from tqdm import tqdm
 
+from pipeline.errors import UserError
+
 EVERY_S = 0.5
 READ_BYTES = 1 << 20  # huggingface_hub reads 10 MiB at a time unless told otherwise
+CANCEL_HINT = "Cancel download in the Models tab stops it"  # on each line of a tool's first-use download
+T = TypeVar("T")
 
 
 class DownloadCancelled(Exception):
-    """The user pressed Cancel."""
+    """The user pressed Cancel (or Ctrl+C, in `interruptible`)."""
+
+
+def cancelled(name: str, again: str) -> UserError:
+    """What the user is told after cancelling the download of `name`; `again`: what starts it again."""
+    return UserError(f"the download of {name} was cancelled: {again} to fetch what is still missing (the files "
+                     f"already complete are kept)")
+
+
+def interruptible(download: Callable[[], T], cancel: threading.Event) -> T:
+    """`download()` (given a progress class over `cancel`) in a thread of its own, so that a Ctrl+C in this
+    one sets `cancel` and huggingface_hub's download threads stop at their next read. Interrupted in
+    its own wait, `snapshot_download` would let every file finish before the process could end."""
+    with ThreadPoolExecutor(1, thread_name_prefix="download") as pool:
+        job = pool.submit(download)
+        try:
+            return job.result()
+        except KeyboardInterrupt:
+            cancel.set()
+            raise
 
 
 def size_text(n: float) -> str:

@@ -4,7 +4,10 @@
 A switch is the composition root's own job done again for one tool: the configuration with the new
 model, then that tool's specs, made by `respec` (the composition root's, handed in: this module never
 imports it), handed to the tool host by `StudioService.switch`, which lets requests in flight finish
-on the old model.
+on the old model. Image chat switches to a VLM (SmolVLM, Qwen2.5-VL) or to MiniGPT-4 over a listed LLM.
+
+A tool's first-use download (Segment's MobileSAM, Image chat's VLM) happens in its load; `first_use` is
+its Cancel, which the tool loaders (`compose.tool_specs`) watch.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ class ModelCatalog:
     def __init__(self, config: StudioConfig, plan: Plan, host: ToolHost, finder: ModelFinder, respec: Respec,
                  say: Callable[[str], None]):
         self.config, self.plan, self.host, self.finder, self._respec = config, plan, host, finder, respec
+        self._started = config  # MiniGPT-4's checkpoint and vision folder, whatever image chat ran since
         self.files = ModelFiles(finder, self.current, say)
+        self.first_use = threading.Event()
         self._chosen: dict[Tool, str] = {}  # tool → the entry id it was switched to
         self._lock = threading.Lock()
 
@@ -53,6 +58,8 @@ class ModelCatalog:
             return self._chosen[tool]
         if tool == Tool.CHAT:
             return self.plan.model_id
+        if tool == Tool.IMAGE_CHAT and self.plan.vlm is not None:
+            return self.plan.vlm
         if tool == Tool.IMAGE_CHAT:
             return str(self.config.minigpt4_llm) if self.config.minigpt4_llm else image_chat_parts(self.config).llm_id
         return self.plan.sam
@@ -72,6 +79,10 @@ class ModelCatalog:
     def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path:
         return self.files.download(repo_id, say, cancel)
 
+    def cancel_first_use(self) -> None:
+        """Stop the first-use download a tool's load is making, if any: that load fails, saying so."""
+        self.first_use.set()
+
     def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]:
         return self.files.delete_plan(model_id)
 
@@ -88,10 +99,13 @@ class ModelCatalog:
         entry = self.finder.entry(model_id)
         if tool not in entry.tools:
             raise UserError(f"{model_id} cannot serve {tool}: " + (
-                "image chat's LLM must be a LLaMA-family model (Vicuna, LLaMA-2-chat)" if tool == Tool.IMAGE_CHAT
-                else f"it is a {entry.kind}"))
-        if tool == Tool.CHAT:  # an entry's id is what --model and --sam take
+                "image chat runs a VLM (SmolVLM, Qwen2.5-VL), or MiniGPT-4 over a LLaMA-family LLM (Vicuna, "
+                "LLaMA-2-chat)" if tool == Tool.IMAGE_CHAT else f"it is a {entry.kind}"))
+        if tool == Tool.CHAT:  # an entry's id is what --model, --vlm and --sam take
             config = dataclasses.replace(self.config, model=entry.id, weights=None)
+        elif tool == Tool.IMAGE_CHAT and entry.kind == "VLM":
+            config = dataclasses.replace(self.config, vlm=entry.id, minigpt4_ckpt=None, minigpt4_vision=None,
+                                         minigpt4_llm=None)
         elif tool == Tool.IMAGE_CHAT:
             ckpt, vision_dir, llm_dir = self._image_chat_parts(entry)
             config = dataclasses.replace(self.config, minigpt4_ckpt=ckpt, minigpt4_vision=vision_dir,
@@ -110,7 +124,7 @@ class ModelCatalog:
     def _image_chat_parts(self, entry: ModelEntry) -> tuple[Path, Path, Path]:
         """MiniGPT-4's checkpoint and vision folder as started, with `entry`'s LLM; its projection must
         give embeddings as wide as that LLM's."""
-        parts = image_chat_parts(self.config)
+        parts = image_chat_parts(self._started)
         folder = entry.path if entry.path is not None else demo_model_dir(entry.id, cache_dir())
         width, llm_width = projection_width(parts.ckpt), read_config(folder).hidden_size
         if width != llm_width:

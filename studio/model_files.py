@@ -17,7 +17,7 @@ from huggingface_hub.errors import GatedRepoError, HFValidationError, Repository
 from pipeline.errors import UserError
 from pipeline.models import HUB_FILES, HUB_GGUF, ModelEntry, cache_dir, hub_gguf_files, locate
 from pipeline.service.tools import Tool, size_text
-from studio.hub_progress import DownloadCancelled, progress_class
+from studio.hub_progress import DownloadCancelled, cancelled, progress_class
 from studio.model_finder import ModelFinder
 
 
@@ -53,8 +53,7 @@ class ModelFiles:
             raise UserError(f"{repo_id} is gated: accept its terms on huggingface.co and sign in with "
                             f"`hf auth login`") from None
         except DownloadCancelled:
-            raise UserError(f"the download of {repo_id} was cancelled; the files already complete are kept, "
-                            f"and downloading it again fetches only the rest") from None
+            raise cancelled(repo_id, "download it again") from None
         except Exception as e:  # offline, disk full, a dropped connection retried too often
             first = str(e).splitlines()[0] if str(e) else "no details"
             raise UserError(f"could not download {repo_id} ({type(e).__name__}: {first[:200]}); downloading "

@@ -3,9 +3,11 @@
 Where models are found: the Hugging Face cache (what `--model` downloads and the Models tab fetches), a
 `--models-dir` (folders with a config.json, SAM `.pth` files, GGUF files loose or in folders), our own
 cache (SAM checkpoints, the built-in demos), the SmolLM2 GGUF file that comes with the app, and the
-weights named by cached engines. Each entry says what a user needs to pick: family, parameters, size on
-disk, a GGUF file's quantization, the precision it would run in, the GPU memory that takes (weights plus
-one conversation's KV cache) and whether that fits the budget.
+weights named by cached engines. A folder whose config.json names a VLM (SmolVLM, Qwen2.5-VL) is Image
+chat's; Segment's and Image chat's defaults are listed before their first-use download. Each entry says
+what a user needs to pick: family, parameters, size on disk, a GGUF file's quantization, the precision it
+would run in, the GPU memory that takes (weights plus one conversation's KV cache; a VLM's weights) and
+whether that fits the budget.
 
 A GGUF file is one entry per model (the parts of a split one together), under the id `--model` takes:
 `owner/repo:TAG` in the Hugging Face cache (TAG the quantization in its file name, as Ollama's
@@ -38,9 +40,13 @@ from pipeline.models import EMBEDDED, HUB_GGUF, ModelEntry, cache_dir, embedded_
 from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.service.tools import Tool
+from pipeline.weights_io import read_json
 from studio.backends import choose_quant, weight_bytes
 from studio.config import StudioConfig
 from studio.sizes import weights_size
+from studio.vlm import FAMILIES as VLM_FAMILIES
+from studio.vlm import SIZES as VLM_SIZES
+from studio.vlm import local_folder, model_name, vlm_id
 
 CHAT, IMAGE_CHAT, SEGMENT = Tool.CHAT, Tool.IMAGE_CHAT, Tool.SEGMENT
 SAM_PARAMS = {"sam_vit_h": 636_000_000, "sam_vit_l": 308_000_000, "sam_vit_b": 91_000_000, "mobile_sam": 9_808_452}
@@ -111,12 +117,12 @@ class ModelFinder:
             for model_id, file in ggufs:
                 add(self._gguf(model_id, file, "Hugging Face cache"))
             if not ggufs or (folder / "config.json").is_file():
-                add(self._llm(repo_id, folder, "Hugging Face cache"))
+                add(self._folder(repo_id, folder, "Hugging Face cache"))
         models_dir = self.config.models_dir
         if models_dir is not None and Path(models_dir).is_dir():
             for item in sorted(Path(models_dir).iterdir()):
                 if (item / "config.json").is_file():
-                    add(self._llm(str(item), item, "models folder"))
+                    add(self._folder(str(item), item, "models folder"))
                 elif item.suffix in (".pth", ".pt") and item.name.startswith(("sam", "mobile_sam")):
                     add(self._sam(str(item), item, "models folder"))
                 else:  # a GGUF file, or a folder of them (LM Studio's publisher/model/file.gguf too)
@@ -129,9 +135,13 @@ class ModelFinder:
                 add(self._sam(name, path if path.is_file() else None, source))
             elif name == "mobile_sam":  # Segment's default: what choosing it brings
                 add(self._sam(name, None, f"downloads on first use ({SAM_SIZES[name]})"))
+        vlm = vlm_id(self.config, self.device)  # Image chat's (None: MiniGPT-4's)
+        if vlm is not None and local_folder(vlm) is None:
+            family = next((f for f in VLM_FAMILIES.values() if model_name(vlm).startswith(f)), "")
+            add(self._vlm(vlm, None, family, f"downloads on first use ({VLM_SIZES.get(vlm, 'a download')})"))
         for source in self._engine_sources():
             if source.is_dir() and (source / "config.json").is_file():
-                add(self._llm(str(source), source, "behind a cached engine"))
+                add(self._folder(str(source), source, "behind a cached engine"))
             elif source.is_file() and source.suffix == ".pth":
                 add(self._sam(str(source), source, "behind a cached engine"))
         return sorted(found.values(), key=lambda e: (e.kind != "LLM", e.source == "built-in demo", e.id))
@@ -141,6 +151,23 @@ class ModelFinder:
             if e.id == model_id or (e.path is not None and str(e.path) == model_id):
                 return e
         raise UserError(f"there is no model {model_id!r} here: pick one the Models tab lists, or download it first")
+
+    def _folder(self, model_id: str, folder: Path, source: str) -> ModelEntry | None:
+        """A model folder: Image chat's by its config's model_type (SmolVLM, Qwen2.5-VL), else an LLM."""
+        try:
+            family = VLM_FAMILIES.get(read_json(folder / "config.json").get("model_type"))
+        except (OSError, UserError):  # `_llm` lists it with the reason
+            family = None
+        return self._vlm(model_id, folder, family, source) if family else self._llm(model_id, folder, source)
+
+    def _vlm(self, model_id: str, folder: Path | None, family: str, source: str) -> ModelEntry:
+        """An image-chat model (None: not downloaded yet): its parameters are its floats counted at one byte
+        each; the GPU memory its weights at this dtype, as the tool's size is estimated before its load."""
+        if folder is None:
+            return ModelEntry(model_id, "VLM", family, None, 0, self.dtype, None, source, None, (IMAGE_CHAT,))
+        params = weights_size(folder, dtype=torch.float8_e4m3fn)
+        return ModelEntry(model_id, "VLM", family, params, folder_bytes(folder), self.dtype,
+                          weights_size(folder, dtype=getattr(torch, self.dtype)), source, folder, (IMAGE_CHAT,))
 
     def _llm(self, model_id: str, folder: Path | None, source: str) -> ModelEntry | None:
         if folder is None:

@@ -49,7 +49,8 @@ def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:
 
 def resolve_sam(name: str, cache_dir: Path, tqdm_class: type[tqdm] | None = None) -> Path:
     """Like `locate_sam`, then build the demo or download the checkpoint (progress through `tqdm_class`,
-    which may raise to cancel: that propagates; the part fetched is kept and the next try resumes)."""
+    which may raise to cancel: that propagates, and the next try fetches the file again: huggingface_hub
+    1.x+ drops an unfinished one)."""
     path, source = locate_sam(name, cache_dir)
     if source in ("local file", "cache") or (source == "built-in demo" and path.is_file()):
         return path
@@ -61,7 +62,7 @@ def resolve_sam(name: str, cache_dir: Path, tqdm_class: type[tqdm] | None = None
             _build_demo(path)
             return path
         try:
-            if name in HUB:  # into our cache folder; an unfinished file waits there for the next try
+            if name in HUB:  # into our cache folder (written aside, renamed once complete)
                 hub_reachable()
                 hf_hub_download(*HUB[name], local_dir=path.parent, tqdm_class=tqdm_class)
             else:  # writes to a temporary file and renames it when complete

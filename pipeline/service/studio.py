@@ -69,6 +69,8 @@ class Catalog(Protocol):
 
     def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path: ...
 
+    def cancel_first_use(self) -> None: ...
+
     def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]: ...
 
     def delete(self, model_id: str) -> str: ...
@@ -376,6 +378,8 @@ class StudioService:
             return chat.llm.model_id
 
     def close(self) -> None:
+        if self.catalog is not None:  # a tool's first-use download: its threads would hold the process
+            self.catalog.cancel_first_use()
         self.host.close()
         if self.store is not None:
             self.store.close()
