@@ -21,7 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.openai_body import read_json
-from app.openai_protocol import IMAGE_MODEL, ApiError, ChatRequest, api_error, parse_request
+from app.openai_protocol import ApiError, ChatRequest, api_error, parse_request
 from app.openai_shapes import Response, error_event
 from pipeline.errors import UserError
 from pipeline.service.requests import Update
@@ -126,7 +126,7 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
             return e.response()
         now = int(time.time())
         return {"object": "list", "data": [{"id": m, "object": "model", "created": now, "owned_by": "ai-studio"}
-                                           for m in [*service.chat_models(), IMAGE_MODEL]]}
+                                           for m in [*service.chat_models(), service.image_models()[0]]]}
 
     async def answer(request: Request, completion: bool) -> JSONResponse | StreamingResponse | dict:
         try:

@@ -32,7 +32,7 @@ class Field:
 
 CHAT_FIELDS = [
     Field("model", IMPLEMENTED, "the running chat model, another chat model found (Chat switches to it), or "
-                                "`minigpt4` (image chat); unknown: 404"),
+                                "image chat's model (the VLM's id, or `minigpt4`); unknown: 404"),
     Field("messages", IMPLEMENTED, "`system`, `developer` (as `system`), `user` (text parts, at most one "
                                    "`image_url`: base64 `data:` URL), `assistant` (with `tool_calls`; last: the reply "
                                    "continues it), `tool` (a call's result)"),

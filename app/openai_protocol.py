@@ -4,7 +4,8 @@ service's errors in OpenAI's shape.
 Only translation lives here. Every rule about a reply (sampling limits, messages, tools, how many
 replies a client may have in flight) is the service's, so API and UI users get the same checks;
 the protocol's own limits are in the fields table (`app.openai_fields`). A request with an
-`image_url` part, or for the `minigpt4` model, goes to image chat. A client is the request's `user`:
+`image_url` part, or for image chat's model (`service.image_models()`: the VLM's id, or `minigpt4`), goes
+to image chat. A client is the request's `user`:
 requests without one stand alone (scripts and apps on this machine all share one address, and one's
 parallel requests must not refuse another's).
 """
@@ -28,9 +29,6 @@ from pipeline.service.in_flight import Busy
 from pipeline.service.requests import ChatTurn, Update
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
-
-IMAGE_MODEL = "minigpt4"
-
 
 class ApiError(Exception):
     """An error in OpenAI's shape: HTTP `status`, a message, its type, and the parameter it is about."""
@@ -158,8 +156,9 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
     if refused := refused_field(body, table):
         raise ApiError(400, refused[1], refused[0])
     model = body.get("model")
-    if not isinstance(model, str) or not (model == IMAGE_MODEL and not completion or service.serves(model)):
-        models = [*service.chat_models(), *([] if completion else [IMAGE_MODEL])]
+    image_models = service.image_models()
+    if not isinstance(model, str) or not (model in image_models and not completion or service.serves(model)):
+        models = [*service.chat_models(), *([] if completion else image_models[:1])]
         raise ApiError(404, f"model {model!r} does not exist here: use one of {', '.join(models)}", "model",
                        "model_not_found")
     user = body.get("user")
@@ -179,13 +178,13 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
         else:
             messages, image = _messages(body.get("messages"), allow_files)
             mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
-            tool = Tool.IMAGE_CHAT if model == IMAGE_MODEL or image else Tool.CHAT
+            tool = Tool.IMAGE_CHAT if model in image_models or image else Tool.CHAT
             turn = service.chat_turn(messages, sampling, tool=tool, image=image, mask=mask, model=model,
                                      structure=structure, model_defaults=True)
     except UserError as e:
         raise api_error(e, names) from None
     options = body.get("stream_options") or {}
-    return ChatRequest(IMAGE_MODEL if turn.tool == Tool.IMAGE_CHAT else model, turn, n,
+    return ChatRequest(service.image_models()[0] if turn.tool == Tool.IMAGE_CHAT else model, turn, n,
                        f"api:user:{user}" if user else f"api:request:{secrets.token_hex(8)}", completion,
                        bool(_flag(body, "stream")), bool(isinstance(options, dict) and options.get("include_usage")),
                        1 if _flag(body, "parallel_tool_calls") is False else None, names)

@@ -26,7 +26,8 @@ REPO = "HuggingFaceTB/SmolVLM-256M-Instruct"
 
 # In a child: huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE when it is imported.
 ASK = """
-import json, sys, numpy as np
+import base64, io, json, sys, numpy as np
+from PIL import Image
 from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.service.tools import Tool
 from studio import hub_progress
@@ -44,8 +45,23 @@ try:
     picture = np.random.default_rng(0).integers(0, 256, (37, 300, 3), dtype=np.uint8)
     reply = "".join(e.text for e in chat.stream(picture, [{"role": "user", "content": "What is in it?"}],
                                                 SamplingParams(max_new_tokens=6, temperature=0)))
+    # the same question through /v1, the picture as an image_url part
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+    from app.openai_api import build_router
+    api = FastAPI()
+    api.include_router(build_router(service=service, api_key=None, allow_files=False))
+    png = io.BytesIO()
+    Image.fromarray(picture).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    client = TestClient(api)
+    listed = [m["id"] for m in client.get("/v1/models").json()["data"]]
+    answer = client.post("/v1/chat/completions", json={"model": listed[-1], "max_tokens": 6, "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is in it?"},
+                                                  {"type": "image_url", "image_url": {"url": url}}]}]}).json()
     print(json.dumps({"kind": type(chat).__name__, "demo": service.is_demo(Tool.IMAGE_CHAT) or chat.is_demo,
-                      "reply": reply, "report": list(service.startup), "printed": printed}))
+                      "reply": reply, "report": list(service.startup), "printed": printed, "listed": listed,
+                      "api": answer}))
 finally:
     service.close()
 """
@@ -60,11 +76,18 @@ def _ask(hub_url: str, tmp: Path, *args: str, script: str = ASK) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def assert_the_api_reaches_it(got: dict, model_id: str) -> None:
+    """/v1 lists image chat under the VLM's id, and an image_url question gets the VLM's own greedy reply."""
+    assert got["listed"][-1] == model_id, got["listed"]
+    assert got["api"]["model"] == model_id and got["api"]["choices"][0]["message"]["content"] == got["reply"], got["api"]
+
+
 def test_smolvlm_downloads_on_first_use_and_answers_about_a_picture(folder, tmp_path):  # noqa: F811
     (folder / "chat_template.jinja").write_text(TEMPLATE)
     with serving({REPO: folder}, delay_s=0.0002) as hub:
         first = _ask(hub.url, tmp_path)
     assert first["kind"] == "SmolVLMChatPipeline" and not first["demo"] and first["reply"], first
+    assert_the_api_reaches_it(first, REPO)
     assert first["printed"][1] == "Image chat: SmolVLM-256M-Instruct, 0.5 GB, downloads on first use, on the CPU " \
                                   "(float32)", first["printed"]
     said = " ".join(first["report"])
@@ -92,6 +115,7 @@ def test_qwen_vl_downloads_when_asked_for_answers_and_is_the_gpus_choice_once_ca
     with serving({qwen: qwen_vl_folder}, delay_s=0.0002) as hub:
         got = _ask(hub.url, tmp_path, "--vlm", "qwen2.5-vl-3b")
     assert got["kind"] == "QwenVLChatPipeline" and not got["demo"] and got["reply"], got
+    assert_the_api_reaches_it(got, qwen)
     said = " ".join(got["report"])
     assert f"image chat: downloading {qwen} (7.5 GB)" in said and "downloaded " in said, said
     assert got["printed"][1] == "Image chat: Qwen2.5-VL-3B-Instruct, 7.5 GB, downloads on first use, on the CPU " \

@@ -30,6 +30,8 @@ IMAGE_CACHE = 16  # conversations' image embeddings kept (32 × 4096 floats each
 
 
 class ImageChatPipeline:
+    model_id = "minigpt4"  # as API requests name image chat
+
     def __init__(self, encoder: VisionEncoder, llm: LanguageModel, template: str = "vicuna_v0",
                  is_demo: bool = False, owns_llm: bool = True):
         """`owns_llm` False: the LLM is the chat tool's (the same weights), and stays when this closes."""

@@ -100,6 +100,7 @@ class VLMChatPipeline:
 
     def __init__(self, llm: LanguageModel, description: str, is_demo: bool = False):
         self.llm, self.description, self.is_demo = llm, description, is_demo
+        self.model_id = llm.model_id  # as API requests name image chat
         self._cache: collections.OrderedDict[str, EncodedImage] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.encoder_runs = 0

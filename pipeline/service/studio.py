@@ -80,11 +80,13 @@ class StudioService:
     """Chat, image chat and segmentation over one `ToolHost`, with status and Stop; see the module docstring."""
 
     def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
-                 store: ConversationStore | None = None, catalog: Catalog | None = None):
+                 store: ConversationStore | None = None, catalog: Catalog | None = None,
+                 image_model: str = "minigpt4"):
         """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
         conversations are kept (replies given `saved` go there); `catalog`: the models that can be
-        switched to (none: each tool keeps the model it started with)."""
-        self.host, self.store, self.catalog = host, store, catalog
+        switched to (none: each tool keeps the model it started with); `image_model`: what image chat is
+        planned to run, as API requests name it (a VLM's hub id or folder, or `minigpt4`)."""
+        self.host, self.store, self.catalog, self._image_model = host, store, catalog, image_model
         self.startup = startup if startup is not None else []
         self._in_flight = InFlight(max_in_flight)
         self._switching = threading.Lock()  # one model switch at a time
@@ -326,6 +328,12 @@ class StudioService:
             yield f"Switching {tool} from {old} to {model_id}…"
         yield from self.loading(tool)
         yield f"{tool} now runs {model_id}."
+
+    def image_models(self) -> list[str]:
+        """The names API requests may give image chat: what runs once it has loaded first (a VLM's id, or
+        `minigpt4` where MiniGPT-4 runs: its demo after a failed download too), then the one planned."""
+        running = getattr(self.host.loaded(Tool.IMAGE_CHAT), "model_id", None)
+        return list(dict.fromkeys(name for name in (running, self._image_model) if name))
 
     def chat_models(self) -> list[str]:
         """The chat models requests may name (`/v1/models`): the one loaded first, then those it can switch to."""
