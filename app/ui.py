@@ -62,9 +62,22 @@ def startup_lines(service: StudioService) -> str:
     return "\n".join(f"- {line}" for line in service.startup)
 
 
-def header_lines(service: StudioService) -> tuple[str, str]:
-    """The page's header: the tools line and the start-up report, as they are now."""
-    return tools_line(service), startup_lines(service)
+def image_chat_demo_warning(service: StudioService) -> str:
+    """Why image chat's answers mean nothing: MiniGPT-4's demo asked for, or a VLM that could not come."""
+    planned = service.image_models()[-1]
+    if planned == "minigpt4":
+        return MINIGPT4_DEMO_WARNING
+    return (f"**Demo image chat.** {planned} could not be downloaded, so a tiny MiniGPT-4 with *random weights* "
+            f"answers: its replies mean nothing. Once online, restart the app (or pick the model in the Models "
+            f"tab) for real answers.")
+
+
+def header_lines(service: StudioService) -> tuple:
+    """The page's header as it is now: the tools line, the start-up report, and the image tools' demo
+    warnings (shown once a tool runs random weights: a first-use download that failed leaves its demo)."""
+    return (tools_line(service), startup_lines(service),
+            gr.Markdown(image_chat_demo_warning(service), visible=service.is_demo(Tool.IMAGE_CHAT)),
+            gr.Markdown(visible=service.is_demo(Tool.SEGMENT)))
 
 
 def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Blocks:
@@ -88,14 +101,15 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
             with gr.Tab("Chat", id="chat"):
                 build_chat_tab(service, demo, secret)
             with gr.Tab("Image chat", id="image-chat"):
-                if service.is_demo(Tool.IMAGE_CHAT):
-                    gr.Markdown(MINIGPT4_DEMO_WARNING)
+                image_demo = gr.Markdown(image_chat_demo_warning(service), visible=service.is_demo(Tool.IMAGE_CHAT),
+                                         elem_id="image-chat-demo")
                 image_chat = build_image_chat_tab(service, demo, example_images(), secret)
             with gr.Tab("Segment", id="segment"):
-                if service.is_demo(Tool.SEGMENT):
-                    gr.Markdown(SAM_DEMO_WARNING)
+                segment_demo = gr.Markdown(SAM_DEMO_WARNING, visible=service.is_demo(Tool.SEGMENT),
+                                           elem_id="segment-demo")
                 ask = build_segment_tab(service, example_images())
-            header = dict(fn=lambda: header_lines(service), inputs=None, outputs=[banner, report], api_visibility="private", queue=False)
+            header = dict(fn=lambda: header_lines(service), inputs=None, outputs=[banner, report, image_demo, segment_demo],
+                          api_visibility="private", queue=False)
             if service.catalog is not None:
                 with gr.Tab("Models", id="models") as models_tab:
                     models_tab.select(**build_models_tab(service, header))

@@ -143,6 +143,8 @@ def test_image_chat_tab_two_turns_and_restart(page):
     box.fill("What is unusual here?")
     box.press("Enter")
     status.get_by_text("tok/s").wait_for()
+    # offline, SmolVLM could not download: once the MiniGPT-4 demo has answered, the tab says so
+    page.locator("#image-chat-demo").get_by_text("could not be downloaded").wait_for(timeout=20_000)
     box.fill("Tell me more about the bowl")
     box.press("Enter")
     page.get_by_text("Tell me more about the bowl").wait_for()

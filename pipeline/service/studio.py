@@ -356,7 +356,10 @@ class StudioService:
         self.host.load(tool, say)
 
     def is_demo(self, tool: Tool) -> bool:
-        return self.host.spec(tool).is_demo
+        """Whether random weights answer: the loaded pipeline's word (a failed first-use download leaves a
+        demo in the real model's place), else what its spec expects."""
+        loaded = self.host.loaded(tool)
+        return loaded.is_demo if loaded is not None else self.host.spec(tool).is_demo
 
     def notice(self, tool: Tool) -> str:
         return self.host.spec(tool).notice
