@@ -6,18 +6,7 @@
 #   real: SmolLM2's real replies and their draft patterns (bench/speculative.py --parts real)
 #   spec7b SEED LAYERS LIMIT: bench/speculative.py --parts engine7b ($MODES, default none,int4,int4:fast) on those patterns (the replies from `real`,
 #   or from .device/speculative_real_replies.json: the same part run on the CPU)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAME.log
-  local limit=$1 name=$2
-  shift 2
-  echo "=== $name"
-  timeout "$limit" "$@" 2>&1 | grep -v "it/s\]\|layer/s\]\|shard/s\]\|shape/s\]" | tee "$OUT/$name.log" | tail -40
-}
+source "$(dirname "$0")/device_steps.sh"
 while [ $# -gt 0 ]; do
   case "$1" in
     part_a) cp .device/gguf.part.aa /tmp/ ;;

@@ -4,21 +4,7 @@
 #   decode: bench/decode_limit.py --parts gemv,decode ; launch: --parts launch ; tests: tests/test_gpu.py
 #   structured: bench/grammar_libraries.py (the host side) and bench/structured_decode.py (issue 21)
 # Carry gemlite as a wheel in .whl/ (see ../.library/device/README.md); logs and JSON land in $OUT.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1
-step() {  # step SECONDS NAME COMMAND...: run with a time limit, log to $OUT/NAME.log
-  local limit=$1 name=$2
-  shift 2
-  echo "=== $name"
-  timeout "$limit" "$@" 2>&1 | grep -v "it/s\]\|layer/s\]\|shard/s\]\|shape/s\]" | tee "$OUT/$name.log" | tail -60
-}
+source "$(dirname "$0")/device_steps.sh"
 for part in "$@"; do
   case "$part" in
     probe) step 250 quant_gemv python3 bench/quant_gemv.py ;;

@@ -3,9 +3,10 @@ first token (the picture cut into tiles, encoded, the prompt read) and the reply
 
 Random weights at SmolVLM-256M-Instruct's shapes (SigLIP-B/16 at 512 px, 4× pixel shuffle, a 30-layer
 576-wide SmolLM2 decoder; the real files cannot be fetched here), written by `save_pretrained`, with a small
-BPE tokenizer holding SmolVLM's special tokens; a 640×480 photo (13 tiles of 512 after the processor's
-resize to 2,048). Ours: `SmolVLMChatPipeline` as the app runs it (fp32); transformers: `Idefics3Processor`
-(its PIL image processor) and `Idefics3ForConditionalGeneration.generate`, greedy. Per reply of 33 tokens:
+BPE tokenizer holding SmolVLM's special tokens; a 640×480 photo at the size the app reads pictures on a CPU
+(longest edge 1,024: 2×2 tiles of 512 + the global view; the checkpoint's 2,048 gives 13 tiles). Ours:
+`SmolVLMChatPipeline` as the app runs it (fp32); transformers: `Idefics3Processor` (its PIL image
+processor, given the same size) and `Idefics3ForConditionalGeneration.generate`, greedy. Per reply of 33 tokens:
 the first token (the best of `--repeats`, each with a new picture) and the decode speed between the first
 and the last token (transformers' steps stamped by a logits processor; ours from the engine's statistics).
 Prints a table, writes smolvlm_cpu.json to $OUT.
@@ -81,14 +82,17 @@ def main() -> None:
     res: dict = {"cpu": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                         f"{torch.get_num_threads()} threads", "torch": torch.__version__,
                  "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-                 "shapes": "SmolVLM-256M-Instruct (random weights), fp32; a 640x480 photo: 13 tiles of 512 px"}
+                 "shapes": "SmolVLM-256M-Instruct (random weights), fp32; a 640x480 photo at the app's CPU size "
+                           "(longest edge 1,024: 2x2 tiles + the global view, 5 of 512 px)"}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_model(folder)
-        processor = transformers.Idefics3Processor.from_pretrained(folder, image_processor=Idefics3ImageProcessorPil.
-                                                                   from_pretrained(folder))
-        model = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder).eval()
         ours = SmolVLMChatPipeline.load(folder, "smolvlm-256m-shapes", "cpu", torch.float32, 2048, 1)
+        edge = ours.images.longest_edge  # the app's size on a CPU; transformers' processor given the same
+        processor = transformers.Idefics3Processor.from_pretrained(folder, image_processor=Idefics3ImageProcessorPil.
+                                                                   from_pretrained(folder, size={"longest_edge": edge}))
+        model = transformers.Idefics3ForConditionalGeneration.from_pretrained(folder).eval()
+        res["longest_edge"] = edge
         text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text":
                                               QUESTION[0]["content"]}]}], add_generation_prompt=True)
 

@@ -147,3 +147,14 @@ def masked_crop(image: np.ndarray, mask: np.ndarray, margin: float = 0.15, dim: 
     x0, x1 = max(0, xs.min() - pad_x), min(w, xs.max() + 1 + pad_x)
     crop, keep = image[y0:y1, x0:x1], mask[y0:y1, x0:x1, None]
     return np.where(keep, crop, (crop * dim).astype(np.uint8))
+
+
+def normalise(image: Image.Image, rescale: float | None, mean: tuple[float, ...] | None,
+              std: tuple[float, ...] | None) -> np.ndarray:
+    """[3, H, W] float32 as the transformers image processors make it: scaled in float64 and rounded to
+    float32 once, then (x - mean) / std in float32 (None: that step off)."""
+    x = np.asarray(image).astype(np.float64)
+    x = (x * rescale if rescale is not None else x).astype(np.float32)
+    if mean is not None:
+        x = (x - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    return x.transpose(2, 0, 1)

@@ -150,3 +150,19 @@ def write_weight_file(path: Path, tensors: dict) -> None:
     buffer = io.BytesIO()
     torch.save(tensors, buffer)
     atomic_write(path, buffer.getvalue())
+
+
+def check_tensors(expected: dict[str, Tensor], state: dict[str, Tensor], model: str, hint: str = "",
+                  extra_ok: bool = False) -> None:
+    """A `UserError` naming the first tensor `state` lacks, holds beyond `expected` (unless `extra_ok`) or
+    holds in another shape than `expected`'s, in `model`'s words (`hint`: what config.json says)."""
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    if missing:
+        raise UserError(f"{model} weights lack {len(missing)} vision tensors, e.g. {missing[0]}{hint}")
+    if extra and not extra_ok:
+        raise UserError(f"{model} weights hold {len(extra)} vision tensors config.json has no place for, "
+                        f"e.g. {extra[0]}{hint}")
+    wrong = [k for k, v in expected.items() if state[k].shape != v.shape]
+    if wrong:
+        raise UserError(f"{model} tensor {wrong[0]} is {tuple(state[wrong[0]].shape)}, but config.json makes it "
+                        f"{tuple(expected[wrong[0]].shape)}: the config and weights disagree")

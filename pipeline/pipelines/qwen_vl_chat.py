@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline.errors import UserError
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.text.prompt import CHATML_STOP_STRINGS
 from pipeline.llm.text.tokenizer import load_tokenizer
@@ -31,11 +30,7 @@ MAX_IMAGE_TOKENS = 1280
 
 class QwenVLChatPipeline(VLMChatPipeline):
     def __init__(self, vision: QwenVLVision, images: PreprocessConfig, llm: LanguageModel, is_demo: bool = False):
-        width = llm.engine.hidden_size
-        if vision.config.out_hidden_size != width:
-            raise UserError(f"the Qwen2.5-VL merger outputs {vision.config.out_hidden_size} features but the LLM "
-                            f"is {width} wide: the vision weights are for another model")
-        super().__init__(llm, f"Qwen2.5-VL over {llm.description}", is_demo)
+        super().__init__(llm, "Qwen2.5-VL", vision.config.out_hidden_size, is_demo)
         self.vision, self.images = vision, images
 
     @classmethod

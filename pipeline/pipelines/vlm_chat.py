@@ -98,8 +98,12 @@ def load_device(device: str, quant: str) -> str:
 class VLMChatPipeline:
     """Image chat over `llm`; a subclass reads pictures (`read`) and writes prompts (`format`)."""
 
-    def __init__(self, llm: LanguageModel, description: str, is_demo: bool = False):
-        self.llm, self.description, self.is_demo = llm, description, is_demo
+    def __init__(self, llm: LanguageModel, name: str, width: int, is_demo: bool = False):
+        """`width`: what the vision side gives the decoder per position (refused unless the decoder's own)."""
+        if width != llm.engine.hidden_size:
+            raise UserError(f"the {name} vision side outputs {width} features but the LLM is "
+                            f"{llm.engine.hidden_size} wide: the vision weights are for another model")
+        self.llm, self.description, self.is_demo = llm, f"{name} over {llm.description}", is_demo
         self.model_id = llm.model_id  # as API requests name image chat
         self._cache: collections.OrderedDict[str, EncodedImage] = collections.OrderedDict()
         self._lock = threading.Lock()

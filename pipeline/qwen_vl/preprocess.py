@@ -22,6 +22,7 @@ from PIL import Image
 from torch import Tensor
 
 from pipeline.errors import UserError
+from pipeline.images import normalise
 from pipeline.weights_io import read_json
 
 MAX_ASPECT = 200  # the processor refuses images more elongated than this
@@ -118,15 +119,6 @@ def smart_resize(height: int, width: int, c: PreprocessConfig) -> tuple[int, int
     return h, w
 
 
-def normalise(image: Image.Image, c: PreprocessConfig) -> np.ndarray:
-    """[3, H, W] float32: scaled in float64 and rounded to float32 once, then (x - mean) / std in float32."""
-    x = np.asarray(image).astype(np.float64)
-    x = (x * c.rescale_factor if c.rescale_factor is not None else x).astype(np.float32)
-    if c.image_mean is not None:
-        x = (x - np.asarray(c.image_mean, dtype=np.float32)) / np.asarray(c.image_std, dtype=np.float32)
-    return x.transpose(2, 0, 1)
-
-
 def patchify(x: np.ndarray, c: PreprocessConfig) -> tuple[np.ndarray, tuple[int, int, int]]:
     """[3, H, W] → [h*w, 3*T*P*P]: merge cells row-major, patches row-major inside a cell, each patch
     (channel, time, row, column) with the image repeated over time."""
@@ -145,5 +137,5 @@ def preprocess(image: np.ndarray, c: PreprocessConfig) -> Patches:
         raise UserError(f"expected a uint8 image [H, W, 3] or [H, W], got {image.dtype} {tuple(image.shape)}")
     height, width = smart_resize(image.shape[0], image.shape[1], c)
     picture = Image.fromarray(np.ascontiguousarray(image)).convert("RGB")
-    pixels, grid = patchify(normalise(picture.resize((width, height), c.resample), c), c)
+    pixels, grid = patchify(normalise(picture.resize((width, height), c.resample), c.rescale_factor, c.image_mean, c.image_std), c)
     return Patches(torch.from_numpy(pixels), grid)

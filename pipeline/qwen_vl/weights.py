@@ -17,7 +17,7 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.qwen_vl.vision import ACTIVATIONS, QwenVLVision, VisionConfig
-from pipeline.weights_io import read_json, read_weight_file, weight_files
+from pipeline.weights_io import check_tensors, read_json, read_weight_file, weight_files
 
 # Qwen2_5_VLVisionConfig's defaults: a vision_config key left out means these.
 VISION_DEFAULTS = dict(depth=32, hidden_size=3584, hidden_act="silu", intermediate_size=3420, num_heads=16,
@@ -94,18 +94,7 @@ def build_vision(config: VisionConfig, state: dict[str, Tensor], device: str | t
     """`state` (our names) in a `QwenVLVision` of `config`; a missing, extra or misshapen tensor is a `UserError`."""
     with torch.device("meta"):
         model = QwenVLVision(config)
-    expected = model.state_dict()
-    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing:
-        raise UserError(f"Qwen2.5-VL weights lack {len(missing)} vision tensors, e.g. {missing[0]} "
-                        f"(config.json says {config.depth} blocks)")
-    if extra:
-        raise UserError(f"Qwen2.5-VL weights hold {len(extra)} vision tensors config.json has no place for, "
-                        f"e.g. {extra[0]} (config.json says {config.depth} blocks)")
-    wrong = [k for k, v in expected.items() if state[k].shape != v.shape]
-    if wrong:
-        raise UserError(f"Qwen2.5-VL tensor {wrong[0]} is {tuple(state[wrong[0]].shape)}, but config.json makes it "
-                        f"{tuple(expected[wrong[0]].shape)}: the config and weights disagree")
+    check_tensors(model.state_dict(), state, "Qwen2.5-VL", f" (config.json says {config.depth} blocks)")
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval()
 

@@ -23,6 +23,7 @@ from PIL import Image
 from torch import Tensor
 
 from pipeline.errors import UserError
+from pipeline.images import normalise
 from pipeline.weights_io import read_json
 
 MAX_SIDE = 4096  # the processor never resizes an edge past this
@@ -110,15 +111,6 @@ def fit_tiles(height: int, width: int, tile: int) -> tuple[int, int]:
     return height, width
 
 
-def normalise(tile: Image.Image, c: PreprocessConfig) -> np.ndarray:
-    """[3, H, W] float32: scaled in float64 and rounded to float32 once, then (x - mean) / std in float32."""
-    x = np.asarray(tile).astype(np.float64)
-    x = (x * c.rescale if c.rescale is not None else x).astype(np.float32)
-    if c.mean is not None:
-        x = (x - np.asarray(c.mean, dtype=np.float32)) / np.asarray(c.std, dtype=np.float32)
-    return x.transpose(2, 0, 1)
-
-
 def split_tiles(image: Image.Image, c: PreprocessConfig) -> tuple[list[Image.Image], int, int]:
     """Steps 2–3: the tiles row-major, then the global view; (rows, cols) of the grid, 0 × 0 for none."""
     t = c.tile
@@ -142,6 +134,6 @@ def preprocess(image: np.ndarray, c: PreprocessConfig) -> ImageTiles:
         height, width = fit_longest_edge(picture.height, picture.width, c.longest_edge)
         picture = picture.resize((width, height), c.resample)
     tiles, rows, cols = split_tiles(picture, c)
-    pixels = torch.from_numpy(np.stack([normalise(tile, c) for tile in tiles]))
+    pixels = torch.from_numpy(np.stack([normalise(tile, c.rescale, c.mean, c.std) for tile in tiles]))
     mask = torch.ones(pixels.shape[0], pixels.shape[2], pixels.shape[3], dtype=torch.int64)
     return ImageTiles(pixels, mask, rows, cols)

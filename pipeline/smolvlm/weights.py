@@ -16,7 +16,7 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.smolvlm.vision import SmolVLMVision, VisionConfig
-from pipeline.weights_io import read_json, read_weight_file, weight_files
+from pipeline.weights_io import check_tensors, read_json, read_weight_file, weight_files
 
 # Idefics3VisionConfig's defaults: a config.json key left out means these.
 VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
@@ -90,13 +90,7 @@ def build_vision(config: VisionConfig, state: dict[str, Tensor], device: str | t
     with torch.device("meta"):
         model = SmolVLMVision(config)
     expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    if missing:
-        raise UserError(f"SmolVLM weights lack {len(missing)} vision tensors, e.g. {missing[0]}")
-    wrong = [k for k, v in expected.items() if state[k].shape != v.shape]
-    if wrong:
-        raise UserError(f"SmolVLM tensor {wrong[0]} is {tuple(state[wrong[0]].shape)}, but config.json makes it "
-                        f"{tuple(expected[wrong[0]].shape)}: the config and weights disagree")
+    check_tensors(expected, state, "SmolVLM", extra_ok=True)
     model.load_state_dict({k: state[k] for k in expected}, strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval()
 
