@@ -65,7 +65,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             raise UserError("send or cancel the edit first")
         updates = service.regenerate(client_of(request), data[chatbot], form.values(data),
                                      system=data[system_prompt], saved=saved(data[current], request))
-        yield from edit_ended(streamed(updates, data[current]))
+        yield from edit_ended(streamed(updates, data[current], clear=False))  # a draft in the box stays
 
     @shown_to_user
     def edit_last(history: list, before_edit: list | None) -> tuple:

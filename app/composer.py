@@ -1,6 +1,7 @@
 """The message box of a chat tab with one streaming control: Send, which becomes Stop (same place, same
 size) while a reply streams. Escape stops it too (`page_style.HEAD`), and the box has the focus back
-when the reply ends."""
+when the reply ends. The box stays the user's while a reply streams: Enter then keeps the message in it
+and a line under it says why (`BUSY_HINT`); Send is off while the box is empty."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 STOP_CLASS = "studio-stop"  # what Escape clicks, when it is shown
+COMPOSERS = ("chat", "image-chat")  # the element id prefixes of the page's composers (`page_style.HEAD`)
+BUSY_HINT = "A reply is still coming: your message waits here. Press Enter once it ends, or Stop (Esc) to end it."
 
 
 class Composer:
@@ -25,6 +28,7 @@ class Composer:
             self.send = gr.Button("Send", variant="primary", scale=1, min_width=90, elem_id=f"{prefix}-send")
             self.stop = gr.Button("Stop", variant="stop", scale=1, min_width=90, visible=False,
                                   elem_id=f"{prefix}-stop", elem_classes=[STOP_CLASS])
+        gr.HTML(f'<div id="{prefix}-hint" class="studio-hint" aria-live="polite"></div>', padding=False)  # BUSY_HINT
 
     def streams(self, triggers: list[Callable], fn: Callable, inputs: set | list, outputs: list) -> list:
         """Run `fn` on each of `triggers` (e.g. `message.submit`) with Send shown as Stop meanwhile; the

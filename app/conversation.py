@@ -28,12 +28,16 @@ def user_of(request: gr.Request | None) -> str:
     return (request.username if request is not None else None) or "local"
 
 
-def streamed(updates: Iterator[Update], conversation: int) -> Iterator[tuple[str, list[dict], str, int]]:
-    """The service's `updates` of a reply (`StudioService.send`) as (cleared textbox, the conversation with
-    the growing answer, status, the id of the conversation it is kept in)."""
+def streamed(updates: Iterator[Update], conversation: int,
+             clear: bool = True) -> Iterator[tuple[object, list[dict], str, int]]:
+    """The service's `updates` of a reply (`StudioService.send`) as (the textbox, the conversation with
+    the growing answer, status, the id of the conversation it is kept in). The textbox is emptied once,
+    with the first update (the message was accepted: a refused one stays in the box), where `clear`, and
+    left alone after that: what the user types while the reply streams stays theirs."""
     history = [{"role": "assistant", "content": ""}]
     notices: list[str] = []
     shown = 0.0  # when the page was last updated
+    textbox: object = "" if clear else gr.skip()
     for update in updates:
         if update.messages:
             history = [*(m for m in update.messages if m["role"] != "system"), *history]
@@ -48,7 +52,8 @@ def streamed(updates: Iterator[Update], conversation: int) -> Iterator[tuple[str
         if update.stats is None and update.notice is None and time.monotonic() - shown < UPDATE_EVERY_S:
             continue
         shown = time.monotonic()
-        yield "", history, " · ".join(notices + [update.status]), conversation
+        yield textbox, history, " · ".join(notices + [update.status]), conversation
+        textbox = gr.skip()
 
 
 def wire_stop(stop: gr.Button, service: StudioService, tool: Tool, api_name: str) -> None:

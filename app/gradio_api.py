@@ -32,8 +32,8 @@ def add_gradio_api(service: StudioService) -> None:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
                         max_new_tokens=max_new_tokens, seed=seed)
         updates = service.send(client_of(request), history, message, sampling, system=system_prompt)
-        for textbox, shown, status, _ in streamed(updates, NO_CONVERSATION):
-            yield textbox, shown, status
+        for _, shown, status, _ in streamed(updates, NO_CONVERSATION):
+            yield "", shown, status
 
     @raised_to_client
     def image_chat(image: FileData | None, message: str, history: list[dict], temperature: float | None = None,

@@ -1,9 +1,12 @@
 """The page's own CSS and script (`app.server` hands them to Gradio's launch): one streaming control
-that Escape presses, and a layout that works at a phone's width."""
+that Escape presses, a message box a reply never takes over (Enter while it streams keeps the message
+there and says why; Send stays off while the box is empty), and a layout that works at a phone's width."""
 
 from __future__ import annotations
 
-from app.composer import STOP_CLASS
+import json
+
+from app.composer import BUSY_HINT, COMPOSERS, STOP_CLASS
 from app.sidebar import SIDEBAR_CLASS, TOGGLE_CLASS
 
 PHONE_PX = 700  # narrower than this, the sidebar folds behind its button
@@ -26,6 +29,29 @@ document.addEventListener("keydown", (event) => {{
   const stop = [...document.querySelectorAll(".{STOP_CLASS}")].find((b) => b.offsetParent !== null);
   if (stop) {{ stop.click(); event.preventDefault(); }}
 }});
+const composers = {json.dumps(list(COMPOSERS))};
+const shown = (el) => el && el.offsetParent !== null;
+document.addEventListener("keydown", (event) => {{
+  // Enter while a reply streams: the message stays in the box (not sent, not lost), and a line says why.
+  if (event.key !== "Enter" || event.shiftKey || event.isComposing) return;
+  const prefix = composers.find((p) => event.target.closest?.(`#${{p}}-input`));
+  if (!prefix || !shown(document.getElementById(`${{prefix}}-stop`))) return;
+  event.preventDefault();
+  event.stopImmediatePropagation();
+  const hint = document.getElementById(`${{prefix}}-hint`);
+  hint.textContent = {json.dumps(BUSY_HINT)};
+  const watch = setInterval(() => {{
+    if (!shown(document.getElementById(`${{prefix}}-stop`))) {{ hint.textContent = ""; clearInterval(watch); }}
+  }}, 300);
+}}, true);
+setInterval(() => {{
+  // Send is off while its box is empty (however the box was emptied: typing, sending, a new chat).
+  for (const prefix of composers) {{
+    const box = document.querySelector(`#${{prefix}}-input textarea`);
+    const send = document.getElementById(`${{prefix}}-send`);
+    if (box && send) send.disabled = !box.value.trim();
+  }}
+}}, 250);
 window.addEventListener("load", () => {{
   // The message box takes the focus on a wide screen only: on a phone that would scroll the tabs away.
   if (window.innerWidth > {PHONE_PX}) setTimeout(() => document.querySelector("#chat-input textarea")?.focus(), 500);
