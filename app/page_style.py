@@ -11,8 +11,11 @@ from app.sidebar import SIDEBAR_CLASS, TOGGLE_CLASS
 
 PHONE_PX = 700  # narrower than this, the sidebar folds behind its button
 
+LIST_HEIGHT = "40vh"  # a long conversation list scrolls in its own box; the actions under it stay in view
+
 CSS = f"""
 .{TOGGLE_CLASS} {{ display: none !important; }}
+.{SIDEBAR_CLASS} .studio-conversation-list {{ max-height: {LIST_HEIGHT}; overflow-y: auto; flex-wrap: nowrap; }}
 #models-table {{ max-width: 100%; overflow-x: auto; }}
 @media (max-width: {PHONE_PX}px) {{
   .{TOGGLE_CLASS} {{ display: block !important; flex-grow: 0 !important; }}

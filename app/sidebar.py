@@ -27,6 +27,8 @@ NEW_TITLE = "New conversation"
 NO_CONVERSATION = -1  # `current` when none is open (the browser keeps no falsy value); ids start at 1
 SIDEBAR_CLASS, TOGGLE_CLASS = "studio-sidebar", "studio-sidebar-toggle"  # a phone shows the list behind a button
 TOGGLE_JS = f"() => document.querySelectorAll('.{SIDEBAR_CLASS}').forEach(e => e.classList.toggle('open'))"
+# On a phone, choosing a conversation folds the list away again, so the chat it opened is what shows.
+FOLD_JS = f"() => document.querySelectorAll('.{SIDEBAR_CLASS}').forEach(e => e.classList.remove('open'))"
 
 
 def ago(then: float, now: float) -> str:
@@ -84,7 +86,8 @@ class Sidebar:
         with gr.Column(scale=1, min_width=200, elem_classes=[SIDEBAR_CLASS], elem_id=f"{prefix}-sidebar"):
             self.new = gr.Button("New chat" if tool == Tool.CHAT else "New conversation", variant="secondary")
             self.search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id=f"{prefix}-search")
-            self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations")
+            self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations",
+                                          elem_classes=["studio-conversation-list"])
             self.title = gr.Textbox(label="Title (Enter renames)", elem_id=f"{prefix}-title")
             with gr.Row():
                 self.rename = gr.Button("Rename", size="sm")
@@ -189,8 +192,10 @@ class Sidebar:
         private = dict(api_visibility="private")
         self.new.click(lambda: (*empty(), NO_CONVERSATION, "", ""), None, [*view, current, title, status],
                        **private).then(**relist)
-        self.conversations.input(open_conversation, [self.conversations], [*view, current, title], **private)
+        self.conversations.input(open_conversation, [self.conversations], [*view, current, title], **private) \
+            .then(None, js=FOLD_JS, **private)
         self.search.change(**relist)
+        current.change(**relist)  # a new conversation (its id comes with a reply's first update) is listed at once
         for renaming in (self.rename.click, self.title.submit):  # the button, or Enter in the title box
             renaming(rename, [current, title], None, **private).success(**relist)
         undoing = [self.deleted, self.undo, self.undo_ends]

@@ -1,6 +1,9 @@
-"""The message box during a reply (issue 43), in a real browser: what the user types while a reply streams
-stays in the box; Enter then keeps the message there (not sent, not lost) with a line saying why; Send is
-off while the box is empty."""
+"""The app during a reply, on a long history and on a phone (issue 43), in a real browser: what the user
+types while a reply streams stays in the box; Enter then keeps the message there (not sent, not lost) with a
+line saying why; Send is off while the box is empty; a new chat is listed while its first reply streams; a
+long list scrolls in its own box; on a phone, choosing a conversation folds the list away."""
+
+import json
 
 import pytest
 
@@ -53,3 +56,54 @@ def test_send_is_off_while_the_box_is_empty(page):
     expect(send_button).to_be_enabled()
     box.fill("   ")
     expect(send_button).to_be_disabled()
+
+
+def test_a_new_chat_is_listed_titled_while_its_first_reply_streams(page):
+    _new_chat(page)
+    set_controls(page, **ENDLESS)
+    send(page, "Tell me about lighthouses")
+    page.locator("#chat-status").get_by_text("generating…").wait_for()
+    page.locator("#chat-conversations").get_by_text("Tell me about lighthouses").wait_for()
+    assert page.locator("#chat-stop").is_visible()  # listed before the reply ended
+    page.get_by_role("button", name="Stop").first.click()
+    page.locator("#chat-status").get_by_text("Stopped").wait_for()
+
+
+def _many_conversations(path, n: int = 30) -> None:
+    path.write_text(json.dumps({"format": "ai-studio-conversations", "version": 1, "conversations": [
+        {"tool": "chat", "title": f"Old talk {i}", "messages": [{"role": "user", "content": f"question {i}"},
+                                                                {"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(n)]}))
+
+
+def test_a_long_list_scrolls_in_its_own_box_and_the_actions_stay_in_view(page, tmp_path):
+    _many_conversations(tmp_path / "many.json")
+    with page.expect_file_chooser() as chooser:
+        page.locator("#chat-sidebar").get_by_role("button", name="Import conversation").click()
+    chooser.value.set_files(str(tmp_path / "many.json"))
+    page.locator("#chat-status").get_by_text("Imported 30 conversations").wait_for()
+    listing = page.locator("#chat-conversations")
+    assert listing.evaluate("e => e.scrollHeight > e.clientHeight")  # more than it shows: it scrolls
+    viewport = page.viewport_size["height"]
+    rename = page.locator("#chat-sidebar").get_by_role("button", name="Rename").bounding_box()
+    assert rename["y"] + rename["height"] <= viewport * 1.2, (rename, viewport)  # not 1,400 px down the page
+    assert page.locator("#chat-history").bounding_box()["height"] >= 400  # the chat pane keeps its height
+
+
+def test_on_a_phone_choosing_a_conversation_folds_the_list_and_shows_the_chat(browser, running_app):  # noqa: F811
+    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+    try:
+        phone = context.new_page()
+        phone.set_default_timeout(60_000)
+        phone.goto(running_app.url)
+        phone.get_by_text("What can I help with?").wait_for()
+        send(phone, "A phone question")
+        phone.locator("#chat-status").get_by_text("tok/s").wait_for()
+        phone.get_by_role("button", name="☰ Conversations").first.click()
+        phone.locator("#chat-sidebar").get_by_role("button", name="New chat").click()  # another one open
+        phone.locator("#chat-history").get_by_text("A phone question").wait_for(state="detached")
+        phone.locator("#chat-conversations").get_by_text("A phone question").first.click()
+        expect(phone.locator("#chat-sidebar")).to_be_hidden()
+        expect(phone.locator("#chat-history").get_by_text("A phone question")).to_be_in_viewport()
+    finally:
+        context.close()

@@ -182,9 +182,10 @@ class ConversationStore:
     # ---- conversations ------------------------------------------------------------------------
 
     def create(self, user: str, tool: str, title: str = "", system: str | None = None,
-               image: bytes | None = None) -> int:
+               image: bytes | None = None, question: str = "") -> int:
         """A new conversation of `user` in `tool` ("chat" or "image chat"); `image` is its picture's file
-        bytes. A `title` given here is kept (an automatic one follows the first question)."""
+        bytes. A `title` given here is kept; else it follows the first question, `question` until that
+        is stored (so the list names the conversation the moment it is sent)."""
         now = time.time()
         with self._transaction() as db:
             key = None
@@ -192,7 +193,8 @@ class ConversationStore:
                 key = hashlib.sha256(image).hexdigest()
                 db.execute("INSERT OR IGNORE INTO images(hash, data) VALUES (?, ?)", (key, image))
             cursor = db.execute("INSERT INTO conversations(user, tool, title, system, image, created, updated, renamed) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (user, tool, title, system, key, now, now, bool(title)))
+                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (user, tool, title or (title_from(question) if question else ""), system, key, now, now,
+                                 bool(title)))
             return cursor.lastrowid
 
     def list(self, user: str, tool: str | None = None) -> list[dict[str, Any]]:

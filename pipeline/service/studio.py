@@ -250,7 +250,7 @@ class StudioService:
                               sampling, system=system, tool=tool, image=image)
         if saved is not None and saved.conversation is None:
             picture = Path(image).read_bytes() if isinstance(image, str) else image if isinstance(image, bytes) else None
-            created = self.store.later(self.store.create, saved.user, tool, "", system or None, picture)
+            created = self.store.later(self.store.create, saved.user, tool, "", system or None, picture, message)
             saved = Saved(saved.user, soon(created))
         elif saved is not None and saved.revision != Revision.NEW:
             soon(self.store.later(self.store.rewind_last_turn, saved.user, saved.conversation,
