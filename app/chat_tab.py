@@ -7,6 +7,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from app.composer import Composer
+from app.page_style import LATEX
 from app.conversation import client_of, streamed, user_of
 from app.conversation_files import to_json, to_markdown
 from app.downloads import download_on_click, write_download
@@ -122,6 +123,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         sidebar = Sidebar(Tool.CHAT, "chat", storage_secret)
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history",
+                                 latex_delimiters=LATEX,
                                  placeholder=GREETING, examples=[{"text": p} for p in EXAMPLE_PROMPTS])
             with gr.Row(visible=False, elem_id="chat-versions", equal_height=True) as switcher:
                 older = gr.Button("‹ older", size="sm", min_width=70, elem_id="chat-version-older")

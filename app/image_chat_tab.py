@@ -10,6 +10,7 @@ import gradio as gr
 from app.composer import Composer
 from app.conversation import client_of, streamed, user_of
 from app.errors import shown_to_user
+from app.page_style import LATEX
 from app.sampling_form import SamplingForm
 from app.sidebar import NO_CONVERSATION, Sidebar, history_of, image_file
 from pipeline.service.requests import Saved
@@ -64,6 +65,7 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
             samples = gr.Examples(examples, inputs=image)
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Conversation about the image", height=420, buttons=["copy", "copy_all"],
+                                 latex_delimiters=LATEX,
                                  elem_id="image-chat-history")
             composer = Composer(Tool.IMAGE_CHAT, "image-chat", "Ask about the image, Enter to send")
             message = composer.message

@@ -10,6 +10,11 @@ from app.composer import BUSY_HINT, COMPOSERS, STOP_CLASS
 from app.sidebar import SIDEBAR_CLASS, TOGGLE_CLASS
 
 PHONE_PX = 700  # narrower than this, the sidebar folds behind its button
+# Math in replies as chat users write it: $$…$$ and \[…\] on a line of their own, $…$ and \(…\) inline.
+LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right": "\\]", "display": True},
+         {"left": "$", "right": "$", "display": False}, {"left": "\\(", "right": "\\)", "display": False}]
+# The page follows the system's light or dark mode (Gradio's default); this button flips it for the visit.
+DARK_TOGGLE_JS = "() => document.body.classList.toggle('dark')"
 
 LIST_HEIGHT = "40vh"  # a long conversation list scrolls in its own box; the actions under it stay in view
 

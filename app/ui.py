@@ -14,6 +14,7 @@ from app.errors import shown_to_user
 from app.gradio_api import add_gradio_api
 from app.image_chat_tab import build_image_chat_tab
 from app.models_tab import build_models_tab
+from app.page_style import DARK_TOGGLE_JS
 from app.segment_tab import build_segment_tab
 from pipeline.files import atomic_write
 from pipeline.models import cache_dir
@@ -86,7 +87,10 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
     `keep_files_s` after they were made."""
     sweep = max(1, min(600, keep_files_s // 2))
     with gr.Blocks(title="AI Studio", delete_cache=(sweep, keep_files_s)) as demo:
-        gr.Markdown(heading(service.host.device), elem_id="heading")
+        with gr.Row(equal_height=True):
+            gr.Markdown(heading(service.host.device), elem_id="heading")
+            gr.Button("◐ Light / dark", size="sm", scale=0, min_width=120, elem_id="theme-toggle") \
+                .click(None, js=DARK_TOGGLE_JS, api_visibility="private")
         if service.is_demo(Tool.CHAT):
             gr.Markdown(DEMO_WARNING, elem_classes=["studio-banner"])
         elif service.notice(Tool.CHAT):

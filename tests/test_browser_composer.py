@@ -107,3 +107,31 @@ def test_on_a_phone_choosing_a_conversation_folds_the_list_and_shows_the_chat(br
         expect(phone.locator("#chat-history").get_by_text("A phone question")).to_be_in_viewport()
     finally:
         context.close()
+
+
+def test_math_renders_and_the_page_follows_dark_mode_with_a_toggle(browser, running_app, tmp_path):  # noqa: F811
+    talk = tmp_path / "math.json"
+    talk.write_text(json.dumps({"format": "ai-studio-conversation", "version": 1, "messages": [
+        {"role": "user", "content": "Some maths?"},
+        {"role": "assistant", "content": "Inline $a^2+b^2=c^2$ and \\(e^{i\\pi}\\), then $$\\int_0^1 x\\,dx$$ and "
+                                         "\\[\\sum_k k\\]"}]}))
+    context = browser.new_context(color_scheme="dark")
+    try:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(running_app.url)
+        page.get_by_text("What can I help with?").wait_for()
+        assert page.evaluate("document.body.classList.contains('dark')")  # the system's dark mode, followed
+        page.locator("#theme-toggle").click()
+        page.wait_for_function("() => !document.body.classList.contains('dark')")
+        page.locator("#theme-toggle").click()
+        page.wait_for_function("() => document.body.classList.contains('dark')")
+        with page.expect_file_chooser() as chooser:
+            page.locator("#chat-sidebar").get_by_role("button", name="Import conversation").click()
+        chooser.value.set_files(str(talk))
+        page.locator("#chat-history").get_by_text("Some maths?").wait_for()
+        bot = page.locator("#chat-history [data-testid=bot]").last
+        expect(bot.locator(".katex")).to_have_count(4)  # each of the four delimiters rendered
+        assert "$" not in bot.inner_text() and "\\(" not in bot.inner_text()
+    finally:
+        context.close()
