@@ -157,7 +157,7 @@ def v1_models():
     from pipeline.service.studio import StudioService
 
     app = FastAPI()
-    app.include_router(build_router(StudioService(types.SimpleNamespace(), catalog=catalog), None, False))
+    app.include_router(build_router(StudioService(types.SimpleNamespace(loaded=lambda tool: None), catalog=catalog), None, False))
     return [m["id"] for m in TestClient(app).get("/v1/models").json()["data"]]
 
 
