@@ -34,7 +34,14 @@ GREETING = "**What can I help with?** Ask anything, or start from one of these:"
 EXAMPLE_PROMPTS = ("Explain what a large language model is to a ten-year-old.",
                    "Write a Python function that tells whether a word is a palindrome.",
                    "Give me three ideas for a rainy weekend.")
+CONTINUABLE = ("length", "cancelled")  # how a reply ended that Continue takes on
 EDITING = "Editing your last message: Enter sends it as a new version (the old one stays); Cancel edit keeps it."
+
+
+def continuable(found: dict) -> bool:
+    """Whether a stored conversation ends with a reply that was stopped or that a crash cut."""
+    shown = [m for m in found["messages"] if m["role"] != "system"]
+    return bool(shown) and shown[-1]["role"] == "assistant" and shown[-1]["state"] in ("cancelled", "interrupted")
 
 
 def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) -> None:
@@ -45,10 +52,14 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     def saved(current: int, request: gr.Request, revision: Revision = Revision.NEW) -> Saved:
         return Saved(user_of(request), None if current == NO_CONVERSATION else current, revision)
 
-    def edit_ended(shown_turn):
-        """A reply's outputs, with editing over (its state cleared, Cancel edit hidden)."""
-        for shown_now in shown_turn:
-            yield *shown_now, None, gr.Button(visible=False)
+    def turn(updates, current: int, clear: bool = True):
+        """A reply's outputs, with editing over (its state cleared, Cancel edit hidden), and Continue
+        offered at its end where it was cut at the token limit or stopped."""
+        ended: list[str] = []
+        for shown_now in streamed(updates, current, clear, ended):
+            yield *shown_now, None, gr.Button(visible=False), gr.Button(visible=False)
+        if ended and ended[-1] in CONTINUABLE:
+            yield *(gr.skip(),) * 6, gr.Button(visible=True)
 
     @shown_to_user
     def respond(data: dict, request: gr.Request):
@@ -57,7 +68,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         revision = Revision.QUESTION if data[editing] is not None else Revision.NEW
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                system=data[system_prompt], saved=saved(data[current], request, revision))
-        yield from edit_ended(streamed(updates, data[current]))
+        yield from turn(updates, data[current])
 
     @shown_to_user
     def regenerate(data: dict, request: gr.Request):
@@ -66,7 +77,16 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             raise UserError("send or cancel the edit first")
         updates = service.regenerate(client_of(request), data[chatbot], form.values(data),
                                      system=data[system_prompt], saved=saved(data[current], request))
-        yield from edit_ended(streamed(updates, data[current], clear=False))  # a draft in the box stays
+        yield from turn(updates, data[current], clear=False)  # a draft in the box stays
+
+    @shown_to_user
+    def continue_reply(data: dict, request: gr.Request):
+        """The last reply, cut at the token limit or stopped, goes on where it ended (the same message)."""
+        if data[editing] is not None:
+            raise UserError("send or cancel the edit first")
+        updates = service.continue_reply(client_of(request), data[chatbot], form.values(data),
+                                         system=data[system_prompt], saved=saved(data[current], request))
+        yield from turn(updates, data[current], clear=False)
 
     @shown_to_user
     def edit_last(history: list, before_edit: list | None) -> tuple:
@@ -133,6 +153,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             message = composer.message
             with gr.Row():
                 regen = gr.Button("Regenerate", size="sm")
+                more = gr.Button("Continue", size="sm", visible=False, elem_id="chat-continue")
                 edit = gr.Button("Edit last", size="sm")
                 cancel = gr.Button("Cancel edit", size="sm", visible=False, elem_id="chat-cancel-edit")
                 export_json = gr.Button("Export JSON", size="sm")
@@ -147,16 +168,17 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     target = gr.State(None)  # the message whose versions the switcher offers (None: the last exchange's)
 
     current = sidebar.current
-    sidebar.wire(service, app, [chatbot, system_prompt, switcher, label, target],
+    sidebar.wire(service, app, [chatbot, system_prompt, switcher, label, target, more],
                  lambda found: (history_of(found), found["system"] if found["system"] is not None else gr.skip(),
-                                *switcher_view(found["messages"], None)),
-                 lambda: ([], gr.skip(), gr.Row(visible=False), "", None), status)
+                                *switcher_view(found["messages"], None), gr.Button(visible=continuable(found))),
+                 lambda: ([], gr.skip(), gr.Row(visible=False), "", None, gr.Button(visible=False)), status)
     inputs = {message, chatbot, system_prompt, current, editing, *form.components}
-    outputs = [message, chatbot, status, current, editing, cancel]
+    outputs = [message, chatbot, status, current, editing, cancel, more]
     private = dict(api_visibility="private")
     versions = dict(fn=versions_of, inputs=[current, target], outputs=[switcher, label, target], **private)
     for ended in [*composer.streams([message.submit, composer.send.click], respond, inputs, outputs),
-                  *composer.streams([regen.click], regenerate, inputs, outputs)]:
+                  *composer.streams([regen.click], regenerate, inputs, outputs),
+                  *composer.streams([more.click], continue_reply, inputs, outputs)]:
         ended.then(**sidebar.relist).then(**versions)
     composer.wire_stop(service, "stop")
     edit.click(edit_last, [chatbot, editing], [message, chatbot, status, editing, cancel], **private)

@@ -28,19 +28,24 @@ def user_of(request: gr.Request | None) -> str:
     return (request.username if request is not None else None) or "local"
 
 
-def streamed(updates: Iterator[Update], conversation: int,
-             clear: bool = True) -> Iterator[tuple[object, list[dict], str, int]]:
+def streamed(updates: Iterator[Update], conversation: int, clear: bool = True,
+             ended: list[str] | None = None) -> Iterator[tuple[object, list[dict], str, int]]:
     """The service's `updates` of a reply (`StudioService.send`) as (the textbox, the conversation with
     the growing answer, status, the id of the conversation it is kept in). The textbox is emptied once,
     with the first update (the message was accepted: a refused one stays in the box), where `clear`, and
-    left alone after that: what the user types while the reply streams stays theirs."""
+    left alone after that: what the user types while the reply streams stays theirs. A reply that continues
+    the last one (its conversation ends with the assistant's words) grows that message. `ended` gets the
+    reply's finish reason."""
     history = [{"role": "assistant", "content": ""}]
     notices: list[str] = []
     shown = 0.0  # when the page was last updated
     textbox: object = "" if clear else gr.skip()
     for update in updates:
         if update.messages:
-            history = [*(m for m in update.messages if m["role"] != "system"), *history]
+            said = [dict(m) for m in update.messages if m["role"] != "system"]
+            history = said if said and said[-1]["role"] == "assistant" else [*said, *history]
+        if update.stats is not None and ended is not None:
+            ended.append(str(update.stats.finish_reason))
         if update.saved is not None and update.saved.conversation is not None:
             conversation = update.saved.conversation
         if update.notice:

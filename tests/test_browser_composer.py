@@ -83,6 +83,8 @@ def test_a_long_list_scrolls_in_its_own_box_and_the_actions_stay_in_view(page, t
     chooser.value.set_files(str(tmp_path / "many.json"))
     page.locator("#chat-status").get_by_text("Imported 30 conversations").wait_for()
     listing = page.locator("#chat-conversations")
+    for title in ("Old talk 0", "Old talk 29"):  # listed (the list is refreshed after the import's message)
+        listing.get_by_text(title, exact=False).first.wait_for(state="attached")
     assert listing.evaluate("e => e.scrollHeight > e.clientHeight")  # more than it shows: it scrolls
     viewport = page.viewport_size["height"]
     rename = page.locator("#chat-sidebar").get_by_role("button", name="Rename").bounding_box()
@@ -102,9 +104,14 @@ def test_on_a_phone_choosing_a_conversation_folds_the_list_and_shows_the_chat(br
         phone.get_by_role("button", name="☰ Conversations").first.click()
         phone.locator("#chat-sidebar").get_by_role("button", name="New chat").click()  # another one open
         phone.locator("#chat-history").get_by_text("A phone question").wait_for(state="detached")
+        phone.locator("#chat-conversations").get_by_text("A phone question").first.scroll_into_view_if_needed()
+        phone.evaluate("window.scrollBy(0, 400)")  # down the drawer, as a thumb leaves it
         phone.locator("#chat-conversations").get_by_text("A phone question").first.click()
         expect(phone.locator("#chat-sidebar")).to_be_hidden()
-        expect(phone.locator("#chat-history").get_by_text("A phone question")).to_be_in_viewport()
+        phone.locator("#chat-history").get_by_text("A phone question").wait_for(state="attached")  # it opened
+        phone.wait_for_timeout(500)  # (the fold and the scroll run in the page after the list's event)
+        top = phone.locator("#chat-history").bounding_box()["y"]
+        assert -2 <= top <= 844 / 2, top  # the chat shows at the top of the screen, not 2,500 px down the page
     finally:
         context.close()
 
@@ -135,3 +142,25 @@ def test_math_renders_and_the_page_follows_dark_mode_with_a_toggle(browser, runn
         assert "$" not in bot.inner_text() and "\\(" not in bot.inner_text()
     finally:
         context.close()
+
+
+def test_continue_takes_a_reply_cut_at_the_token_limit_on_in_the_same_message(page):
+    _new_chat(page)
+    set_controls(page, max_new_tokens=8, temperature=0, repetition_penalty=1)
+    send(page, "A very long story please")
+    page.locator("#chat-status").get_by_text("ended: length").wait_for()
+    more = page.locator("#chat-continue")
+    expect(more).to_be_visible()
+    bots = page.locator("#chat-history [data-testid=bot]")
+    count, before = bots.count(), bots.last.inner_text().strip()
+    more.click()
+    page.wait_for_function(f"() => ([...document.querySelectorAll('#chat-history [data-testid=bot]')].pop()"
+                           f"?.innerText || '').trim().length > {len(before)}")
+    page.locator("#chat-status").get_by_text("ended: length").wait_for()
+    after = bots.last.inner_text().strip()
+    assert bots.count() == count and after.startswith(before) and len(after) > len(before)  # the same message grew
+    page.reload()  # kept whole: the conversation reopens with the continued reply
+    page.locator("#chat-history [data-testid=bot]").last.wait_for()
+    page.wait_for_function(f"() => ([...document.querySelectorAll('#chat-history [data-testid=bot]')].pop()"
+                           f"?.innerText || '').trim().length >= {len(after)}")
+    set_controls(page, max_new_tokens=300)

@@ -216,6 +216,8 @@ class StudioService:
                 else:
                     events = pipeline.stream(turn.messages, turn.params, flag, session, turn.structure)
                 question = None if saved is None or saved.revision == Revision.REPLY else turn.messages[-1]["content"]
+                # a reply continued (Continue) is kept whole: what it said before, then what follows
+                said = turn.messages[-1]["content"] if turn.messages and turn.messages[-1]["role"] == "assistant" else ""
                 record = None if saved is None else ReplyRecord(
                     self.store, saved.user, saved.conversation, question, pipeline.llm.model_id,
                     dataclasses.asdict(turn.params))
@@ -224,15 +226,15 @@ class StudioService:
                     for event in events:
                         text += event.text
                         if record is not None and event.stats is not None:
-                            record.end(text, event.stats.finish_reason)
+                            record.end(said + text, event.stats.finish_reason)
                         elif record is not None:
-                            record.progress(text)
+                            record.progress(said + text)
                         status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
                         yield Update(event.text, status, event.notice, event.stats, event.tool_calls,
                                      logprobs=event.logprobs)
                 finally:
                     if record is not None:
-                        record.end(text, "cancelled")
+                        record.end(said + text, "cancelled")
                 return
         raise UserError(f"other requests switched the chat model away from {turn.model} meanwhile: send it "
                         f"again", "model")
@@ -260,6 +262,22 @@ class StudioService:
         yield from self.reply(client, turn, cancel, saved)
         if pending and saved.conversation.done() and saved.conversation.exception() is None:
             yield Update(saved=Saved(saved.user, saved.conversation.result()))
+
+    def continue_reply(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
+                       tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
+                       saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
+        """The last reply (cut at the token limit, or stopped) continued where it ended: the model goes on
+        from its own text. Kept as another version of that reply, whole (the cut one stays as a version)."""
+        messages = plain_messages(history, "history")
+        if not messages or messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
+            raise UserError("there is no reply to continue: send a message first")
+        turn = self.chat_turn(messages, sampling, system=system, tool=tool, image=image)
+        if saved is not None and saved.conversation is not None:
+            saved = dataclasses.replace(saved, revision=Revision.REPLY)
+            soon(self.store.later(self.store.rewind_last_turn, saved.user, saved.conversation, True))
+        yield Update(saved=saved if saved is not None and saved.conversation is not None else None,
+                     messages=turn.messages)
+        yield from self.reply(client, turn, cancel, saved if saved is not None and saved.conversation else None)
 
     def regenerate(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
                    tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
