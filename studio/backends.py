@@ -165,7 +165,8 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     if mode == "none":
         gguf_type = read_config(model_dir).gguf_type
         if gguf_type:  # read anew each launch (seconds for a 7B): say so, in the terminal and the UI
-            say(f"{model_id}: dequantizing its {gguf_type} GGUF weights to {str(dtype).removeprefix('torch.')}")
+            say(f"{model_id}: unpacking its compressed weights (a {gguf_type} GGUF file) to run them in "
+                f"{str(dtype).removeprefix('torch.')}, as each start does")
         return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     tuned = TunedConfigs(say)
     path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) \

@@ -221,7 +221,8 @@ def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = 
         host.add(spec)
     store = ConversationStore(config.data_dir or data_dir())
     report.tell(store.notice or f"conversations are kept in {store.path}")
-    return StudioService(host, engines.report.lines, store=store, catalog=catalog, image_model=plan.vlm or "minigpt4")
+    return StudioService(host, engines.report.lines, store=store, catalog=catalog, image_model=plan.vlm or "minigpt4",
+                         verbose=config.verbose)
 
 
 def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,

@@ -67,7 +67,8 @@ def test_the_terminal_chats_second_turn_prefills_only_what_is_new(studio_cache):
     under another base cannot reuse keys made under the first. Replies are capped at 40 tokens: a long
     random first reply leaves the second prompt no room for the first turn, which is then dropped.)"""
     env = {**os.environ, "STUDIO_CACHE": str(studio_cache)}
-    done = subprocess.run([sys.executable, "launch.py", "chat", "--model", "demo/qwen2-tiny", "--context", "1024"],
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--model", "demo/qwen2-tiny", "--context", "1024",
+                           "--verbose"],  # the statistics in the engine's terms: the tokens found in its cache
                           input="/set max_new_tokens 40\nHello there\nHow are you?\n/exit\n", cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

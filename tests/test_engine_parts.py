@@ -182,3 +182,15 @@ def model_logits(model, ids: list[int]) -> list[torch.Tensor]:
         cache = CacheRows(model.config, 1, 65, model.config.vocab_size, torch.float32, torch.device("cpu"))
         out.append(model(cache.kv, rope, (Prefill(0, 0, 0),), tokens=torch.tensor([ids[:n]]))[0, -1, :model.config.vocab_size])
     return out
+
+
+def test_the_statistics_line_speaks_to_people_and_the_engines_terms_wait_for_verbose():
+    """The UI's and terminal's line: speed, size, context; cache hits and drafts only under `--verbose`."""
+    from pipeline.llm.engine.seam import GenerationStats
+
+    stats = GenerationStats(prompt_tokens=80, cached_tokens=64, new_tokens=11, time_to_first_token_s=0.4,
+                            decode_s=1.0, finish_reason="stop", drafted_tokens=4, accepted_tokens=3)
+    plain = stats.summary(4096)
+    assert "cache" not in plain and "draft" not in plain and "context: 91 of 4096 tokens" in plain, plain
+    full = stats.summary(4096, engine=True)
+    assert "(64 found in the cache)" in full and "drafts: 3 of 4 kept" in full, full

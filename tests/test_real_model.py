@@ -221,7 +221,7 @@ def test_speculation_keeps_greedy_replies_token_for_token(ours):
         got, stats = replies(engine)
         assert got == plain, most
         assert engine.verify_steps and engine.accepted_tokens >= 20, engine.status()
-        assert stats[0].accepted_tokens > 0 and " · drafts: " in stats[0].summary(), stats[0].summary()
+        assert stats[0].accepted_tokens > 0 and " · drafts: " in stats[0].summary(engine=True), stats[0].summary()
 
 
 def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):

@@ -75,7 +75,7 @@ class Update:
     logprobs: list[TokenLogprob] | None = None
 
 
-def stats_line(stats: GenerationStats, context: int = 0) -> str:
-    """The reply's statistics line, marked when the user stopped it."""
-    line = stats.summary(context)
+def stats_line(stats: GenerationStats, context: int = 0, engine: bool = False) -> str:
+    """The reply's statistics line (`engine`: with the engine's terms), marked when the user stopped it."""
+    line = stats.summary(context, engine)
     return f"{STOPPED} {line}" if stats.finish_reason == "cancelled" else line

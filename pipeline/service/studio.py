@@ -81,12 +81,14 @@ class StudioService:
 
     def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                  store: ConversationStore | None = None, catalog: Catalog | None = None,
-                 image_model: str = "minigpt4"):
+                 image_model: str = "minigpt4", verbose: bool = False):
         """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
         conversations are kept (replies given `saved` go there); `catalog`: the models that can be
         switched to (none: each tool keeps the model it started with); `image_model`: what image chat is
-        planned to run, as API requests name it (a VLM's hub id or folder, or `minigpt4`)."""
+        planned to run, as API requests name it (a VLM's hub id or folder, or `minigpt4`); `verbose`: reply
+        statistics in the engine's terms too (prompt tokens found in its cache, drafts kept)."""
         self.host, self.store, self.catalog, self._image_model = host, store, catalog, image_model
+        self.verbose = verbose
         self.startup = startup if startup is not None else []
         self._in_flight = InFlight(max_in_flight)
         self._switching = threading.Lock()  # one model switch at a time
@@ -229,7 +231,8 @@ class StudioService:
                             record.end(said + text, event.stats.finish_reason)
                         elif record is not None:
                             record.progress(said + text)
-                        status = stats_line(event.stats, pipeline.llm.context) if event.stats else "generating…"
+                        status = stats_line(event.stats, pipeline.llm.context, self.verbose) if event.stats \
+                            else "generating…"
                         yield Update(event.text, status, event.notice, event.stats, event.tool_calls,
                                      logprobs=event.logprobs)
                 finally:

@@ -301,7 +301,8 @@ class ToolHost:
             slot.pipeline, slot.size = pipeline, size
             slot.loads += 1
             slot.last_used = time.monotonic()
-            tell(f"{name} ready in {time.perf_counter() - start:.1f} s ({size_text(slot.size)})")
+            memory = "of GPU memory" if self.device.type == "cuda" else "of memory"
+            tell(f"{name} ready in {time.perf_counter() - start:.1f} s ({size_text(slot.size)} {memory})")
             if self.budget is not None and self._in_use() > self.budget:
                 self._make_room(name, 0, tell)
         return pipeline

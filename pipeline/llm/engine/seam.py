@@ -57,13 +57,14 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         return (self.new_tokens - 1) / self.decode_s if self.new_tokens > 1 and self.decode_s > 0 else 0.0
 
-    def summary(self, context: int = 0) -> str:
+    def summary(self, context: int = 0, engine: bool = False) -> str:
         """A reply's speed and size, and how full the context is (`context` 0: unknown, a remote model):
-        the one statistics line of the UI and the terminal chat."""
-        cached = f" ({self.cached_tokens} found in the cache)" if self.cached_tokens else ""
+        the one statistics line of the UI and the terminal chat. `engine` (`--verbose`): with the engine's
+        own terms too, the prompt tokens found in its cache and the speculative drafts kept."""
+        cached = f" ({self.cached_tokens} found in the cache)" if self.cached_tokens and engine else ""
         meter = f" · context: {self.prompt_tokens + self.new_tokens} of {context} tokens" if context else ""
         drafts = (f" · drafts: {self.accepted_tokens} of {self.drafted_tokens} kept "
-                  f"({self.accepted_tokens / self.drafted_tokens:.0%})" if self.drafted_tokens else "")
+                  f"({self.accepted_tokens / self.drafted_tokens:.0%})" if self.drafted_tokens and engine else "")
         return (f"{self.new_tokens} tokens · {self.tokens_per_s:.1f} tok/s{drafts} · first token "
                 f"{self.time_to_first_token_s * 1000:.0f} ms · prompt {self.prompt_tokens} tokens{cached} · "
                 f"ended: {self.finish_reason}{meter}")
