@@ -40,6 +40,9 @@ HELP = ("commands: /reset · /system TEXT · /image PATH · /regenerate · /edit
         "(e.g. /set temperature 0) · /help · /exit")
 
 
+SHOWN_SETTINGS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_new_tokens", "seed")  # /set
+
+
 class TerminalChat:
     """One conversation's state and the command handling, over the studio service."""
 
@@ -89,7 +92,8 @@ class TerminalChat:
         if name == "/set":
             setting, _, value = arg.partition(" ")
             if not setting:
-                return f"(sampling: {dataclasses.asdict(self.params)}; /set SETTING VALUE changes one)"
+                shown = " · ".join(f"{name} {getattr(self.params, name)}" for name in SHOWN_SETTINGS)
+                return f"(sampling: {shown}; /set SETTING VALUE changes one)"
             try:
                 number = json.loads(value.strip())  # as the API's JSON would carry it: 3, 0.7, null
             except ValueError:
@@ -106,13 +110,18 @@ class TerminalChat:
                                             system=self.system, image=self.image, cancel=self.cancel))
 
     def _kept(self, updates: Iterator[Update]) -> Iterator[Update]:
-        """`updates` passed on; once the reply ends, the conversation it followed and the reply are the history."""
+        """`updates` passed on; once the reply ends, the conversation it followed and the reply are the history,
+        a reply stopped with Ctrl+C (its reader closes this) too, as far as it went, as the UI keeps it."""
         messages, answer = [], ""
-        for update in updates:
-            messages = list(update.messages) or messages
-            answer += update.text
-            yield update
-        self.history = [m for m in messages if m["role"] != "system"] + [{"role": "assistant", "content": answer}]
+        try:
+            for update in updates:
+                messages = list(update.messages) or messages
+                answer += update.text
+                yield update
+        finally:
+            if messages:
+                self.history = [m for m in messages if m["role"] != "system"] + \
+                    [{"role": "assistant", "content": answer}]
 
 
 def _status(line: str) -> None:
@@ -151,9 +160,10 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
                         print(f"\n({update.status})", file=sys.stderr, flush=True)
                     elif not update.text and update.status.startswith("Loading"):
                         _status(update.status)
-            except KeyboardInterrupt:  # Ctrl+C stops the reply, not the program
+            except KeyboardInterrupt:  # Ctrl+C stops the reply, not the program; what it said is kept
                 chat.cancel.set()
-                print("\n(stopped)", file=sys.stderr, flush=True)
+                said.close()  # (its `finally` keeps the reply so far)
+                print("\n(stopped: the reply so far is kept)", file=sys.stderr, flush=True)
             print(file=stdout, flush=True)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)

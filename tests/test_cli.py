@@ -138,3 +138,38 @@ def test_start_up_says_what_runs_where_in_a_users_words(tmp_path, verbose):
     details = [line for line in service.startup if any(word in line for word in JARGON)]
     assert details  # the page's report keeps them
     assert all(line in printed for line in details) if verbose else not set(details) & set(printed), printed
+
+
+def test_a_reply_stopped_with_ctrl_c_stays_in_the_terminal_conversation_and_set_reads_plainly(studio_cache,
+                                                                                              monkeypatch):
+    """Ctrl+C while a reply streams stops it and keeps what it said (as the browser does); /set lists the
+    settings as words, not a Python dict."""
+    import io
+
+    from app.cli import run
+
+    monkeypatch.setenv("STUDIO_CACHE", str(studio_cache))
+    config = parse_config(["--model", TEST_MODEL, "--context", "1024"])
+    service = build(config, make_plan(config), out=None)
+
+    class Reader(io.StringIO):  # the terminal: Ctrl+C once the reply has shown some words
+        def write(self, text: str) -> int:
+            if len(self.getvalue()) > 20 and not interrupted:
+                interrupted.append(True)
+                raise KeyboardInterrupt
+            return super().write(text)
+
+    interrupted: list[bool] = []
+    try:
+        chat = TerminalChat(service)
+        shown = chat.command("/set")
+        assert "temperature " in shown and "{" not in shown and "'" not in shown, shown
+        chat.command("/set max_new_tokens 400")
+        chat.command("/set repetition_penalty 1")
+        out = Reader()
+        assert run(chat, io.StringIO("Tell me a very long story\n"), out) == 0 and interrupted
+        assert [m["role"] for m in chat.history] == ["user", "assistant"], chat.history
+        kept, shown_text = chat.history[1]["content"], out.getvalue().rstrip("\n")
+        assert len(shown_text) > 20 and kept.startswith(shown_text), (kept, shown_text)  # what was seen, kept
+    finally:
+        service.close()
