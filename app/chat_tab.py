@@ -52,11 +52,12 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     def saved(current: int, request: gr.Request, revision: Revision = Revision.NEW) -> Saved:
         return Saved(user_of(request), None if current == NO_CONVERSATION else current, revision)
 
-    def turn(updates, current: int, clear: bool = True):
+    def turn(updates, current: int, request: gr.Request, clear: bool = True):
         """A reply's outputs, with editing over (its state cleared, Cancel edit hidden), and Continue
-        offered at its end where it was cut at the token limit or stopped."""
+        offered at its end where it was cut at the token limit or stopped; shown while the page shows its
+        conversation."""
         ended: list[str] = []
-        for shown_now in streamed(updates, current, clear, ended):
+        for shown_now in streamed(updates, current, clear, ended, (sidebar.viewing, request.session_hash)):
             yield *shown_now, None, gr.Button(visible=False), gr.Button(visible=False)
         if ended and ended[-1] in CONTINUABLE:
             yield *(gr.skip(),) * 6, gr.Button(visible=True)
@@ -68,7 +69,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         revision = Revision.QUESTION if data[editing] is not None else Revision.NEW
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                system=data[system_prompt], saved=saved(data[current], request, revision))
-        yield from turn(updates, data[current])
+        yield from turn(updates, data[current], request)
 
     @shown_to_user
     def regenerate(data: dict, request: gr.Request):
@@ -77,7 +78,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             raise UserError("send or cancel the edit first")
         updates = service.regenerate(client_of(request), data[chatbot], form.values(data),
                                      system=data[system_prompt], saved=saved(data[current], request))
-        yield from turn(updates, data[current], clear=False)  # a draft in the box stays
+        yield from turn(updates, data[current], request, clear=False)  # a draft in the box stays
 
     @shown_to_user
     def continue_reply(data: dict, request: gr.Request):
@@ -86,7 +87,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             raise UserError("send or cancel the edit first")
         updates = service.continue_reply(client_of(request), data[chatbot], form.values(data),
                                          system=data[system_prompt], saved=saved(data[current], request))
-        yield from turn(updates, data[current], clear=False)
+        yield from turn(updates, data[current], request, clear=False)
 
     @shown_to_user
     def edit_last(history: list, before_edit: list | None) -> tuple:

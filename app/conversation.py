@@ -6,6 +6,7 @@ only turns its updates into Gradio's outputs.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -16,6 +17,32 @@ from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page
+NO_CONVERSATION = -1  # `current` when none is open (the browser keeps no falsy value); ids start at 1
+
+
+class Viewing:
+    """Which conversation each page shows in a tab, and which conversations a reply is streaming into: a
+    reply updates its page only while its conversation is the one shown there (the user may open another
+    meanwhile; the reply goes on and is kept), and the list marks those still streaming."""
+
+    def __init__(self):
+        self._shown: dict[str, int] = {}
+        self.streaming: set[int] = set()
+        self._lock = threading.Lock()
+
+    def show(self, page: str, conversation: int) -> None:
+        with self._lock:
+            self._shown[page] = conversation
+
+    def shows(self, page: str, conversation: int) -> bool:
+        return self._shown.get(page, NO_CONVERSATION) == conversation
+
+    def started(self, page: str, conversation: int) -> None:
+        """A reply's conversation got its id (a new one, just stored): the page shows it unless it moved on."""
+        with self._lock:
+            if self._shown.get(page, NO_CONVERSATION) == NO_CONVERSATION:
+                self._shown[page] = conversation
+            self.streaming.add(conversation)
 
 
 def client_of(request: gr.Request | None) -> str:
@@ -28,37 +55,47 @@ def user_of(request: gr.Request | None) -> str:
     return (request.username if request is not None else None) or "local"
 
 
-def streamed(updates: Iterator[Update], conversation: int, clear: bool = True,
-             ended: list[str] | None = None) -> Iterator[tuple[object, list[dict], str, int]]:
+def streamed(updates: Iterator[Update], conversation: int, clear: bool = True, ended: list[str] | None = None,
+             viewing: tuple[Viewing, str] | None = None) -> Iterator[tuple[object, list[dict], str, int]]:
     """The service's `updates` of a reply (`StudioService.send`) as (the textbox, the conversation with
     the growing answer, status, the id of the conversation it is kept in). The textbox is emptied once,
     with the first update (the message was accepted: a refused one stays in the box), where `clear`, and
     left alone after that: what the user types while the reply streams stays theirs. A reply that continues
     the last one (its conversation ends with the assistant's words) grows that message. `ended` gets the
-    reply's finish reason."""
+    reply's finish reason. `viewing` (the tab's `Viewing`, the page): the page is updated only while it shows
+    the reply's conversation; the reply goes on (and is kept) when the user opens another."""
     history = [{"role": "assistant", "content": ""}]
     notices: list[str] = []
     shown = 0.0  # when the page was last updated
     textbox: object = "" if clear else gr.skip()
-    for update in updates:
-        if update.messages:
-            said = [dict(m) for m in update.messages if m["role"] != "system"]
-            history = said if said and said[-1]["role"] == "assistant" else [*said, *history]
-        if update.stats is not None and ended is not None:
-            ended.append(str(update.stats.finish_reason))
-        if update.saved is not None and update.saved.conversation is not None:
-            conversation = update.saved.conversation
-        if update.notice:
-            notices.append(update.notice)
-            gr.Warning(update.notice)
-        history[-1]["content"] += update.text
-        # Each update sends the whole history: at most one per UPDATE_EVERY_S, so a long
-        # conversation streams as fast as a short one (the last update always goes out).
-        if update.stats is None and update.notice is None and time.monotonic() - shown < UPDATE_EVERY_S:
-            continue
-        shown = time.monotonic()
-        yield textbox, history, " · ".join(notices + [update.status]), conversation
-        textbox = gr.skip()
+    try:
+        for update in updates:
+            if update.messages:
+                said = [dict(m) for m in update.messages if m["role"] != "system"]
+                history = said if said and said[-1]["role"] == "assistant" else [*said, *history]
+            if update.stats is not None and ended is not None:
+                ended.append(str(update.stats.finish_reason))
+            if update.saved is not None and update.saved.conversation is not None:
+                conversation = update.saved.conversation
+                if viewing is not None:
+                    viewing[0].started(viewing[1], conversation)
+            if update.notice:
+                notices.append(update.notice)
+                gr.Warning(update.notice)
+            history[-1]["content"] += update.text
+            # Each update sends the whole history: at most one per UPDATE_EVERY_S, so a long
+            # conversation streams as fast as a short one (the last update always goes out).
+            if update.stats is None and update.notice is None and time.monotonic() - shown < UPDATE_EVERY_S:
+                continue
+            shown = time.monotonic()
+            if viewing is None or viewing[0].shows(viewing[1], conversation):
+                yield textbox, history, " · ".join(notices + [update.status]), conversation
+            else:  # the page shows another conversation now: this one streams on unseen
+                yield textbox, gr.skip(), gr.skip(), gr.skip()
+            textbox = gr.skip()
+    finally:  # ended, stopped, or its page gone: no longer marked as streaming
+        if viewing is not None:
+            viewing[0].streaming.discard(conversation)
 
 
 def wire_stop(stop: gr.Button, service: StudioService, tool: Tool, api_name: str) -> None:

@@ -45,7 +45,7 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
         saved = Saved(user_of(request), None if current == NO_CONVERSATION else current)
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                tool=Tool.IMAGE_CHAT, image=data[image], saved=saved)
-        yield from streamed(updates, current)
+        yield from streamed(updates, current, viewing=(sidebar.viewing, request.session_hash))
 
     def show(picture: str, question: str) -> tuple:
         return picture, question, [], "", NO_CONVERSATION

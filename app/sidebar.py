@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 from PIL import Image
 
-from app.conversation import user_of
+from app.conversation import NO_CONVERSATION, Viewing, user_of
 from app.conversation_files import read_conversations, to_archive
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
@@ -24,7 +24,6 @@ from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 NEW_TITLE = "New conversation"
-NO_CONVERSATION = -1  # `current` when none is open (the browser keeps no falsy value); ids start at 1
 SIDEBAR_CLASS, TOGGLE_CLASS = "studio-sidebar", "studio-sidebar-toggle"  # a phone shows the list behind a button
 TOGGLE_JS = f"() => document.querySelectorAll('.{SIDEBAR_CLASS}').forEach(e => e.classList.toggle('open'))"
 # On a phone, choosing a conversation folds the list away again, so the chat it opened is what shows.
@@ -103,6 +102,7 @@ class Sidebar:
         self.current = gr.BrowserState(NO_CONVERSATION, storage_key=f"ai-studio-{prefix}-conversation",
                                        secret=secret)
         self.relist: dict = {}  # event arguments that refresh the list (`event.then(**sidebar.relist)`), once wired
+        self.viewing = Viewing()
 
     def wire(self, service: StudioService, page: gr.Blocks, view: list, show: Callable[[dict], tuple],
              empty: Callable[[], tuple], status: gr.Markdown) -> None:
@@ -120,11 +120,14 @@ class Sidebar:
                      if c["tool"] == tool]
             label = f"No conversations match “{query.strip()}”" if searching and not found else "Conversations"
             now = time.time()
-            return gr.Radio(choices=[(listed(c, now), c["id"]) for c in found], label=label,
+            marked = self.viewing.streaming
+            return gr.Radio(choices=[(("● " if c["id"] in marked else "") + listed(c, now), c["id"]) for c in found],
+                            label=label,
                             value=current if current != NO_CONVERSATION else None)
 
         def opened(conversation: int, request: gr.Request) -> tuple:
             found = store.open(user_of(request), conversation)
+            self.viewing.show(request.session_hash, conversation)
             return *show(found), conversation, found["title"]
 
         @shown_to_user
@@ -140,7 +143,12 @@ class Sidebar:
                     return opened(conversation, request)
                 except UserError:
                     pass
+            self.viewing.show(request.session_hash, NO_CONVERSATION)
             return *empty(), NO_CONVERSATION, ""
+
+        def new(request: gr.Request) -> tuple:
+            self.viewing.show(request.session_hash, NO_CONVERSATION)
+            return *empty(), NO_CONVERSATION, "", ""
 
         @shown_to_user
         def rename(conversation: int, title: str, request: gr.Request) -> None:
@@ -152,6 +160,7 @@ class Sidebar:
             """Deleted, with Undo offered for `UNDO_S` seconds."""
             needs_one(conversation, "delete")
             title = store.delete(user_of(request), conversation) or NEW_TITLE
+            self.viewing.show(request.session_hash, NO_CONVERSATION)
             return (*empty(), NO_CONVERSATION, "", f"Deleted “{title}”. Undo brings it back for {UNDO_S} s.",
                     conversation, gr.Button(visible=True), gr.Timer(active=True))
 
@@ -190,10 +199,10 @@ class Sidebar:
         self.relist = relist = dict(fn=listing, inputs=[self.search, current], outputs=self.conversations,
                                     api_visibility="private")
         private = dict(api_visibility="private")
-        self.new.click(lambda: (*empty(), NO_CONVERSATION, "", ""), None, [*view, current, title, status],
+        self.new.click(new, None, [*view, current, title, status],
                        **private).then(**relist)
         self.conversations.input(open_conversation, [self.conversations], [*view, current, title], **private) \
-            .then(None, js=FOLD_JS, **private)
+            .then(None, js=FOLD_JS, **private).then(**relist)  # (a reply streaming elsewhere: marked)
         self.search.change(**relist)
         current.change(**relist)  # a new conversation (its id comes with a reply's first update) is listed at once
         for renaming in (self.rename.click, self.title.submit):  # the button, or Enter in the title box

@@ -164,3 +164,26 @@ def test_continue_takes_a_reply_cut_at_the_token_limit_on_in_the_same_message(pa
     page.wait_for_function(f"() => ([...document.querySelectorAll('#chat-history [data-testid=bot]')].pop()"
                            f"?.innerText || '').trim().length >= {len(after)}")
     set_controls(page, max_new_tokens=300)
+
+
+def test_another_conversation_opens_at_once_during_a_reply_which_goes_on_marked_in_the_list(page):
+    _new_chat(page)
+    set_controls(page, **ENDLESS)
+    send(page, "Tell me about rivers")
+    page.locator("#chat-status").get_by_text("generating…").wait_for()
+    listing = page.locator("#chat-conversations")
+    listing.get_by_text("Tell me about rivers").wait_for()
+    page.locator("#chat-sidebar").get_by_role("button", name="New chat").click()  # while the reply streams
+    history = page.locator("#chat-history")
+    history.get_by_text("Tell me about rivers").wait_for(state="detached")
+    page.wait_for_timeout(1500)  # many updates of the reply later: the page still shows the new chat
+    assert history.get_by_text("Tell me about rivers").count() == 0
+    expect(listing.get_by_text("● Tell me about rivers")).to_be_visible()  # marked: still streaming
+    listing.get_by_text("Tell me about rivers").first.click()  # back to it: its reply shows, still growing
+    history.get_by_text("Tell me about rivers").wait_for()
+    grown = _bot_length(page)
+    page.wait_for_function(f"() => ([...document.querySelectorAll('#chat-history [data-testid=bot]')].pop()"
+                           f"?.innerText || '').length > {grown}")
+    page.get_by_role("button", name="Stop").first.click()
+    page.locator("#chat-status").get_by_text("Stopped").wait_for()
+    expect(listing.get_by_text("● Tell me about rivers")).to_have_count(0)  # no longer streaming
