@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -26,9 +26,9 @@ from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
 from pipeline.llm.engine.sampling import NEUTRAL, SamplingParams
 from pipeline.llm.text.structure import Structure
-from pipeline.models import ModelEntry
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of
+from pipeline.service.catalog import Catalog
 from pipeline.service.in_flight import InFlight
 from pipeline.service.merge import merged
 from pipeline.service.messages import last_turn, plain_messages
@@ -36,7 +36,7 @@ from pipeline.service.reply_record import ReplyRecord
 from pipeline.service.requests import ChatTurn, ImageSource, Revision, Saved, Update, stats_line
 from pipeline.service.store import ConversationStore
 from pipeline.service.store_writer import soon
-from pipeline.service.tools import Tool, ToolHost, ToolSpec
+from pipeline.service.tools import Tool, ToolHost
 
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
 SWITCH_ATTEMPTS = 3  # a request naming a model retries this often when others switch the chat model under it
@@ -49,31 +49,6 @@ def _params(sampling: Mapping[str, Any] | None, model_defaults: bool) -> tuple[S
     values = dict(sampling or {})
     unset = frozenset(name for name in NEUTRAL if values.get(name) is None) if model_defaults else frozenset()
     return SamplingParams.from_values(**{**values, **{name: NEUTRAL[name] for name in unset}}), unset
-
-
-class Catalog(Protocol):
-    """The model manager (`studio.model_catalog.ModelCatalog`, made by the composition root): what each
-    tool runs, the models found, switching, downloading and deleting. The Models tab uses only these."""
-
-    budget: int | None  # the tools' memory budget in bytes (None: no limit)
-
-    def current(self, tool: Tool) -> str | None: ...
-
-    def servable(self) -> list[str]: ...
-
-    def models(self) -> list[ModelEntry]: ...
-
-    def refresh(self) -> list[ModelEntry]: ...
-
-    def specs_for(self, tool: Tool, model_id: str) -> list[ToolSpec]: ...
-
-    def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path: ...
-
-    def cancel_first_use(self) -> None: ...
-
-    def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]: ...
-
-    def delete(self, model_id: str) -> str: ...
 
 
 class StudioService:
