@@ -26,7 +26,8 @@ CSS = f"""
   .{TOGGLE_CLASS} {{ display: block !important; flex-grow: 0 !important; }}
   .{SIDEBAR_CLASS}:not(.open) {{ display: none !important; }}
   #heading h2 {{ font-size: 1.1em; margin: 0; }}
-  #tools-status, #chat-model-notice, .studio-banner {{ font-size: 0.8em; }}
+  #chat-model-notice, .studio-banner {{ font-size: 0.8em; }}
+  #tools-status {{ display: none !important; }}  /* the engine details: in the start-up panel on a phone */
 }}
 """
 

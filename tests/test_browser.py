@@ -304,6 +304,9 @@ def test_the_first_screen_at_phone_width_shows_the_tabs_and_folds_the_sidebar(br
         tabs = phone.get_by_role("tab", name="Chat", exact=True).bounding_box()
         assert phone.evaluate("window.scrollY") == 0 and tabs["y"] + tabs["height"] <= 844
         assert not phone.locator("#chat-sidebar").is_visible()
+        assert not phone.locator("#tools-status").is_visible()  # engine details: behind the start-up panel
+        phone.get_by_text("Start-up: what runs where, and why").click()
+        phone.locator("#startup-report").get_by_text("Chat:").first.wait_for()
         phone.get_by_role("button", name="☰ Conversations").first.click()
         phone.locator("#chat-sidebar").get_by_role("button", name="New chat").wait_for()
         phone.get_by_role("tab", name="Models").click()
