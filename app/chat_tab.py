@@ -71,23 +71,20 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                                system=data[system_prompt], saved=saved(data[current], request, revision))
         yield from turn(updates, data[current], request)
 
-    @shown_to_user
-    def regenerate(data: dict, request: gr.Request):
-        """Another reply to the last message (a new draw, unless the seed is fixed); the old one stays as a version."""
-        if data[editing] is not None:
-            raise UserError("send or cancel the edit first")
-        updates = service.regenerate(client_of(request), data[chatbot], form.values(data),
-                                     system=data[system_prompt], saved=saved(data[current], request))
-        yield from turn(updates, data[current], request, clear=False)  # a draft in the box stays
+    def redo(action: Callable) -> Callable:
+        """`action` (the service's regenerate or continue_reply) on the last reply, kept as another version
+        of it; a draft in the box stays."""
+        @shown_to_user
+        def run(data: dict, request: gr.Request):
+            if data[editing] is not None:
+                raise UserError("send or cancel the edit first")
+            updates = action(client_of(request), data[chatbot], form.values(data), system=data[system_prompt],
+                             saved=saved(data[current], request))
+            yield from turn(updates, data[current], request, clear=False)
+        return run
 
-    @shown_to_user
-    def continue_reply(data: dict, request: gr.Request):
-        """The last reply, cut at the token limit or stopped, goes on where it ended (the same message)."""
-        if data[editing] is not None:
-            raise UserError("send or cancel the edit first")
-        updates = service.continue_reply(client_of(request), data[chatbot], form.values(data),
-                                         system=data[system_prompt], saved=saved(data[current], request))
-        yield from turn(updates, data[current], request, clear=False)
+    regenerate = redo(service.regenerate)  # another draw (the same one if the seed is fixed)
+    continue_reply = redo(service.continue_reply)  # cut at the token limit or stopped: goes on in the same message
 
     @shown_to_user
     def edit_last(history: list, before_edit: list | None) -> tuple:

@@ -294,13 +294,22 @@ def test_a_mistake_is_a_toast_that_leaves_the_page_as_it_was(page, running_app):
     page.get_by_role("tab", name="Chat", exact=True).click()
 
 
-def test_the_first_screen_at_phone_width_shows_the_tabs_and_folds_the_sidebar(browser, running_app):
+@contextlib.contextmanager
+def phone_page(browser, url: str):
+    """The app on a phone's screen (390 × 844, touch), its first screen loaded."""
     context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
     try:
         phone = context.new_page()
         phone.set_default_timeout(60_000)
-        phone.goto(running_app.url)
+        phone.goto(url)
         phone.get_by_text("What can I help with?").wait_for()
+        yield phone
+    finally:
+        context.close()
+
+
+def test_the_first_screen_at_phone_width_shows_the_tabs_and_folds_the_sidebar(browser, running_app):
+    with phone_page(browser, running_app.url) as phone:
         tabs = phone.get_by_role("tab", name="Chat", exact=True).bounding_box()
         assert phone.evaluate("window.scrollY") == 0 and tabs["y"] + tabs["height"] <= 844
         assert not phone.locator("#chat-sidebar").is_visible()
@@ -312,8 +321,6 @@ def test_the_first_screen_at_phone_width_shows_the_tabs_and_folds_the_sidebar(br
         phone.get_by_role("tab", name="Models").click()
         phone.locator("#models-table").get_by_text("demo/qwen-v1-tiny").first.wait_for()
         assert phone.evaluate("document.documentElement.scrollWidth") <= 390  # the table scrolls in its box
-    finally:
-        context.close()
 
 
 def _import(page, path) -> None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from test_browser import ENDLESS, _new_chat, browser, page, set_controls, send, sync_api  # noqa: F401 - fixtures
+from test_browser import ENDLESS, _new_chat, browser, page, phone_page, set_controls, send, sync_api  # noqa: F401
 
 pytestmark = pytest.mark.browser
 expect = sync_api.expect
@@ -93,12 +93,7 @@ def test_a_long_list_scrolls_in_its_own_box_and_the_actions_stay_in_view(page, t
 
 
 def test_on_a_phone_choosing_a_conversation_folds_the_list_and_shows_the_chat(browser, running_app):  # noqa: F811
-    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
-    try:
-        phone = context.new_page()
-        phone.set_default_timeout(60_000)
-        phone.goto(running_app.url)
-        phone.get_by_text("What can I help with?").wait_for()
+    with phone_page(browser, running_app.url) as phone:
         send(phone, "A phone question")
         phone.locator("#chat-status").get_by_text("tok/s").wait_for()
         phone.get_by_role("button", name="☰ Conversations").first.click()
@@ -109,11 +104,9 @@ def test_on_a_phone_choosing_a_conversation_folds_the_list_and_shows_the_chat(br
         phone.locator("#chat-conversations").get_by_text("A phone question").first.click()
         expect(phone.locator("#chat-sidebar")).to_be_hidden()
         phone.locator("#chat-history").get_by_text("A phone question").wait_for(state="attached")  # it opened
-        phone.wait_for_timeout(500)  # (the fold and the scroll run in the page after the list's event)
+        phone.wait_for_timeout(500)  # (the fold runs in the page after the list's event)
         top = phone.locator("#chat-history").bounding_box()["y"]
         assert -2 <= top <= 844 / 2, top  # the chat shows at the top of the screen, not 2,500 px down the page
-    finally:
-        context.close()
 
 
 def test_math_renders_and_the_page_follows_dark_mode_with_a_toggle(browser, running_app, tmp_path):  # noqa: F811

@@ -491,7 +491,7 @@ def test_qwen_vl_on_gpu_graphs_gives_transformers_greedy_reply_and_reuses_the_pi
             out = reference.generate(**inputs, max_new_tokens=12, min_new_tokens=12, do_sample=False, eos_token_id=None,
                                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
         key, encoded = chat.encode_image(image)
-        chat._cache[key] = dataclasses.replace(encoded, embeds=(torch.cat(list(features)),))  # their picture
+        chat.pictures.items[key] = dataclasses.replace(encoded, embeds=(torch.cat(list(features)),))  # their picture
         ref = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
         theirs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, ref)]
         params = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.0, logprobs=1)

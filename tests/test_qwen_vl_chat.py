@@ -206,7 +206,7 @@ def test_given_their_picture_embeddings_the_decoder_is_exact(processor, referenc
     chat = load(folder)
     try:
         key, encoded = chat.encode_image(image)
-        chat._cache[key] = dataclasses.replace(encoded, embeds=(torch.cat(list(features)),))  # (the picture cache)
+        chat.pictures.items[key] = dataclasses.replace(encoded, embeds=(torch.cat(list(features)),))  # (the picture cache)
         tokens, theirs = generate(processor, reference, image, TURNS)
         text, ours = reply(chat, image, TURNS)
     finally:

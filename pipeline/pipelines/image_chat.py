@@ -7,7 +7,6 @@ over the same kind of LLM engine.
 
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -25,8 +24,7 @@ from pipeline.llm.text.structure import Structure
 from pipeline.minigpt4.engine import VisionEncoder
 from pipeline.minigpt4.template import MiniGPT4Format
 from pipeline.minigpt4.vision import CLIP_MEAN, CLIP_STD
-
-IMAGE_CACHE = 16  # conversations' image embeddings kept (32 × 4096 floats each for Vicuna-7B)
+from pipeline.pipelines.picture_cache import PictureCache
 
 
 class ImageChatPipeline:
@@ -44,22 +42,23 @@ class ImageChatPipeline:
         self.owns_llm = owns_llm
         self.format = MiniGPT4Format(llm.tokenizer, template, encoder.config.num_query_tokens)
         self.is_demo = is_demo
-        self._cache: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.encoder_runs = 0
+        self.pictures: PictureCache[torch.Tensor] = PictureCache()
         self.description = f"MiniGPT-4 ({template}; vision: {encoder.name}) over {llm.description}"
+
+    @property
+    def encoder_runs(self) -> int:
+        return self.pictures.runs
 
     def close(self) -> None:
         """Free the vision engine, the cached image embeddings and (when it is ours) the LLM."""
-        with self._lock:
-            self.encoder = None
-            self._cache.clear()
+        self.pictures.clear()
+        self.encoder = None
         if self.owns_llm:
             self.llm.close()
 
     def held_bytes(self) -> int:
         """Device memory in the cached image embeddings: it counts in the memory budget."""
-        return sum(t.nbytes for t in list(self._cache.values()))  # no lock: an encode holds it
+        return sum(t.nbytes for t in list(self.pictures.items.values()))  # no lock: an encode holds it
 
     def preprocess(self, image: np.ndarray) -> torch.Tensor:
         """BLIP-2's evaluation transform: bicubic resize to the square input, CLIP mean/std."""
@@ -77,17 +76,7 @@ class ImageChatPipeline:
 
     @torch.inference_mode()
     def _encode(self, key: str, image: np.ndarray) -> torch.Tensor:
-        with self._lock:
-            if key not in self._cache:
-                try:
-                    self._cache[key] = self.encoder.encode(self.preprocess(image))
-                except torch.OutOfMemoryError:
-                    raise UserError("the GPU ran out of memory encoding this image") from None
-                self.encoder_runs += 1
-                while len(self._cache) > IMAGE_CACHE:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key)
-            return self._cache[key]
+        return self.pictures.get(key, lambda: self.encoder.encode(self.preprocess(image)))
 
     def stream(self, image: np.ndarray | None, messages: Sequence[dict], params: SamplingParams,
                cancel: threading.Event | None = None, session: str | None = None,

@@ -9,7 +9,6 @@ prompt ids (`read`) and which tokens mark images and turn ends (`format`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -29,9 +28,9 @@ from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tokenizer import Tokenizer
 from pipeline.llm.weights.quant import kernel_unavailable, quantize_decoder, use_kernels
+from pipeline.pipelines.picture_cache import PictureCache
 from pipeline.smolvlm.prompt import ImagePrompt, expand_images
 
-IMAGE_CACHE = 16  # pictures whose embeddings are kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +104,7 @@ class VLMChatPipeline:
                             f"{llm.engine.hidden_size} wide: the vision weights are for another model")
         self.llm, self.description, self.is_demo = llm, f"{name} over {llm.description}", is_demo
         self.model_id = llm.model_id  # as API requests name image chat
-        self._cache: collections.OrderedDict[str, EncodedImage] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.encoder_runs = 0
+        self.pictures: PictureCache[EncodedImage] = PictureCache()
 
     def read(self, image: np.ndarray) -> EncodedImage:
         raise NotImplementedError
@@ -118,30 +115,23 @@ class VLMChatPipeline:
     def release_vision(self) -> None:
         """Drop the vision side's weights (on close)."""
 
+    @property
+    def encoder_runs(self) -> int:
+        return self.pictures.runs
+
     def close(self) -> None:
-        with self._lock:
-            self.release_vision()
-            self._cache.clear()
+        self.pictures.clear()
+        self.release_vision()
         self.llm.close()
 
     def held_bytes(self) -> int:
-        return sum(t.nbytes for image in list(self._cache.values()) for t in image.embeds)
+        return sum(t.nbytes for image in list(self.pictures.items.values()) for t in image.embeds)
 
     @torch.inference_mode()
     def encode_image(self, image: np.ndarray) -> tuple[str, EncodedImage]:
         """(content key, the picture as the model reads it), encoded once per picture."""
         key = content_key(image)
-        with self._lock:
-            if key not in self._cache:
-                try:
-                    self._cache[key] = self.read(image)
-                except torch.OutOfMemoryError:
-                    raise UserError("the GPU ran out of memory encoding this image") from None
-                self.encoder_runs += 1
-                while len(self._cache) > IMAGE_CACHE:
-                    self._cache.popitem(last=False)
-            self._cache.move_to_end(key)
-            return key, self._cache[key]
+        return key, self.pictures.get(key, lambda: self.read(image))
 
     def stream(self, image: np.ndarray | None, messages: Sequence[dict], params: SamplingParams,
                cancel: threading.Event | None = None, session: str | None = None,
