@@ -92,7 +92,8 @@ class TerminalChat:
         if name == "/set":
             setting, _, value = arg.partition(" ")
             if not setting:
-                shown = " · ".join(f"{name} {getattr(self.params, name)}" for name in SHOWN_SETTINGS)
+                shown = " · ".join(f"{name} {'random' if value is None else value}" for name in SHOWN_SETTINGS
+                                   for value in [getattr(self.params, name)])
                 return f"(sampling: {shown}; /set SETTING VALUE changes one)"
             try:
                 number = json.loads(value.strip())  # as the API's JSON would carry it: 3, 0.7, null

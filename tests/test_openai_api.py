@@ -292,7 +292,7 @@ def test_an_out_of_range_sampling_value_gets_one_message_everywhere(api, studio_
     done = subprocess.run([sys.executable, "launch.py", "chat", "--model", TEST_MODEL, "--context", "1024"], input=typed, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert f"error: {expected}" in done.stderr, done.stderr[-2000:]
-    assert "(top_k = 5)" in done.stdout and "'temperature': 0.7, 'top_p': 0.8, 'top_k': 5" in done.stdout
+    assert "(top_k = 5)" in done.stdout and "temperature 0.7 · top_p 0.8 · top_k 5" in done.stdout
 
 
 def test_stop_strings_end_the_reply_before_them(api):
