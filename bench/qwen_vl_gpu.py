@@ -41,7 +41,6 @@ from pipeline.qwen_vl.preprocess import PreprocessConfig, preprocess  # noqa: E4
 from pipeline.qwen_vl.prompt import rope_positions  # noqa: E402
 from pipeline.qwen_vl.text import load_text_decoder  # noqa: E402
 from pipeline.qwen_vl.weights import load_vision  # noqa: E402
-from pipeline.smolvlm.prompt import ImagePrompt  # noqa: E402
 
 PAD, START, END = 151655, 151652, 151653
 CAP = 1280 * 28 * 28  # the app's cap (`qwen_vl_chat.MAX_IMAGE_TOKENS`)
@@ -129,7 +128,7 @@ def main() -> None:
         m = images.merge_size
         slots = ((len(head) + 1, n),)
         prompt = Prompt(tuple(ids), slots, (ours,), ("picture",),
-                        rope_positions(ImagePrompt(tuple(ids), slots), [(t_, h_ // m, w_ // m)]))
+                        rope_positions(Prompt(tuple(ids), slots), [(t_, h_ // m, w_ // m)]))
         text = Prompt(tuple(head + rng.integers(0, 150000, n + 2).tolist() + tail))
         input_ids = torch.tensor([ids], device="cuda")
         inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=pixels,

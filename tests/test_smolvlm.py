@@ -22,7 +22,8 @@ from pipeline.llm.model import KVCache, Prefill, RotaryTables  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.llm.text.tokenizer import load_tokenizer  # noqa: E402
 from pipeline.smolvlm.preprocess import PreprocessConfig, preprocess  # noqa: E402
-from pipeline.smolvlm.prompt import IMAGE, expand_images, image_ids, image_text  # noqa: E402
+from pipeline.llm.text.prompt import expand_images  # noqa: E402
+from pipeline.smolvlm.prompt import IMAGE, image_ids, image_text  # noqa: E402
 from pipeline.smolvlm.text import load_text_decoder  # noqa: E402
 from pipeline.smolvlm.vision import SmolVLMVision, VisionConfig  # noqa: E402
 from pipeline.smolvlm.weights import config_from_hf, load_vision, read_vision_tensors, to_ours  # noqa: E402

@@ -24,12 +24,11 @@ from pipeline.llm.engine.seam import ChatEvent
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder
-from pipeline.llm.text.prompt import Prompt
+from pipeline.llm.text.prompt import Prompt, expand_images
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tokenizer import Tokenizer
 from pipeline.llm.weights.quant import kernel_unavailable, quantize_decoder, use_kernels
 from pipeline.pipelines.picture_cache import PictureCache
-from pipeline.smolvlm.prompt import ImagePrompt, expand_images
 
 
 
@@ -39,9 +38,9 @@ class EncodedImage:
     slot's embeddings [length, width] in order; `rope` gives a whole prompt's M-RoPE positions from its
     ids and this picture's slots (Qwen2.5-VL), None for plain positions."""
 
-    expansion: ImagePrompt
+    expansion: Prompt
     embeds: tuple[Tensor, ...]
-    rope: Callable[[ImagePrompt], Tensor] | None = None
+    rope: Callable[[Prompt], Tensor] | None = None
 
 
 class VLMFormat:

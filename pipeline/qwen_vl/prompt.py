@@ -13,22 +13,22 @@ import torch
 from torch import Tensor
 
 from pipeline.errors import UserError
+from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.tokenizer import Tokenizer
-from pipeline.smolvlm.prompt import ImagePrompt
 
 IMAGE_PAD = "<|image_pad|>"
 TURN_END = "<|im_end|>"
 
 
-def image_prompt(tokenizer: Tokenizer, tokens: int) -> ImagePrompt:
+def image_prompt(tokenizer: Tokenizer, tokens: int) -> Prompt:
     """The ids one `<|image_pad|>` grows into: `tokens` of them, one slot."""
     pad = tokenizer.special_id(IMAGE_PAD)
     if pad is None:
         raise UserError(f"the tokenizer has no {IMAGE_PAD} token: it is not Qwen2.5-VL's")
-    return ImagePrompt((pad,) * tokens, ((0, tokens),))
+    return Prompt((pad,) * tokens, ((0, tokens),))
 
 
-def rope_positions(prompt: ImagePrompt, grids: list[tuple[int, int, int]]) -> Tensor:
+def rope_positions(prompt: Prompt, grids: list[tuple[int, int, int]]) -> Tensor:
     """M-RoPE positions [3, len] (time, row, column) of `prompt`, its slots holding pictures whose merged
     grids are `grids` (t, h, w), in order."""
     if len(grids) != len(prompt.slots):

@@ -13,11 +13,10 @@ processor's tokenizer gives the expanded text, and user text never turns into ma
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
 from typing import Protocol
 
 from pipeline.errors import UserError
+from pipeline.llm.text.prompt import Prompt
 
 FAKE = "<fake_token_around_image>"
 IMAGE = "<image>"
@@ -48,14 +47,6 @@ def image_text(rows: int, cols: int, seq_len: int) -> str:
     return f"{grid}\n{global_view}"
 
 
-@dataclasses.dataclass(frozen=True)
-class ImagePrompt:
-    """Token ids with `slots` ((start, length) runs of `<image>` ids), one per tile in the tiles' order."""
-
-    ids: tuple[int, ...]
-    slots: tuple[tuple[int, int], ...]
-
-
 def _special(tokenizer: TextTokenizer, token: str) -> int:
     found = tokenizer.special_id(token)
     if found is None:
@@ -63,7 +54,7 @@ def _special(tokenizer: TextTokenizer, token: str) -> int:
     return found
 
 
-def image_ids(tokenizer: TextTokenizer, rows: int, cols: int, seq_len: int) -> ImagePrompt:
+def image_ids(tokenizer: TextTokenizer, rows: int, cols: int, seq_len: int) -> Prompt:
     """`image_text`'s token ids, built marker by marker, and where each tile's slot is."""
     ids: list[int] = []
     slots: list[tuple[int, int]] = []
@@ -83,22 +74,4 @@ def image_ids(tokenizer: TextTokenizer, rows: int, cols: int, seq_len: int) -> I
         ids.extend(tokenizer.encode("\n\n"))  # the last row's newline and the global view's, one text run
     tile(GLOBAL)
     ids.append(fake)
-    return ImagePrompt(tuple(ids), tuple(slots))
-
-
-def expand_images(ids: Sequence[int], image_id: int, images: Sequence[ImagePrompt]) -> ImagePrompt:
-    """A rendered prompt's ids with its i-th `<image>` id replaced by `images[i]`'s ids, the slots moved
-    to their places: the ids the processor gives the same text with those images."""
-    places = [i for i, token in enumerate(ids) if token == image_id]
-    if len(places) != len(images):
-        raise UserError(f"the prompt has {len(places)} image places but {len(images)} images were given")
-    out: list[int] = []
-    slots: list[tuple[int, int]] = []
-    start = 0
-    for place, piece in zip(places, images):
-        out.extend(ids[start:place])
-        slots.extend((len(out) + begin, length) for begin, length in piece.slots)
-        out.extend(piece.ids)
-        start = place + 1
-    out.extend(ids[start:])
-    return ImagePrompt(tuple(out), tuple(slots))
+    return Prompt(tuple(ids), tuple(slots))

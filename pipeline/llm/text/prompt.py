@@ -68,6 +68,25 @@ class Prompt:
         return sig
 
 
+def expand_images(ids: Sequence[int], image_id: int, images: Sequence[Prompt]) -> Prompt:
+    """A rendered prompt's ids with its i-th `image_id` (a VLM's one image token per picture) replaced by
+    `images[i]`'s ids, their slots moved to their places: the ids a VLM's processor gives the same text with
+    those pictures."""
+    places = [i for i, token in enumerate(ids) if token == image_id]
+    if len(places) != len(images):
+        raise UserError(f"the prompt has {len(places)} image places but {len(images)} images were given")
+    out: list[int] = []
+    slots: list[tuple[int, int]] = []
+    start = 0
+    for place, piece in zip(places, images):
+        out.extend(ids[start:place])
+        slots.extend((len(out) + begin, length) for begin, length in piece.slots)
+        out.extend(piece.ids)
+        start = place + 1
+    out.extend(ids[start:])
+    return Prompt(tuple(out), tuple(slots))
+
+
 class PromptFormat(Protocol):
     """How a model wants a conversation written: ChatML, a checkpoint's chat template, MiniGPT-4's
     templates. `render` gives the prompt (an assistant message last is continued, not closed; `tools`
