@@ -8,6 +8,7 @@ says so); a VLM asked for by name fails with the reason.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
 from pipeline.errors import UserError
+from pipeline.llm.weights.config import DecoderConfig
 from pipeline.models import download_failure, hub_reachable
 from pipeline.pipelines.qwen_vl_chat import QwenVLChatPipeline
 from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline
@@ -35,8 +37,23 @@ NAMES = {"smolvlm": SMOLVLM, "smolvlm-500m": "HuggingFaceTB/SmolVLM-500M-Instruc
 SIZES = {SMOLVLM: "0.5 GB", NAMES["smolvlm-500m"]: "1.0 GB", QWEN_VL_3B: "7.5 GB", QWEN_VL_7B: "16.6 GB"}
 GPU_VLMS = (QWEN_VL_7B, QWEN_VL_3B)  # what `auto` takes on a GPU where the cache holds it, best first
 FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]  # weights, configs, tokenizer, processor, chat template
-CONTEXT = {"qwen2_5_vl": 4096}  # a Qwen2.5-VL picture takes up to 1,280 positions; SmolVLM's 17 tiles 1,088
-FAMILIES = {"qwen2_5_vl": "Qwen2.5-VL", "idefics3": "SmolVLM", "smolvlm": "SmolVLM"}  # config.json's model_type
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """A VLM family by its config.json `model_type`: its name, pipeline, decoder config and context (a
+    Qwen2.5-VL picture takes up to 1,280 positions; SmolVLM's 17 tiles 1,088)."""
+
+    family: str
+    pipeline: type[VLMChatPipeline]
+    text_config: Callable[[Path], DecoderConfig]
+    context: int
+
+
+_QWEN_VL = Kind("Qwen2.5-VL", QwenVLChatPipeline, qwen_vl_text_config, 4096)
+_SMOLVLM = Kind("SmolVLM", SmolVLMChatPipeline, smolvlm_text_config, 2048)
+KINDS = {"qwen2_5_vl": _QWEN_VL, "idefics3": _SMOLVLM, "smolvlm": _SMOLVLM}
+FAMILIES = {model_type: kind.family for model_type, kind in KINDS.items()}
 
 
 def vlm_id(config: StudioConfig, device: str = "cpu") -> str | None:
@@ -58,20 +75,16 @@ def load_vlm(folder: Path, model_id: str, device: str, dtype: torch.dtype, max_b
              say: Callable[[str], None] = lambda line: None) -> VLMChatPipeline:
     """The folder's model on our engine, by its config's `model_type` (Qwen2.5-VL or SmolVLM), its decoder's
     weights as `--quant` says (auto: what fits the GPU, as for the chat model)."""
-    kind = read_json(folder / "config.json").get("model_type")
-    if kind == "qwen2_5_vl":
-        pipeline, config = QwenVLChatPipeline, qwen_vl_text_config(folder)
-    elif kind in ("idefics3", "smolvlm"):
-        pipeline, config = SmolVLMChatPipeline, smolvlm_text_config(folder)
-    else:
-        raise UserError(f"{model_id}'s config.json says model_type {kind!r}: image chat runs SmolVLM (idefics3) and "
-                        f"Qwen2.5-VL (qwen2_5_vl) folders")
-    context = CONTEXT.get(kind, 2048)
+    model_type = read_json(folder / "config.json").get("model_type")
+    kind = KINDS.get(model_type)
+    if kind is None:
+        raise UserError(f"{model_id}'s config.json says model_type {model_type!r}: image chat runs SmolVLM (idefics3) "
+                        f"and Qwen2.5-VL (qwen2_5_vl) folders")
     free = torch.cuda.mem_get_info(torch.device(device))[0] if device.startswith("cuda") else None
-    mode, why = choose_quant(quant, config, dtype, torch.device(device), free, context)
+    mode, why = choose_quant(quant, kind.text_config(folder), dtype, torch.device(device), free, kind.context)
     if why != "asked for":
         say(f"image chat: --quant {mode} ({why})")
-    return pipeline.load(folder, model_id, device, dtype, context, max_batch, mode)
+    return kind.pipeline.load(folder, model_id, device, dtype, kind.context, max_batch, mode)
 
 
 def local_folder(model_id: str) -> Path | None:
