@@ -457,7 +457,8 @@ def test_conversations_are_kept_renamed_searched_deleted_and_survive_a_restart(b
         sidebar.get_by_text(questions[0]).click()
         history = page.locator("#chat-history")
         history.get_by_text(questions[0]).wait_for()
-        assert replies[0].strip()[:20] in history.inner_text()  # the reply came back from the store
+        sync_api.expect(history).to_contain_text(replies[0].strip()[:20])  # the reply came back from the store (its
+        # markdown renders a moment after the question: a `$` in it waits for the math renderer)
 
         page.get_by_role("tab", name="Image chat").click()
         page.locator("#image-chat-conversations").get_by_text("What fruit is in the bowl?").click()
