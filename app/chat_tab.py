@@ -7,8 +7,8 @@ from collections.abc import Callable
 import gradio as gr
 
 from app.composer import Composer
-from app.page_style import LATEX
-from app.conversation import client_of, streamed, user_of
+from app.page_style import CHAT_PANE_CLASS, LATEX
+from app.conversation import client_of, continuable, turn, user_of
 from app.conversation_files import to_json, to_markdown
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
@@ -34,14 +34,7 @@ GREETING = "**What can I help with?** Ask anything, or start from one of these:"
 EXAMPLE_PROMPTS = ("Explain what a large language model is to a ten-year-old.",
                    "Write a Python function that tells whether a word is a palindrome.",
                    "Give me three ideas for a rainy weekend.")
-CONTINUABLE = ("length", "cancelled")  # how a reply ended that Continue takes on
 EDITING = "Editing your last message: Enter sends it as a new version (the old one stays); Cancel edit keeps it."
-
-
-def continuable(found: dict) -> bool:
-    """Whether a stored conversation ends with a reply that was stopped or that a crash cut."""
-    shown = [m for m in found["messages"] if m["role"] != "system"]
-    return bool(shown) and shown[-1]["role"] == "assistant" and shown[-1]["state"] in ("cancelled", "interrupted")
 
 
 def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) -> None:
@@ -52,15 +45,10 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     def saved(current: int, request: gr.Request, revision: Revision = Revision.NEW) -> Saved:
         return Saved(user_of(request), None if current == NO_CONVERSATION else current, revision)
 
-    def turn(updates, current: int, request: gr.Request, clear: bool = True):
-        """A reply's outputs, with editing over (its state cleared, Cancel edit hidden), and Continue
-        offered at its end where it was cut at the token limit or stopped; shown while the page shows its
-        conversation."""
-        ended: list[str] = []
-        for shown_now in streamed(updates, current, clear, ended, (sidebar.viewing, request.session_hash)):
-            yield *shown_now, None, gr.Button(visible=False), gr.Button(visible=False)
-        if ended and ended[-1] in CONTINUABLE:
-            yield *(gr.skip(),) * 6, gr.Button(visible=True)
+    def reply(updates, current: int, request: gr.Request, clear: bool = True):
+        """A reply's outputs, with editing over (its state cleared, Cancel edit hidden), then Continue."""
+        yield from turn(updates, current, (sidebar.viewing, request.session_hash), clear,
+                        during=(None, gr.Button(visible=False)))
 
     @shown_to_user
     def respond(data: dict, request: gr.Request):
@@ -69,7 +57,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         revision = Revision.QUESTION if data[editing] is not None else Revision.NEW
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                system=data[system_prompt], saved=saved(data[current], request, revision))
-        yield from turn(updates, data[current], request)
+        yield from reply(updates, data[current], request)
 
     def redo(action: Callable) -> Callable:
         """`action` (the service's regenerate or continue_reply) on the last reply, kept as another version
@@ -80,7 +68,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                 raise UserError("send or cancel the edit first")
             updates = action(client_of(request), data[chatbot], form.values(data), system=data[system_prompt],
                              saved=saved(data[current], request))
-            yield from turn(updates, data[current], request, clear=False)
+            yield from reply(updates, data[current], request, clear=False)
         return run
 
     regenerate = redo(service.regenerate)  # another draw (the same one if the seed is fixed)
@@ -141,7 +129,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         sidebar = Sidebar(Tool.CHAT, "chat", storage_secret)
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history",
-                                 latex_delimiters=LATEX,
+                                 latex_delimiters=LATEX, elem_classes=[CHAT_PANE_CLASS],
                                  placeholder=GREETING, examples=[{"text": p} for p in EXAMPLE_PROMPTS])
             with gr.Row(visible=False, elem_id="chat-versions", equal_height=True) as switcher:
                 older = gr.Button("‹ older", size="sm", min_width=70, elem_id="chat-version-older")

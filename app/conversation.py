@@ -18,6 +18,7 @@ from pipeline.service.tools import Tool
 
 UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page
 NO_CONVERSATION = -1  # `current` when none is open (the browser keeps no falsy value); ids start at 1
+CONTINUABLE = ("length", "cancelled")  # how a reply ended that Continue takes on
 
 
 class Viewing:
@@ -96,6 +97,24 @@ def streamed(updates: Iterator[Update], conversation: int, clear: bool = True, e
     finally:  # ended, stopped, or its page gone: no longer marked as streaming
         if viewing is not None:
             viewing[0].streaming.discard(conversation)
+
+
+def continuable(found: dict) -> bool:
+    """Whether a stored conversation ends with a reply that was stopped or that a crash cut."""
+    said = [m for m in found["messages"] if m["role"] != "system"]
+    return bool(said) and said[-1]["role"] == "assistant" and said[-1]["state"] in ("cancelled", "interrupted")
+
+
+def turn(updates: Iterator[Update], conversation: int, viewing: tuple[Viewing, str], clear: bool = True,
+         during: tuple = ()) -> Iterator[tuple]:
+    """`streamed`'s outputs, then `during` (the tab's own outputs' values while a reply streams), then the
+    tab's Continue button: hidden while the reply streams, offered after one cut at the token limit or
+    stopped, to go on in the same message."""
+    ended: list[str] = []
+    for shown_now in streamed(updates, conversation, clear, ended, viewing):
+        yield *shown_now, *during, gr.Button(visible=False)
+    if ended and ended[-1] in CONTINUABLE:
+        yield *(gr.skip(),) * (4 + len(during)), gr.Button(visible=True)
 
 
 def wire_stop(stop: gr.Button, service: StudioService, tool: Tool, api_name: str) -> None:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import gradio as gr
 
 from app.composer import Composer
-from app.conversation import client_of, streamed, user_of
+from app.conversation import client_of, continuable, turn, user_of
 from app.errors import shown_to_user
-from app.page_style import LATEX
+from app.page_style import CHAT_PANE_CLASS, LATEX
 from app.sampling_form import SamplingForm
 from app.sidebar import NO_CONVERSATION, Sidebar, history_of, image_file
 from pipeline.service.requests import Saved
@@ -37,25 +37,37 @@ class ImageChatTab:
 
 def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list[str],
                          storage_secret: str) -> ImageChatTab:
+    def saved(current: int, request: gr.Request) -> Saved:
+        return Saved(user_of(request), None if current == NO_CONVERSATION else current)
+
     @shown_to_user
     def respond(data: dict, request: gr.Request):
         """Stream an answer about the image, kept in the open conversation (a new one holding the picture
-        if none is open); yields (textbox, history, status, conversation)."""
+        if none is open); yields (textbox, history, status, conversation, Continue)."""
         current = data[sidebar.current]
-        saved = Saved(user_of(request), None if current == NO_CONVERSATION else current)
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
-                               tool=Tool.IMAGE_CHAT, image=data[image], saved=saved)
-        yield from streamed(updates, current, viewing=(sidebar.viewing, request.session_hash))
+                               tool=Tool.IMAGE_CHAT, image=data[image], saved=saved(current, request))
+        yield from turn(updates, current, (sidebar.viewing, request.session_hash))
+
+    @shown_to_user
+    def continue_reply(data: dict, request: gr.Request):
+        """The last answer, cut at the token limit or stopped, goes on in the same message (a draft in the
+        box stays)."""
+        current = data[sidebar.current]
+        updates = service.continue_reply(client_of(request), data[chatbot], form.values(data),
+                                         tool=Tool.IMAGE_CHAT, image=data[image], saved=saved(current, request))
+        yield from turn(updates, current, (sidebar.viewing, request.session_hash), clear=False)
 
     def show(picture: str, question: str) -> tuple:
-        return picture, question, [], "", NO_CONVERSATION
+        return picture, question, [], "", NO_CONVERSATION, gr.Button(visible=False)
 
     def ask(picture: str, question: str, data: dict, request: gr.Request):
-        """`question` about `picture` answered, in a new conversation."""
+        """`question` about `picture` answered, in a new conversation (the one this page shows now)."""
+        sidebar.viewing.show(request.session_hash, NO_CONVERSATION)
         updates = service.send(client_of(request), [], question, form.values(data), tool=Tool.IMAGE_CHAT,
                                image=picture, saved=Saved(user_of(request)))
-        for textbox, history, line, conversation in streamed(updates, NO_CONVERSATION):
-            yield gr.skip(), textbox, history, line, conversation
+        for shown_now in turn(updates, NO_CONVERSATION, (sidebar.viewing, request.session_hash)):
+            yield gr.skip(), *shown_now
 
     with gr.Row():
         sidebar = Sidebar(Tool.IMAGE_CHAT, "image-chat", storage_secret)
@@ -65,29 +77,33 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
             samples = gr.Examples(examples, inputs=image)
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Conversation about the image", height=420, buttons=["copy", "copy_all"],
-                                 latex_delimiters=LATEX,
+                                 latex_delimiters=LATEX, elem_classes=[CHAT_PANE_CLASS],
                                  elem_id="image-chat-history")
             composer = Composer(Tool.IMAGE_CHAT, "image-chat", "Ask about the image, Enter to send")
             message = composer.message
-            restart = gr.Button("Restart conversation", size="sm")
+            with gr.Row():
+                more = gr.Button("Continue", size="sm", visible=False, elem_id="image-chat-continue")
+                restart = gr.Button("Restart conversation", size="sm")
             status = gr.Markdown("", elem_id="image-chat-status")
             form = SamplingForm("image-chat", max_new_tokens=IMAGE_CHAT_MAX_NEW_TOKENS)
 
     current = sidebar.current
-    sidebar.wire(service, page, [chatbot, image],
-                 lambda found: (history_of(found), image_file(found["image_data"]) if found["image_data"] else None),
-                 lambda: ([], None), status)
+    sidebar.wire(service, page, [chatbot, image, more],
+                 lambda found: (history_of(found), image_file(found["image_data"]) if found["image_data"] else None,
+                                gr.Button(visible=continuable(found))),
+                 lambda: ([], None, gr.Button(visible=False)), status)
     inputs = {image, message, chatbot, current, *form.components}
-    outputs = [message, chatbot, status, current]
-    for ended in composer.streams([message.submit, composer.send.click], respond, inputs, outputs):
+    outputs = [message, chatbot, status, current, more]
+    for ended in [*composer.streams([message.submit, composer.send.click], respond, inputs, outputs),
+                  *composer.streams([more.click], continue_reply, inputs, outputs)]:
         ended.then(**sidebar.relist)
     composer.wire_stop(service, "image_chat_stop")
     # A new picture, or Restart, starts a new conversation (the old one stays in the sidebar). Only the
     # user's own changes count: opening a stored conversation sets the picture too.
-    fresh = dict(fn=lambda: ([], "", NO_CONVERSATION), inputs=None, outputs=[chatbot, status, current],
-                 api_visibility="private")
+    fresh = dict(fn=lambda: ([], "", NO_CONVERSATION, gr.Button(visible=False)), inputs=None,
+                 outputs=[chatbot, status, current, more], api_visibility="private")
     for event in (restart.click(**fresh), image.upload(**fresh), image.clear(**fresh),
                   samples.load_input_event.then(**fresh)):
         event.then(**sidebar.relist)
 
-    return ImageChatTab(composer, show, ask, set(form.components), [image, message, chatbot, status, current], sidebar.relist)
+    return ImageChatTab(composer, show, ask, set(form.components), [image, *outputs], sidebar.relist)

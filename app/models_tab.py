@@ -19,6 +19,7 @@ from pipeline.service.tools import Tool, size_text
 COLUMNS = ["Model", "Kind", "Family", "Parameters", "GGUF type", "On disk", "Runs as", "GPU memory", "Fits", "Where",
            "In use by"]
 GPU_COLUMNS = ("GPU memory", "Fits")  # shown only where there is a GPU budget to fit
+NOTHING_TO_CANCEL = "No download is running: there is nothing to cancel."
 
 
 def count_text(n: int | None) -> str:
@@ -42,6 +43,8 @@ def model_table(entries: list[ModelEntry], budget: int | None, using: dict[Tool,
         keep = [i for i, column in enumerate(COLUMNS) if column not in GPU_COLUMNS]
         return [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in rows]
     return COLUMNS, rows
+
+
 SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat model"), (Tool.SEGMENT, "Segment (SAM)"))
 
 
@@ -83,12 +86,14 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
             downloads.pop(request.session_hash, None)
         yield f"Downloaded {repo_id.strip()}: it is listed above, ready to switch to."
 
-    def cancel_download(request: gr.Request) -> None:
-        """This session's download from the box; with none, the first-use download of a tool's load."""
+    def cancel_download(request: gr.Request) -> str | object:
+        """This session's download from the box; with none, the first-use download of a tool's load; with
+        neither, a line saying there is nothing to cancel (the download's own lines say how it ended)."""
         if request.session_hash in downloads:
             downloads[request.session_hash].set()
-        else:
-            catalog.cancel_first_use()
+        elif not catalog.cancel_first_use():
+            return NOTHING_TO_CANCEL
+        return gr.skip()
 
     @shown_to_user
     def ask_delete(model_id: str | None) -> tuple:
@@ -133,7 +138,7 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
         button.click(switcher(tool), picker, status, api_visibility="private",
                      concurrency_limit=None).then(**relist).then(**header)
     fetch.click(download, repo, status, api_visibility="private", concurrency_limit=None).then(**relist)
-    cancel.click(cancel_download, None, None, api_visibility="private")
+    cancel.click(cancel_download, None, status, api_visibility="private")
     ask.click(ask_delete, doomed, [status, confirm], api_visibility="private")
     confirm.click(delete, doomed, [status, confirm], api_visibility="private").then(**relist)
     doomed.input(lambda: gr.Button(visible=False), None, confirm, api_visibility="private")

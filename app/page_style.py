@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import gradio as gr
+
 from app.composer import BUSY_HINT, COMPOSERS, STOP_CLASS
 from app.sidebar import SIDEBAR_CLASS, TOGGLE_CLASS
 
@@ -16,11 +18,20 @@ LATEX = [{"left": "$$", "right": "$$", "display": True}, {"left": "\\[", "right"
 # The page follows the system's light or dark mode (Gradio's default); this button flips it for the visit.
 DARK_TOGGLE_JS = "() => document.body.classList.toggle('dark')"
 
+# What a screen reader hears as an event ends: Gradio's frontend says "common.complete", a key missing from
+# its own English strings; ours fills it (in every language: the others fall back to English).
+SPOKEN = gr.I18n(en={"common.complete": "Done"})
+
 LIST_HEIGHT = "40vh"  # a long conversation list scrolls in its own box; the actions under it stay in view
+# A chat pane's messages scroll below its label and icons (trash, copy all), never under them: Gradio lays
+# those over the top of the scrolling area, where the question it scrolls to the top would sit.
+CHAT_PANE_CLASS = "studio-chat-pane"
+PANE_BAR = "30px"
 
 CSS = f"""
 .{TOGGLE_CLASS} {{ display: none !important; }}
 .{SIDEBAR_CLASS} .studio-conversation-list {{ max-height: {LIST_HEIGHT}; overflow-y: auto; flex-wrap: nowrap; }}
+.{CHAT_PANE_CLASS} .bubble-wrap {{ margin-top: {PANE_BAR}; height: calc(100% - {PANE_BAR}) !important; }}
 #models-table {{ max-width: 100%; overflow-x: auto; }}
 @media (max-width: {PHONE_PX}px) {{
   .{TOGGLE_CLASS} {{ display: block !important; flex-grow: 0 !important; }}

@@ -137,7 +137,7 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
                 undo = gr.Button("Undo")
                 clear = gr.Button("Clear prompts")
                 everything = gr.Button("Segment everything")
-            gallery = gr.Gallery(label="Candidates", columns=3, height=220, allow_preview=False,
+            gallery = gr.Gallery(label="Candidates", columns=3, height=220, allow_preview=False, buttons=[],
                                  elem_id="segment-candidates")
             download = gr.Button("Download chosen mask (PNG)", interactive=False)
             with gr.Row():

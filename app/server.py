@@ -13,7 +13,7 @@ import webbrowser
 
 from app.downloads import keep_files_for
 from app.openai_api import mount
-from app.page_style import CSS, HEAD
+from app.page_style import CSS, HEAD, SPOKEN
 from app.sessions import forget_idle_sessions
 from app.ui import build_app
 from pipeline.service.studio import StudioService
@@ -35,7 +35,7 @@ def start_server(config: StudioConfig, service: StudioService):
     app = build_app(service, config.keep_files).queue(default_concurrency_limit=1)
     server, local_url, share_url = app.launch(server_name=config.host, server_port=config.port, share=config.share,
                                               auth=auth, show_error=True, prevent_thread_lock=True, quiet=True,
-                                              css=CSS, head=HEAD,
+                                              css=CSS, head=HEAD, i18n=SPOKEN,
                                               max_file_size=config.max_upload,
                                               state_session_capacity=config.max_sessions)
     mount(server, service, api_key, config.allow_file_urls)

@@ -10,7 +10,6 @@ imports `launch`. Process-wide settings are made in one place, `configure_proces
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -38,7 +37,8 @@ from pipeline.service.tools import GIB, Tool, ToolHost, ToolSpec
 from studio.backends import load_draft, load_language_model, sam_engine, vision_encoder
 from studio.check import budget_of, check_report, engine_cache
 from studio.config import StudioConfig, parse_config
-from studio.hub_progress import CANCEL_HINT, READ_BYTES, DownloadCancelled, cancelled, progress_class
+from studio.hub_progress import (CANCEL_HINT, READ_BYTES, DownloadCancelled, FirstUseDownload, cancelled,
+                                 progress_class)
 from studio.model_catalog import ModelCatalog
 from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, headlines, image_chat_parts, make_plan
@@ -70,12 +70,11 @@ def engine_options(config: StudioConfig, out: Callable[[str], None] | None = pri
 
 
 def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: ToolHost,
-               cancel: threading.Event | None = None) -> list[ToolSpec]:
+               first_use: FirstUseDownload | None = None) -> list[ToolSpec]:
     """How each tool loads (warm-up included: first kernels and graph captures happen in the load,
-    not on a user's first request). `cancel` set stops the first-use download of Segment's SAM or Image
-    chat's VLM (`ModelCatalog.cancel_first_use`); each load clears it first, as the host loads one tool
-    at a time."""
-    cancel = cancel or threading.Event()
+    not on a user's first request). `first_use`: where the first-use download of Segment's SAM or Image
+    chat's VLM runs, for `ModelCatalog.cancel_first_use` to stop."""
+    first_use = first_use or FirstUseDownload()
     dtype = getattr(torch, plan.dtype)
 
     def cancellable(line: str) -> None:
@@ -119,11 +118,11 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
         with engines.report.listening(say):
             name = plan.sam
             try:
-                cancel.clear()
                 say = cancellable if name in SAM_HUB else engines.report.say  # the others come by URL: no Cancel
                 if locate_sam(name, cache_dir())[1] == "download":
                     say(f"segment: downloading {name} ({SAM_SIZES.get(name, 'its checkpoint')})")
-                sam_path = resolve_sam(name, cache_dir(), progress_class(say, cancel))
+                with first_use.running() as cancel:
+                    sam_path = resolve_sam(name, cache_dir(), progress_class(say, cancel))
             except DownloadCancelled:
                 raise cancelled(name, "use Segment again") from None
             except UserError as e:
@@ -144,8 +143,8 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
         with engines.report.listening(say):
             if vlm is not None:
                 try:
-                    cancel.clear()
-                    folder = fetch(vlm, cancellable, cancel)
+                    with first_use.running() as cancel:
+                        folder = fetch(vlm, cancellable, cancel)
                     # no warm-up encode: nothing is captured, and a picture costs seconds of its vision side on a CPU
                     image_chat = load_vlm(folder, vlm, plan.device, dtype, config.max_batch, config.quant,
                                           engines.report.say)

@@ -9,10 +9,11 @@ cache, and the file in progress is dropped (huggingface_hub 1.x+ downloads each 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -34,6 +35,32 @@ def cancelled(name: str, again: str) -> UserError:
     """What the user is told after cancelling the download of `name`; `again`: what starts it again."""
     return UserError(f"the download of {name} was cancelled: {again} to fetch what is still missing (the files "
                      f"already complete are kept)")
+
+
+class FirstUseDownload:
+    """The first-use download a tool's load may be making (the host loads one tool at a time): its Cancel
+    flag, and whether one is running, so that Cancel with none says so instead of nothing."""
+
+    def __init__(self):
+        self.cancel = threading.Event()
+        self._running = 0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[threading.Event]:
+        """Around a load's look for its files (a download if they are missing): the flag its progress reads."""
+        self.cancel.clear()
+        self._running += 1
+        try:
+            yield self.cancel
+        finally:
+            self._running -= 1
+
+    def stop(self) -> bool:
+        """Cancel the download running now; False where none is."""
+        if not self._running:
+            return False
+        self.cancel.set()
+        return True
 
 
 def interruptible(download: Callable[[], T], cancel: threading.Event) -> T:

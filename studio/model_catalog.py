@@ -24,6 +24,7 @@ from pipeline.minigpt4.weights import projection_width
 from pipeline.models import ModelEntry, cache_dir
 from pipeline.service.tools import Tool, ToolHost, ToolSpec
 from studio.config import StudioConfig
+from studio.hub_progress import FirstUseDownload
 from studio.model_files import ModelFiles
 from studio.model_finder import ModelFinder
 from studio.plan import Plan, image_chat_parts
@@ -40,7 +41,7 @@ class ModelCatalog:
         self.config, self.plan, self.host, self.finder, self._respec = config, plan, host, finder, respec
         self._started = config  # MiniGPT-4's checkpoint and vision folder, whatever image chat ran since
         self.files = ModelFiles(finder, self.current, say)
-        self.first_use = threading.Event()
+        self.first_use = FirstUseDownload()
         self._chosen: dict[Tool, str] = {}  # tool → the entry id it was switched to
         self._lock = threading.Lock()
 
@@ -79,9 +80,10 @@ class ModelCatalog:
     def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path:
         return self.files.download(repo_id, say, cancel)
 
-    def cancel_first_use(self) -> None:
-        """Stop the first-use download a tool's load is making, if any: that load fails, saying so."""
-        self.first_use.set()
+    def cancel_first_use(self) -> bool:
+        """Stop the first-use download a tool's load is making (that load fails, saying so); False where
+        none is running."""
+        return self.first_use.stop()
 
     def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]:
         return self.files.delete_plan(model_id)

@@ -114,6 +114,9 @@ def test_segment_tab_clicks_undo_and_box(page):
     page.locator("#segment-candidates img").nth(2).wait_for()  # three candidates
     captions = re.findall(r"quality (-?[0-9.]+)", page.locator("#segment-candidates").inner_text())
     assert len(captions) >= 3 and all(0 <= float(q) <= 1 for q in captions), captions  # SAM's raw IoU, clamped
+    buttons = page.locator("#segment-candidates button").evaluate_all(
+        "bs => bs.map(b => b.getAttribute('aria-label') || b.title || b.innerText)")
+    assert all(b.startswith("Thumbnail") for b in buttons), buttons  # no zip of thumbnails beside the real mask
     page.get_by_label("Background (−)").check()
     image.click(position={"x": box["width"] * 0.7, "y": box["height"] * 0.6})
     status.get_by_text("2 points").wait_for()
@@ -187,13 +190,13 @@ def test_regenerate_keeps_every_reply_as_a_version_and_the_meter_shows_the_conte
     _new_chat(page)
     send(page, "Tell me something")
     status = page.locator("#chat-status")
-    status.get_by_text("ended:").wait_for()
+    status.get_by_text("tok/s").wait_for()
     assert "context: " in status.inner_text() and " of 4096 tokens" in status.inner_text()
     first = _chat_texts(page)
     assert len(first) == 2 and not page.locator("#chat-versions").is_visible()  # one version: no switcher
     page.get_by_role("button", name="Regenerate").click()
     _version(page, "Reply 2 / 2")
-    status.get_by_text("ended:").wait_for()
+    status.get_by_text("tok/s").wait_for()
     again = _chat_texts(page)
     assert len(again) == 2 and again[0] == first[0]
     page.get_by_role("button", name="‹ older").click()
@@ -213,7 +216,7 @@ def test_regenerate_keeps_every_reply_as_a_version_and_the_meter_shows_the_conte
 def test_edit_can_be_cancelled_and_keeps_the_old_question_as_a_version(page):
     _new_chat(page)
     send(page, "Wrong **question**")
-    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    page.locator("#chat-status").get_by_text("tok/s").wait_for()
     before = _chat_texts(page)
     sidebar = page.locator("#chat-conversations")
     sidebar.get_by_text("Wrong question · just now").wait_for()  # a plain-text title, and when
@@ -229,7 +232,7 @@ def test_edit_can_be_cancelled_and_keeps_the_old_question_as_a_version(page):
     box.fill("Right question")
     box.press("Enter")
     _version(page, "Your message 2 / 2")
-    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    page.locator("#chat-status").get_by_text("tok/s").wait_for()
     texts = _chat_texts(page)
     assert texts[0] == "Right question" and len(texts) == 2
     sidebar.get_by_text("Right question").wait_for()  # the title follows the edited first message
@@ -241,7 +244,7 @@ def test_edit_can_be_cancelled_and_keeps_the_old_question_as_a_version(page):
 def test_delete_offers_undo(page):
     _new_chat(page)
     send(page, "Keep me please")
-    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    page.locator("#chat-status").get_by_text("tok/s").wait_for()
     sidebar = page.locator("#chat-conversations")
     sidebar.get_by_text("Keep me please").wait_for()
     page.get_by_role("button", name="Delete", exact=True).click()
@@ -335,7 +338,7 @@ def test_export_and_import_round_trip_with_highlighted_code(page, tmp_path):
     page.get_by_role("option", name="Coding helper").click()
     page.wait_for_function("() => document.querySelector('#chat-system textarea').value.includes('expert programmer')")
     send(page, "Show code")
-    page.locator("#chat-status").get_by_text("ended:").wait_for()
+    page.locator("#chat-status").get_by_text("tok/s").wait_for()
     before = _chat_texts(page)
     with page.expect_download() as download:
         page.get_by_role("button", name="Export JSON").click()
@@ -698,5 +701,5 @@ def test_the_default_model_answers_in_the_chat_tab(browser, tmp_path, studio_cac
         box.fill("0")
         box.press("Enter")
         send(page, "What is the capital of France?")
-        page.locator("#chat-status").get_by_text("ended:").wait_for()
+        page.locator("#chat-status").get_by_text("tok/s").wait_for()
         assert "Paris" in page.locator("#chat-history [data-testid=bot]").last.inner_text()

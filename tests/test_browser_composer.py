@@ -141,7 +141,7 @@ def test_continue_takes_a_reply_cut_at_the_token_limit_on_in_the_same_message(pa
     _new_chat(page)
     set_controls(page, max_new_tokens=8, temperature=0, repetition_penalty=1)
     send(page, "A very long story please")
-    page.locator("#chat-status").get_by_text("ended: length").wait_for()
+    page.locator("#chat-status").get_by_text("cut at the token limit").wait_for()
     more = page.locator("#chat-continue")
     expect(more).to_be_visible()
     bots = page.locator("#chat-history [data-testid=bot]")
@@ -149,7 +149,7 @@ def test_continue_takes_a_reply_cut_at_the_token_limit_on_in_the_same_message(pa
     more.click()
     page.wait_for_function(f"() => ([...document.querySelectorAll('#chat-history [data-testid=bot]')].pop()"
                            f"?.innerText || '').trim().length > {len(before)}")
-    page.locator("#chat-status").get_by_text("ended: length").wait_for()
+    page.locator("#chat-status").get_by_text("cut at the token limit").wait_for()
     after = bots.last.inner_text().strip()
     assert bots.count() == count and after.startswith(before) and len(after) > len(before)  # the same message grew
     page.reload()  # kept whole: the conversation reopens with the continued reply
@@ -180,3 +180,70 @@ def test_another_conversation_opens_at_once_during_a_reply_which_goes_on_marked_
     page.get_by_role("button", name="Stop").first.click()
     page.locator("#chat-status").get_by_text("Stopped").wait_for()
     expect(listing.get_by_text("● Tell me about rivers")).to_have_count(0)  # no longer streaming
+
+
+def _image_chat_question(page, question: str) -> None:
+    box = page.get_by_placeholder("Ask about the image, Enter to send")
+    box.fill(question)
+    box.press("Enter")
+    page.locator("#image-chat-status").get_by_text("tok/s").wait_for()
+
+
+def test_image_chat_continues_a_cut_answer_and_keeps_questions_below_the_panes_icons(browser, running_app):  # noqa: F811
+    with browser.new_context(viewport={"width": 1440, "height": 900}) as context:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(running_app.url)
+        page.get_by_role("tab", name="Image chat").click()
+        for name, value in (("max-new-tokens", 6), ("temperature", 0)):
+            page.locator(f"#image-chat-{name} input[type=number]").fill(str(value))
+            page.locator(f"#image-chat-{name} input[type=number]").press("Enter")
+        page.locator("#image-chat-image input[type=file]").set_input_files("assets/examples/fruit_bowl.jpg")
+        _image_chat_question(page, "What fruit is in the bowl?")
+        page.locator("#image-chat-status").get_by_text("cut at the token limit").wait_for()
+        bots = page.locator("#image-chat-history [data-testid=bot]")
+        before = bots.last.inner_text().strip()
+        page.locator("#image-chat-continue").click()  # offered: the answer was cut
+        page.wait_for_function("() => ([...document.querySelectorAll('#image-chat-history [data-testid=bot]')]"
+                               f".pop()?.innerText || '').trim().length > {len(before)}")
+        page.locator("#image-chat-status").get_by_text("tok/s").wait_for()
+        after = bots.last.inner_text().strip()
+        assert bots.count() == 1 and after.startswith(before), (before, after)  # the same message went on
+
+        for question in ("And what is under it? Tell me about the colours, the shapes and the light, at length.",
+                         "And the table?"):
+            _image_chat_question(page, question)
+        page.wait_for_timeout(500)  # the pane scrolls the last question up
+        pane = page.evaluate("""() => {
+          const pane = document.querySelector('#image-chat-history');
+          const box = (el) => el.getBoundingClientRect();
+          return {icons: box(pane.querySelector('.top-panel')).bottom, label: box(pane.querySelector('label')).bottom,
+                  scroller: box(pane.querySelector('.bubble-wrap')).top,
+                  question: box([...pane.querySelectorAll('[data-testid=user]')].pop()).top};
+        }""")
+        # what scrolls starts below the label and its icons (trash, copy all): no question slides under them
+        assert pane["scroller"] >= max(pane["icons"], pane["label"]) and pane["question"] >= pane["icons"], pane
+
+
+def test_a_screen_reader_hears_done_not_gradios_untranslated_key(browser, running_app):  # noqa: F811
+    with browser.new_context() as context:
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.add_init_script("""window.said = [];
+          new MutationObserver(() => {
+            for (const region of document.querySelectorAll('.sr-only[aria-live]'))
+              if (region.textContent.trim()) window.said.push(region.textContent.trim());
+          }).observe(document, {subtree: true, childList: true, characterData: true});""")
+        page.goto(running_app.url)
+        send(page, "Hello, screen reader")
+        page.locator("#chat-status").get_by_text("tok/s").wait_for()
+        page.wait_for_function("() => window.said.includes('Done')")  # (Gradio says it at most every 5 s)
+        said = page.evaluate("() => window.said")
+        assert not [s for s in said if s.startswith("common.")], said
+
+
+def test_cancel_download_with_nothing_running_says_so(page):
+    page.get_by_role("tab", name="Models").click()
+    page.get_by_role("button", name="Cancel download").click()
+    page.locator("#models-status").get_by_text("No download is running: there is nothing to cancel.").wait_for()
+    page.get_by_role("tab", name="Chat", exact=True).click()

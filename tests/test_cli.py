@@ -16,7 +16,7 @@ from studio.config import parse_config
 from studio.plan import make_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPT_TOKENS = r"prompt (\d+) tokens(?: \(\d+ found in the cache\))? · ended"
+PROMPT_TOKENS = r"prompt (\d+) tokens · "
 
 
 def test_terminal_chat_two_turns_system_image_reset_and_exit(studio_cache):
@@ -47,7 +47,7 @@ def test_terminal_chat_explains_a_bad_image_and_carries_on(studio_cache):
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "error: " in done.stderr and "/image needs a path" in done.stderr
     assert "unknown command /frobnicate" in done.stdout
-    assert "ended:" in done.stderr  # the chat still answered
+    assert "tok/s" in done.stderr  # the chat still answered
     lines = [line for line in done.stderr.splitlines() if line.startswith("[studio]")]
     assert len(lines) == len(set(lines)), lines  # each start-up line once
     assert not [line for line in lines if "segment" in line or "image chat" in line], lines  # only what it uses

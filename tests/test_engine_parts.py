@@ -192,5 +192,8 @@ def test_the_statistics_line_speaks_to_people_and_the_engines_terms_wait_for_ver
                             decode_s=1.0, finish_reason="stop", drafted_tokens=4, accepted_tokens=3)
     plain = stats.summary(4096)
     assert "cache" not in plain and "draft" not in plain and "context: 91 of 4096 tokens" in plain, plain
+    assert " · complete · " in plain and "ended" not in plain, plain  # why it ended, in words
     full = stats.summary(4096, engine=True)
-    assert "(64 found in the cache)" in full and "drafts: 3 of 4 kept" in full, full
+    assert "(64 found in the cache)" in full and "drafts: 3 of 4 kept" in full and "ended: stop" in full, full
+    for reason, words in (("length", "cut at the token limit"), ("cancelled", "stopped"), ("tool_calls", "ended: tool_calls")):
+        assert words in GenerationStats(new_tokens=3, finish_reason=reason).summary(), reason

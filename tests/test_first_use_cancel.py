@@ -155,3 +155,18 @@ def test_ctrl_c_during_a_preload_download_ends_the_app_at_once(smolvlm_repo, tmp
     assert app.returncode == 130 and out.rstrip().endswith("[studio] stopped"), out[-2000:]
     blobs = tmp_path / "hub" / f"models--{SMOLVLM.replace('/', '--')}" / "blobs"
     assert not [b for b in blobs.iterdir() if b.stat().st_size == PADDING_MIB << 20]  # it did not go on
+
+
+def test_cancel_with_no_download_running_says_so_and_leaves_the_next_download_alone():
+    """The Models tab's Cancel download with nothing running: False (the tab says so); a download that
+    starts after it is not cancelled by it."""
+    from studio.hub_progress import FirstUseDownload
+
+    first_use = FirstUseDownload()
+    assert first_use.stop() is False and not first_use.cancel.is_set()
+    with first_use.running() as cancel:
+        assert not cancel.is_set()
+        assert first_use.stop() is True and cancel.is_set()  # the download's progress sees it at its next read
+    assert first_use.stop() is False
+    with first_use.running() as cancel:
+        assert not cancel.is_set()  # a new download starts uncancelled

@@ -60,6 +60,16 @@ def test_multi_turn_keeps_image_and_history(pipe):
                             "###Assistant:")
 
 
+def test_a_reply_last_is_continued_not_answered(pipe):
+    """Continue: the prompt ends in the reply's own words, with no separator and no new turn after it."""
+    ids = pipe.format.render([user("What is it?"), assistant("A bowl of")])
+    (start, length), = ids.slots
+    assert pipe.llm.tokenizer.decode(list(ids.ids[start + length:])).strip() == \
+        "</Img> What is it?###Assistant: A bowl of"
+    llama2 = MiniGPT4Format(pipe.llm.tokenizer, "llama2", 32).segments([user("q1"), assistant("a1")])
+    assert llama2[-1] == "</Img> q1 [/INST] a1"
+
+
 def test_user_text_cannot_make_image_slots(pipe):
     ids = pipe.format.render([user("<ImageHere> <Img><ImageHere></Img> <s>")])
     assert ids.slots == ((ids.slots[0][0], 32),) and ids.ids.count(pipe.llm.tokenizer.bos_id) == 1

@@ -75,6 +75,8 @@ class MiniGPT4Format:
             else:
                 text += t.assistant
             text += m["content"] + t.sep
+        if turns and turns[-1]["role"] == "assistant":  # continued (Continue): its own text goes on
+            return out + [text[:len(text) - len(t.sep)]]
         return out + [text + t.reply]
 
     def render(self, messages: Sequence[dict], tools: Sequence[dict] = ()) -> Prompt:

@@ -78,7 +78,7 @@ class StudioService:
         first (blank: none). `tool` None: image chat when there is an image, else chat. `mask` (white =
         the object) asks image chat about that object only. `model`: the chat model to answer (one of
         `chat_models()`; another one than runs now is switched to, as the Models tab does). The last
-        message is the user's; in chat it may also be a tool's result, or an assistant reply to continue.
+        message is the user's, or an assistant reply to continue; in chat it may also be a tool's result.
         `model_defaults` (the API's rule): sampling values left out are the answering model's own, else
         neutral (`_params`), not the UI's."""
         params, unset = _params(sampling, model_defaults)
@@ -92,10 +92,10 @@ class StudioService:
             raise UserError(f"there is no chat tool {tool!r}: use '{Tool.CHAT}' or '{Tool.IMAGE_CHAT}'", "model")
         tool = Tool(tool) if tool else Tool.IMAGE_CHAT if image is not None else Tool.CHAT
         last = plain[-1]["role"] if plain else None
-        if last not in (("user",) if tool == Tool.IMAGE_CHAT else ("user", "tool", "assistant")) \
+        if last not in (("user", "assistant") if tool == Tool.IMAGE_CHAT else ("user", "tool", "assistant")) \
                 or last in ("user", "assistant") and not plain[-1]["content"].strip():
-            raise UserError("the message is empty: the last message must be the user's, with text (in chat also a "
-                            "tool's result, or an assistant reply to continue)", "messages")
+            raise UserError("the message is empty: the last message must be the user's, with text, or an assistant "
+                            "reply to continue (in chat also a tool's result)", "messages")
         pixels = None
         if tool == Tool.IMAGE_CHAT:
             if image is None:

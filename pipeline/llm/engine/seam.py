@@ -38,6 +38,12 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"
 
 
+# How the status line tells people why a reply ended (`--verbose` shows the engine's word instead).
+ENDED_IN_WORDS = {FinishReason.STOP: "complete", FinishReason.LENGTH: "cut at the token limit",
+                  FinishReason.CONTEXT: "cut: the context is full", FinishReason.CANCELLED: "stopped",
+                  FinishReason.ERROR: "failed"}
+
+
 @dataclasses.dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -60,14 +66,20 @@ class GenerationStats:
     def summary(self, context: int = 0, engine: bool = False) -> str:
         """A reply's speed and size, and how full the context is (`context` 0: unknown, a remote model):
         the one statistics line of the UI and the terminal chat. `engine` (`--verbose`): with the engine's
-        own terms too, the prompt tokens found in its cache and the speculative drafts kept."""
+        own terms too, the prompt tokens found in its cache, the speculative drafts kept and the finish
+        reason's own word."""
         cached = f" ({self.cached_tokens} found in the cache)" if self.cached_tokens and engine else ""
         meter = f" · context: {self.prompt_tokens + self.new_tokens} of {context} tokens" if context else ""
         drafts = (f" · drafts: {self.accepted_tokens} of {self.drafted_tokens} kept "
                   f"({self.accepted_tokens / self.drafted_tokens:.0%})" if self.drafted_tokens and engine else "")
         return (f"{self.new_tokens} tokens · {self.tokens_per_s:.1f} tok/s{drafts} · first token "
                 f"{self.time_to_first_token_s * 1000:.0f} ms · prompt {self.prompt_tokens} tokens{cached} · "
-                f"ended: {self.finish_reason}{meter}")
+                f"{self.ending(engine)}{meter}")
+
+    def ending(self, engine: bool = False) -> str:
+        """Why the reply ended, in words (a remote server's own reasons, such as "tool_calls", as it says)."""
+        words = None if engine else ENDED_IN_WORDS.get(self.finish_reason)
+        return words or f"ended: {self.finish_reason}"
 
 
 _END = object()
