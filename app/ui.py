@@ -54,12 +54,14 @@ def heading(device: torch.device) -> str:
 
 
 def tools_line(service: StudioService) -> str:
-    """One line per tool: what it is when loaded, else whether it is waiting for its first use."""
-    return "\n".join(f"- **{name}**: {state}" + (f" · {description}" if description else "")
-                     for name, (state, description) in service.tools().items())
+    """One line per tool: the model it runs when loaded, else whether it is waiting for its first use
+    (how it runs, in the engine's terms, is in the start-up panel, and here too with `--verbose`)."""
+    return "\n".join(f"- **{name}**: {state}" + (f" · {description if service.verbose else title}" if title else "")
+                     for name, (state, title, description) in service.tools().items())
 
 
 def startup_lines(service: StudioService) -> str:
+    """The start-up panel: the start-up report (each tool's load says how it runs, in the engine's terms)."""
     return "\n".join(f"- {line}" for line in service.startup)
 
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from test_browser import ENDLESS, _new_chat, browser, page, phone_page, set_controls, send, sync_api  # noqa: F401
+from test_browser import (ENDLESS, _new_chat, browser, browser_page, page, phone_page, set_controls, send,  # noqa: F401
+                          sync_api)
 
 pytestmark = pytest.mark.browser
 expect = sync_api.expect
@@ -247,3 +248,22 @@ def test_cancel_download_with_nothing_running_says_so(page):
     page.get_by_role("button", name="Cancel download").click()
     page.locator("#models-status").get_by_text("No download is running: there is nothing to cancel.").wait_for()
     page.get_by_role("tab", name="Chat", exact=True).click()
+
+
+def test_the_header_names_each_tools_model_and_the_engine_terms_wait_in_the_start_up_panel(
+        browser, running_app, tmp_path, studio_cache):  # noqa: F811
+    """Words for people at the top (the model, its memory); batch, cache rows and chunks in the start-up
+    panel, and in the header too under `--verbose`."""
+    from conftest import launched
+
+    engine_terms = ("batch up to", "cache rows", "prefill in chunks")
+    with browser_page(browser, running_app.url) as page:
+        tools = page.locator("#tools-status")
+        tools.get_by_text("demo/qwen-v1-tiny").wait_for()
+        assert "of memory" in tools.inner_text() and not [t for t in engine_terms if t in tools.inner_text()]
+        page.get_by_text("Start-up: what runs where, and why").click()
+        report = page.locator("#startup-report")
+        report.get_by_text("cache rows").first.wait_for()  # how the chat model runs, in the engine's terms
+        assert all(t in report.inner_text() for t in engine_terms), report.inner_text()
+    with launched(tmp_path / "verbose.log", studio_cache, "--verbose") as app, browser_page(browser, app.url) as page:
+        page.locator("#tools-status").get_by_text("cache rows").wait_for()

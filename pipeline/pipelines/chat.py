@@ -15,7 +15,7 @@ class ChatPipeline:
         llm.check_chat()  # a model with no chat format is refused at load, not at the first message
         self.llm = llm
         self.is_demo = is_demo
-        self.description = llm.description
+        self.title, self.description = llm.model_id, llm.description
 
     def close(self) -> None:
         """Free the model (the tool is being unloaded)."""

@@ -43,6 +43,7 @@ class ImageChatPipeline:
         self.format = MiniGPT4Format(llm.tokenizer, template, encoder.config.num_query_tokens)
         self.is_demo = is_demo
         self.pictures: PictureCache[torch.Tensor] = PictureCache()
+        self.title = f"MiniGPT-4 over {llm.model_id}"
         self.description = f"MiniGPT-4 ({template}; vision: {encoder.name}) over {llm.description}"
 
     @property

@@ -75,7 +75,7 @@ class SegmentPipeline:
         self.everything_grid = 32 if self.engine.device.type == "cuda" else 12
         c = self.engine.config
         encoder = "MobileSAM (TinyViT)" if c.tiny_vit is not None else f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth}"
-        self.description = f"{encoder} · {self.engine.name} · {self.engine.precision}"
+        self.title, self.description = encoder, f"{encoder} · {self.engine.name} · {self.engine.precision}"
 
     def close(self) -> None:
         """Free the SAM engine and the cached embeddings (the tool is being unloaded); a session that

@@ -102,6 +102,7 @@ class VLMChatPipeline:
             raise UserError(f"the {name} vision side outputs {width} features but the LLM is "
                             f"{llm.engine.hidden_size} wide: the vision weights are for another model")
         self.llm, self.description, self.is_demo = llm, f"{name} over {llm.description}", is_demo
+        self.title = f"{name} over {llm.model_id}"
         self.model_id = llm.model_id  # as API requests name image chat
         self.pictures: PictureCache[EncodedImage] = PictureCache()
 

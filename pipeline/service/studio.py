@@ -360,12 +360,12 @@ class StudioService:
     def notice(self, tool: Tool) -> str:
         return self.host.spec(tool).notice
 
-    def tools(self) -> dict[str, tuple[str, str | None]]:
-        """Per tool: (state, description when loaded)."""
+    def tools(self) -> dict[str, tuple[str, str | None, str | None]]:
+        """Per tool: (state, title and description when loaded)."""
         out = {}
         for name, state in self.host.status().items():
             pipeline = self.host.loaded(name)
-            out[name] = (state, pipeline.description if pipeline is not None else None)
+            out[name] = (state, *((pipeline.title, pipeline.description) if pipeline is not None else (None, None)))
         return out
 
     def status(self) -> dict:

@@ -96,8 +96,10 @@ def default_budget(device: torch.device) -> int | None:
 
 class LoadedTool(Protocol):
     """What the host needs of a tool's pipeline (`ChatPipeline`, `ImageChatPipeline`, `SegmentPipeline`):
-    what to call it, and how to let go of its memory."""
+    what to call it (`title`: the model, for the page's header; `description`: how it runs too, in the
+    engine's terms), and how to let go of its memory."""
 
+    title: str
     description: str
     is_demo: bool
 
@@ -222,13 +224,13 @@ class ToolHost:
                 self.say(f"unloaded {n} ({size_text(slot.size)}) {why}")
 
     def status(self) -> dict[str, str]:
-        """Per tool: "ready (X GiB)", "in use", or "not loaded" (for the UI and /engine_status)."""
+        """Per tool: "ready (X GiB of memory)", "in use", or "not loaded" (for the UI and /engine_status)."""
         out = {}
         for name, slot in self._slots.items():
             if slot.pipeline is None:
                 out[name] = "not loaded" + (" (unloaded; loads again when used)" if slot.loads else "")
             else:
-                out[name] = ("in use" if slot.busy else "ready") + f" ({size_text(slot.size)})"
+                out[name] = ("in use" if slot.busy else "ready") + f" ({size_text(slot.size)} of memory)"
         return out
 
     def close(self) -> None:
