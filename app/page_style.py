@@ -32,6 +32,7 @@ CSS = f"""
 .{TOGGLE_CLASS} {{ display: none !important; }}
 .{SIDEBAR_CLASS} .studio-conversation-list {{ max-height: {LIST_HEIGHT}; overflow-y: auto; flex-wrap: nowrap; }}
 .{CHAT_PANE_CLASS} .bubble-wrap {{ margin-top: {PANE_BAR}; height: calc(100% - {PANE_BAR}) !important; }}
+#theme-toggle {{ align-self: flex-start; }}  /* a button's height, beside a heading that wraps on a phone */
 #models-table {{ max-width: 100%; overflow-x: auto; }}
 @media (max-width: {PHONE_PX}px) {{
   .{TOGGLE_CLASS} {{ display: block !important; flex-grow: 0 !important; }}

@@ -169,6 +169,8 @@ def status_line(s: SegmentSession) -> str:
     empty = " · the chosen mask is empty: nothing to download or ask about" if s.mask is not None and \
         not s.mask.any() else ""
     demo = DEMO_STATUS if s.pipeline.is_demo else ""
-    return (f"{demo}{n} point{'' if n == 1 else 's'}{' + box' if s.prompts.box is not None else ''}{empty} · "
+    half_box = " · box: now click its opposite corner" if s.corner is not None else ""
+    box = " + box" if s.prompts.box is not None else ""
+    return (f"{demo}{n} point{'' if n == 1 else 's'}{box}{half_box}{empty} · "
             f"encoder runs {st.encoder_runs} (last {st.last_encoder_ms:.0f} ms), cached embeddings reused "
             f"{st.cache_hits}× · decoder {st.last_decoder_ms:.1f} ms")

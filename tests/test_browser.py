@@ -125,8 +125,10 @@ def test_segment_tab_clicks_undo_and_box(page):
     status.get_by_text("1 point ").wait_for()
     page.get_by_label("Box (two clicks: opposite corners)").check()
     image.click(position={"x": box["width"] * 0.1, "y": box["height"] * 0.1})
+    status.get_by_text("box: now click its opposite corner").wait_for()  # the first corner, marked and said
     image.click(position={"x": box["width"] * 0.5, "y": box["height"] * 0.6})
     status.get_by_text("1 point + box").wait_for()
+    assert "opposite corner" not in status.inner_text()
     with page.expect_download() as download:  # the full-size mask, made when asked for
         page.get_by_role("button", name="Download chosen mask (PNG)").click()
     mask = Image.open(download.value.path())
