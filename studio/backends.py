@@ -94,8 +94,8 @@ def cache_rows(config, context: int, dtype: torch.dtype, max_batch: int, kv_cach
         kv_cache_bytes = max(row, min(2 * max_batch * row, CPU_KV_CACHE_BYTES))
     rows = min(2 * max_batch, kv_cache_bytes // row)
     if rows < 1:
-        raise UserError(f"not enough memory for the KV cache of one {context}-token conversation "
-                        f"({row / 2**30:.1f} GiB): lower --context")
+        raise UserError(f"not enough memory left to hold one {context}-token conversation (the model's "
+                        f"memory of it, its KV cache, takes {row / 2**30:.1f} GiB): lower --context")
     batch = 1 << (min(max_batch, rows).bit_length() - 1)
     return rows, batch
 

@@ -5,6 +5,7 @@ the `Scheduler` (admission, prompt chunks under the step's budget, rows 0..B-1),
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from pipeline.llm.engine import cache_rows as cache_rows_module
@@ -197,3 +198,12 @@ def test_the_statistics_line_speaks_to_people_and_the_engines_terms_wait_for_ver
     assert "(64 found in the cache)" in full and "drafts: 3 of 4 kept" in full and "ended: stop" in full, full
     for reason, words in (("length", "cut at the token limit"), ("cancelled", "stopped"), ("tool_calls", "ended: tool_calls")):
         assert words in GenerationStats(new_tokens=3, finish_reason=reason).summary(), reason
+
+
+def test_too_little_memory_for_one_conversation_is_said_in_words_with_what_to_change():
+    from pipeline.errors import UserError
+    from studio.backends import cache_rows
+
+    assert cache_rows(CONFIG, 255, torch.float32, 4, None) == (8, 4)  # on the CPU: twice the batch
+    with pytest.raises(UserError, match=r"not enough memory left to hold one 255-token conversation .*lower --context"):
+        cache_rows(CONFIG, 255, torch.float32, 4, kv_cache_bytes=1024)
