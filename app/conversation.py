@@ -12,13 +12,14 @@ from collections.abc import Iterator
 
 import gradio as gr
 
+from pipeline.llm.engine.seam import FinishReason
 from pipeline.service.requests import Update
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
 UPDATE_EVERY_S = 0.05  # the most often a streamed reply updates the page
 NO_CONVERSATION = -1  # `current` when none is open (the browser keeps no falsy value); ids start at 1
-CONTINUABLE = ("length", "cancelled")  # how a reply ended that Continue takes on
+CONTINUABLE = (FinishReason.LENGTH, FinishReason.CANCELLED)  # how a reply ended that Continue takes on
 
 
 class Viewing:
@@ -111,10 +112,12 @@ def turn(updates: Iterator[Update], conversation: int, viewing: tuple[Viewing, s
     tab's Continue button: hidden while the reply streams, offered after one cut at the token limit or
     stopped, to go on in the same message."""
     ended: list[str] = []
+    unchanged: tuple = ()  # the outputs before Continue, left as they are
     for shown_now in streamed(updates, conversation, clear, ended, viewing):
+        unchanged = (gr.skip(),) * (len(shown_now) + len(during))
         yield *shown_now, *during, gr.Button(visible=False)
     if ended and ended[-1] in CONTINUABLE:
-        yield *(gr.skip(),) * (4 + len(during)), gr.Button(visible=True)
+        yield *unchanged, gr.Button(visible=True)
 
 
 def wire_stop(stop: gr.Button, service: StudioService, tool: Tool, api_name: str) -> None:
