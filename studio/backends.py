@@ -22,8 +22,10 @@ from pipeline.models import resolve
 from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.loading import load_decoder, load_gguf_native
 from pipeline.llm.weights.checkpoint import read_config
+from pipeline.llm.weights.gguf_file import split_parts
+from pipeline.llm.weights.gguf_native import KINDS as GGUF_KINDS, GGUFLinear, unavailable as gguf_unavailable
 from pipeline.llm.engine.draft_model import DraftModel
 from pipeline.llm.engine.speculation import prompt_lookup
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
@@ -100,8 +102,14 @@ def cache_rows(config, context: int, dtype: torch.dtype, max_batch: int, kv_cach
     return rows, batch
 
 
+GGUF = "gguf"  # the weight mode of a GGUF file's own blocks (`pipeline/llm/weights/gguf_native.py`)
+
+
 def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
-    """What a decoder's weights take in memory with `mode` weights (see `quantized_layers` for which)."""
+    """What a decoder's weights take in memory with `mode` weights (see `quantized_layers` for which); a GGUF
+    file's blocks as stored: the file's size, and 4 bytes per 256 weights of decoded sub-scales."""
+    if mode == GGUF:
+        return int(sum(part.stat().st_size for part in split_parts(Path(config.gguf_file))) * 1.03)
     with torch.device("meta"):
         model = Decoder(config)
     total = sum(p.numel() for p in model.parameters()) * dtype.itemsize
@@ -117,7 +125,12 @@ EXACT_INT4 = frozenset({"Q4_0", "Q4_1"})  # 4-bit blocks of 32 that int4 keeps a
 
 
 def gguf_modes(config) -> tuple[tuple[str, ...], str]:
-    """The weight modes `--quant auto` tries on a GPU for a GGUF file, in order, and why, by measured quality:
+    """The weight modes `--quant auto` tries on a GPU for a GGUF file, in order, and why. A file whose every type
+    has a kernel (`gguf_native.KINDS`: the K types Q4_K/Q5_K/Q6_K, Q8_0 and the 4- and 5-bit blocks of 32) can
+    run as stored, in about its own size, bit for bit its own weights; it comes after int8 while its kernels
+    are the slower (a Qwen2.5-7B-shape Q4_K_M as stored: 107 tok/s, 0.56× llama.cpp's on the same file and
+    H200, where int8 decodes at 1.35× bf16, about 300: bench/RESULTS.md), and before int4, which re-rounds.
+    By measured quality:
     Q4_0 and Q4_1 blocks are int4's own groups of 32, kept as they are (`int4_grid`; SmolLM2's Q4_1 on the
     kernels: perplexity 11.642, int8 11.677, float 11.556, H200 bf16); every other quantized file (5-, 6-,
     8-bit, Q4_K, whose 6-bit sub-scales int4 would re-round, the IQ types, and the mixes) runs as int8, which
@@ -128,9 +141,28 @@ def gguf_modes(config) -> tuple[tuple[str, ...], str]:
         return MODES, ""
     if types <= EXACT_INT4 and len(types) == 1:
         return ("int4",), f"its {next(iter(types))} blocks of 32 run as int4 as they are"
+    if types <= GGUF_KINDS:
+        return ("int8", GGUF, "int4"), (
+            f"a {config.gguf_type} file: int8 carries its {', '.join(sorted(types))} weights within 0.1 % of their "
+            f"perplexity and decodes faster; where int8 does not fit, its own blocks run as stored (about the "
+            f"file's size, exactly its weights; --quant gguf to insist)")
     return ("int8", "int4"), (f"a {config.gguf_type} file holds {', '.join(sorted(types))} weights: int8 carries "
                               f"them within 0.1 % of their perplexity, int4 would re-round them (--quant int4 to "
                               f"insist)")
+
+
+def gguf_asked(config, dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
+    """`--quant gguf`: a GGUF file's blocks as stored where they can run so, else the nearest mode, saying why."""
+    if not config.gguf_type:
+        raise UserError("--quant gguf runs a GGUF file's own blocks, and this model is not a GGUF file: use --quant "
+                        "auto, int8, int4 or none")
+    types = set(config.gguf_tensor_types) - {"F32", "F16", "BF16"}
+    why = gguf_unavailable(device, dtype, types & GGUF_KINDS) or (
+        f"its {', '.join(sorted(types - GGUF_KINDS))} blocks have no kernel" if types - GGUF_KINDS else None)
+    if why is None:
+        return GGUF, "asked for"
+    fallback = "int8" if device.type == "cuda" else "none"
+    return fallback, f"--quant gguf cannot run here ({why}): running it as {fallback}"
 
 
 def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.device, free_bytes: int | None,
@@ -142,11 +174,15 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
     if config.quantization:
         return "int4", "asked for" if requested == "int4" else \
             f"the checkpoint holds {config.quantization.upper()} int4 weights: it runs as int4, not --quant {requested}"
+    if requested == GGUF:
+        return gguf_asked(config, dtype, device)
     if requested != "auto":
         return requested, "asked for"
     if device.type != "cuda" or free_bytes is None:
         return "none", "auto on the CPU: quantized layers would dequantize at every call there"
     modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
+    if GGUF in modes and (why := gguf_unavailable(device, dtype, set(config.gguf_tensor_types) & GGUF_KINDS)):
+        modes, gguf_why = modes[1:], f"its blocks cannot run as stored here ({why})"
     kv = KVCache.row_bytes(config, context + 1, dtype)
     for mode in modes:
         need = weight_bytes(config, mode, dtype) + kv
@@ -162,6 +198,15 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     its steps can launch (`verify`: speculative verify steps too) compile on all CPU cores, those that need
     no weights while the weights load (`plugins.precompile`)."""
     say = engines.report.tell if engines is not None else (lambda line: None)  # long work and fallbacks
+    if mode == GGUF:
+        gguf_type = read_config(model_dir).gguf_type
+        say(f"{model_id}: reading its {gguf_type} blocks onto the GPU as the file stores them")
+        start = time.perf_counter()
+        model = load_gguf_native(model_dir, dtype, device)
+        held = sum(m.nbytes for m in model.modules() if isinstance(m, GGUFLinear))
+        say(f"{model_id}: {gguf_type} blocks read in {time.perf_counter() - start:.1f} s "
+            f"({held / 2**30:.2f} GiB of GPU memory)")
+        return model, f"{gguf_type} blocks as stored (Triton GGUF kernels)"
     if mode == "none":
         gguf_type = read_config(model_dir).gguf_type
         if gguf_type:  # read anew each launch (seconds for a 7B): say so, in the terminal and the UI

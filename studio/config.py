@@ -16,7 +16,7 @@ from pipeline.errors import UserError
 from pipeline.service.tools import Tool
 
 BACKENDS = ("auto", "torch", "onnxruntime", "tensorrt")
-QUANTS = ("auto", "none", "int8", "int4")
+QUANTS = ("auto", "none", "int8", "int4", "gguf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_BATCHES = (1, 2, 4, 8, 16, 32)
 SPECULATE = ("exact", "fast", "off")
@@ -117,7 +117,8 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     for tool in Tool:
         p.add_argument(f"--{tool.flag}-backend", choices=BACKENDS, help=f"override --backend for {tool}")
     p.add_argument("--quant", choices=QUANTS, default="auto",
-                   help="LLM weights: int8, int4 (groups of 128) or none (--dtype); auto picks the first that fits "
+                   help="LLM weights: int8, int4 (groups of 128), none (--dtype), or gguf (a GGUF file's own blocks, "
+                        "on a GPU); auto runs a GGUF file's blocks as stored on a GPU, else picks the first that fits "
                         "the GPU memory (float weights on the CPU). Quantized weights are cached after the first launch")
     p.add_argument("--engine-dir", type=Path, help="where built engines are cached (default: <cache>/engines)")
     p.add_argument("--data-dir", type=Path, help="where conversations are kept (default: the platform's user data "

@@ -17,7 +17,7 @@ from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.sam.weights import locate_sam
 from pipeline.service.tools import Tool
 from pipeline.llm.weights.checkpoint import read_config
-from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
+from studio.backends import GGUF, BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
 from studio.config import StudioConfig
 from studio.vlm import SIZES as VLM_SIZES
 from studio.vlm import local_folder, model_name, vlm_id
@@ -102,7 +102,8 @@ def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str]]:
         decoder = read_config(found.path)
         modes, why = gguf_modes(decoder)
         if why and config.quant == "auto":  # what a GGUF file runs as, and why
-            notes.append(f"a {decoder.gguf_type} GGUF file: on a GPU --quant auto runs it as {modes[0]} ({why}); on "
+            runs_as = "its own blocks (--quant gguf)" if modes[0] == GGUF else modes[0]
+            notes.append(f"a {decoder.gguf_type} GGUF file: on a GPU --quant auto runs it as {runs_as} ({why}); on "
                          f"the CPU in float")
     return model_id, notes
 

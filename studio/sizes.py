@@ -10,7 +10,7 @@ from engine_builder.fingerprint import weight_files
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.weights_io import loaded_bytes
-from studio.backends import weight_bytes
+from studio.backends import GGUF, weight_bytes
 
 
 def weights_size(*paths: Path | None, dtype: torch.dtype | None = None) -> int:
@@ -31,6 +31,6 @@ def llm_size(folder: Path | None, quant: str, dtype: torch.dtype) -> int:
     except (UserError, OSError, ValueError):  # a config the loader will refuse with its own message
         return weights_size(folder, dtype=dtype)
     mode = "int4" if config.quantization else quant
-    if mode in ("int8", "int4") or config.gguf_type:
-        return weight_bytes(config, mode if mode in ("int8", "int4") else "none", dtype)
+    if mode in ("int8", "int4", GGUF) or config.gguf_type:
+        return weight_bytes(config, mode if mode in ("int8", "int4", GGUF) else "none", dtype)
     return weights_size(folder, dtype=dtype)

@@ -160,8 +160,10 @@ def test_a_q4_k_m_file_with_q5_0_rows_is_served_through_v1(tmp_path, bpe_vocab, 
 
 def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, bpe_vocab, capsys):
     """On a GPU (`--quant auto`): 4-bit blocks of 32 as int4 (kept as they are), a mix as int8 (re-rounding
-    a real Q4_K_M into int4 cost +9.25 % perplexity); asked, int4 all the same; on the CPU float."""
-    from studio.backends import choose_quant
+    a real Q4_K_M into int4 cost +9.25 % perplexity), or its own blocks where int8 does not fit, and never
+    as stored where a type has no kernel; asked, int4 and gguf all the same; on the CPU float."""
+    from pipeline.llm.model import KVCache
+    from studio.backends import choose_quant, weight_bytes
     from studio.compose import run
     from test_gguf import write_model
 
@@ -172,17 +174,28 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     gpu, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     mix_config, pure_config = (read_config(locate(str(p)).path) for p in (mixed, pure))
     assert mix_config.gguf_tensor_types == ("Q4_K", "Q5_0", "Q6_K", "Q8_0")
-    mode, why = choose_quant("auto", mix_config, bf16, gpu, 40 << 30, 1024)
-    assert mode == "int8" and "Q4_K_M file holds Q4_K, Q5_0, Q6_K, Q8_0 weights: int8 carries them" in why
-    mode, why = choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)
-    assert mode == "int4" and "its Q4_0 blocks of 32 run as int4 as they are" in why
+    mode, why = choose_quant("auto", mix_config, bf16, gpu, 40 << 30, 1024)  # int8 first, while it decodes faster
+    assert mode == "int8" and "int8 carries its Q4_K, Q5_0, Q6_K, Q8_0 weights within 0.1 % of their perplexity" in why
+    kv = KVCache.row_bytes(mix_config, 1025, bf16)
+    as_stored = weight_bytes(mix_config, "gguf", bf16)
+    assert as_stored < weight_bytes(mix_config, "int8", bf16)
+    assert choose_quant("auto", mix_config, bf16, gpu, as_stored + kv, 1024)[0] == "gguf"  # int8 does not fit
+    assert choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)[0] == "int4"  # Q4_0's blocks, as they are
+    assert choose_quant("gguf", pure_config, bf16, gpu, 40 << 30, 1024) == ("gguf", "asked for")
+    assert choose_quant("gguf", mix_config, bf16, cpu, None, 1024) == (
+        "none", "--quant gguf cannot run here (GGUF blocks run as stored only on a CUDA GPU): running it as none")
     assert choose_quant("int4", mix_config, bf16, gpu, 40 << 30, 1024) == ("int4", "asked for")
-    smollm2 = read_config(locate("builtin/smollm2-135m-instruct").path)  # Q4_1 blocks, 576 wide (padded on the kernels)
+    smollm2 = read_config(locate("builtin/smollm2-135m-instruct").path)  # Q4_1 blocks, 576 wide: 18 blocks of 32
     assert smollm2.gguf_tensor_types == ("Q4_1",)
     assert choose_quant("auto", smollm2, bf16, gpu, 40 << 30, 1024)[0] == "int4"
     assert choose_quant("auto", mix_config, bf16, cpu, None, 1024)[0] == "none"
+    q3 = tmp_path / "tiny-Q3_K_M.gguf"  # Q3_K has no kernel: the file runs as int8, as before
+    write_mix(q3, bpe_vocab, "Q3_K_M")
+    mode, why = choose_quant("auto", read_config(locate(str(q3)).path), bf16, gpu, 40 << 30, 1024)
+    assert mode == "int8" and "Q3_K_M file holds IQ4_NL, Q3_K, Q5_0, Q5_1, Q5_K weights: int8 carries them" in why
     assert run(["--model", str(mixed), "--check"], lambda config, plan: 1) == 0
-    assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as int8 (a Q4_K_M file holds" in capsys.readouterr().out
+    assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as int8 (a Q4_K_M file: int8 carries its Q4_K, Q5_0, " \
+        "Q6_K, Q8_0 weights" in capsys.readouterr().out
 
 
 def test_a_big_endian_file_is_refused_in_one_line(tmp_path, bpe_vocab):

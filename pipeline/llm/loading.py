@@ -11,11 +11,15 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.llm.model import Decoder
-from pipeline.llm.weights.checkpoint import StateDict, layout_of, read_config, read_tensors, to_internal
+from pipeline.llm.weights.checkpoint import (StateDict, layout_of, read_config, read_gguf_as_stored, read_tensors,
+                                             take, to_internal)
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.weights.families import Layout
 from pipeline.llm.weights.prequantized import prequantized_weights
-from pipeline.llm.weights.quant import empty_quantized
+from pipeline.llm.weights.gguf_native import KINDS, GGUFEmbedding, GGUFLinear
+from pipeline.llm.weights.quant import QUANTIZED, empty_quantized
+from plugins.gguf_matmul import GGUFWeight
+from plugins.lowbit import Workspace
 
 
 def build_decoder(config: DecoderConfig, sd: StateDict, dtype: torch.dtype, device: str | torch.device,
@@ -56,3 +60,50 @@ def load_prequantized(folder: Path, dtype: torch.dtype, device: torch.device | s
     an int8 LM head, floats in `dtype`."""
     config, sd = prequantized_weights(folder, dtype)
     return build_decoder(config, sd, dtype, device, "int4")
+
+
+def load_gguf_native(folder: Path, dtype: torch.dtype, device: torch.device) -> Decoder:
+    """The decoder of a GGUF model folder with its matrices as the file stores them (`gguf_native.py`): the
+    four projections of every block, the LM head and the embedding on the GGUF kernels, read from the file
+    without dequantizing; norms, biases and any float matrix in `dtype`. Each matrix goes to `device`
+    as it is placed, so the host holds the file's bytes once and the GPU its blocks once."""
+    folder = Path(folder)
+    config = read_config(folder)
+    raw, kinds = read_gguf_as_stored(folder, dtype, KINDS)
+    layout = layout_of(config)
+    head_kind = kinds.get(layout.embed) if config.tie_word_embeddings else kinds.get("lm_head.weight")
+    embed_kind = kinds.get(layout.embed)
+
+    def stored(tensors: StateDict, modules: list[str]) -> dict:
+        return {"matrices": [(take(tensors, m + "weight"), kinds.get(m + "weight")) for m in modules]}
+
+    sd = to_internal(config, raw, layout, stored)
+    workspace = Workspace(device)
+    with torch.device("meta"):
+        model = Decoder(config).to(dtype)
+    for i, block in enumerate(model.layers):
+        for path in QUANTIZED:
+            parent, attr = path.split(".")
+            meta = getattr(getattr(block, parent), attr)
+            matrices = [(m.to(device), kind) for m, kind in sd.pop(f"layers.{i}.{path}.matrices")]
+            bias = sd.pop(f"layers.{i}.{path}.bias", None)
+            setattr(getattr(block, parent), attr, GGUFLinear.from_matrices(
+                matrices, meta.in_features, None if bias is None else bias.to(device), workspace,
+                gate_up=path == "mlp.w_gate_up"))
+    hidden = config.hidden_size
+    if embed_kind is not None:
+        table = GGUFWeight.from_raw(sd.pop("embed.weight").to(device), embed_kind, hidden, None, workspace)
+        model.embed = GGUFEmbedding(table, dtype)
+        if config.tie_word_embeddings:
+            model.lm_head = GGUFLinear([table], None)
+            sd.pop("lm_head.weight")
+    if head_kind is not None and not config.tie_word_embeddings:
+        model.lm_head = GGUFLinear.from_matrices([(sd.pop("lm_head.weight").to(device), head_kind)], hidden, None,
+                                                 workspace)
+    model.load_state_dict(sd, strict=False, assign=True)
+    if config.tie_word_embeddings and embed_kind is None:
+        model.lm_head.weight = model.embed.weight
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise UserError(f"{folder.name}: the GGUF file gave no value for {', '.join(left[:3])}")
+    return model.to(device).eval()

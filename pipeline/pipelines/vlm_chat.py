@@ -76,7 +76,7 @@ def language_model(decoder: Decoder, tokenizer: Tokenizer, model_id: str, device
     """A VLM's decoder on our engine, as the chat tool runs text models; `quant` int8/int4: its block
     projections quantized now, from a decoder loaded on the CPU (`load_device`), onto `device` and the
     low-bit kernels where they run there."""
-    weights = str(decoder.embed.weight.dtype).removeprefix("torch.")
+    weights = str(decoder.norm.weight.dtype).removeprefix("torch.")
     if quant != "none":
         decoder = quantize_decoder(decoder, quant, device).to(device)
         why = kernel_unavailable(decoder)

@@ -85,7 +85,7 @@ class ModelRunner:
         same as without speculation); else the batch kernels, faster, whose rounding may part a reply from
         the plain one where two tokens are nearly tied."""
         self.model, self.vocab_size, self.exact_verify = model, vocab_size, exact_verify
-        self.device = model.embed.weight.device
+        self.device = model.norm.weight.device
         self.scratch, self.positions = context, context + SCRATCH
         self.rope = RotaryTables(model.config, self.positions, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs

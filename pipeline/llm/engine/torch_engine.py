@@ -71,11 +71,11 @@ class TorchLLMEngine:
         if context > c.max_position_embeddings:
             raise UserError(f"context {context} exceeds the model's {c.max_position_embeddings} positions")
         self.context, self.vocab_size, self.max_batch = context, vocab_size, max_batch
-        self.device, self.hidden_size = model.embed.weight.device, c.hidden_size
+        self.device, self.hidden_size = model.norm.weight.device, c.hidden_size
         rows = max(rows or 2 * max_batch, max_batch)
         self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs,
                                   exact_verify=speculation is None or speculation.exact)
-        self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.embed.weight.dtype, self.device)
+        self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
         self.outputs = Outputs(self.scheduler, self.rows, context, self.runner.to_host)

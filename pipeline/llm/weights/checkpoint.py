@@ -24,7 +24,7 @@ from pipeline.errors import UserError
 from pipeline.files import atomic_folder
 from pipeline.llm.weights.config import CONFIG_WRITERS, DecoderConfig, config_from_hf
 from pipeline.llm.weights.families import QWEN_V1, Layout, family_of
-from pipeline.llm.weights.gguf_file import hf_tensors, read_gguf
+from pipeline.llm.weights.gguf_file import hf_tensors, hf_tensors_as_stored, read_gguf
 from pipeline.weights_io import read_json, read_weight_file
 
 StateDict = dict[str, Tensor]
@@ -68,6 +68,15 @@ def read_tensors(folder: Path, dtype: torch.dtype | None = None) -> StateDict:
         tensors.update({k: v.to(dtype) if dtype is not None and v.is_floating_point() else v
                         for k, v in part.items()})
     return tensors
+
+
+def read_gguf_as_stored(folder: Path, dtype: torch.dtype, kept: frozenset[str]) -> tuple[StateDict, dict[str, str]]:
+    """A GGUF model folder's tensors, its matrices of the types in `kept` as the file stores them, and their
+    types by name (`gguf_file.hf_tensors_as_stored`)."""
+    files = _weight_files(Path(folder))
+    if files[0].suffix != ".gguf":
+        raise UserError(f"{Path(folder).name} is not a GGUF file: only a GGUF file's blocks run as stored")
+    return hf_tensors_as_stored(read_gguf(files[0]), dtype, kept)
 
 
 def take(raw: StateDict, key: str) -> Tensor:

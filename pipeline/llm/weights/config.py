@@ -47,6 +47,8 @@ class DecoderConfig:
     gguf_type: str = ""
     # the types of its blocks' weight matrices ("Q4_K", "Q5_0", "Q6_K"): what `--quant auto` chooses by
     gguf_tensor_types: tuple[str, ...] = ()
+    # the GGUF file (its first part, if split): what its blocks take when they run as stored
+    gguf_file: str = ""
 
     @property
     def q_size(self) -> int:
@@ -167,6 +169,7 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
         quantization=_quantization(cfg),
         gguf_type=str((cfg.get("gguf") or {}).get("quant_type", "")),
         gguf_tensor_types=tuple((cfg.get("gguf") or {}).get("tensor_types", ())),
+        gguf_file=str((cfg.get("gguf") or {}).get("file", "")),
     )
 
 

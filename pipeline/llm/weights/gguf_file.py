@@ -328,28 +328,44 @@ def _unpermute(w: Tensor, heads: int) -> Tensor:
 
 def hf_tensors(model: GGUFModel, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """Every tensor under transformers' names, dequantized to float32 (then `dtype`), one at a time."""
+    return hf_tensors_as_stored(model, dtype, frozenset())[0]
+
+
+def hf_tensors_as_stored(model: GGUFModel, dtype: torch.dtype | None,
+                         kept: frozenset[str]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """Every tensor under transformers' names: a matrix whose type is in `kept` as the file stores it, its
+    bytes uint8 [rows, row bytes] (read from the file, not dequantized), the rest dequantized to float32
+    (then `dtype`); and the type of each kept one, by name. Row operations (LLaMA's q/k reordering, Qwen
+    v1's q/k/v split) act on stored rows as on float ones: a row's blocks hold that row alone."""
     cfg = hf_config(model)
     out: dict[str, Tensor] = {}
+    kinds: dict[str, str] = {}
     for name, t in model.tensors.items():
-        value = dequantize(t.data, t.kind, t.shape)
-        if dtype is not None:
-            value = value.to(dtype)
+        if t.kind in kept and len(t.shape) == 2:
+            value = torch.from_numpy(np.array(t.data, np.uint8).reshape(t.shape[0], -1))
+        else:
+            value = dequantize(t.data, t.kind, t.shape)
+            if dtype is not None:
+                value = value.to(dtype)
+        names: list[str] = []
         if name in GLOBAL:
             out[GLOBAL[name]] = value
-            continue
-        match = re.match(r"^blk\.(\d+)\.(.+)$", name)
-        if not match:
-            continue  # tensors the decoder has no use for
-        layer, part = f"model.layers.{match[1]}.", match[2]
-        if part.startswith("attn_qkv."):  # Qwen v1's fused q/k/v
-            suffix = part.split(".", 1)[1]
-            for key, piece in zip("qkv", value.chunk(3)):
-                out[f"{layer}self_attn.{key}_proj.{suffix}"] = piece.contiguous()
-            continue
-        if part not in PER_LAYER:
-            raise UserError(f"{model.path.name}: tensor {name} is not part of a {model.architecture} model")
-        if model.architecture == "llama" and part in ("attn_q.weight", "attn_k.weight"):
-            value = _unpermute(value, cfg["num_attention_heads"] if part == "attn_q.weight"
-                               else cfg["num_key_value_heads"])
-        out[layer + PER_LAYER[part]] = value
-    return out
+            names = [GLOBAL[name]]
+        elif match := re.match(r"^blk\.(\d+)\.(.+)$", name):
+            layer, part = f"model.layers.{match[1]}.", match[2]
+            if part.startswith("attn_qkv."):  # Qwen v1's fused q/k/v
+                suffix = part.split(".", 1)[1]
+                for key, piece in zip("qkv", value.chunk(3)):
+                    names.append(f"{layer}self_attn.{key}_proj.{suffix}")
+                    out[names[-1]] = piece.contiguous()
+            elif part not in PER_LAYER:
+                raise UserError(f"{model.path.name}: tensor {name} is not part of a {model.architecture} model")
+            else:
+                if model.architecture == "llama" and part in ("attn_q.weight", "attn_k.weight"):
+                    value = _unpermute(value, cfg["num_attention_heads"] if part == "attn_q.weight"
+                                       else cfg["num_key_value_heads"])
+                names = [layer + PER_LAYER[part]]
+                out[names[0]] = value
+        if t.kind in kept and len(t.shape) == 2:
+            kinds.update(dict.fromkeys(names, t.kind))
+    return out, kinds
