@@ -101,7 +101,7 @@ def speed_part(res: dict) -> None:
         candidates = {one.config} | {Config(b, s, 4, 1, p) for b in (64, 128) for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
                                      for p in (False, True)
                                      if s == 1 or processors // 2 <= -(-out_features // b) * s <= 4 * processors}
-        timings = {}
+        default, timings = one.config, {}
         for config in sorted(candidates, key=str):
             for c in copies:
                 c.config = config
@@ -123,8 +123,8 @@ def speed_part(res: dict) -> None:
             line.append(us)
             res[f"{name} {kind} rows {rows}: µs / fraction of bandwidth"] = (round(us, 2), round(ideal_us / us, 3))
         report(OUT_NAME, res)  # each shape as it is measured: a cut-short run keeps them
-        res[f"{name}: default {one.config} µs, best {config}, 16 rows ÷ 1, 8 ÷ 1"] = (
-            round(timings[one.config], 2), round(line[3] / line[0], 2), round(line[2] / line[0], 2))
+        res[f"{name}: default {default} µs, best {config}, 16 rows ÷ 1, 8 ÷ 1"] = (
+            round(timings[default], 2), round(line[3] / line[0], 2), round(line[2] / line[0], 2))
     res["best configs"] = {k: [v.block_n, v.split_k, v.warps, v.prefetch] for k, v in best.items()}
 
 

@@ -58,7 +58,7 @@ class Config:
     split_k: int = 1
     warps: int = 4
     stages: int = 1
-    prefetch: bool = True
+    prefetch: bool = False
 
 
 if triton is not None:
@@ -264,14 +264,18 @@ def available(device: torch.device, dtype: torch.dtype, kind: str) -> str | None
     return None
 
 
+RESIDENT = 3  # programs of this kernel per SM (175 registers a thread at 4 warps: sm_90, 2026-11-28)
+
+
 def default_config(kind: str, out_features: int, in_features: int, processors: int) -> Config:
-    """Enough programs to cover the GPU twice at batch ≤ 16: narrower tiles, then the inputs split."""
+    """Tiles of 64 output rows, their inputs split so that the programs fill one wave (`RESIDENT` per SM) and no
+    more: a second, partial wave cost up to half the time (Nsight Compute). The next chunk's loads are issued
+    early only where a matrix takes many waves (the LM head: 597 µs against 694; gate_up's 1.5 waves: 121 against
+    104). Each the fastest of a sweep at Qwen2.5-7B's shapes (H200, 2026-11-28, `bench/gguf_native.py`)."""
     chunks = in_features // FORMATS[kind].size
-    block_n = 64 if -(-out_features // 64) >= 2 * processors else 32
-    tiles, split = -(-out_features // block_n), 1
-    while tiles * split < 2 * processors and chunks // (split * 2) >= 2 and split < MAX_SPLIT:
-        split *= 2
-    return Config(block_n=block_n, split_k=split)
+    tiles, wave = -(-out_features // 64), RESIDENT * processors
+    split = max(1, min(MAX_SPLIT, chunks, wave // tiles))
+    return Config(block_n=64, split_k=split, prefetch=tiles >= 4 * wave)
 
 
 class GGUFWeight:

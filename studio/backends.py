@@ -152,10 +152,8 @@ def gguf_modes(config) -> tuple[tuple[str, ...], str]:
 
 
 def gguf_asked(config, dtype: torch.dtype, device: torch.device) -> tuple[str, str]:
-    """`--quant gguf`: a GGUF file's blocks as stored where they can run so, else the nearest mode, saying why."""
-    if not config.gguf_type:
-        raise UserError("--quant gguf runs a GGUF file's own blocks, and this model is not a GGUF file: use --quant "
-                        "auto, int8, int4 or none")
+    """`--quant gguf` for a GGUF file: its blocks as stored where they can run so, else the nearest mode, saying
+    why."""
     types = set(config.gguf_tensor_types) - {"F32", "F16", "BF16"}
     why = gguf_unavailable(device, dtype, types & GGUF_KINDS) or (
         f"its {', '.join(sorted(types - GGUF_KINDS))} blocks have no kernel" if types - GGUF_KINDS else None)
@@ -174,6 +172,9 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
     if config.quantization:
         return "int4", "asked for" if requested == "int4" else \
             f"the checkpoint holds {config.quantization.upper()} int4 weights: it runs as int4, not --quant {requested}"
+    if requested == GGUF and not config.gguf_type:  # say, image chat's decoder beside a GGUF chat model
+        mode, why = choose_quant("auto", config, dtype, device, free_bytes, context)
+        return mode, f"--quant gguf is for GGUF files; this model runs as auto chose: {mode} ({why})"
     if requested == GGUF:
         return gguf_asked(config, dtype, device)
     if requested != "auto":

@@ -4,12 +4,14 @@ CPU through Triton's interpreter (TRITON_INTERPRET=1), against gguf-py, the llam
 - every block type the kernels run, dequantized inside the kernel (the embedding's lookup, from the same
   decoding the products use), equals gguf-py's dequantization bit for bit, on random blocks in which every
   bit pattern of quants and sub-scales occurs;
-- batch invariance: each row's output through 1–16 rows equals its output in any other call bit for bit,
-  at any position, split-K and gated with a bias too; the products equal the dequantized weights' within
-  the output's rounding, prefill (more than 16 rows) included;
+- batch invariance: each row's fp32 sums through 1–16 rows equal its sums in any other call bit for bit,
+  at any position, split-K and gated with a bias too (compared before the bf16 rounding, which would hide a
+  changed order of adding); the products equal the dequantized weights' within the output's rounding,
+  prefill (more than 16 rows) included;
 - a Q4_K_M file as llama.cpp's quantizer lays it out (its per-tensor rules and fallbacks: Q5_0, Q8_0, Q4_K
-  and Q6_K, a q/k/v of two types) loads with its blocks as stored, takes about the file's size, and gives
-  the logits of its dequantized float weights within bf16's rounding.
+  and Q6_K, a q/k/v of two types) loads with its blocks as stored, takes about the file's size, gives the
+  logits of its dequantized float weights within bf16's rounding; so does a Q4_K_M that llama.cpp's own
+  quantizer made (`fixtures/`), which the app's loader (`--quant gguf`) serves through the engine.
 On a GPU, `bench/gguf_native.py --parts kernels` runs the same checks (and the speed)."""
 
 import os
@@ -18,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 
 pytest.importorskip("triton", reason="Triton is not installed")
 from test_gguf import bpe_vocab, cache  # noqa: F401, E402  (the vocabulary, and the test cache for `locate`)
@@ -64,11 +66,17 @@ for kind in FORMATS:
         weight = GGUFWeight.from_raw(torch.from_numpy(raw), kind, cols, bias, Workspace(torch.device("cpu")), gated)
         weight.config = config
         x = torch.randn(20, cols).to(dtype)
-        together = weight(x[:16])
+        width = rows // 2 if gated else rows
+
+        def exact(rows_in):  # the fp32 sums themselves (a bf16 output would hide a different order of adding)
+            return weight(rows_in, torch.empty(len(rows_in), width))
+
+        together = exact(x[:16])
         for m in (1, 2, 5, 16):
             for start in sorted({0, 7 % (17 - m), 16 - m}):
-                alone = weight(x[start:start + m])
+                alone = exact(x[start:start + m])
                 assert torch.equal(alone, together[start:start + m]), (kind, dtype, gated, m, start)
+        together = weight(x[:16])
         expected = x.float() @ want.T + (bias.float() if bias is not None else 0)
         if gated:
             expected = torch.nn.functional.silu(expected[:, :rows // 2]) * expected[:, rows // 2:]
@@ -85,7 +93,8 @@ from pathlib import Path
 from pipeline.llm.loading import load_decoder, load_gguf_native
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
 from pipeline.llm.weights.gguf_native import GGUFLinear
-folder, ids = Path(sys.argv[1]), [int(i) for i in sys.argv[2].split(",")]
+folder, ids, want_kinds, served = Path(sys.argv[1]), [int(i) for i in sys.argv[2].split(",")], set(sys.argv[3].split(",")), \
+    sys.argv[4] == "served"
 
 def logits(model, dtype):
     cache = KVCache(model.config, 1, len(ids), dtype, "cpu")
@@ -96,13 +105,22 @@ def logits(model, dtype):
 native = load_gguf_native(folder, torch.bfloat16, torch.device("cpu"))
 layers = [m for m in native.modules() if isinstance(m, GGUFLinear)]
 kinds = {r.kind for m in layers for r in m.runs}
-assert kinds == {"Q5_0", "Q8_0", "Q4_K", "Q6_K"}, kinds  # the mix's types, each as stored
-assert any(len(m.runs) == 2 for m in layers)  # a q/k/v of two types: Q5_0 q/k, Q8_0 v
+assert kinds == want_kinds, kinds  # the file's types, each as stored
+assert any(len(m.runs) == 2 for m in layers)  # a q/k/v of two types (its v in a "more bits" layer)
 assert native.layers[0].mlp.w_gate_up.applies_silu_mul
 stored = sum(m.nbytes for m in layers) + native.embed.table.nbytes
 want = logits(load_decoder(folder, torch.float32), torch.float32)
 err = [((got - want).norm() / want.norm()).item()
        for got in (logits(native, torch.bfloat16), logits(load_decoder(folder, torch.bfloat16), torch.bfloat16))]
+if served:  # the app's loader with --quant gguf (on the CPU only under the interpreter), a reply through the engine
+    from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.text.prompt import Prompt
+    from studio.backends import load_language_model
+    lm = load_language_model(folder, "tiny-Q4_K_M", "torch", "cpu", torch.bfloat16, max_context=64, max_batch=1,
+                             quant="gguf", speculate="off")
+    assert "Q4_K_M blocks as stored" in lm.description, lm.description
+    reply = lm.engine.submit(Prompt(tuple(ids[:8])), SamplingParams(max_new_tokens=2, temperature=0), set())
+    assert len(list(reply)) == 2
 print(f"{err[0]} {err[1]} {stored}")
 '''
 
@@ -128,9 +146,29 @@ def test_a_q4_k_m_mix_runs_as_stored_with_the_logits_of_its_float_weights(tmp_pa
 
     path = tmp_path / "tiny-Q4_K_M.gguf"
     write_mix(path, bpe_vocab, "Q4_K_M")
-    err, float_err, stored = run_interpreted(MIX, str(locate(str(path)).path), ",".join(map(str, IDS))).split()
+    err, float_err, stored = run_interpreted(MIX, str(locate(str(path)).path), ",".join(map(str, IDS)),
+                                             "Q5_0,Q8_0,Q4_K,Q6_K", "-").split()
     # bf16 activations through 8 random layers part from float32 by about 8 % (measured: the file's weights as
     # a bf16 float model 0.080, as stored 0.075): within that, not a wrong block (which is off by about 1)
     assert float(err) < 1.5 * float(float_err) < 0.2, (err, float_err)
     matrices = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if len(t.shape) == 2)
     assert matrices <= int(stored) <= 1.03 * matrices, (stored, matrices)  # the K types' sub-scales as bytes
+
+
+def test_a_q4_k_m_file_made_by_llama_cpps_quantizer_runs_as_stored():
+    """`fixtures/qwen2-tiny-Q4_K_M.gguf`: llama.cpp's own `llama-quantize` made its blocks (its scale search,
+    its per-tensor types; `fixtures/make_q4_k_m.py`), so no code of ours wrote the file the kernels read: a
+    Qwen2 with q/k/v biases, as stored, against its float weights as gguf-py dequantizes them."""
+    from pipeline.models import locate
+    from test_gguf import IDS
+
+    path = ROOT / "tests" / "fixtures" / "qwen2-tiny-Q4_K_M.gguf"
+    types = {t.name: GGMLQuantizationType(t.tensor_type).name for t in GGUFReader(path).tensors}
+    assert types["output.weight"] == "Q6_K" and types["blk.0.attn_q.weight"] == "Q4_K"
+    assert types["blk.3.attn_v.weight"] == "Q6_K" and types["blk.3.ffn_down.weight"] == "Q6_K"
+    kinds = ",".join(sorted({k for n, k in types.items() if n.endswith("weight") and "norm" not in n}))
+    err, float_err, stored = run_interpreted(MIX, str(locate(str(path)).path), ",".join(str(i % 600) for i in IDS),
+                                             kinds, "served").split()
+    assert float(err) < 1.5 * float(float_err) < 0.2, (err, float_err)
+    matrices = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if len(t.shape) == 2)
+    assert matrices <= int(stored) <= 1.03 * matrices, (stored, matrices)

@@ -6,13 +6,15 @@ the real SmolLM2 is in test_real_model.py."""
 import math
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from pipeline.llm.engine.proposer import Proposer
 from pipeline.llm.engine.sampling import SamplingParams
-from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PerRequest, PromptLookup, best_draft,
-                                             Speculation, VerifyCost)
+from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PerRequest, PromptLookup, batch_cap,
+                                             best_draft, expected_tokens, Speculation, VerifyCost)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.loading import load_decoder
 from pipeline.llm.model import KVCache, Prefill, RotaryTables
@@ -50,6 +52,37 @@ def test_draft_length_follows_acceptance_and_pauses_where_drafts_do_not_pay():
     assert state.wanted(GPU_FLOAT, 4, 100) == 4
     dear = VerifyCost(0.0, 1.5)  # each drafted token costs more than a step: nothing pays, all kept or not
     assert state.whole and [state.wanted(dear, 8, 100) for _ in range(2 * PROBE_EVERY)] == [0] * 2 * PROBE_EVERY
+
+
+class Running:
+    """What the proposer reads of a running request: its drafting state and the room left to draft."""
+
+    def __init__(self, draft: DraftState):
+        self.draft, self.position = draft, 10
+        self.params = SimpleNamespace(max_new_tokens=100)
+        self.stream = SimpleNamespace(stats=SimpleNamespace(new_tokens=0))
+
+
+def test_a_batch_drafts_only_what_pays_for_all_of_its_rows():
+    """A verify step's cost is the batch's: one row's long draft makes all 8 wait. Each row alone would draft
+    here, but for the batch the cap must pay over 8 plain tokens, and then by the cost model the batch's
+    expected tokens per unit of cost are never below a plain step's (1 a row)."""
+    eight = VerifyCost(0.15, 0.12)  # a step of 8 rows checking k drafts each: 1 + 0.15 + 0.12 k plain steps
+    assert best_draft(0.5, eight) > 0  # one row by itself would draft at this rate
+    one_keen = [(0.5, 4)] + [(0.0, 0)] * 7  # one chat quoting, seven not drafting
+    assert batch_cap(one_keen, eight) == 0
+    all_keen = [(0.9, 8)] * 8  # every chat quoting its input
+    cap = batch_cap(all_keen, eight)
+    assert cap == 8
+    proposer = Proposer(Speculation(PromptLookup(), eight), context=1000)  # the engine's side applies it
+    keen, idle = DraftState(None, accepted=1.0, checked=2.0), DraftState(None, accepted=0.0, checked=9.0)
+    running = [Running(keen if i == 0 else idle) for i in range(8)]
+    assert proposer.wanted(running[:1])[running[0]] > 0 and not any(proposer.wanted(running).values())
+    for rows in (one_keen, all_keen, [(0.6, 4)] * 4 + [(0.1, 2)] * 4, [(0.3, 2)] * 8):
+        cap = batch_cap(rows, eight)
+        longest = max(min(k, cap) for _, k in rows)
+        tokens = sum(expected_tokens(rate, min(k, cap)) for rate, k in rows)
+        assert tokens / eight(longest) >= len(rows), (rows, cap)
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------

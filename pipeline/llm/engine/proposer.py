@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.scheduler import Request
-from pipeline.llm.engine.speculation import Ask, Speculation, VerifyCost
+from pipeline.llm.engine.speculation import Ask, Speculation, VerifyCost, batch_cap
 
 
 class Proposer:
@@ -27,9 +27,14 @@ class Proposer:
         return self.costs[min((n for n in self.costs if n >= rows), default=max(self.costs))]
 
     def wanted(self, running: Sequence[Request]) -> dict[Request, int]:
-        """How many tokens each running request would draft this step (0: none), by its acceptance so far."""
+        """How many tokens each running request would draft this step (0: none), by its acceptance so far, cut
+        for a batch of several to what pays for all of its rows (`speculation.batch_cap`)."""
         most, cost = self.speculation.max_draft, self.cost_for(len(running))
-        return {r: r.draft.wanted(cost, most, self.room(r)) for r in running}
+        asked = {r: r.draft.wanted(cost, most, self.room(r)) for r in running}
+        if len(running) < 2 or not any(asked.values()):
+            return asked
+        cap = batch_cap([(r.draft.expected_rate, k) for r, k in asked.items()], cost)
+        return {r: min(k, cap) for r, k in asked.items()}
 
     def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
         """Whether a draft may come, looked at with the tokens already known (without the step in flight's,

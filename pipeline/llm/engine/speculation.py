@@ -12,7 +12,9 @@ How many to draft is decided per request from its recent acceptance rate (a geom
 drafted token accepted with probability a, independently): k maximises the expected tokens per step,
 (1 - a^(k+1)) / (1 - a), over the step's cost, `VerifyCost`; where no k pays, the request stops
 drafting and tries again with a short draft every `PROBE_EVERY` steps, so a chat where lookup does not
-pay runs as plain decode steps. The cost is fixed while the engine runs (measured once when it starts, on
+pay runs as plain decode steps. With several chats the step's cost is the batch's: `batch_cap` cuts every
+row's draft to the length that pays for the batch as a whole, none where none does, so by the cost model a
+batch never runs slower for its drafts. The cost is fixed while the engine runs (measured once when it starts, on
 a GPU: `ModelRunner.verify_cost`), never read from the clock between steps: which steps verify follows
 from the tokens alone, the same in every run. A drafter is asked once per step for every row that drafts
 (`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Which token is kept is the sampler's business
@@ -64,6 +66,21 @@ def best_draft(accept: float, cost: Callable[[int], float], limit: int = MAX_DRA
     for k in DRAFT_SIZES:
         if k <= limit and expected_tokens(accept, k) / cost(k) > gain:
             best, gain = k, expected_tokens(accept, k) / cost(k)
+    return best
+
+
+def batch_cap(rows: Sequence[tuple[float, int]], cost: Callable[[int], float]) -> int:
+    """The longest draft a step of several rows checks (0: none), given each row's acceptance rate and the draft
+    it wants: a verify step's cost is the whole batch's, every row waiting for the longest draft, so a draft
+    pays only if the batch's expected tokens beat a plain step's, one a row at a cost of 1. Each cap (0 and
+    DRAFT_SIZES) cuts every row's draft to it; the one with the most expected tokens per unit of cost wins,
+    and a cap must gain 2 % over plain steps, as `best_draft` asks of one row."""
+    best, gain = 0, 1.02 * len(rows)
+    for cap in DRAFT_SIZES:
+        longest = max((min(k, cap) for _, k in rows), default=0)
+        tokens = sum(expected_tokens(rate, min(k, cap)) for rate, k in rows)
+        if longest and tokens / cost(longest) > gain:
+            best, gain = cap, tokens / cost(longest)
     return best
 
 
@@ -206,6 +223,11 @@ class DraftState:
     @property
     def rate(self) -> float:
         return self.accepted / self.checked
+
+    @property
+    def expected_rate(self) -> float:
+        """The rate its draft length is chosen by: all kept while its last draft was kept whole (`wanted`)."""
+        return 1.0 if self.whole else self.rate
 
     def wanted(self, cost: Callable[[int], float], max_draft: int, room: int) -> int:
         """How many tokens to draft this step (at most `room`): by the acceptance rate and what a verify step
