@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # llama.cpp, the anchor desktop users compare us with: built from the source that the llama-cpp-python sdist
 # vendors (a bench tool, never an app dependency; pip is never asked to build the sdist).
-#   bench/llamacpp.sh fetch DIR            here: download the sdist from PyPI and keep its vendored llama.cpp,
+#   bench/llamacpp.sh fetch DIR            here: download the sdist from PyPI's index and keep its vendored llama.cpp,
 #                                          without its vocabulary test files, as DIR/llama.cpp-src.tar.gz
 #   bench/llamacpp.sh build TARBALL DIR cuda|cpu
 #                                          build llama-bench and llama-quantize into DIR/bin (CUDA: sm_90)
@@ -10,7 +10,7 @@ VERSION=0.3.9  # vendors llama.cpp build 8733e0c
 case "${1:-}" in
   fetch)
     dir=$2; mkdir -p "$dir"; tmp=$(mktemp -d)
-    url=$(python3 -c "import json, urllib.request; d = json.load(urllib.request.urlopen('https://pypi.org/pypi/llama-cpp-python/$VERSION/json')); print(next(u['url'] for u in d['urls'] if u['packagetype'] == 'sdist'))")
+    url=$(curl -sSf https://pypi.org/simple/llama-cpp-python/ | grep -o "https://[^\"#]*llama_cpp_python-$VERSION\.tar\.gz" | head -1)
     curl -sSf -o "$tmp/sdist.tar.gz" "$url"
     tar xzf "$tmp/sdist.tar.gz" -C "$tmp" "llama_cpp_python-$VERSION/vendor/llama.cpp"
     rm -rf "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp/models/"*.gguf* "$tmp/llama_cpp_python-$VERSION/vendor/llama.cpp/docs"
