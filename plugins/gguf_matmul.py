@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from plugins.gguf_blocks import FORMATS, PLANES, nbytes, repack
-from plugins.lowbit_tiles import INTERPRETED, MAX_SPLIT
+from plugins.lowbit_tiles import INTERPRETED, MAX_SPLIT, unavailable
 
 try:
     import triton
@@ -253,12 +253,8 @@ if triton is not None:
 
 def available(device: torch.device, dtype: torch.dtype, kind: str) -> str | None:
     """None when the kernels can run a `kind` matrix in `dtype` on `device`, else why not."""
-    if triton is None:
-        return "Triton is not installed"
-    if device.type != "cuda" and not INTERPRETED:
-        return "GGUF blocks run as stored only on a CUDA GPU"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"the GGUF kernels compute in bf16 or fp16, not {dtype}"
+    if why := unavailable(device, dtype):
+        return why
     if kind not in FORMATS:
         return f"{kind} blocks have no kernel (those that do: {', '.join(FORMATS)})"
     return None
@@ -331,7 +327,8 @@ class GGUFWeight:
             x2, *self._pointers(), self.bias if self.bias is not None else out, out, partials, counters,
             m, n, self.in_features // FORMATS[self.kind].size, x2.stride(0), out.stride(0), config.split_k,
             HAS_BIAS=self.bias is not None, GATED=self.gated, MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0,
-            DOT_F32=INTERPRETED, BLOCK_N=config.block_n, BLOCK_M=block_m, num_warps=config.warps, num_stages=config.stages, PREFETCH=config.prefetch,
+            DOT_F32=INTERPRETED, BLOCK_N=config.block_n, BLOCK_M=block_m, num_warps=config.warps,
+            num_stages=config.stages, PREFETCH=config.prefetch,
             **self._constants())
         return out.view(*shape[:-1], n_out)
 

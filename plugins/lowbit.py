@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from plugins.fused import silu_mul_fused
-from plugins.lowbit_tiles import BLOCK_M, GROUP, GROUPS, INTERPRETED, MAX_SPLIT, TILE
+from plugins.lowbit_tiles import BLOCK_M, GROUP, GROUPS, INTERPRETED, MAX_SPLIT, TILE, unavailable
 
 try:
     import triton
@@ -141,12 +141,8 @@ if triton is not None:
 def available(device: torch.device, dtype: torch.dtype, bits: int, in_features: int, group: int = GROUP) -> str | None:
     """None when the kernel can run a layer like this (int4: in groups of `group` inputs), else why not (the
     caller keeps its reference)."""
-    if triton is None:
-        return "Triton is not installed"
-    if device.type != "cuda" and not INTERPRETED:
-        return "the low-bit kernels need a CUDA GPU"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"the low-bit kernels compute in bf16 or fp16, not {dtype}"
+    if why := unavailable(device, dtype):
+        return why
     if bits == 4 and group not in GROUPS:
         return f"the int4 kernels run groups of {', '.join(map(str, GROUPS))} inputs, not {group}"
     if bits == 8 and in_features % 64:  # int4 widths are padded to whole chunks (`LowBitWeight.from_parts`)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 try:
     import triton
     import triton.language as tl
@@ -19,6 +21,17 @@ BLOCK_M = 16  # activation rows per program: tl.dot's smallest tile, so batches 
 MAX_SPLIT = 16  # programs sharing an output tile along the inputs, at most (`_finish` adds their partials)
 TILE = 256  # weight rows stored together: a chunk of 256 rows is 16 KB of contiguous bytes (`kernel_bytes`)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the low-bit kernels (ours and the GGUF ones) can run on `device` in `dtype`, else why not."""
+    if triton is None:
+        return "Triton is not installed"
+    if device.type != "cuda" and not INTERPRETED:
+        return "the low-bit kernels need a CUDA GPU"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the low-bit kernels compute in bf16 or fp16, not {dtype}"
+    return None
 
 
 if triton is not None:

@@ -99,6 +99,10 @@ def encode(x: np.ndarray, kind: str, rng) -> tuple[np.ndarray, GGMLQuantizationT
 
 @pytest.fixture(scope="module")
 def bpe_vocab():
+    return bpe_vocabulary()
+
+
+def bpe_vocabulary() -> dict:
     """The demo models' byte-level BPE (Qwen's pre-tokenizer, trained on the demo corpus), as GGUF keeps it."""
     spec = json.loads(_train_bpe([ENDOFTEXT, IM_START, IM_END]).to_str())["model"]
     tokens = sorted(spec["vocab"], key=spec["vocab"].get)

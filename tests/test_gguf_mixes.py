@@ -183,7 +183,7 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     assert choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)[0] == "int4"  # Q4_0's blocks, as they are
     assert choose_quant("gguf", pure_config, bf16, gpu, 40 << 30, 1024) == ("gguf", "asked for")
     assert choose_quant("gguf", mix_config, bf16, cpu, None, 1024) == (
-        "none", "--quant gguf cannot run here (GGUF blocks run as stored only on a CUDA GPU): running it as none")
+        "none", "--quant gguf cannot run here (the low-bit kernels need a CUDA GPU): running it as none")
     assert choose_quant("int4", mix_config, bf16, gpu, 40 << 30, 1024) == ("int4", "asked for")
     smollm2 = read_config(locate("builtin/smollm2-135m-instruct").path)  # Q4_1 blocks, 576 wide: 18 blocks of 32
     assert smollm2.gguf_tensor_types == ("Q4_1",)
