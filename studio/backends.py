@@ -183,7 +183,7 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
         return "none", "auto on the CPU: quantized layers would dequantize at every call there"
     modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
     if GGUF in modes and (why := gguf_unavailable(device, dtype, set(config.gguf_tensor_types) & GGUF_KINDS)):
-        modes, gguf_why = modes[1:], f"its blocks cannot run as stored here ({why})"
+        modes, gguf_why = tuple(m for m in modes if m != GGUF), f"{gguf_why}; as stored it cannot run here ({why})"
     kv = KVCache.row_bytes(config, context + 1, dtype)
     for mode in modes:
         need = weight_bytes(config, mode, dtype) + kv

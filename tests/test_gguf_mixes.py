@@ -180,6 +180,8 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     as_stored = weight_bytes(mix_config, "gguf", bf16)
     assert as_stored < weight_bytes(mix_config, "int8", bf16)
     assert choose_quant("auto", mix_config, bf16, gpu, as_stored + kv, 1024)[0] == "gguf"  # int8 does not fit
+    mode, why = choose_quant("auto", mix_config, torch.float32, gpu, 40 << 30, 1024)  # float32: no GGUF kernel
+    assert mode == "int8" and "as stored it cannot run here (the low-bit kernels compute in bf16 or fp16" in why
     assert choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)[0] == "int4"  # Q4_0's blocks, as they are
     assert choose_quant("gguf", pure_config, bf16, gpu, 40 << 30, 1024) == ("gguf", "asked for")
     assert choose_quant("gguf", mix_config, bf16, cpu, None, 1024) == (
