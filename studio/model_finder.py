@@ -41,7 +41,7 @@ from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.service.tools import Tool
 from pipeline.weights_io import read_json
-from studio.backends import choose_quant, weight_bytes
+from studio.backends import GGUF, choose_quant, weight_bytes
 from studio.config import StudioConfig
 from studio.sizes import weights_size
 from studio.vlm import FAMILIES as VLM_FAMILIES
@@ -182,7 +182,8 @@ class ModelFinder:
         mode = choose_quant(self.config.quant, config, dtype, torch.device(self.device), self.budget,
                             self.config.context)[0]
         params = weight_bytes(config, "none", torch.float32) // 4
-        precision = self.dtype if mode == "none" else f"{mode} weights, {self.dtype}"
+        precision = self.dtype if mode == "none" else f"{config.gguf_type} blocks as stored, {self.dtype}" \
+            if mode == GGUF else f"{mode} weights, {self.dtype}"
         need = weight_bytes(config, mode, dtype) + KVCache.row_bytes(config, self.config.context + 1, dtype)
         tools = (CHAT, IMAGE_CHAT) if config.family == "llama" else (CHAT,)
         return ModelEntry(model_id, "LLM", config.family, params, folder_bytes(folder), precision, need, source,

@@ -236,3 +236,32 @@ def test_int4_grid_follows_the_files_types():
     assert int4_grid(SimpleNamespace(gguf_tensor_types=("Q4_0",))) == "q4_0"
     assert int4_grid(SimpleNamespace(gguf_tensor_types=("Q4_1",))) == "minmax"
     assert int4_grid(SimpleNamespace(gguf_tensor_types=())) == "minmax"
+
+
+def test_the_models_tab_says_what_a_q4_k_m_file_takes_on_a_gpu(tmp_path):
+    """On a GPU the Models tab sizes a Q4_K_M file as `auto` would run it: int8 where that fits, else its own
+    blocks as stored, about the file's size (the file llama.cpp's quantizer made, `fixtures/`)."""
+    import shutil
+    from pathlib import Path
+
+    from pipeline.llm.model import KVCache
+    from studio.backends import weight_bytes
+    from studio.config import StudioConfig
+    from studio.model_finder import ModelFinder
+
+    fixture = Path(__file__).parent / "fixtures" / "qwen2-tiny-Q4_K_M.gguf"
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(fixture, models / fixture.name)
+
+    def entry(budget: int):
+        finder = ModelFinder(StudioConfig(models_dir=models, context=256), "bfloat16", "cuda", budget, tmp_path)
+        return next(e for e in finder.models() if e.id == str(models / fixture.name))
+
+    roomy = entry(40 << 30)
+    assert roomy.precision == "int8 weights, bfloat16" and roomy.quant == "Q4_K_M"
+    config = read_config(roomy.path)
+    as_stored = weight_bytes(config, "gguf", torch.bfloat16) + KVCache.row_bytes(config, 257, torch.bfloat16)
+    tight = entry(as_stored)
+    assert tight.precision == "Q4_K_M blocks as stored, bfloat16" and tight.gpu_bytes == as_stored
+    assert as_stored < 1.1 * fixture.stat().st_size + KVCache.row_bytes(config, 257, torch.bfloat16)
