@@ -121,6 +121,7 @@ if served:  # the app's loader with --quant gguf (on the CPU only under the inte
     assert "Q4_K_M blocks as stored" in lm.description, lm.description
     reply = lm.engine.submit(Prompt(tuple(ids[:8])), SamplingParams(max_new_tokens=2, temperature=0), set())
     assert len(list(reply)) == 2
+    lm.close()  # its engine thread ends before the interpreter does
 print(f"{err[0]} {err[1]} {stored}")
 '''
 
