@@ -67,7 +67,7 @@ class GGUFLinear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return sum(r.nbytes if isinstance(r, gguf_matmul.GGUFWeight) else r.nbytes for r in self.runs)
+        return sum(r.nbytes for r in self.runs)  # a GGUFWeight's planes and bias, or a float tensor's bytes
 
     def forward(self, x: Tensor) -> Tensor:
         if len(self.runs) == 1 and isinstance(self.runs[0], gguf_matmul.GGUFWeight):
