@@ -3,10 +3,11 @@ Q4_K_M file at Qwen2.5-7B's shapes against llama.cpp, every ratio from this one 
 
 Parts (`--parts`, comma-separated):
   kernels  on the GPU, each block type: dequantization inside the kernel against gguf-py bit for bit, every
-           row of 1–16 equal bit for bit to its one-row call at every position (batch invariance), the
-           product against the dequantized weights; then at the four projection shapes of Qwen2.5-7B (and the
-           LM head), µs per call at 1, 2, 8 and 16 rows, weights rotated past L2, as a fraction of the copy
-           bandwidth measured in this run, for launch shapes around the default (the best is kept)
+           row of 2–16 on the tensor-core kernel equal bit for bit to its 16-row call at every position, and of
+           a verify step's 2–16 to its one-row call (batch invariance), the products against the dequantized
+           weights; then at the four projection shapes of Qwen2.5-7B (and the LM head), µs per call at 1, 2, 8
+           and 16 rows and for verify steps, weights rotated past L2, as a fraction of the copy bandwidth
+           measured in this run, for one-row launch shapes around the default (the best is kept)
   make     a Qwen2.5-7B-shape Q4_K_M made by llama.cpp's own `llama-quantize` (from a random F16 file written
            with gguf-py), llama.cpp built in `$LLAMA_DIR` by bench/llamacpp.sh (started beside it)
   model    on that file: `llama-bench -p 512 -n 128` and our engine's tg128 (batch 1, CUDA graphs, greedy),
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import copy_bandwidth_tbps, report  # noqa: E402
 from plugins.gguf_blocks import FORMATS, row_bytes  # noqa: E402
 from plugins.gguf_matmul import Config, GGUFWeight  # noqa: E402
-from plugins.lowbit import Workspace  # noqa: E402
+from plugins.lowbit import Workspace, rows_as_one_row  # noqa: E402
 from plugins.lowbit_tuning import graphed_us  # noqa: E402
 
 # Qwen2.5-7B's projections in a Q4_K_M file: q/k/v Q4_K (v Q6_K in a third of the layers), o Q4_K,
@@ -43,6 +44,7 @@ from plugins.lowbit_tuning import graphed_us  # noqa: E402
 SHAPES = {"qkv": ("Q4_K", 4608, 3584), "o": ("Q4_K", 3584, 3584), "gate_up": ("Q4_K", 37888, 3584),
           "down": ("Q4_K", 3584, 18944), "lm_head": ("Q6_K", 152064, 3584)}
 ROWS = (1, 2, 8, 16)
+VERIFY = (2, 5, 9)  # a verify step's rows (1 + 1, 4, 8 drafts), as one-row calls
 OUT_NAME = "gguf_native"
 
 
@@ -71,16 +73,20 @@ def check_part(res: dict) -> None:
         raw = random_raw(kind, rows, cols)
         want = torch.from_numpy(np.array(reference(raw.cpu().numpy(), GGMLQuantizationType[kind]), np.float32))
         weight = GGUFWeight.from_raw(raw, kind, cols, None, workspace)
-        weight.config = Config(block_n=32, split_k=4)  # split-K too
+        weight.config, weight.one_row = Config(block_n=32, split_k=4), Config(block_n=128, split_k=3)  # split-K too
         got = weight.dequantize_rows(torch.arange(rows, device="cuda")).cpu()
         x = torch.randn(16, cols, device="cuda").to(torch.bfloat16)
         full = weight(x)
         invariant = all(torch.equal(weight(x[i:i + m])[j], full[i + j])
-                        for m in range(1, 17) for i in (0, 16 - m) for j in range(m))
+                        for m in range(2, 17) for i in (0, 16 - m) for j in range(m))
+        one = torch.cat([weight(x[i:i + 1]) for i in range(16)])
+        with rows_as_one_row():
+            as_one = all(torch.equal(weight(x[i:i + m]), one[i:i + m]) for m in range(2, 17) for i in (0, 16 - m))
         expected = x.float() @ want.cuda().T
-        res[f"{kind} exact / invariant / product error"] = (
-            bool(torch.equal(got, want)), invariant,
-            round(((full.float() - expected).norm() / expected.norm()).item(), 5))
+        res[f"{kind} exact / invariant 2–16 / verify rows = one row / product error 16 rows, 1 row"] = (
+            bool(torch.equal(got, want)), invariant, as_one,
+            round(((full.float() - expected).norm() / expected.norm()).item(), 5),
+            round(((one.float() - expected).norm() / expected.norm()).item(), 5))
 
 
 def speed_part(res: dict) -> None:
@@ -98,34 +104,37 @@ def speed_part(res: dict) -> None:
         for c in copies[1:]:  # their own bytes: the same planes would stay in L2
             c.planes = {k: v.clone() for k, v in one.planes.items()}
         ideal_us = size / (bandwidth * 1e12) * 1e6
-        candidates = {one.config} | {Config(b, s, 4, 1, p) for b in (64, 128) for s in (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
-                                     for p in (False, True)
-                                     if s == 1 or processors // 2 <= -(-out_features // b) * s <= 4 * processors}
-        default, timings = one.config, {}
-        for config in sorted(candidates, key=str):
+        candidates = {one.one_row} | {Config(b, s, w) for b in (64, 128, 256) for s in (1, 2, 3, 4, 6, 8, 12, 16)
+                                      for w in (4, 8)
+                                      if s == 1 or processors // 2 <= -(-out_features // b) * s <= 4 * processors}
+        default, timings = one.one_row, {}
+        x = torch.randn(1, in_features, device="cuda").to(torch.bfloat16)
+        for config in sorted(candidates, key=str):  # one row: the one-row kernel's launch shapes
             for c in copies:
-                c.config = config
-            x = torch.randn(1, in_features, device="cuda").to(torch.bfloat16)
+                c.one_row = config
             try:
                 timings[config] = graphed_us([lambda c=c: c(x) for c in copies])
             except Exception as e:  # a shape that does not compile (registers): skipped, said
                 res[f"{name} {config} failed"] = str(e).splitlines()[0][:120]
         config = min(timings, key=timings.get)
-        res[f"{name} fastest shapes (block_n, split, warps, prefetch: µs)"] = [
-            f"{c.block_n},{c.split_k},{c.warps},{c.prefetch:d}: {timings[c]:.1f}" for c in sorted(timings, key=timings.get)[:4]]
+        res[f"{name} fastest one-row shapes (block_n, split, warps: µs)"] = [
+            f"{c.block_n},{c.split_k},{c.warps}: {timings[c]:.1f}" for c in sorted(timings, key=timings.get)[:4]]
         best[name] = config
-        line = []
-        for rows in ROWS:
+        line = {}
+        for rows, verify in [(r, False) for r in ROWS] + [(r, True) for r in VERIFY]:
             for c in copies:
-                c.config = config
+                c.one_row = config
             x = torch.randn(rows, in_features, device="cuda").to(torch.bfloat16)
-            us = graphed_us([lambda c=c: c(x) for c in copies])
-            line.append(us)
-            res[f"{name} {kind} rows {rows}: µs / fraction of bandwidth"] = (round(us, 2), round(ideal_us / us, 3))
+            with rows_as_one_row(verify):
+                us = graphed_us([lambda c=c: c(x) for c in copies])
+            line[rows, verify] = us
+            res[f"{name} {kind} rows {rows}{' as one row (verify)' if verify else ''}: µs / fraction of bandwidth"] = (
+                round(us, 2), round(ideal_us / us, 3))
         report(OUT_NAME, res)  # each shape as it is measured: a cut-short run keeps them
         res[f"{name}: default {default} µs, best {config}, 16 rows ÷ 1, 8 ÷ 1"] = (
-            round(timings[default], 2), round(line[3] / line[0], 2), round(line[2] / line[0], 2))
-    res["best configs"] = {k: [v.block_n, v.split_k, v.warps, v.prefetch] for k, v in best.items()}
+            round(timings[default], 2), round(line[16, False] / line[1, False], 2),
+            round(line[8, False] / line[1, False], 2))
+    res["best one-row configs"] = {k: [v.block_n, v.split_k, v.warps] for k, v in best.items()}
 
 
 QWEN25_7B_DIMS = {"hidden": 3584, "ffn": 18944, "heads": 28, "kv": 4, "vocab": 152064}

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from plugins.gguf_blocks import FORMATS, PLANES, nbytes, repack
+from plugins.lowbit import as_one_row
 from plugins.lowbit_tiles import INTERPRETED, MAX_SPLIT, unavailable
 
 try:
@@ -232,6 +233,129 @@ if triton is not None:
                 SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
 
     @triton.jit
+    def _part_words(FORMAT: tl.constexpr, qs_ptr, qh_ptr, c, rs, N, p: tl.constexpr, W: tl.constexpr,
+                    QS_W: tl.constexpr, QH_W: tl.constexpr):
+        """Part `p` of chunk `c` of rows `rs` (a run of weights sharing one scale and offset: `_PARTS`) as int32
+        words [rows, W] whose byte i is the unsigned quant q of the part's weight 4·w + i, whole (the fifth and
+        high bits in place; Q8_0's signed bytes offset by 128). Read in 32-bit words, masked four at a time."""
+        w = tl.arange(0, W)[None, :]
+        at = (c * N + rs)[:, None]
+        qs32 = qs_ptr.to(tl.pointer_type(tl.int32))
+        qh32 = qh_ptr.to(tl.pointer_type(tl.int32))
+        if FORMAT <= 3:  # part 0: the low nibbles of the block's 16 bytes (weights 0–15), part 1 the high ones
+            q = (tl.load(qs32 + at * (QS_W // 4) + w) >> (4 * p)) & 0x0F0F0F0F
+            if FORMAT >= 2:  # bit k of the block's qh word: weight k's fifth bit, spread to bit 4 of byte i
+                bits = (tl.load(qh32 + at + w * 0) >> (16 * p + 4 * w)) & 0xF
+                q |= ((bits * 0x00204081) & 0x01010101) << 4
+        elif FORMAT == 4:
+            q = tl.load(qs32 + at * (QS_W // 4) + w) ^ -2139062144  # 0x80808080: each byte + 128
+        elif FORMAT <= 6:  # sub-block p: the low (even p) or high nibbles of bytes 32·(p // 2) …
+            q = (tl.load(qs32 + at * (QS_W // 4) + (p // 2) * 8 + w) >> (4 * (p % 2))) & 0x0F0F0F0F
+            if FORMAT == 6:  # bit p of qh[j]: weight j's fifth bit
+                q |= ((tl.load(qh32 + at * (QH_W // 4) + w) >> p) & 0x01010101) << 4
+        else:  # Q6_K, weights 16·p …: half h = p // 8, at i = (p % 8)·16 within it
+            i: tl.constexpr = (p % 8) * 16
+            low = tl.load(qs32 + at * (QS_W // 4) + 16 * (p // 8) + (i % 64) // 4 + w)
+            high = tl.load(qh32 + at * (QH_W // 4) + 8 * (p // 8) + (i % 32) // 4 + w)
+            q = ((low >> (4 * (i // 64))) & 0x0F0F0F0F) | (((high >> (2 * (i // 32))) & 0x03030303) << 4)
+        return q
+
+    @triton.jit
+    def _part_scale(FORMAT: tl.constexpr, sc_ptr, mn_ptr, d, m, c, rs, N, p: tl.constexpr, SC_W: tl.constexpr):
+        """Part `p`'s fp32 scale and offset [rows] (a weight is q·scale − off: gguf-py's exact products)."""
+        if FORMAT == 1 or FORMAT == 3:  # d·q + m
+            return d, -m
+        elif FORMAT == 0:  # d·(q − 8)
+            return d, d * 8.0
+        elif FORMAT == 2:  # d·(q − 16)
+            return d, d * 16.0
+        elif FORMAT == 4:  # d·(q − 128): the bytes were offset
+            return d, d * 128.0
+        elif FORMAT <= 6:  # d·sc·q − dmin·m
+            sub_scale = tl.load(sc_ptr + (c * N + rs) * SC_W + p).to(tl.float32)
+            return d * sub_scale, m * tl.load(mn_ptr + (c * N + rs) * SC_W + p).to(tl.float32)
+        else:  # Q6_K: d·sc·(q − 32)
+            scale = d * tl.load(sc_ptr + (c * N + rs) * SC_W + p).to(tl.float32)
+            return scale, scale * 32.0
+
+    @triton.jit
+    def _two_plus(q, EMULATE: tl.constexpr):
+        """The four bytes of words q (each ≤ 127) as fp32 2 + byte/64, exactly: one `prmt` a weight puts the byte
+        under the bits of 2.0 (its mantissa's top seven bits), where widening, masking and converting took three.
+        Under the interpreter, which runs no PTX, the same values by arithmetic."""
+        if EMULATE:
+            return (((q >> 0) & 0xFF).to(tl.float32) / 64.0 + 2.0, ((q >> 8) & 0xFF).to(tl.float32) / 64.0 + 2.0,
+                    ((q >> 16) & 0xFF).to(tl.float32) / 64.0 + 2.0, ((q >> 24) & 0xFF).to(tl.float32) / 64.0 + 2.0)
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 b; mov.b32 b, 0x40000000; prmt.b32 $0, $4, b, 0x7054; prmt.b32 $1, $4, b, 0x7154; "
+            "prmt.b32 $2, $4, b, 0x7254; prmt.b32 $3, $4, b, 0x7354; }",
+            "=r,=r,=r,=r,r", [q], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+    @triton.jit
+    def _part_inputs(x_ptr, r, M, at, W: tl.constexpr, X_BF16: tl.constexpr):
+        """Row r's inputs at..at + 4·W as four fp32 [1, W] (input 4·w + i in the i-th; 2-D, so that their sums
+        stay within a warp); bf16 ones read in pairs (one 32-bit load and one bit operation each)."""
+        wi = tl.arange(0, W)[None, :]
+        ok = (wi * 0 + r) < M
+        if X_BF16:
+            x32 = x_ptr.to(tl.pointer_type(tl.int32))
+            a = tl.load(x32 + at // 2 + 2 * wi, mask=ok, other=0)
+            b = tl.load(x32 + at // 2 + 2 * wi + 1, mask=ok, other=0)
+            return ((a << 16).to(tl.float32, bitcast=True), (a & -65536).to(tl.float32, bitcast=True),
+                    (b << 16).to(tl.float32, bitcast=True), (b & -65536).to(tl.float32, bitcast=True))
+        return (tl.load(x_ptr + at + 4 * wi, mask=ok, other=0.0).to(tl.float32),
+                tl.load(x_ptr + at + 4 * wi + 1, mask=ok, other=0.0).to(tl.float32),
+                tl.load(x_ptr + at + 4 * wi + 2, mask=ok, other=0.0).to(tl.float32),
+                tl.load(x_ptr + at + 4 * wi + 3, mask=ok, other=0.0).to(tl.float32))
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, m_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+                     M, N, CHUNKS, stride_xm, stride_om, SPLIT_K,
+                     FORMAT: tl.constexpr, S: tl.constexpr, QS_W: tl.constexpr, QH_W: tl.constexpr,
+                     SC_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     ROWS: tl.constexpr, X_BF16: tl.constexpr, EMULATE: tl.constexpr):
+        """Up to ROWS activation rows times BLOCK_N weight rows on the CUDA cores, for one row (at batch 1 the
+        tensor cores would multiply 15 rows of padding). Per part (`_part_words`: a run of weights with one
+        scale) and row: Σ (2 + q/64)·x − 2·Σ x = Σ q·x / 64 by one `prmt` and one FMA a weight (`_two_plus`),
+        and the part adds 64·scale times it − off·Σ x. The tensor-core kernel's layout changes
+        took 20 instructions a weight. A row's arithmetic is the same whatever ROWS is, so each of 1–16 rows
+        gets its one-row numbers, bit for bit (a speculative verify step's)."""
+        pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+        rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
+        rs = tl.minimum(rn, N - 1)  # rows past the end read a real row; they are never stored
+        rm = tl.arange(0, ROWS)
+        n_ok, m_ok = rv < N, rm < M
+        PARTS: tl.constexpr = 2 if FORMAT <= 3 else 1 if FORMAT == 4 else 8 if FORMAT <= 6 else 16
+        W: tl.constexpr = S // PARTS // 4  # words per part
+        per_split = tl.cdiv(CHUNKS, SPLIT_K)
+        first = pid_k * per_split
+        last = tl.minimum(first + per_split, CHUNKS)
+        accs = ()
+        for r in tl.static_range(ROWS):
+            accs = accs + (tl.zeros((BLOCK_N, W), tl.float32),)  # in the weights' layout, summed at the end
+        for c in range(first, last):
+            d = tl.load(d_ptr + c * N + rs).to(tl.float32)
+            if FORMAT == 1 or FORMAT == 3 or FORMAT == 5 or FORMAT == 6:
+                m = tl.load(m_ptr + c * N + rs).to(tl.float32)
+            else:
+                m = d
+            for p in tl.static_range(PARTS):
+                f0, f1, f2, f3 = _two_plus(_part_words(FORMAT, qs_ptr, qh_ptr, c, rs, N, p, W, QS_W, QH_W), EMULATE)
+                scale, off = _part_scale(FORMAT, sc_ptr, mn_ptr, d, m, c, rs, N, p, SC_W)
+                added = ()
+                for r in tl.static_range(ROWS):
+                    x0, x1, x2, x3 = _part_inputs(x_ptr + r * stride_xm, r, M, c * S + p * 4 * W, W, X_BF16)
+                    xs = x0 + x1 + x2 + x3
+                    t = f0 * x0 + (f1 * x1 + (f2 * x2 + (f3 * x3 - 2.0 * xs)))  # Σ q·x / 64, FMAs from the right
+                    added = added + (accs[r] + (scale * 64.0)[:, None] * t - off[:, None] * xs,)
+                accs = added
+        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        for r in tl.static_range(ROWS):
+            acc = tl.where(rm[None, :] == r, tl.sum(accs[r], 1, keep_dims=True), acc)
+        _finish(acc, rv, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
+                SPLIT_K, HAS_BIAS, GATED, BLOCK_N, ROWS)
+
+    @triton.jit
     def _dequantize_kernel(ids_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, m_ptr, out_ptr, R, N, K,
                            FORMAT: tl.constexpr, S: tl.constexpr, D: tl.constexpr, QS_W: tl.constexpr,
                            QH_W: tl.constexpr, SC_W: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -260,7 +384,8 @@ def available(device: torch.device, dtype: torch.dtype, kind: str) -> str | None
     return None
 
 
-RESIDENT = 3  # programs of this kernel per SM (175 registers a thread at 4 warps: sm_90, 2026-11-28)
+RESIDENT = 3  # programs of the tensor-core kernel per SM (175 registers a thread at 4 warps: sm_90, 2026-11-28)
+GEMV_BLOCK_N = 128  # weight rows per program of the one-row kernel: four a thread, so an input is widened once for four
 
 
 def default_config(kind: str, out_features: int, in_features: int, processors: int) -> Config:
@@ -274,6 +399,14 @@ def default_config(kind: str, out_features: int, in_features: int, processors: i
     return Config(block_n=64, split_k=split, prefetch=tiles >= 4 * wave)
 
 
+def default_gemv_config(kind: str, out_features: int, in_features: int, processors: int) -> Config:
+    """The one-row kernel's launch shape: tiles of GEMV_BLOCK_N rows, their inputs split until there are two
+    programs per SM (a small matrix, q/k/v's 36 tiles, would otherwise stream through a quarter of the GPU)."""
+    chunks = in_features // FORMATS[kind].size
+    tiles = -(-out_features // GEMV_BLOCK_N)
+    return Config(block_n=GEMV_BLOCK_N, split_k=max(1, min(MAX_SPLIT, chunks, 2 * processors // tiles)))
+
+
 class GGUFWeight:
     """One matrix of a GGUF file on the kernels: its planes, shape and launch shape. `gated`: a gate
     projection above an up projection, returning SiLU(gate)·up."""
@@ -284,7 +417,8 @@ class GGUFWeight:
         self.out_features, self.in_features = out_features, in_features
         device = planes["qs"].device
         processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-        self.config = default_config(kind, out_features, in_features, processors)
+        self.config = default_config(kind, out_features, in_features, processors)  # 2–16 rows, and prefill
+        self.one_row = default_gemv_config(kind, out_features, in_features, processors)
 
     @classmethod
     def from_raw(cls, raw: Tensor, kind: str, in_features: int, bias: Tensor | None, workspace,
@@ -306,7 +440,9 @@ class GGUFWeight:
 
     def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
         """x [..., in] @ the weight's transpose (+ bias; gated: SiLU(gate)·up) in x's dtype, into `out`
-        ([rows, outputs]: a slice of a wider output, say) where given."""
+        ([rows, outputs]: a slice of a wider output, say) where given. One row runs on the one-row kernel, and
+        so do 2–16 within `plugins.lowbit.rows_as_one_row` (a verify step: each row gets its one-row numbers);
+        other calls on the tensor-core kernel."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
@@ -315,21 +451,27 @@ class GGUFWeight:
         n_out = n // 2 if self.gated else n
         if out is None:
             out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-        block_m = BLOCK_M if m <= BLOCK_M else PREFILL_M
-        config = self.config
+        one_row = m == 1 or (m <= BLOCK_M and as_one_row())
+        block_m = triton.next_power_of_2(m) if one_row else BLOCK_M if m <= BLOCK_M else PREFILL_M
+        config = self.one_row if one_row else self.config
         tiles = triton.cdiv(n, config.block_n)
         if config.split_k > 1:
             self.workspace.reserve(config.split_k * block_m * n, tiles)
             partials, counters = self.workspace.partials, self.workspace.counters
         else:
             partials = counters = out  # unused
-        _matmul_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
-            x2, *self._pointers(), self.bias if self.bias is not None else out, out, partials, counters,
-            m, n, self.in_features // FORMATS[self.kind].size, x2.stride(0), out.stride(0), config.split_k,
-            HAS_BIAS=self.bias is not None, GATED=self.gated, MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0,
-            DOT_F32=INTERPRETED, BLOCK_N=config.block_n, BLOCK_M=block_m, num_warps=config.warps,
-            num_stages=config.stages, PREFETCH=config.prefetch,
-            **self._constants())
+        common = (x2, *self._pointers(), self.bias if self.bias is not None else out, out, partials, counters,
+                  m, n, self.in_features // FORMATS[self.kind].size, x2.stride(0), out.stride(0), config.split_k)
+        flags = dict(HAS_BIAS=self.bias is not None, GATED=self.gated, BLOCK_N=config.block_n,
+                     num_warps=config.warps, **self._constants())
+        if one_row:
+            flags.pop("D")
+            _gemv_kernel[(tiles, config.split_k)](*common, ROWS=block_m, X_BF16=x.dtype == torch.bfloat16,
+                                                  EMULATE=INTERPRETED, **flags)
+        else:
+            _matmul_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
+                *common, MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0, DOT_F32=INTERPRETED,
+                BLOCK_M=block_m, num_stages=config.stages, PREFETCH=config.prefetch, **flags)
         return out.view(*shape[:-1], n_out)
 
     def dequantize_rows(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -303,6 +303,11 @@ def rows_as_one_row(on: bool = True) -> Iterator[None]:
         _AS_ONE_ROW.reset(token)
 
 
+def as_one_row() -> bool:
+    """Whether calls of 2–16 rows must give each row its one-row numbers here (`rows_as_one_row`)."""
+    return _AS_ONE_ROW.get()
+
+
 class LowBitWeight:
     """One layer's packed weight and how to launch on it: `config` for one row, `batch_config` for 2–16
     rows (the decode step; both tuned per GPU by `plugins.lowbit_tuning`), plain tiles for prefill.
@@ -371,12 +376,12 @@ class LowBitWeight:
         if self.pad:
             x = torch.nn.functional.pad(x, (0, self.pad))
         rows = x.numel() // x.shape[-1]
-        as_one_row = 1 < rows <= BLOCK_M and _AS_ONE_ROW.get()
-        chosen = config or (self.config if rows == 1 or as_one_row else self.batch_config if rows <= BLOCK_M
+        one_row_numbers = 1 < rows <= BLOCK_M and as_one_row()
+        chosen = config or (self.config if rows == 1 or one_row_numbers else self.batch_config if rows <= BLOCK_M
                             else self.prefill)
         # more rows: the gated tile was slower (int4 prefill 1.3×, H100), unless they must round as one row does
-        in_kernel = self.gated and (rows == 1 or as_one_row)
+        in_kernel = self.gated and (rows == 1 or one_row_numbers)
         out = lowbit_matmul(x, self.data, self.scale, self.zero, self.bias, self.bits, chosen,
                             _WORKSPACE.get() or self.workspace,
-                            in_kernel, compile_only, as_one_row)
+                            in_kernel, compile_only, one_row_numbers)
         return silu_mul_fused(out) if self.gated and not in_kernel and not compile_only else out

@@ -4,10 +4,11 @@ CPU through Triton's interpreter (TRITON_INTERPRET=1), against gguf-py, the llam
 - every block type the kernels run, dequantized inside the kernel (the embedding's lookup, from the same
   decoding the products use), equals gguf-py's dequantization bit for bit, on random blocks in which every
   bit pattern of quants and sub-scales occurs;
-- batch invariance: each row's fp32 sums through 1–16 rows equal its sums in any other call bit for bit,
-  at any position, split-K and gated with a bias too (compared before the bf16 rounding, which would hide a
-  changed order of adding); the products equal the dequantized weights' within the output's rounding,
-  prefill (more than 16 rows) included;
+- batch invariance: each row's fp32 sums through 2–16 rows on the tensor-core kernel equal its sums in any
+  other such call bit for bit, at any position, and through 1–16 rows on the one-row kernel (a verify step,
+  `rows_as_one_row`) its one-row sums; split-K and gated with a bias too (compared before the bf16 rounding,
+  which would hide a changed order of adding); the products equal the dequantized weights' within the
+  output's rounding, one row and prefill (more than 16 rows) included;
 - a Q4_K_M file as llama.cpp's quantizer lays it out (its per-tensor rules and fallbacks: Q5_0, Q8_0, Q4_K
   and Q6_K, a q/k/v of two types) loads with its blocks as stored, takes about the file's size, gives the
   logits of its dequantized float weights within bf16's rounding; so does a Q4_K_M that llama.cpp's own
@@ -56,6 +57,7 @@ print("ok")
 '''
 
 INVARIANT = BLOCKS + r'''
+from plugins.lowbit import rows_as_one_row
 for kind in FORMATS:
     rows, cols = 64, 512
     raw = random_blocks(kind, rows, cols, rng)
@@ -64,25 +66,28 @@ for kind in FORMATS:
                                  (torch.float16, False, Config(64, 4))):
         bias = torch.randn(rows).to(dtype) if gated or dtype == torch.float16 else None
         weight = GGUFWeight.from_raw(torch.from_numpy(raw), kind, cols, bias, Workspace(torch.device("cpu")), gated)
-        weight.config = config
+        weight.config, weight.one_row = config, Config(config.block_n, 3 - config.split_k % 3)
         x = torch.randn(20, cols).to(dtype)
         width = rows // 2 if gated else rows
 
         def exact(rows_in):  # the fp32 sums themselves (a bf16 output would hide a different order of adding)
             return weight(rows_in, torch.empty(len(rows_in), width))
 
-        together = exact(x[:16])
-        for m in (1, 2, 5, 16):
+        together = exact(x[:16])  # the tensor-core kernel: any 2–16 rows give each row the same numbers
+        for m in (2, 5, 16):
             for start in sorted({0, 7 % (17 - m), 16 - m}):
-                alone = exact(x[start:start + m])
-                assert torch.equal(alone, together[start:start + m]), (kind, dtype, gated, m, start)
-        together = weight(x[:16])
+                assert torch.equal(exact(x[start:start + m]), together[start:start + m]), (kind, dtype, gated, m, start)
+        one = torch.cat([exact(x[i:i + 1]) for i in range(16)])  # the one-row kernel
+        with rows_as_one_row():  # a verify step: each of 1–16 rows gets its one-row numbers
+            for m in (2, 3, 16):
+                for start in sorted({0, 16 - m}):
+                    assert torch.equal(exact(x[start:start + m]), one[start:start + m]), (kind, dtype, gated, m, start)
         expected = x.float() @ want.T + (bias.float() if bias is not None else 0)
         if gated:
             expected = torch.nn.functional.silu(expected[:, :rows // 2]) * expected[:, rows // 2:]
         tol = 6e-3 if dtype == torch.bfloat16 else 1e-3  # the output's rounding (gated: twice)
-        for got in (together, weight(x)):  # 16 rows, and 20 (prefill's tiles)
-            assert rel(got, expected[:len(got)]) < tol * (2 if gated else 1), (kind, dtype, gated, len(got))
+        for got in (weight(x[:16]), weight(x), torch.cat([weight(x[i:i + 1]) for i in range(3)])):  # 16, 20 (prefill's
+            assert rel(got, expected[:len(got)]) < tol * (2 if gated else 1), (kind, dtype, gated, len(got))  # tiles), 1
         assert not weight.workspace.counters.any()  # split-K left its counters at zero
 print("ok")
 '''
