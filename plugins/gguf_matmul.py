@@ -313,17 +313,17 @@ if triton is not None:
                      M, N, CHUNKS, stride_xm, stride_om, SPLIT_K,
                      FORMAT: tl.constexpr, S: tl.constexpr, QS_W: tl.constexpr, QH_W: tl.constexpr,
                      SC_W: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     ROWS: tl.constexpr, X_BF16: tl.constexpr, EMULATE: tl.constexpr):
-        """Up to ROWS activation rows times BLOCK_N weight rows on the CUDA cores, for one row (at batch 1 the
+                     ROWS: tl.constexpr, BLOCK_M: tl.constexpr, X_BF16: tl.constexpr, EMULATE: tl.constexpr):
+        """ROWS activation rows (a tile of BLOCK_M, the power of two at least ROWS) times BLOCK_N weight rows on the CUDA cores, for one row (at batch 1 the
         tensor cores would multiply 15 rows of padding). Per part (`_part_words`: a run of weights with one
         scale) and row: Σ (2 + q/64)·x − 2·Σ x = Σ q·x / 64 by one `prmt` and one FMA a weight (`_two_plus`),
         and the part adds 64·scale times it − off·Σ x. The tensor-core kernel's layout changes
-        took 20 instructions a weight. A row's arithmetic is the same whatever ROWS is, so each of 1–16 rows
-        gets its one-row numbers, bit for bit (a speculative verify step's)."""
+        took 20 instructions a weight. A row's arithmetic is the same whatever ROWS and BLOCK_N are, so each
+        row of a verify step gets its one-row numbers, bit for bit."""
         pid_n, pid_k = tl.program_id(0), tl.program_id(1)
         rv, rn = _rows(pid_n, N, BLOCK_N, GATED)
         rs = tl.minimum(rn, N - 1)  # rows past the end read a real row; they are never stored
-        rm = tl.arange(0, ROWS)
+        rm = tl.arange(0, BLOCK_M)
         n_ok, m_ok = rv < N, rm < M
         PARTS: tl.constexpr = 2 if FORMAT <= 3 else 1 if FORMAT == 4 else 8 if FORMAT <= 6 else 16
         W: tl.constexpr = S // PARTS // 4  # words per part
@@ -349,11 +349,11 @@ if triton is not None:
                     t = f0 * x0 + (f1 * x1 + (f2 * x2 + (f3 * x3 - 2.0 * xs)))  # Σ q·x / 64, FMAs from the right
                     added = added + (accs[r] + (scale * 64.0)[:, None] * t - off[:, None] * xs,)
                 accs = added
-        acc = tl.zeros((BLOCK_N, ROWS), tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for r in tl.static_range(ROWS):
             acc = tl.where(rm[None, :] == r, tl.sum(accs[r], 1, keep_dims=True), acc)
         _finish(acc, rv, rn, rm, n_ok, m_ok, pid_n, pid_k, N, bias_ptr, out_ptr, stride_om, part_ptr, count_ptr,
-                SPLIT_K, HAS_BIAS, GATED, BLOCK_N, ROWS)
+                SPLIT_K, HAS_BIAS, GATED, BLOCK_N, BLOCK_M)
 
     @triton.jit
     def _dequantize_kernel(ids_ptr, qs_ptr, qh_ptr, sc_ptr, mn_ptr, d_ptr, m_ptr, out_ptr, R, N, K,
@@ -385,7 +385,8 @@ def available(device: torch.device, dtype: torch.dtype, kind: str) -> str | None
 
 
 RESIDENT = 3  # programs of the tensor-core kernel per SM (175 registers a thread at 4 warps: sm_90, 2026-11-28)
-GEMV_BLOCK_N = 128  # weight rows per program of the one-row kernel: four a thread, so an input is widened once for four
+GEMV_BLOCK_N = 128  # weight rows per program of the one-row kernel: two a thread, so an input is widened once for two
+GEMV_ROWS = 4  # activation rows per launch of it at most (a verify step's 9 take three launches): 8 spilled registers
 
 
 def default_config(kind: str, out_features: int, in_features: int, processors: int) -> Config:
@@ -451,7 +452,16 @@ class GGUFWeight:
         n_out = n // 2 if self.gated else n
         if out is None:
             out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-        one_row = m == 1 or (m <= BLOCK_M and as_one_row())
+        if m == 1 or (m <= BLOCK_M and as_one_row()):
+            for start in range(0, m, GEMV_ROWS):  # more rows a launch would spill registers (compiled for sm_90)
+                self._launch(x2[start:start + GEMV_ROWS], out[start:start + GEMV_ROWS], True)
+        else:
+            self._launch(x2, out, False)
+        return out.view(*shape[:-1], n_out)
+
+    def _launch(self, x: Tensor, out: Tensor, one_row: bool) -> None:
+        """One launch of the one-row kernel (up to GEMV_ROWS rows) or of the tensor-core kernel."""
+        m, n = x.shape[0], self.out_features
         block_m = triton.next_power_of_2(m) if one_row else BLOCK_M if m <= BLOCK_M else PREFILL_M
         config = self.one_row if one_row else self.config
         tiles = triton.cdiv(n, config.block_n)
@@ -460,19 +470,18 @@ class GGUFWeight:
             partials, counters = self.workspace.partials, self.workspace.counters
         else:
             partials = counters = out  # unused
-        common = (x2, *self._pointers(), self.bias if self.bias is not None else out, out, partials, counters,
-                  m, n, self.in_features // FORMATS[self.kind].size, x2.stride(0), out.stride(0), config.split_k)
-        flags = dict(HAS_BIAS=self.bias is not None, GATED=self.gated, BLOCK_N=config.block_n,
+        common = (x, *self._pointers(), self.bias if self.bias is not None else out, out, partials, counters,
+                  m, n, self.in_features // FORMATS[self.kind].size, x.stride(0), out.stride(0), config.split_k)
+        flags = dict(HAS_BIAS=self.bias is not None, GATED=self.gated, BLOCK_N=config.block_n, BLOCK_M=block_m,
                      num_warps=config.warps, **self._constants())
         if one_row:
             flags.pop("D")
-            _gemv_kernel[(tiles, config.split_k)](*common, ROWS=block_m, X_BF16=x.dtype == torch.bfloat16,
+            _gemv_kernel[(tiles, config.split_k)](*common, ROWS=m, X_BF16=x.dtype == torch.bfloat16,
                                                   EMULATE=INTERPRETED, **flags)
         else:
             _matmul_kernel[(tiles, config.split_k, triton.cdiv(m, block_m))](
                 *common, MAGIC=128.0 if x.dtype == torch.bfloat16 else 1024.0, DOT_F32=INTERPRETED,
-                BLOCK_M=block_m, num_stages=config.stages, PREFETCH=config.prefetch, **flags)
-        return out.view(*shape[:-1], n_out)
+                num_stages=config.stages, PREFETCH=config.prefetch, **flags)
 
     def dequantize_rows(self, ids: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
         """Rows `ids` (int64, any shape) of the weight in `dtype`: [*ids.shape, in] (an embedding's lookup)."""
