@@ -279,13 +279,19 @@ if triton is not None:
             return scale, scale * 32.0
 
     @triton.jit
-    def _two_plus(q, EMULATE: tl.constexpr):
-        """The four bytes of words q (each ≤ 127) as fp32 2 + byte/64, exactly: one `prmt` a weight puts the byte
-        under the bits of 2.0 (its mantissa's top seven bits), where widening, masking and converting took three.
-        Under the interpreter, which runs no PTX, the same values by arithmetic."""
-        if EMULATE:
+    def _two_plus(q, EMULATE: tl.constexpr, CONVERT: tl.constexpr):
+        """The four bytes of words q as fp32 2 + byte/64, exactly: one `prmt` a weight puts the byte under the
+        bits of 2.0 (its mantissa's top seven bits, so a byte must be below 128), where widening, masking and
+        converting took three. Under the interpreter, which runs no PTX, the same bits by integer operations.
+        CONVERT (Q8_0's offset bytes, up to 255): by conversion, on the GPU too."""
+        if CONVERT:
             return (((q >> 0) & 0xFF).to(tl.float32) / 64.0 + 2.0, ((q >> 8) & 0xFF).to(tl.float32) / 64.0 + 2.0,
                     ((q >> 16) & 0xFF).to(tl.float32) / 64.0 + 2.0, ((q >> 24) & 0xFF).to(tl.float32) / 64.0 + 2.0)
+        if EMULATE:
+            return ((((q >> 0) & 0xFF) << 16 | 0x40000000).to(tl.float32, bitcast=True),
+                    (((q >> 8) & 0xFF) << 16 | 0x40000000).to(tl.float32, bitcast=True),
+                    (((q >> 16) & 0xFF) << 16 | 0x40000000).to(tl.float32, bitcast=True),
+                    (((q >> 24) & 0xFF) << 16 | 0x40000000).to(tl.float32, bitcast=True))
         return tl.inline_asm_elementwise(
             "{ .reg .b32 b; mov.b32 b, 0x40000000; prmt.b32 $0, $4, b, 0x7054; prmt.b32 $1, $4, b, 0x7154; "
             "prmt.b32 $2, $4, b, 0x7254; prmt.b32 $3, $4, b, 0x7354; }",
@@ -340,14 +346,18 @@ if triton is not None:
             else:
                 m = d
             for p in tl.static_range(PARTS):
-                f0, f1, f2, f3 = _two_plus(_part_words(FORMAT, qs_ptr, qh_ptr, c, rs, N, p, W, QS_W, QH_W), EMULATE)
+                f0, f1, f2, f3 = _two_plus(_part_words(FORMAT, qs_ptr, qh_ptr, c, rs, N, p, W, QS_W, QH_W), EMULATE,
+                                           FORMAT == 4)
                 scale, off = _part_scale(FORMAT, sc_ptr, mn_ptr, d, m, c, rs, N, p, SC_W)
                 added = ()
                 for r in tl.static_range(ROWS):
                     x0, x1, x2, x3 = _part_inputs(x_ptr + r * stride_xm, r, M, c * S + p * 4 * W, W, X_BF16)
                     xs = x0 + x1 + x2 + x3
-                    t = f0 * x0 + (f1 * x1 + (f2 * x2 + (f3 * x3 - 2.0 * xs)))  # Σ q·x / 64, FMAs from the right
-                    added = added + (accs[r] + (scale * 64.0)[:, None] * t - off[:, None] * xs,)
+                    # Σ q·x / 64, and the part's scale and offset: every FMA written out, so that the compiler
+                    # cannot contract a·b − c·d one way in one launch and the other way in another (Q5_0's
+                    # verify rows differed from one row in the last bit, H200)
+                    t = tl.fma(f0, x0, tl.fma(f1, x1, tl.fma(f2, x2, tl.fma(f3, x3, -2.0 * xs))))
+                    added = added + (tl.fma((scale * 64.0)[:, None], t, tl.fma(-off[:, None], xs, accs[r])),)
                 accs = added
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         for r in tl.static_range(ROWS):
@@ -385,8 +395,10 @@ def available(device: torch.device, dtype: torch.dtype, kind: str) -> str | None
 
 
 RESIDENT = 3  # programs of the tensor-core kernel per SM (175 registers a thread at 4 warps: sm_90, 2026-11-28)
-GEMV_BLOCK_N = 128  # weight rows per program of the one-row kernel: two a thread, so an input is widened once for two
-GEMV_ROWS = 4  # activation rows per launch of it at most (a verify step's 9 take three launches): 8 spilled registers
+GEMV_BLOCK_N = 256  # weight rows per program of the one-row kernel (128 was as fast, or slower: gate_up 1.7×)
+GEMV_PROGRAMS = 3.4  # its programs per SM, about: the split that gives each shape about this many was the fastest
+GEMV_ROWS = 512  # ÷ block_n: activation rows per launch of it at most (a verify step's 9 rows take five launches
+# of 2 at 256 weight rows a program): more spilled registers (Q6_K at 4 rows and 256, compiled for sm_90)
 
 
 def default_config(kind: str, out_features: int, in_features: int, processors: int) -> Config:
@@ -401,11 +413,14 @@ def default_config(kind: str, out_features: int, in_features: int, processors: i
 
 
 def default_gemv_config(kind: str, out_features: int, in_features: int, processors: int) -> Config:
-    """The one-row kernel's launch shape: tiles of GEMV_BLOCK_N rows, their inputs split until there are two
-    programs per SM (a small matrix, q/k/v's 36 tiles, would otherwise stream through a quarter of the GPU)."""
+    """The one-row kernel's launch shape: tiles of GEMV_BLOCK_N rows, their inputs split until there are about
+    GEMV_PROGRAMS programs per SM (q/k/v's 18 tiles would otherwise stream through a seventh of the GPU). The
+    fastest of a sweep at Qwen2.5-7B's shapes (H200, 2026-11-28, `bench/gguf_native.py`: q/k/v 8.8 µs where 128
+    rows in 7 splits took 11.3; gate_up 38.6 µs in 3 splits where one took 62.9)."""
     chunks = in_features // FORMATS[kind].size
     tiles = -(-out_features // GEMV_BLOCK_N)
-    return Config(block_n=GEMV_BLOCK_N, split_k=max(1, min(MAX_SPLIT, chunks, 2 * processors // tiles)))
+    split = round(GEMV_PROGRAMS * processors / tiles)
+    return Config(block_n=GEMV_BLOCK_N, split_k=max(1, min(MAX_SPLIT, chunks, split)))
 
 
 class GGUFWeight:
@@ -453,8 +468,9 @@ class GGUFWeight:
         if out is None:
             out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
         if m == 1 or (m <= BLOCK_M and as_one_row()):
-            for start in range(0, m, GEMV_ROWS):  # more rows a launch would spill registers (compiled for sm_90)
-                self._launch(x2[start:start + GEMV_ROWS], out[start:start + GEMV_ROWS], True)
+            group = max(1, GEMV_ROWS // self.one_row.block_n)
+            for start in range(0, m, group):
+                self._launch(x2[start:start + group], out[start:start + group], True)
         else:
             self._launch(x2, out, False)
         return out.view(*shape[:-1], n_out)

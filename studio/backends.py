@@ -126,26 +126,25 @@ EXACT_INT4 = frozenset({"Q4_0", "Q4_1"})  # 4-bit blocks of 32 that int4 keeps a
 
 def gguf_modes(config) -> tuple[tuple[str, ...], str]:
     """The weight modes `--quant auto` tries on a GPU for a GGUF file, in order, and why. A file whose every type
-    has a kernel (`gguf_native.KINDS`: the K types Q4_K/Q5_K/Q6_K, Q8_0 and the 4- and 5-bit blocks of 32) can
-    run as stored, in about its own size, bit for bit its own weights; it comes after int8 while its kernels
-    are the slower (a Qwen2.5-7B-shape Q4_K_M as stored: 107 tok/s, 0.56× llama.cpp's on the same file and
-    H200, where int8 decodes at 1.35× bf16, about 300: bench/RESULTS.md), and before int4, which re-rounds.
-    By measured quality:
+    has a kernel (`gguf_native.KINDS`: the K types Q4_K/Q5_K/Q6_K, Q8_0 and the 4- and 5-bit blocks of 32) runs
+    as stored first: about its own size, bit for bit its own weights, and faster than llama.cpp on the same file
+    (a Qwen2.5-7B-shape Q4_K_M: 254 tok/s, 1.32× llama.cpp's, H200: bench/RESULTS.md); int8 (twice the memory,
+    a little faster) and int4 (re-rounded) follow where it cannot. By measured quality:
     Q4_0 and Q4_1 blocks are int4's own groups of 32, kept as they are (`int4_grid`; SmolLM2's Q4_1 on the
     kernels: perplexity 11.642, int8 11.677, float 11.556, H200 bf16); every other quantized file (5-, 6-,
-    8-bit, Q4_K, whose 6-bit sub-scales int4 would re-round, the IQ types, and the mixes) runs as int8, which
-    carries it within 0.1 % of its perplexity (re-rounding a real Qwen2.5-0.5B Q4_K_M into int4 cost +9.25 %,
-    bench/RESULTS.md). A float GGUF file: as a float checkpoint (`MODES`)."""
+    8-bit, Q4_K, whose 6-bit sub-scales int4 would re-round, the IQ types, and the mixes) runs as int8 where
+    it has a type without a kernel, which carries it within 0.1 % of its perplexity (re-rounding a real
+    Qwen2.5-0.5B Q4_K_M into int4 cost +9.25 %, bench/RESULTS.md). A float GGUF file: as a float checkpoint
+    (`MODES`)."""
     types = set(config.gguf_tensor_types) - {"F32", "F16", "BF16"}
     if not types:
         return MODES, ""
     if types <= EXACT_INT4 and len(types) == 1:
         return ("int4",), f"its {next(iter(types))} blocks of 32 run as int4 as they are"
     if types <= GGUF_KINDS:
-        return ("int8", GGUF, "int4"), (
-            f"a {config.gguf_type} file: int8 carries its {', '.join(sorted(types))} weights within 0.1 % of their "
-            f"perplexity and decodes faster; where int8 does not fit, its own blocks run as stored (about the "
-            f"file's size, exactly its weights; --quant gguf to insist)")
+        return (GGUF, "int8", "int4"), (
+            f"a {config.gguf_type} file: its {', '.join(sorted(types))} blocks run as the file stores them, in about "
+            f"its size, exactly its weights (--quant int8 for twice the memory and a little more speed)")
     return ("int8", "int4"), (f"a {config.gguf_type} file holds {', '.join(sorted(types))} weights: int8 carries "
                               f"them within 0.1 % of their perplexity, int4 would re-round them (--quant int4 to "
                               f"insist)")
@@ -183,7 +182,9 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
         return "none", "auto on the CPU: quantized layers would dequantize at every call there"
     modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
     if GGUF in modes and (why := gguf_unavailable(device, dtype, set(config.gguf_tensor_types) & GGUF_KINDS)):
-        modes, gguf_why = tuple(m for m in modes if m != GGUF), f"{gguf_why}; as stored it cannot run here ({why})"
+        modes = tuple(m for m in modes if m != GGUF)
+        gguf_why = (f"a {config.gguf_type} file: as stored it cannot run here ({why}); int8 carries its weights "
+                    f"within 0.1 % of their perplexity")
     kv = KVCache.row_bytes(config, context + 1, dtype)
     for mode in modes:
         need = weight_bytes(config, mode, dtype) + kv

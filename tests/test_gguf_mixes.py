@@ -159,9 +159,9 @@ def test_a_q4_k_m_file_with_q5_0_rows_is_served_through_v1(tmp_path, bpe_vocab, 
 
 
 def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, bpe_vocab, capsys):
-    """On a GPU (`--quant auto`): 4-bit blocks of 32 as int4 (kept as they are), a mix as int8 (re-rounding
-    a real Q4_K_M into int4 cost +9.25 % perplexity), or its own blocks where int8 does not fit, and never
-    as stored where a type has no kernel; asked, int4 and gguf all the same; on the CPU float."""
+    """On a GPU (`--quant auto`): 4-bit blocks of 32 as int4 (kept as they are), a mix of types with kernels as
+    stored, int8 where it cannot run so (re-rounding a real Q4_K_M into int4 cost +9.25 % perplexity) or where a
+    type has no kernel; asked, int4 and gguf all the same; on the CPU float."""
     from pipeline.llm.model import KVCache
     from studio.backends import choose_quant, weight_bytes
     from studio.compose import run
@@ -174,14 +174,15 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     gpu, cpu, bf16 = torch.device("cuda"), torch.device("cpu"), torch.bfloat16
     mix_config, pure_config = (read_config(locate(str(p)).path) for p in (mixed, pure))
     assert mix_config.gguf_tensor_types == ("Q4_K", "Q5_0", "Q6_K", "Q8_0")
-    mode, why = choose_quant("auto", mix_config, bf16, gpu, 40 << 30, 1024)  # int8 first, while it decodes faster
-    assert mode == "int8" and "int8 carries its Q4_K, Q5_0, Q6_K, Q8_0 weights within 0.1 % of their perplexity" in why
+    mode, why = choose_quant("auto", mix_config, bf16, gpu, 40 << 30, 1024)  # as the file stores it
+    assert mode == "gguf" and "its Q4_K, Q5_0, Q6_K, Q8_0 blocks run as the file stores them" in why
     kv = KVCache.row_bytes(mix_config, 1025, bf16)
     as_stored = weight_bytes(mix_config, "gguf", bf16)
     assert as_stored < weight_bytes(mix_config, "int8", bf16)
-    assert choose_quant("auto", mix_config, bf16, gpu, as_stored + kv, 1024)[0] == "gguf"  # int8 does not fit
+    assert choose_quant("auto", mix_config, bf16, gpu, as_stored + kv, 1024)[0] == "gguf"  # int8 would not fit
     mode, why = choose_quant("auto", mix_config, torch.float32, gpu, 40 << 30, 1024)  # float32: no GGUF kernel
     assert mode == "int8" and "as stored it cannot run here (the low-bit kernels compute in bf16 or fp16" in why
+    assert "int8 carries its weights within 0.1 % of their perplexity" in why
     assert choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)[0] == "int4"  # Q4_0's blocks, as they are
     assert choose_quant("gguf", pure_config, bf16, gpu, 40 << 30, 1024) == ("gguf", "asked for")
     assert choose_quant("gguf", mix_config, bf16, cpu, None, 1024) == (
@@ -196,8 +197,8 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     mode, why = choose_quant("auto", read_config(locate(str(q3)).path), bf16, gpu, 40 << 30, 1024)
     assert mode == "int8" and "Q3_K_M file holds IQ4_NL, Q3_K, Q5_0, Q5_1, Q5_K weights: int8 carries them" in why
     assert run(["--model", str(mixed), "--check"], lambda config, plan: 1) == 0
-    assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as int8 (a Q4_K_M file: int8 carries its Q4_K, Q5_0, " \
-        "Q6_K, Q8_0 weights" in capsys.readouterr().out
+    assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as its own blocks (--quant gguf) (a Q4_K_M file: its " \
+        "Q4_K, Q5_0, Q6_K, Q8_0 blocks run as the file stores them" in capsys.readouterr().out
 
 
 def test_a_big_endian_file_is_refused_in_one_line(tmp_path, bpe_vocab):
@@ -239,8 +240,9 @@ def test_int4_grid_follows_the_files_types():
 
 
 def test_the_models_tab_says_what_a_q4_k_m_file_takes_on_a_gpu(tmp_path):
-    """On a GPU the Models tab sizes a Q4_K_M file as `auto` would run it: int8 where that fits, else its own
-    blocks as stored, about the file's size (the file llama.cpp's quantizer made, `fixtures/`)."""
+    """On a GPU the Models tab sizes a Q4_K_M file as `auto` would run it: its own blocks as stored, about the
+    file's size, in bf16 (the file llama.cpp's quantizer made, `fixtures/`); int8 in float32, which the kernels
+    do not compute in."""
     import shutil
     from pathlib import Path
 
@@ -254,14 +256,14 @@ def test_the_models_tab_says_what_a_q4_k_m_file_takes_on_a_gpu(tmp_path):
     models.mkdir()
     shutil.copy(fixture, models / fixture.name)
 
-    def entry(budget: int):
-        finder = ModelFinder(StudioConfig(models_dir=models, context=256), "bfloat16", "cuda", budget, tmp_path)
+    def entry(budget: int, dtype: str = "bfloat16"):
+        finder = ModelFinder(StudioConfig(models_dir=models, context=256), dtype, "cuda", budget, tmp_path)
         return next(e for e in finder.models() if e.id == str(models / fixture.name))
 
     roomy = entry(40 << 30)
-    assert roomy.precision == "int8 weights, bfloat16" and roomy.quant == "Q4_K_M"
     config = read_config(roomy.path)
     as_stored = weight_bytes(config, "gguf", torch.bfloat16) + KVCache.row_bytes(config, 257, torch.bfloat16)
-    tight = entry(as_stored)
-    assert tight.precision == "Q4_K_M blocks as stored, bfloat16" and tight.gpu_bytes == as_stored
+    assert roomy.precision == "Q4_K_M blocks as stored, bfloat16" and roomy.quant == "Q4_K_M"
+    assert roomy.gpu_bytes == as_stored and entry(as_stored).precision == roomy.precision
     assert as_stored < 1.1 * fixture.stat().st_size + KVCache.row_bytes(config, 257, torch.bfloat16)
+    assert entry(40 << 30, "float32").precision == "int8 weights, float32"
