@@ -397,8 +397,9 @@ def available(device: torch.device, dtype: torch.dtype, kind: str) -> str | None
 RESIDENT = 3  # programs of the tensor-core kernel per SM (175 registers a thread at 4 warps: sm_90, 2026-11-28)
 GEMV_BLOCK_N = 256  # weight rows per program of the one-row kernel (128 was as fast, or slower: gate_up 1.7×)
 GEMV_PROGRAMS = 3.4  # its programs per SM, about: the split that gives each shape about this many was the fastest
-GEMV_ROWS = 512  # ÷ block_n: activation rows per launch of it at most (a verify step's 9 rows take five launches
-# of 2 at 256 weight rows a program): more spilled registers (Q6_K at 4 rows and 256, compiled for sm_90)
+GEMV_ROWS = 2  # activation rows per launch of it at most (a verify step's 9 rows take five launches): launches of 3
+# or 4 rows gave Q5_0 and Q5_1 rows that differed from their one-row numbers in the last bit (H200, 128 weight rows a
+# program), and at 256 weight rows 4 rows spilled registers (Q6_K, compiled for sm_90)
 
 
 def default_config(kind: str, out_features: int, in_features: int, processors: int) -> Config:
@@ -468,9 +469,8 @@ class GGUFWeight:
         if out is None:
             out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
         if m == 1 or (m <= BLOCK_M and as_one_row()):
-            group = max(1, GEMV_ROWS // self.one_row.block_n)
-            for start in range(0, m, group):
-                self._launch(x2[start:start + group], out[start:start + group], True)
+            for start in range(0, m, GEMV_ROWS):
+                self._launch(x2[start:start + GEMV_ROWS], out[start:start + GEMV_ROWS], True)
         else:
             self._launch(x2, out, False)
         return out.view(*shape[:-1], n_out)

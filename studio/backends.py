@@ -128,8 +128,8 @@ def gguf_modes(config) -> tuple[tuple[str, ...], str]:
     """The weight modes `--quant auto` tries on a GPU for a GGUF file, in order, and why. A file whose every type
     has a kernel (`gguf_native.KINDS`: the K types Q4_K/Q5_K/Q6_K, Q8_0 and the 4- and 5-bit blocks of 32) runs
     as stored first: about its own size, bit for bit its own weights, and faster than llama.cpp on the same file
-    (a Qwen2.5-7B-shape Q4_K_M: 254 tok/s, 1.32× llama.cpp's, H200: bench/RESULTS.md); int8 (twice the memory,
-    a little faster) and int4 (re-rounded) follow where it cannot. By measured quality:
+    (a Qwen2.5-7B-shape Q4_K_M: 320 tok/s, 1.70× llama.cpp's, H200: bench/RESULTS.md); int8 (twice the memory)
+    and int4 (re-rounded) follow where it cannot. By measured quality:
     Q4_0 and Q4_1 blocks are int4's own groups of 32, kept as they are (`int4_grid`; SmolLM2's Q4_1 on the
     kernels: perplexity 11.642, int8 11.677, float 11.556, H200 bf16); every other quantized file (5-, 6-,
     8-bit, Q4_K, whose 6-bit sub-scales int4 would re-round, the IQ types, and the mixes) runs as int8 where
@@ -144,7 +144,7 @@ def gguf_modes(config) -> tuple[tuple[str, ...], str]:
     if types <= GGUF_KINDS:
         return (GGUF, "int8", "int4"), (
             f"a {config.gguf_type} file: its {', '.join(sorted(types))} blocks run as the file stores them, in about "
-            f"its size, exactly its weights (--quant int8 for twice the memory and a little more speed)")
+            f"its size, exactly its weights (--quant int8 to insist on int8: twice the memory)")
     return ("int8", "int4"), (f"a {config.gguf_type} file holds {', '.join(sorted(types))} weights: int8 carries "
                               f"them within 0.1 % of their perplexity, int4 would re-round them (--quant int4 to "
                               f"insist)")

@@ -243,8 +243,10 @@ class ModelRunner:
         way, before a reply needs it): steps replayed in the scratch positions, which hold nothing; host work
         included (a small model on a fast GPU is bound by it, not by its weights). Fixed from then on, so
         which steps verify follows from the tokens alone, never from the clock between steps. Fitted as
-        `VerifyCost`."""
-        def seconds(k: int) -> float:
+        `VerifyCost`, whose fixed part also holds the wait a verify step costs the host: its tokens are settled
+        before the next step is launched, where plain steps run one ahead of the host (speculation measured
+        slower than none with 8 chats and on int4's open chat while this wait was left out, H200 2026-11-28)."""
+        def seconds(k: int, settled: bool = False) -> float:
             feed = RowsFeed(rows, [[0] * (k + 1)] * rows, [self.scratch] * rows, [0] * rows,
                             kv_need=self.scratch + k + 1)
             for _ in range(3):  # the capture, and a replay
@@ -252,16 +254,19 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             start = time.perf_counter()
             for _ in range(repeats):
-                self.step(cache, feed)
+                logits, _ = self.step(cache, feed)
+                if settled:  # as a verify step is: its tokens read before the next launch
+                    logits[:, 0, :1].cpu()
             torch.cuda.synchronize(self.device)
             return (time.perf_counter() - start) / repeats
 
         plain = seconds(0)
+        wait = max(seconds(0, settled=True) / plain - 1.0, 0.0)
         extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]
         mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
         slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
         slope = max(slope, 0.0)
-        return VerifyCost(max(mean_e - slope * mean_k, 0.0), slope)
+        return VerifyCost(max(mean_e - slope * mean_k, 0.0) + wait, slope)
 
     def _run(self, key: tuple, forward: Callable[..., Tensor | None], *inputs: Tensor | None) -> Tensor | None:
         """`forward(*inputs)` by replaying the graph captured for `key` (at its first use) with `inputs`
