@@ -103,6 +103,33 @@ def cache_rows(config, context: int, dtype: torch.dtype, max_batch: int, kv_cach
 
 
 GGUF = "gguf"  # the weight mode of a GGUF file's own blocks (`pipeline/llm/weights/gguf_native.py`)
+CONTEXTS = (32768, 16384, 8192, 4096, 2048, 1024, 512)  # the --context values a refusal may advise
+HEADROOM_BYTES = 256 << 20  # beside the weights and the cache: a step's activations and the app's own growth
+
+
+def available_memory() -> int:
+    """The bytes this machine can give a model now without swapping (psutil's "available")."""
+    import psutil  # lazily: the GPU path never asks
+
+    return psutil.virtual_memory().available
+
+
+def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: int, available: int) -> None:
+    """Refuse, in one line and before anything loads, a model whose weights and one conversation's cache would
+    not fit the memory this machine has free (a laptop would swap to a halt), saying what it needs, what is free
+    and what would fit: a shorter `--context` where the weights do, else closing programs or a smaller file."""
+    weights = weight_bytes(config, mode, dtype)
+    cache = KVCache.row_bytes(config, context + 1, dtype)
+    if weights + cache + HEADROOM_BYTES <= available:
+        return
+    shorter = [c for c in CONTEXTS if c < context
+               and weights + KVCache.row_bytes(config, c + 1, dtype) + HEADROOM_BYTES <= available]
+    advice = f"close programs or use --context {shorter[0]}" if shorter else \
+        "close programs, or use a smaller model (a 4-bit GGUF file of it, or fewer parameters)"
+    precision = "float32" if mode == "none" else mode
+    raise UserError(f"{model_id} needs {(weights + cache) / 1e9:.1f} GB of memory here ({weights / 1e9:.1f} GB of "
+                    f"{precision} weights and {cache / 1e9:.1f} GB for a {context}-token conversation); "
+                    f"{available / 1e9:.1f} GB are free: {advice}")
 
 
 def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
@@ -296,7 +323,8 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                         quant: str = "none", image_queries: int = 0, free_bytes: int | None = None,
                         speculate: str = "exact", draft: LanguageModel | None = None) -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
-    `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`). Under `tensorrt`
+    `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`; on the CPU `free_bytes` is
+    the free memory, read from the machine when not given, which the model must fit: `check_memory`). Under `tensorrt`
     the engine is TensorRT-LLM's (with a prompt table for `image_queries` image embeddings per sequence),
     built once into the engine cache; a failed build falls back to torch. `speculate`: exact, fast or off
     (the torch engine's speculative decoding, `pipeline.llm.engine.speculation`); with a `draft` model (loaded,
@@ -306,9 +334,14 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     config = read_config(model_dir)
     context = min(max_context, config.max_position_embeddings)
     target = torch.device(device)
-    if free_bytes is None and target.type == "cuda":
+    ram = None
+    if target.type == "cpu":  # free memory decides whether it loads; the cache is bounded as `cache_rows` says
+        ram, free_bytes = (free_bytes if free_bytes is not None else available_memory()), None
+    elif free_bytes is None:
         free_bytes = torch.cuda.mem_get_info(target)[0]
     quant, quant_why = choose_quant(quant, config, dtype, target, free_bytes, context)
+    if ram is not None:
+        check_memory(model_id, config, quant, dtype, context, ram)
     if engines is not None and quant_why != "asked for":
         engines.report.say(f"{model_id}: --quant {quant} ({quant_why})")
     if backend == "tensorrt" and config.quantization:
