@@ -24,7 +24,6 @@ from pipeline.errors import UserError
 from pipeline.files import atomic_write
 from pipeline.llm.loading import load_decoder, load_gguf_native
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.weights.gguf_file import split_parts
 from pipeline.llm.weights.gguf_native import KINDS as GGUF_KINDS, GGUFLinear, unavailable as gguf_unavailable
 from pipeline.llm.engine.draft_model import DraftModel
 from pipeline.llm.engine.speculation import prompt_lookup
@@ -32,9 +31,10 @@ from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model import Decoder, KVCache
 from pipeline.llm.text.prompt import Prompt
-from pipeline.llm.weights.quant import (MODES, QuantLinear, empty_quantized, int4_group, kernel_stand_ins,
-                                        kernel_unavailable, quantized_layers, use_kernels)
+from pipeline.llm.weights.quant import (MODES, QuantLinear, empty_quantized, kernel_stand_ins, kernel_unavailable,
+                                        use_kernels)
 from studio.draft_choice import draft_modes, fastest_draft, record_name
+from studio.memory_fit import GGUF, available_memory, check_memory, weight_bytes
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.engine.sampling import SamplingParams, checkpoint_defaults
 from pipeline.llm.text.tokenizer import Tokenizer, load_tokenizer
@@ -102,52 +102,6 @@ def cache_rows(config, context: int, dtype: torch.dtype, max_batch: int, kv_cach
     return rows, batch
 
 
-GGUF = "gguf"  # the weight mode of a GGUF file's own blocks (`pipeline/llm/weights/gguf_native.py`)
-CONTEXTS = (32768, 16384, 8192, 4096, 2048, 1024, 512)  # the --context values a refusal may advise
-HEADROOM_BYTES = 256 << 20  # beside the weights and the cache: a step's activations and the app's own growth
-
-
-def available_memory() -> int:
-    """The bytes this machine can give a model now without swapping (psutil's "available")."""
-    import psutil  # lazily: the GPU path never asks
-
-    return psutil.virtual_memory().available
-
-
-def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: int, available: int) -> None:
-    """Refuse, in one line and before anything loads, a model whose weights and one conversation's cache would
-    not fit the memory this machine has free (a laptop would swap to a halt), saying what it needs, what is free
-    and what would fit: a shorter `--context` where the weights do, else closing programs or a smaller file."""
-    weights = weight_bytes(config, mode, dtype)
-    cache = KVCache.row_bytes(config, context + 1, dtype)
-    if weights + cache + HEADROOM_BYTES <= available:
-        return
-    shorter = [c for c in CONTEXTS if c < context
-               and weights + KVCache.row_bytes(config, c + 1, dtype) + HEADROOM_BYTES <= available]
-    advice = f"close programs or use --context {shorter[0]}" if shorter else \
-        "close programs, or use a smaller model (a 4-bit GGUF file of it, or fewer parameters)"
-    precision = "float32" if mode == "none" else mode
-    raise UserError(f"{model_id} needs {(weights + cache) / 1e9:.1f} GB of memory here ({weights / 1e9:.1f} GB of "
-                    f"{precision} weights and {cache / 1e9:.1f} GB for a {context}-token conversation); "
-                    f"{available / 1e9:.1f} GB are free: {advice}")
-
-
-def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
-    """What a decoder's weights take in memory with `mode` weights (see `quantized_layers` for which); a GGUF
-    file's blocks as stored: the file's size, and 4 bytes per 256 weights of decoded sub-scales."""
-    if mode == GGUF:
-        return int(sum(part.stat().st_size for part in split_parts(Path(config.gguf_file))) * 1.03)
-    with torch.device("meta"):
-        model = Decoder(config)
-    total = sum(p.numel() for p in model.parameters()) * dtype.itemsize
-    if mode == "none":
-        return total
-    per_weight = {"int8": 1 + 4 / config.hidden_size, "int4": 0.5 + 2 * dtype.itemsize / int4_group(config)}
-    for parent, name, layer_mode in quantized_layers(model, mode):
-        total -= int(getattr(parent, name).weight.numel() * (dtype.itemsize - per_weight[layer_mode]))
-    return total
-
-
 EXACT_INT4 = frozenset({"Q4_0", "Q4_1"})  # 4-bit blocks of 32 that int4 keeps as they are (`quant.int4_grid`)
 
 
@@ -206,7 +160,7 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
     if requested != "auto":
         return requested, "asked for"
     if device.type != "cuda" or free_bytes is None:
-        return "none", "auto on the CPU: quantized layers would dequantize at every call there"
+        return "none", "auto on the CPU: float32 (--quant int4 or int8 runs low-bit weights on torch's CPU kernels)"
     modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
     if GGUF in modes and (why := gguf_unavailable(device, dtype, set(config.gguf_tensor_types) & GGUF_KINDS)):
         modes = tuple(m for m in modes if m != GGUF)
@@ -266,7 +220,8 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
             atomic_write(path, tuned.to_json())
         if device.type == "cuda":
             compile_steps([m.kernel for m in model.modules() if isinstance(m, QuantLinear)], verify, say)
-        return model, f"{mode} weights (Triton low-bit kernels)"
+        return model, f"{mode} weights (" + ("Triton low-bit kernels)" if device.type == "cuda" else
+                                             "torch's CPU low-bit kernels, in bf16)")
     say(f"{model_id}: {why}")
     return model, f"{mode} weights (reference: dequantized per call)"
 

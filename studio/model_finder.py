@@ -41,7 +41,8 @@ from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.service.tools import Tool
 from pipeline.weights_io import read_json
-from studio.backends import GGUF, choose_quant, weight_bytes
+from studio.backends import choose_quant
+from studio.memory_fit import GGUF, weight_bytes
 from studio.config import StudioConfig
 from studio.sizes import weights_size
 from studio.vlm import FAMILIES as VLM_FAMILIES

@@ -17,7 +17,8 @@ from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.sam.weights import locate_sam
 from pipeline.service.tools import Tool
 from pipeline.llm.weights.checkpoint import read_config
-from studio.backends import GGUF, BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
+from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
+from studio.memory_fit import GGUF
 from studio.config import StudioConfig
 from studio.vlm import SIZES as VLM_SIZES
 from studio.vlm import local_folder, model_name, vlm_id

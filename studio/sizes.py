@@ -10,7 +10,7 @@ from engine_builder.fingerprint import weight_files
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.weights_io import loaded_bytes
-from studio.backends import GGUF, weight_bytes
+from studio.memory_fit import GGUF, weight_bytes
 
 
 def weights_size(*paths: Path | None, dtype: torch.dtype | None = None) -> int:

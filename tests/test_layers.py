@@ -112,7 +112,8 @@ DEFERRED = {
     ("launch", "app.server"): "gradio takes seconds to import: the terminal chat starts without it",
     **{pair: "Triton kernels and their jit helpers exist only where triton imports (CPU wheels have none)"
        for pair in (("plugins.lowbit", "plugins.lowbit_gemv"), ("plugins.lowbit", "plugins.lowbit_tiles"),
-                    ("plugins.lowbit_gemv", "plugins.lowbit_tiles"), ("plugins.gguf_matmul", "plugins.lowbit_tiles"))},
+                    ("plugins.lowbit_gemv", "plugins.lowbit_tiles"), ("plugins.gguf_matmul", "plugins.lowbit_tiles"),
+                    ("plugins.gguf_matmul", "plugins.gguf_gemv"), ("plugins.gguf_gemv", "plugins.lowbit_tiles"))},
 }
 PRODUCT = ("app", "studio", "engine_builder", "pipeline", "plugins")
 

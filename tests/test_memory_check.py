@@ -11,7 +11,8 @@ from pipeline.errors import UserError
 from pipeline.llm.model import KVCache
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.models import locate
-from studio.backends import HEADROOM_BYTES, check_memory, load_language_model, weight_bytes
+from studio.backends import load_language_model
+from studio.memory_fit import HEADROOM_BYTES, check_memory, weight_bytes
 from test_gguf import cache  # noqa: F401  (the test cache for `locate`)
 
 SMOLLM2 = "builtin/smollm2-135m-instruct"

@@ -15,7 +15,8 @@ from studio.sizes import llm_size
 from engine_builder.build import EngineOptions
 from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
-from studio.backends import choose_quant, load_language_model, torch_decoder, weight_bytes
+from studio.backends import choose_quant, load_language_model, torch_decoder
+from studio.memory_fit import weight_bytes
 from pipeline.errors import UserError
 from pipeline.llm.loading import load_decoder, load_prequantized
 from pipeline.llm.weights.checkpoint import from_internal, layout_of, read_config, to_internal, write_checkpoint
@@ -236,7 +237,7 @@ def test_the_repacked_weights_are_cached_and_read_back_on_the_next_launch(tmp_pa
         return model, how, options.report.lines
 
     first, how, lines = launch()
-    assert how == "int4 weights (reference: dequantized per call)"
+    assert how == "int4 weights (torch's CPU low-bit kernels, in bf16)"
     assert any("repacking its AWQ int4 weights (not built yet)" in line for line in lines), lines
     (stored,) = cache.glob("llm-int4-awq-*/decoder.safetensors")
     assert load_file(stored)["layers.0.attn.wqkv.q"].dtype == torch.uint8  # the app's int4, on disk
@@ -258,7 +259,7 @@ def test_the_chat_model_loads_a_gptq_folder_as_int4_and_says_so(qwen2_demo, tmp_
     options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(out=None))
     llm = load_language_model(folder, "tiny-gptq", quant="none", engines=options)
     try:
-        assert "int4 weights (reference: dequantized per call)" in llm.description
+        assert "int4 weights (torch's CPU low-bit kernels, in bf16)" in llm.description
         said = [line for line in options.report.lines if "runs as int4" in line]
         assert said == ["tiny-gptq: --quant int4 (the checkpoint holds GPTQ int4 weights: it runs as int4, "
                         "not --quant none)"], options.report.lines

@@ -10,7 +10,8 @@ from engine_builder.build import EngineOptions
 
 from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
-from studio.backends import choose_quant, load_language_model, weight_bytes
+from studio.backends import choose_quant, load_language_model
+from studio.memory_fit import weight_bytes
 from pipeline.llm.loading import load_decoder
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.config import DecoderConfig, config_from_hf
@@ -151,7 +152,7 @@ def test_the_chat_model_loads_quantized_and_says_how_it_runs(qwen_v1_demo, tmp_p
     options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(out=None))
     llm = load_language_model(qwen_v1_demo, "demo/qwen-v1-tiny", quant="int8", engines=options)
     try:
-        assert "int8 weights (reference: dequantized per call)" in llm.description
+        assert "int8 weights (torch's CPU low-bit kernels, in bf16)" in llm.description
         stream = llm.engine.submit(Prompt(tuple(range(3, 20))), _greedy(8), stop_ids=set())
         assert len(list(stream)) == 8
     finally:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from plugins import lowbit, lowbit_tuning
+from plugins import cpu_lowbit, lowbit, lowbit_tuning
 
 MODES = ("none", "int8", "int4")
 GROUP = lowbit.GROUP  # int4 group size (TensorRT-LLM's and AWQ's usual choice): 1/32 extra bytes of metadata
@@ -169,17 +169,30 @@ class QuantLinear(nn.Module):
     def weight_float(self) -> Tensor:
         return dequantize(self.parts(), self.mode)
 
+    @property
+    def on_cpu_kernels(self) -> bool:
+        """Whether this layer's kernel is torch's CPU one: on the CPU, except under Triton's interpreter (with which
+        the tests run our GPU kernels there)."""
+        return self.q.device.type == "cpu" and not lowbit.INTERPRETED
+
     def kernel_unavailable(self) -> str | None:
-        """None when `plugins.lowbit` can run this layer where its weights are (int4 in its own groups),
-        else why not."""
+        """None when a low-bit kernel can run this layer where its weights are (int4 in its own groups):
+        `plugins.lowbit` on a GPU, torch's own on the CPU (`plugins.cpu_lowbit`); else why not."""
+        if self.on_cpu_kernels:
+            return cpu_lowbit.available(BITS[self.mode], self.out_features, self.in_features, self.group)
         return lowbit.available(self.q.device, self.dtype, BITS[self.mode], self.in_features, self.group or GROUP)
 
     def use_kernel(self, workspace: lowbit.Workspace, silu_mul: bool = False) -> None:
-        """Repack the weights into the kernel's layout and run the Triton kernel from now on; the
-        reference buffers are then freed. `workspace` (one per model) holds split-K partial sums.
-        `silu_mul` (a fused gate and up projection): the layer returns SiLU(gate)·up, made in the kernel."""
-        self.kernel = lowbit.LowBitWeight.from_parts(self.parts(), BITS[self.mode], self.dtype, self.bias, workspace,
-                                                     gated=silu_mul)
+        """Repack the weights into the kernel's layout and run the kernel from now on (on the CPU torch's:
+        `plugins.cpu_lowbit`); the reference buffers are then freed. `workspace` (one per model) holds
+        split-K partial sums. `silu_mul` (a fused gate and up projection, on a GPU): the layer returns
+        SiLU(gate)·up, made in the kernel."""
+        if self.on_cpu_kernels:
+            self.kernel = cpu_lowbit.CPUWeight.int8(self.q, self.scale, self.bias) if self.mode == "int8" else \
+                cpu_lowbit.CPUWeight.int4(unpack_int4(self.q), self.scale, self.zero, self.bias)
+        else:
+            self.kernel = lowbit.LowBitWeight.from_parts(self.parts(), BITS[self.mode], self.dtype, self.bias,
+                                                         workspace, gated=silu_mul)
         for name in ("q", "scale", "zero"):
             if hasattr(self, name):
                 setattr(self, name, torch.empty(0, device=self.kernel.data.device))
@@ -195,7 +208,9 @@ class QuantLinear(nn.Module):
         return F.linear(x, self.weight_float().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} → {self.out_features}, {self.mode}" + (", triton" if self.kernel else "")
+        kernel = "" if self.kernel is None else ", torch CPU kernel" if isinstance(self.kernel, cpu_lowbit.CPUWeight) \
+            else ", triton"
+        return f"{self.in_features} → {self.out_features}, {self.mode}{kernel}"
 
 
 def quantized_layers(model: nn.Module, mode: str) -> Iterator[tuple[nn.Module, str, str]]:
@@ -244,11 +259,12 @@ def use_kernels(model: nn.Module, tuned: lowbit_tuning.TunedConfigs | None = Non
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not layers:
         return 0
-    workspace = lowbit.Workspace(layers[0].q.device)
+    device = layers[0].q.device
+    workspace = lowbit.Workspace(device)
     gate_ups = _gate_ups(model)
     for layer in layers:
         layer.use_kernel(workspace, silu_mul=id(layer) in gate_ups)
-    if tuned is not None:
+    if tuned is not None and device.type == "cuda":  # torch's CPU kernels have no launch shapes to tune
         lowbit_tuning.tune_layers([layer.kernel for layer in layers], tuned)
     return len(layers)
 

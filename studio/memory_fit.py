@@ -1,0 +1,57 @@
+"""Whether a model fits this machine before it loads: what its weights take in each mode (`weight_bytes`), and
+on the CPU a one-line refusal of a model that would not fit the free memory (`check_memory`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import psutil
+import torch
+
+from pipeline.errors import UserError
+from pipeline.llm.model import Decoder, KVCache
+from pipeline.llm.weights.gguf_file import split_parts
+from pipeline.llm.weights.quant import int4_group, quantized_layers
+
+GGUF = "gguf"  # the weight mode of a GGUF file's own blocks (`pipeline/llm/weights/gguf_native.py`)
+CONTEXTS = (32768, 16384, 8192, 4096, 2048, 1024, 512)  # the --context values a refusal may advise
+HEADROOM_BYTES = 256 << 20  # beside the weights and the cache: a step's activations and the app's own growth
+
+
+def available_memory() -> int:
+    """The bytes this machine can give a model now without swapping (psutil's "available")."""
+    return psutil.virtual_memory().available
+
+
+def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: int, available: int) -> None:
+    """Refuse, in one line and before anything loads, a model whose weights and one conversation's cache would
+    not fit the memory this machine has free (a laptop would swap to a halt), saying what it needs, what is free
+    and what would fit: a shorter `--context` where the weights do, else closing programs or a smaller file."""
+    weights = weight_bytes(config, mode, dtype)
+    cache = KVCache.row_bytes(config, context + 1, dtype)
+    if weights + cache + HEADROOM_BYTES <= available:
+        return
+    shorter = [c for c in CONTEXTS if c < context
+               and weights + KVCache.row_bytes(config, c + 1, dtype) + HEADROOM_BYTES <= available]
+    advice = f"close programs or use --context {shorter[0]}" if shorter else \
+        "close programs, or use a smaller model (a 4-bit GGUF file of it, or fewer parameters)"
+    precision = "float32" if mode == "none" else mode
+    raise UserError(f"{model_id} needs {(weights + cache) / 1e9:.1f} GB of memory here ({weights / 1e9:.1f} GB of "
+                    f"{precision} weights and {cache / 1e9:.1f} GB for a {context}-token conversation); "
+                    f"{available / 1e9:.1f} GB are free: {advice}")
+
+
+def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
+    """What a decoder's weights take in memory with `mode` weights (see `quantized_layers` for which); a GGUF
+    file's blocks as stored: the file's size, and 4 bytes per 256 weights of decoded sub-scales."""
+    if mode == GGUF:
+        return int(sum(part.stat().st_size for part in split_parts(Path(config.gguf_file))) * 1.03)
+    with torch.device("meta"):
+        model = Decoder(config)
+    total = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    if mode == "none":
+        return total
+    per_weight = {"int8": 1 + 4 / config.hidden_size, "int4": 0.5 + 2 * dtype.itemsize / int4_group(config)}
+    for parent, name, layer_mode in quantized_layers(model, mode):
+        total -= int(getattr(parent, name).weight.numel() * (dtype.itemsize - per_weight[layer_mode]))
+    return total
