@@ -159,9 +159,11 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
         return gguf_asked(config, dtype, device)
     if requested != "auto":
         return requested, "asked for"
+    modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
+    if device.type != "cuda" and modes == ("int4",):  # the file's own 4-bit blocks, on torch's CPU kernels
+        return "int4", f"auto on the CPU: {gguf_why}, on torch's CPU kernels (1.65× float32's speed, SmolLM2)"
     if device.type != "cuda" or free_bytes is None:
         return "none", "auto on the CPU: float32 (--quant int4 or int8 runs low-bit weights on torch's CPU kernels)"
-    modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
     if GGUF in modes and (why := gguf_unavailable(device, dtype, set(config.gguf_tensor_types) & GGUF_KINDS)):
         modes = tuple(m for m in modes if m != GGUF)
         gguf_why = (f"a {config.gguf_type} file: as stored it cannot run here ({why}); int8 carries its weights "
@@ -278,8 +280,8 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                         quant: str = "none", image_queries: int = 0, free_bytes: int | None = None,
                         speculate: str = "exact", draft: LanguageModel | None = None) -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
-    `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`; on the CPU `free_bytes` is
-    the free memory, read from the machine when not given, which the model must fit: `check_memory`). Under `tensorrt`
+    `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`; on the CPU the model must fit
+    the memory the machine has free: `check_memory`). Under `tensorrt`
     the engine is TensorRT-LLM's (with a prompt table for `image_queries` image embeddings per sequence),
     built once into the engine cache; a failed build falls back to torch. `speculate`: exact, fast or off
     (the torch engine's speculative decoding, `pipeline.llm.engine.speculation`); with a `draft` model (loaded,
@@ -289,14 +291,11 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     config = read_config(model_dir)
     context = min(max_context, config.max_position_embeddings)
     target = torch.device(device)
-    ram = None
-    if target.type == "cpu":  # free memory decides whether it loads; the cache is bounded as `cache_rows` says
-        ram, free_bytes = (free_bytes if free_bytes is not None else available_memory()), None
-    elif free_bytes is None:
+    if free_bytes is None and target.type == "cuda":
         free_bytes = torch.cuda.mem_get_info(target)[0]
     quant, quant_why = choose_quant(quant, config, dtype, target, free_bytes, context)
-    if ram is not None:
-        check_memory(model_id, config, quant, dtype, context, ram)
+    if target.type == "cpu":  # what the machine has free decides whether it loads (a laptop would swap)
+        check_memory(model_id, config, quant, dtype, context, available_memory())
     if engines is not None and quant_why != "asked for":
         engines.report.say(f"{model_id}: --quant {quant} ({quant_why})")
     if backend == "tensorrt" and config.quantization:
