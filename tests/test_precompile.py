@@ -163,6 +163,7 @@ def test_stand_ins_are_one_per_distinct_layer_shape_of_the_decoder(monkeypatch, 
     from pipeline.llm.weights.quant import QuantLinear, empty_quantized, kernel_stand_ins, quantize_decoder, use_kernels
 
     monkeypatch.setattr(lowbit, "available", lambda *args: None)  # as on a GPU
+    monkeypatch.setattr(QuantLinear, "on_cpu_kernels", property(lambda self: False))  # our kernels, not torch's CPU ones
     config = read_config(qwen2_demo)
     model = quantize_decoder(Decoder(config).to(torch.bfloat16), "int4", "cpu")
     use_kernels(model)
