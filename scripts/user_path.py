@@ -78,7 +78,8 @@ def main(command: list[str]) -> int:
         env = {**os.environ, "STUDIO_CACHE": f"{home}/cache", "STUDIO_DATA": f"{home}/data", "PYTHONUNBUFFERED": "1"}
         started = time.monotonic()
         app = subprocess.Popen([*command, "--no-browser", "--port", str(free_port())], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace")  # pip cuts its progress bars mid-character
         lines: list[str] = []
         try:
             url = wait_ready(app, lines)
