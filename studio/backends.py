@@ -106,7 +106,8 @@ EXACT_INT4 = frozenset({"Q4_0", "Q4_1"})  # 4-bit blocks of 32 that int4 keeps a
 
 
 def gguf_modes(config) -> tuple[tuple[str, ...], str]:
-    """The weight modes `--quant auto` tries on a GPU for a GGUF file, in order, and why. A file whose every type
+    """The weight modes `--quant auto` tries on a GPU for a GGUF file, in order, and why (on the CPU it takes the
+    first only where that is int4: `choose_quant`). A file whose every type
     has a kernel (`gguf_native.KINDS`: the K types Q4_K/Q5_K/Q6_K, Q8_0 and the 4- and 5-bit blocks of 32) runs
     as stored first: about its own size, bit for bit its own weights, and faster than llama.cpp on the same file
     (a Qwen2.5-7B-shape Q4_K_M: 320 tok/s, 1.70× llama.cpp's, H200: bench/RESULTS.md); int8 (twice the memory)

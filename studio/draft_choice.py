@@ -5,7 +5,7 @@ Why measured: a draft model is small (Qwen2.5-0.5B for a 7B chat model), and at 
 step is bound by launches and latency as much as by its weight bytes: int4 reads a quarter of the
 bytes, but its GEMVs reach a smaller share of the bandwidth on narrow layers (bench/RESULTS.md, issue
 32 part 2), so which is faster depends on the GPU and the model. Elsewhere the draft runs as the chat
-model's `--quant` says (on the CPU, quantized layers dequantize at every call).
+model's `--quant` says (on the CPU, quantized layers run on torch's CPU kernels).
 """
 
 from __future__ import annotations

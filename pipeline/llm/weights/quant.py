@@ -24,9 +24,10 @@ row of it.
 Kernels: on CUDA, our Triton kernel (`plugins/lowbit.py`: magic-number dequantization into tensor-core
 dots, batch 1–16 in one weight pass) reads this format as it is (int8 with its sign bit flipped; int4 in
 groups of 128, 64 or a GGUF file's 32, widths padded to whole chunks of 128 inputs), with launch shapes tuned once per
-GPU (`plugins/lowbit_tuning.py`). Elsewhere (the CPU, or a GPU without Triton) the
-reference path dequantizes the weight at each call and runs a plain matmul: the same numbers, the
-float layer's speed at best.
+GPU (`plugins/lowbit_tuning.py`). On the CPU, torch's own weight-only kernels (`plugins/cpu_lowbit.py`,
+bf16 inside). Where neither can take a layer (a GPU without Triton, widths those kernels refuse) the
+reference path dequantizes the weight at each call and runs a plain matmul: the same numbers, the float
+layer's speed at best.
 """
 
 from __future__ import annotations
