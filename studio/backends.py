@@ -34,6 +34,7 @@ from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import (MODES, QuantLinear, empty_quantized, kernel_stand_ins, kernel_unavailable,
                                         use_kernels)
 from studio.draft_choice import draft_modes, fastest_draft, record_name
+from studio.onnx_llm import onnx_gguf_decoder, unavailable as onnx_unavailable
 from studio.memory_fit import GGUF, available_memory, check_memory, weight_bytes
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.engine.sampling import SamplingParams, checkpoint_defaults
@@ -136,6 +137,9 @@ def gguf_asked(config, dtype: torch.dtype, device: torch.device) -> tuple[str, s
     """`--quant gguf` for a GGUF file: its blocks as stored where they can run so, else the nearest mode, saying
     why."""
     types = set(config.gguf_tensor_types) - {"F32", "F16", "BF16"}
+    if device.type == "cpu":
+        why = onnx_unavailable(config)
+        return (GGUF, "asked for") if why is None else ("none", f"--quant gguf cannot run here ({why}): running it as none")
     why = gguf_unavailable(device, dtype, types & GGUF_KINDS) or (
         f"its {', '.join(sorted(types - GGUF_KINDS))} blocks have no kernel" if types - GGUF_KINDS else None)
     if why is None:
@@ -146,8 +150,9 @@ def gguf_asked(config, dtype: torch.dtype, device: torch.device) -> tuple[str, s
 
 def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.device, free_bytes: int | None,
                  context: int) -> tuple[str, str]:
-    """The weight mode for `--quant requested`, and why. `auto` keeps float weights on the CPU (the
-    quantized reference path dequantizes per call there) and, on a GPU, takes the first of none, int8,
+    """The weight mode for `--quant requested`, and why. `auto` on the CPU runs a quantized GGUF file's blocks as
+    stored on ONNX Runtime (`studio/onnx_llm.py`) where it can, else its Q4_0/Q4_1 blocks as int4, else float
+    weights; on a GPU it takes the first of none, int8,
     int4 (for a quantized GGUF file those `gguf_modes` gives) whose weights plus one conversation's KV
     cache fit `free_bytes`. A pre-quantized (AWQ/GPTQ) checkpoint runs as int4 whatever was asked."""
     if config.quantization:
@@ -161,6 +166,9 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
     if requested != "auto":
         return requested, "asked for"
     modes, gguf_why = gguf_modes(config)  # a quantized GGUF file: float weights would add nothing
+    if device.type != "cuda" and MODES != modes and onnx_unavailable(config) is None:
+        return GGUF, (f"auto on the CPU: a {config.gguf_type} file's blocks as stored, on ONNX Runtime (about the "
+                      f"file's size in memory)")
     if device.type != "cuda" and modes == ("int4",):  # the file's own 4-bit blocks, on torch's CPU kernels
         return "int4", f"auto on the CPU: {gguf_why}, on torch's CPU kernels (1.65× float32's speed, SmolLM2)"
     if device.type != "cuda" or free_bytes is None:
@@ -184,6 +192,8 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     its steps can launch (`verify`: speculative verify steps too) compile on all CPU cores, those that need
     no weights while the weights load (`plugins.precompile`)."""
     say = engines.report.tell if engines is not None else (lambda line: None)  # long work and fallbacks
+    if mode == GGUF and device.type == "cpu":
+        return onnx_gguf_decoder(model_dir, model_id, engines)
     if mode == GGUF:
         gguf_type = read_config(model_dir).gguf_type
         say(f"{model_id}: reading its {gguf_type} blocks onto the GPU as the file stores them")

@@ -62,22 +62,30 @@ def load_prequantized(folder: Path, dtype: torch.dtype, device: torch.device | s
     return build_decoder(config, sd, dtype, device, "int4")
 
 
+def gguf_as_stored(folder: Path, dtype: torch.dtype, kept: frozenset[str]) -> tuple[DecoderConfig, StateDict,
+                                                                                    str | None, str | None]:
+    """A GGUF folder's config and tensors under the decoder's names, its matrices of the types in `kept` as
+    stored: each block projection as f"layers.N.{path}.matrices", a list of (bytes uint8 [rows, row bytes],
+    type) or (floats, None) in output order; and the types of its embedding and of its LM head (None: float)."""
+    folder = Path(folder)
+    config = read_config(folder)
+    raw, kinds = read_gguf_as_stored(folder, dtype, kept)
+    layout = layout_of(config)
+    head_kind = kinds.get(layout.embed) if config.tie_word_embeddings else kinds.get("lm_head.weight")
+
+    def stored(tensors: StateDict, modules: list[str]) -> dict:
+        return {"matrices": [(take(tensors, m + "weight"), kinds.get(m + "weight")) for m in modules]}
+
+    return config, to_internal(config, raw, layout, stored), kinds.get(layout.embed), head_kind
+
+
 def load_gguf_native(folder: Path, dtype: torch.dtype, device: torch.device) -> Decoder:
     """The decoder of a GGUF model folder with its matrices as the file stores them (`gguf_native.py`): the
     four projections of every block, the LM head and the embedding on the GGUF kernels, read from the file
     without dequantizing; norms, biases and any float matrix in `dtype`. Each matrix goes to `device`
     as it is placed, so the host holds the file's bytes once and the GPU its blocks once."""
     folder = Path(folder)
-    config = read_config(folder)
-    raw, kinds = read_gguf_as_stored(folder, dtype, KINDS)
-    layout = layout_of(config)
-    head_kind = kinds.get(layout.embed) if config.tie_word_embeddings else kinds.get("lm_head.weight")
-    embed_kind = kinds.get(layout.embed)
-
-    def stored(tensors: StateDict, modules: list[str]) -> dict:
-        return {"matrices": [(take(tensors, m + "weight"), kinds.get(m + "weight")) for m in modules]}
-
-    sd = to_internal(config, raw, layout, stored)
+    config, sd, embed_kind, head_kind = gguf_as_stored(folder, dtype, KINDS)
     workspace = Workspace(device)
     with torch.device("meta"):
         model = Decoder(config).to(dtype)

@@ -104,7 +104,10 @@ class ModelRunner:
         self._stream = own_stream(self.device) if self.device.type == "cuda" else None
 
     def enter_thread(self) -> None:
-        """Make this runner's stream current on the calling thread (the engine's), after the cache's zeros."""
+        """Make this runner's stream current on the calling thread (the engine's), after the cache's zeros; and
+        give that thread's torch ops the threads the model asks for (`torch_threads`, a model that runs its own)."""
+        if (wanted := getattr(self.model, "torch_threads", None)) is not None:
+            torch.set_num_threads(wanted)  # this thread's own setting (OpenMP's is per thread)
         if self._stream is not None:
             torch.cuda.set_stream(self._stream)  # the current stream is per thread: this one's only
             self._stream.wait_stream(torch.cuda.default_stream(self.device))
