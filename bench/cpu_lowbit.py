@@ -1,5 +1,5 @@
-"""The real SmolLM2 Q4_1 GGUF on this CPU (issue 50): our engine in float32 and with low-bit weights on torch's
-CPU kernels (`plugins/cpu_lowbit.py`), against llama.cpp's `llama-bench` on the same file, in the same run.
+"""The real SmolLM2 Q4_1 GGUF on this CPU (issue 50): our engine in float32, with the file's blocks as stored on
+ONNX Runtime (`gguf`, `studio/onnx_llm.py`) and with low-bit weights on torch's CPU kernels (`plugins/cpu_lowbit.py`), against llama.cpp's `llama-bench` on the same file, in the same run.
 
 Parts (`--parts`, comma-separated):
   decode      tg128 (greedy, batch 1, a short chat prompt), ours per weight mode and llama.cpp at each thread
@@ -37,7 +37,7 @@ from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.models import locate  # noqa: E402
 
 MODEL_ID = "builtin/smollm2-135m-instruct"
-MODES = ("none", "int4", "int8")
+MODES = ("none", "gguf", "int4", "int8")  # float32 first: the others are compared with it
 LLAMA = Path(os.environ.get("LLAMA_DIR", "/tmp/llamacpu"))
 OUT_NAME = "cpu_lowbit"
 
@@ -114,7 +114,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     res = {"device": f"CPU, {psutil.cpu_count(logical=False)} cores", "date": time.strftime("%Y-%m-%d"),
-           "torch": torch.__version__, "torch threads": torch.get_num_threads()}
+           "torch": torch.__version__, "torch threads": torch.get_num_threads(),
+           "onnxruntime": __import__("onnxruntime").__version__}
     for part in args.parts.split(","):
         {"decode": lambda: decode_part(res, args.rounds), "perplexity": lambda: perplexity_part(res)}[part]()
         report(OUT_NAME, res)

@@ -329,7 +329,11 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)
-    speculation = None if speculate == "off" else prompt_lookup(target.type, quant != "none", speculate == "exact")
+    # ONNX Runtime's CPU decoder rounds its inputs to int8 per block: a verify step's rows and the decode steps they
+    # stand for part at near-ties (so "exact" could not hold), and prompt lookup measured no faster there (SmolLM2)
+    onnx_cpu = quant == GGUF and target.type == "cpu"
+    speculation = None if speculate == "off" or onnx_cpu else \
+        prompt_lookup(target.type, quant != "none", speculate == "exact")
     if speculation is not None and draft is not None:  # its cost is its own steps too: measured
         speculation = dataclasses.replace(speculation, drafter=DraftModel(draft.engine, f"the draft model "
                                                                                        f"{draft.model_id}"), measured=True)

@@ -20,6 +20,9 @@ from pipeline.llm.model import ALL, KVCache, Part, Prefill, RotaryTables, Rows
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.weights.gguf_quants import dequantize
 
+KEPT_TOKENS = 16  # steps of up to this many tokens a row keep their binding (decode and verify shapes)
+KEPT_SHAPES = 64  # bindings kept at most
+
 
 def threads() -> int:
     """The machine's physical cores: the matrix kernels stream memory, and a second thread per core
@@ -54,6 +57,7 @@ class OnnxDecoder(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(norm.float(), requires_grad=False)
         self._rope: tuple[int, Tensor, Tensor] | None = None  # the tables bound: (id, cos, sin) half-width
+        self._batches: dict[tuple, _Batch] = {}
 
     def forward(self, cache: KVCache, rope: RotaryTables, parts: tuple[Part, ...], tokens: Tensor | None = None,
                 embeds: Tensor | None = None, outputs: Tensor | slice | None = ALL) -> Tensor | None:
@@ -79,30 +83,54 @@ class OnnxDecoder(nn.Module):
             if wanted is not None:
                 logits.append(got)
             begin = end
-        return None if outputs is None else torch.cat(logits)[None]
+        return None if outputs is None else (logits[0] if len(logits) == 1 else torch.cat(logits))[None]
 
     def _run(self, cache: KVCache, rope: RotaryTables, x: Tensor, lengths: Tensor, start_row: int,
              wanted: Tensor) -> Tensor:
-        """One batch: rows start_row.. of the cache, x [B, S, hidden], each row's length after the step."""
-        binding = self.session.io_binding()
-        rows = x.shape[0]
-        feeds = {"embeds": x.contiguous(), "seqlens_k": (lengths - 1).to(torch.int32),
-                 "total_len": lengths.max().to(torch.int32).reshape(()), "wanted": wanted.to(torch.int64).contiguous()}
-        half = self.config.head_dim // 2
-        if self._rope is None or self._rope[0] != id(rope):
-            self._rope = (id(rope), rope.cos[:, :half].contiguous(), rope.sin[:, :half].contiguous())
-        feeds["cos"], feeds["sin"] = self._rope[1], self._rope[2]
-        for name, value in feeds.items():
-            _bind(binding.bind_input, name, value)
-        for i in range(self.config.num_layers):
+        """One batch: rows start_row.. of the cache, x [B, S, hidden], each row's length after the step → the
+        logits of the `wanted` positions, in memory of their own (the bound buffer is the next step's)."""
+        key = (id(cache), id(rope), start_row, *x.shape[:2], wanted.shape[0])
+        batch = self._batches.get(key)
+        if batch is None:
+            if self._rope is None or self._rope[0] != id(rope):
+                half = self.config.head_dim // 2
+                self._rope = (id(rope), rope.cos[:, :half].contiguous(), rope.sin[:, :half].contiguous())
+            batch = _Batch(self.session, self.config, cache, self._rope[1:], start_row, *x.shape[:2], wanted.shape[0])
+            if x.shape[1] <= KEPT_TOKENS:  # a decode or verify shape: it comes back every step
+                if len(self._batches) >= KEPT_SHAPES:
+                    self._batches.clear()
+                self._batches[key] = batch
+        return batch.run(x, lengths, wanted)
+
+
+class _Batch:
+    """One shape of step bound to the session: its input buffers, the rows' KV caches and its logits, bound once
+    by address (binding 60-odd tensors anew took a tenth of a small model's step)."""
+
+    def __init__(self, session: ort.InferenceSession, config: DecoderConfig, cache: KVCache, rope: tuple[Tensor, Tensor],
+                 start_row: int, rows: int, size: int, wanted: int):
+        self.session, self.binding = session, session.io_binding()
+        self.cache = cache  # held: the binding writes into its memory (and its id, the key, stays its own)
+        self.embeds = torch.empty(rows, size, config.hidden_size)
+        self.seqlens, self.total = torch.empty(rows, dtype=torch.int32), torch.empty((), dtype=torch.int32)
+        self.wanted, self.logits = torch.empty(wanted, dtype=torch.int64), torch.empty(wanted, config.vocab_size)
+        for name, value in (("embeds", self.embeds), ("seqlens_k", self.seqlens), ("total_len", self.total),
+                            ("wanted", self.wanted), ("cos", rope[0]), ("sin", rope[1])):
+            _bind(self.binding.bind_input, name, value)
+        for i in range(config.num_layers):
             for kind, table in (("key", cache.k), ("value", cache.v)):
                 rows_of_layer = table[i, start_row:start_row + rows]
-                _bind(binding.bind_input, f"past_{kind}_{i}", rows_of_layer)
-                _bind(binding.bind_output, f"present_{kind}_{i}", rows_of_layer)
-        out = torch.empty(wanted.shape[0], self.config.vocab_size)
-        _bind(binding.bind_output, "logits", out)
-        self.session.run_with_iobinding(binding)
-        return out
+                _bind(self.binding.bind_input, f"past_{kind}_{i}", rows_of_layer)
+                _bind(self.binding.bind_output, f"present_{kind}_{i}", rows_of_layer)
+        _bind(self.binding.bind_output, "logits", self.logits)
+
+    def run(self, x: Tensor, lengths: Tensor, wanted: Tensor) -> Tensor:
+        self.embeds.copy_(x)
+        self.seqlens.copy_(lengths - 1)
+        self.total.fill_(int(lengths.max()))
+        self.wanted.copy_(wanted)
+        self.session.run_with_iobinding(self.binding)
+        return self.logits.clone()
 
 
 def _bind(bind, name: str, value: Tensor) -> None:
