@@ -6,6 +6,10 @@ Parts (`--parts`, comma-separated):
               count up to the cores (its best kept), interleaved `--rounds` times; our resident memory after
               loading each mode (psutil, this process: one mode loaded at a time)
   perplexity  perplexity on `assets/eval_text.txt` (windows of 512) per weight mode, as the app loads them
+  shapes      Q4_K_M files at Qwen2.5-1.5B's and 7B's shapes (`--shapes`; random F16 weights quantized by llama.cpp's
+              own `llama-quantize`, its per-tensor rules): our ONNX Runtime engine (built once into an engine cache
+              by a child process, then mapped from it here: its resident memory against the file) decoding tg128
+              (greedy, batch 1, the decoder's steps), interleaved with llama-bench at each thread count
     bash bench/llamacpp.sh build .bench/carry/llama.cpp-src.tar.gz /tmp/llamacpu cpu
     LLAMA_DIR=/tmp/llamacpu python bench/cpu_lowbit.py --parts decode,perplexity
 Writes cpu_lowbit.json to $OUT (default bench/results); prints a table last.
@@ -108,16 +112,107 @@ def perplexity_part(res: dict) -> None:
         del model
 
 
+QWEN25_1_5B_DIMS = {"hidden": 1536, "ffn": 8960, "heads": 12, "kv": 2, "vocab": 151936}
+SHAPES = {"1.5b": (QWEN25_1_5B_DIMS, 28), "7b": (None, 28)}  # 7B: gguf_native.QWEN25_7B_DIMS
+
+
+def shape_file(name: str) -> Path:
+    """The Q4_K_M file at `name`'s shapes, made once (F16 written with gguf-py, then `llama-quantize`)."""
+    from gguf_native import QWEN25_7B_DIMS, WORK, write_model
+
+    dims, layers = SHAPES[name]
+    q4_k_m = WORK / f"qwen25-{name}-shape-Q4_K_M.gguf"
+    if not q4_k_m.exists():
+        WORK.mkdir(exist_ok=True)
+        f16 = WORK / f"qwen25-{name}-shape-f16.gguf"
+        write_model(f16, layers, c=dims or QWEN25_7B_DIMS, device="cpu")
+        subprocess.run([str(LLAMA / "build/bin/llama-quantize"), str(f16), str(q4_k_m), "Q4_K_M"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        f16.unlink()
+    return q4_k_m
+
+
+def load_engine(name: str, engines: Path):
+    """Our ONNX Runtime decoder of `name`'s file, from the engine cache under `engines`."""
+    from gguf_native import WORK, model_folder
+    from engine_builder.build import EngineOptions
+    from engine_builder.cache import EngineCache
+    from studio.onnx_llm import onnx_gguf_decoder
+
+    class Quiet:
+        def tell(self, line: str) -> None:
+            print(line, file=sys.stderr)
+
+        say = tell
+
+    folder = model_folder(shape_file(name), WORK / f"qwen25-{name}-folder")
+    return onnx_gguf_decoder(folder, name, EngineOptions(EngineCache(engines), Quiet()))[0]
+
+
+def ours_steps(model, tokens: int = 128) -> float:
+    """tg`tokens` of the decoder alone: greedy steps of one row after an 8-token prompt, tok/s."""
+    from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows
+
+    cache = KVCache(model.config, 1, 256, torch.float32, "cpu")
+    rope = RotaryTables(model.config, 256, "cpu")
+    with torch.inference_mode():
+        token = model(cache, rope, (Prefill(0, 0),), tokens=torch.arange(1, 9)[None])[0, -1].argmax().view(1, 1)
+        start = time.perf_counter()
+        for position in range(8, 8 + tokens):
+            token = model(cache, rope, (Rows(torch.tensor([position]), torch.tensor([0]), 256),),
+                          tokens=token)[0, -1].argmax().view(1, 1)
+    return tokens / (time.perf_counter() - start)
+
+
+def shapes_part(res: dict, names: list[str], rounds: int) -> None:
+    engines = Path("/tmp/gguf_bench/engines")
+    threads = range(1, (psutil.cpu_count(logical=False) or 1) + 1)
+    for name in names:
+        gguf = shape_file(name)
+        res[f"{name}: Q4_K_M file GB"] = round(gguf.stat().st_size / 1e9, 3)
+        started = time.perf_counter()  # the build, in a child process (its working memory is not ours)
+        subprocess.run([sys.executable, __file__, "--build", name], check=True)
+        res[f"{name}: engine build s (first launch)"] = round(time.perf_counter() - started, 1)
+        torch.set_num_threads(1)  # as the engine thread does: torch's spinning workers would take ONNX Runtime's cores
+        gc.collect()
+        before = psutil.Process().memory_info().rss
+        model = load_engine(name, engines)
+        res[f"{name}: ours resident GB after loading"] = round((psutil.Process().memory_info().rss - before) / 1e9, 3)
+        ours, llama = [], {t: [] for t in threads}
+        ours_steps(model, 8)  # warm
+        for _ in range(rounds):
+            ours.append(ours_steps(model))
+            for t in threads:
+                llama[t].append(llama_tg128(gguf, t))
+        res[f"{name}: ours resident GB after decoding"] = round((psutil.Process().memory_info().rss - before) / 1e9, 3)
+        res[f"{name}: ours resident ÷ file"] = round(res[f"{name}: ours resident GB after decoding"] * 1e9
+                                                     / gguf.stat().st_size, 3)
+        best = max(threads, key=lambda t: statistics.median(llama[t]))
+        res[f"{name}: llama.cpp tg128 tok/s by threads (median)"] = {t: round(statistics.median(v), 2)
+                                                                      for t, v in llama.items()}
+        res[f"{name}: ours tg128 tok/s (median of {rounds})"] = round(statistics.median(ours), 2)
+        res[f"{name}: ours ÷ llama.cpp (its best threads)"] = round(statistics.median(ours)
+                                                                    / statistics.median(llama[best]), 3)
+        del model
+        torch.set_num_threads(psutil.cpu_count(logical=False) or 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--parts", default="decode,perplexity")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shapes", default="1.5b,7b")
+    parser.add_argument("--build", help=argparse.SUPPRESS)  # the child process that builds a shape's engine
     args = parser.parse_args()
+    if args.build:
+        load_engine(args.build, Path("/tmp/gguf_bench/engines"))
+        return
     res = {"device": f"CPU, {psutil.cpu_count(logical=False)} cores", "date": time.strftime("%Y-%m-%d"),
            "torch": torch.__version__, "torch threads": torch.get_num_threads(),
            "onnxruntime": __import__("onnxruntime").__version__}
     for part in args.parts.split(","):
-        {"decode": lambda: decode_part(res, args.rounds), "perplexity": lambda: perplexity_part(res)}[part]()
+        {"decode": lambda: decode_part(res, args.rounds), "perplexity": lambda: perplexity_part(res),
+         "shapes": lambda: shapes_part(res, args.shapes.split(","), args.rounds)}[part]()
         report(OUT_NAME, res)
 
 

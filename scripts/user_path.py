@@ -65,12 +65,23 @@ def ask(url: str) -> str:
 
 
 def _chat(api: str, model: str) -> str:
-    body = json.dumps({"model": model, "temperature": 0, "max_tokens": 40,
-                       "messages": [{"role": "user", "content": QUESTION}]}).encode()
+    reply, _ = _complete(api, model, QUESTION, 40)
+    started = time.monotonic()  # then a longer reply, whose speed the log shows (a figure, never a verdict)
+    _, tokens = _complete(api, model, "Write a short story about a lighthouse keeper.", 128)
+    print(f"[user path] a {tokens}-token reply took {time.monotonic() - started:.1f} s: "
+          f"{tokens / (time.monotonic() - started):.1f} tok/s, prompt reading included", flush=True)
+    return reply
+
+
+def _complete(api: str, model: str, question: str, max_tokens: int) -> tuple[str, int]:
+    """One greedy reply through /v1: its text and its number of tokens."""
+    body = json.dumps({"model": model, "temperature": 0, "max_tokens": max_tokens,
+                       "messages": [{"role": "user", "content": question}]}).encode()
     request = urllib.request.Request(api + "/chat/completions", body,
                                      {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=300) as response:
-        return json.load(response)["choices"][0]["message"]["content"]
+        answer = json.load(response)
+    return answer["choices"][0]["message"]["content"], answer["usage"]["completion_tokens"]
 
 
 def main(command: list[str]) -> int:

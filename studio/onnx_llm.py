@@ -27,7 +27,7 @@ from pipeline.llm.weights.gguf_nbits import KINDS
 
 FLOATS = {"F32", "F16", "BF16"}  # matrices the graph multiplies in float32
 COMPONENT = "llm_decoder_gguf"
-GRAPH_FORMAT = 1  # bump when the graph `gguf_onnx.build` writes changes: cached engines are rebuilt
+GRAPH_FORMAT = 2  # bump when the graph `gguf_onnx.build` writes changes: cached engines are rebuilt
 
 
 def unavailable(config) -> str | None:

@@ -161,7 +161,8 @@ def test_a_q4_k_m_file_with_q5_0_rows_is_served_through_v1(tmp_path, bpe_vocab, 
 def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, bpe_vocab, capsys):
     """On a GPU (`--quant auto`): 4-bit blocks of 32 as int4 (kept as they are), a mix of types with kernels as
     stored, int8 where it cannot run so (re-rounding a real Q4_K_M into int4 cost +9.25 % perplexity) or where a
-    type has no kernel; asked, int4 and gguf all the same; on the CPU float."""
+    type has no kernel; asked, int4 and gguf all the same; on the CPU as stored on ONNX Runtime where every type has
+    a form there, else float."""
     from pipeline.llm.model import KVCache
     from studio.backends import choose_quant
     from studio.memory_fit import weight_bytes
@@ -186,17 +187,21 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     assert "int8 carries its weights within 0.1 % of their perplexity" in why
     assert choose_quant("auto", pure_config, bf16, gpu, 40 << 30, 1024)[0] == "int4"  # Q4_0's blocks, as they are
     assert choose_quant("gguf", pure_config, bf16, gpu, 40 << 30, 1024) == ("gguf", "asked for")
-    assert choose_quant("gguf", mix_config, bf16, cpu, None, 1024) == (
-        "none", "--quant gguf cannot run here (the low-bit kernels need a CUDA GPU): running it as none")
+    assert choose_quant("gguf", mix_config, bf16, cpu, None, 1024) == ("gguf", "asked for")  # on ONNX Runtime
     assert choose_quant("int4", mix_config, bf16, gpu, 40 << 30, 1024) == ("int4", "asked for")
     smollm2 = read_config(locate("builtin/smollm2-135m-instruct").path)  # Q4_1 blocks, 576 wide: 18 blocks of 32
     assert smollm2.gguf_tensor_types == ("Q4_1",)
     assert choose_quant("auto", smollm2, bf16, gpu, 40 << 30, 1024)[0] == "int4"
-    assert choose_quant("auto", mix_config, bf16, cpu, None, 1024)[0] == "none"
+    mode, why = choose_quant("auto", mix_config, bf16, cpu, None, 1024)
+    assert mode == "gguf" and "blocks as stored, on ONNX Runtime" in why
     q3 = tmp_path / "tiny-Q3_K_M.gguf"  # Q3_K has no kernel: the file runs as int8, as before
     write_mix(q3, bpe_vocab, "Q3_K_M")
     mode, why = choose_quant("auto", read_config(locate(str(q3)).path), bf16, gpu, 40 << 30, 1024)
     assert mode == "int8" and "Q3_K_M file holds IQ4_NL, Q3_K, Q5_0, Q5_1, Q5_K weights: int8 carries them" in why
+    q3_config = read_config(locate(str(q3)).path)  # on the CPU: Q3_K and IQ4_NL have no ONNX Runtime form
+    assert choose_quant("auto", q3_config, bf16, cpu, None, 1024)[0] == "none"
+    assert choose_quant("gguf", q3_config, bf16, cpu, None, 1024) == (
+        "none", "--quant gguf cannot run here (its IQ4_NL, Q3_K blocks have no ONNX Runtime form here): running it as none")
     assert run(["--model", str(mixed), "--check"], lambda config, plan: 1) == 0
     assert "a Q4_K_M GGUF file: on a GPU --quant auto runs it as its own blocks (--quant gguf) (a Q4_K_M file: its " \
         "Q4_K, Q5_0, Q6_K, Q8_0 blocks run as the file stores them" in capsys.readouterr().out
