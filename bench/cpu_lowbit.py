@@ -71,14 +71,18 @@ def decode_part(res: dict, rounds: int) -> None:
     threads = range(1, (psutil.cpu_count(logical=False) or os.cpu_count() or 1) + 1)
     llama = {t: [] for t in threads}
     ours = {m: [] for m in MODES}
+    subprocess.run([sys.executable, __file__, "--build", MODEL_ID], check=True)  # the first launch's engine build
     for mode in MODES:  # one mode loaded at a time: its resident memory is its own
         gc.collect()
         before = psutil.Process().memory_info().rss
-        lm = load_language_model(folder, MODEL_ID, "torch", "cpu", torch.float32, quant=mode, speculate="off")
+        lm = load_language_model(folder, MODEL_ID, "torch", "cpu", torch.float32, quant=mode, speculate="off",
+                                 engines=engine_options())
         res[f"ours {mode}: resident MB after loading (more than before)"] = round(
             (psutil.Process().memory_info().rss - before) / 1e6, 1)
         res[f"ours {mode}: runs as"] = lm.description
         ours_tg128(lm)  # warm
+        res[f"ours {mode}: resident MB after a 128-token reply"] = round(
+            (psutil.Process().memory_info().rss - before) / 1e6, 1)
         for _ in range(rounds):  # interleaved with llama.cpp's runs, so a busy moment hits both
             ours[mode].append(ours_tg128(lm))
             for t in threads:
@@ -132,21 +136,30 @@ def shape_file(name: str) -> Path:
     return q4_k_m
 
 
-def load_engine(name: str, engines: Path):
-    """Our ONNX Runtime decoder of `name`'s file, from the engine cache under `engines`."""
-    from gguf_native import WORK, model_folder
+ENGINES = Path("/tmp/gguf_bench/engines")  # the engine cache of these runs (a launch's `--engine-dir`)
+
+
+def engine_options():
+    """The engine cache, its lines on stderr."""
     from engine_builder.build import EngineOptions
     from engine_builder.cache import EngineCache
-    from studio.onnx_llm import onnx_gguf_decoder
 
-    class Quiet:
+    class Say:
         def tell(self, line: str) -> None:
             print(line, file=sys.stderr)
 
         say = tell
 
-    folder = model_folder(shape_file(name), WORK / f"qwen25-{name}-folder")
-    return onnx_gguf_decoder(folder, name, EngineOptions(EngineCache(engines), Quiet()))[0]
+    return EngineOptions(EngineCache(ENGINES), Say())
+
+
+def load_engine(name: str):
+    """Our ONNX Runtime decoder of `name`'s file (a shape's, or the built-in model's), from the engine cache."""
+    from gguf_native import WORK, model_folder
+    from studio.onnx_llm import onnx_gguf_decoder
+
+    folder = locate(MODEL_ID).path if name == MODEL_ID else model_folder(shape_file(name), WORK / f"qwen25-{name}-folder")
+    return onnx_gguf_decoder(folder, name, engine_options())[0]
 
 
 def ours_steps(model, tokens: int = 128) -> float:
@@ -165,7 +178,6 @@ def ours_steps(model, tokens: int = 128) -> float:
 
 
 def shapes_part(res: dict, names: list[str], rounds: int) -> None:
-    engines = Path("/tmp/gguf_bench/engines")
     threads = range(1, (psutil.cpu_count(logical=False) or 1) + 1)
     for name in names:
         gguf = shape_file(name)
@@ -176,7 +188,7 @@ def shapes_part(res: dict, names: list[str], rounds: int) -> None:
         torch.set_num_threads(1)  # as the engine thread does: torch's spinning workers would take ONNX Runtime's cores
         gc.collect()
         before = psutil.Process().memory_info().rss
-        model = load_engine(name, engines)
+        model = load_engine(name)
         res[f"{name}: ours resident GB after loading"] = round((psutil.Process().memory_info().rss - before) / 1e9, 3)
         ours, llama = [], {t: [] for t in threads}
         ours_steps(model, 8)  # warm
@@ -205,7 +217,7 @@ def main() -> None:
     parser.add_argument("--build", help=argparse.SUPPRESS)  # the child process that builds a shape's engine
     args = parser.parse_args()
     if args.build:
-        load_engine(args.build, Path("/tmp/gguf_bench/engines"))
+        load_engine(args.build)
         return
     res = {"device": f"CPU, {psutil.cpu_count(logical=False)} cores", "date": time.strftime("%Y-%m-%d"),
            "torch": torch.__version__, "torch threads": torch.get_num_threads(),

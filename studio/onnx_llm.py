@@ -21,6 +21,7 @@ from engine_builder.cache import EngineCache, EngineKey
 from engine_builder.fingerprint import fingerprint
 from engine_builder.gguf_onnx import GRAPH, build, unsupported
 from pipeline.llm.loading import gguf_as_stored
+from pipeline.llm.onnx_decoder import OnnxDecoder, TableEmbedding, threads
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.gguf_file import read_gguf
 from pipeline.llm.weights.gguf_nbits import KINDS
@@ -50,9 +51,7 @@ def onnx_gguf_decoder(model_dir: Path, model_id: str, engines: EngineOptions | N
     """The `OnnxDecoder` of a GGUF folder and how it runs: the engine from `engines`' cache (built now when
     missing or stale, with progress), or, without `engines` (benchmarks, tests), built into a temporary
     folder that lives as long as the decoder."""
-    import onnxruntime as ort
-
-    from pipeline.llm.onnx_decoder import OnnxDecoder, TableEmbedding, threads
+    import onnxruntime as ort  # here, not at the top: the app starts without waiting for it
 
     say = engines.report.tell if engines is not None else (lambda line: None)
     config = read_config(model_dir)

@@ -68,7 +68,9 @@ def test_each_block_types_cpu_kernel_computes_its_dequantized_product(kind, tmp_
     x = torch.randn(2, 3, width)
     x[..., 7] = 30.0  # an outlier column, as real activations have
     want = (x.double() @ weight.double().T).float()
-    for accuracy, bound in ((1, 1e-6), (4, 2e-2)):  # float32's rounding; int8 inputs per block of 32 (≤ 1/254 each)
+    four_bits = from_gguf(torch.from_numpy(raw), kind, width).bits == 4  # 8-bit quants always take int8 inputs
+    for accuracy, bound in ((1, 1e-6), (4, 2e-2)) if four_bits else ((4, 2e-2),):
+        # float32's rounding; int8 inputs per block of 32 (≤ 1/254 each)
         (folder := tmp_path / str(accuracy)).mkdir()
         got = torch.from_numpy(one_product(folder, raw, kind, width, accuracy).run(None, {"x": x.numpy()})[0])
         assert rel(got, want) < bound, (kind, accuracy, rel(got, want))
@@ -77,7 +79,8 @@ def test_each_block_types_cpu_kernel_computes_its_dequantized_product(kind, tmp_
 @pytest.fixture(scope="module")
 def smollm2():
     """The real SmolLM2 Q4_1 on the ONNX engine as the app builds it (int8 inputs where `ACCURACY` says), the same
-    graph computed in float32 throughout (each built into a temporary folder), and its float decoder."""
+    graph with float32 inputs wherever ONNX Runtime takes them (its Q4_1 layers; not the Q8_0 head's 8-bit quants),
+    each built into a temporary folder, and its float decoder."""
     from engine_builder import gguf_onnx
     from pipeline.llm.loading import load_decoder
     from pipeline.models import locate
@@ -116,14 +119,15 @@ def test_smollm2_on_onnx_runtime_decodes_as_its_float_weights(smollm2):
         exact, exact_last = greedy(in_float, 8)
         theirs, float_last = greedy(float_model, 8)
     assert ours == exact == theirs
-    assert rel(exact_last, float_last) < 1e-5, rel(exact_last, float_last)  # the graph itself: float rounding
+    assert rel(exact_last, float_last) < 3e-2, rel(exact_last, float_last)  # the layers in float, the head's int8 input
     assert rel(last, float_last) < 0.1, rel(last, float_last)  # int8 inputs: their rounding, over 30 layers
 
 
 def test_verify_rows_batches_and_second_turns_match_single_steps(smollm2):
-    """On the graph computed in float32: with int8 inputs, a change in the last bit of an input (attention summed in
-    another order, by a batch of other rows or of one) can move an int8 rounding, which 30 layers grow to a few
-    percent of the logits; so this engine does not speculate, and its batch rows match alone rows in float."""
+    """On the graph with float32 layers (a wrong position, cache row or mask would move the logits by tens of
+    percent): with int8 inputs, a change in the last bit of an input (attention summed in another order, by a batch
+    of other rows or of one) can move an int8 rounding, which 30 layers grow to a few percent of the logits; so this
+    engine does not speculate. The bound is the head's int8 input (Q8_0's 8-bit quants take no float inputs)."""
     _, model, _ = smollm2
     c = model.config
     with torch.inference_mode():
@@ -134,14 +138,14 @@ def test_verify_rows_batches_and_second_turns_match_single_steps(smollm2):
         whole = model(caches[0], rope, (Prefill(0, 0),), tokens=PROMPT)[0]
         model(caches[1], rope, (Prefill(0, 0),), tokens=PROMPT[:, :9])
         second = model(caches[1], rope, (Prefill(0, 9),), tokens=PROMPT[:, 9:])[0]
-        assert rel(second, whole[9:]) < 1e-5
+        assert rel(second, whole[9:]) < 5e-3
         # a verify step (the last token and two drafts) reads as the same tokens read as a prompt
         drafts = [5, 6, 7]
         verify = model(caches[1], rope, (Rows(torch.tensor([n]), torch.tensor([0]), 64, 3),),
                        tokens=torch.tensor([drafts]))[0]
         read = model(KVCache(c, 1, 64, torch.float32, "cpu"), rope, (Prefill(0, 0),),
                      tokens=torch.cat([PROMPT, torch.tensor([drafts])], 1))[0, -3:]
-        assert rel(verify, read) < 1e-5
+        assert rel(verify, read) < 5e-3
         # two chats in one step (row 1 at an earlier position) give each the numbers it gets alone
         single = model(caches[0], rope, (Rows(torch.tensor([n]), torch.tensor([0]), 64),), tokens=torch.tensor([[5]]))[0, 0]
         model(caches[2], rope, (Prefill(1, 0),), tokens=PROMPT[:, :5])
@@ -151,11 +155,12 @@ def test_verify_rows_batches_and_second_turns_match_single_steps(smollm2):
         alone = KVCache(c, 1, 64, torch.float32, "cpu")
         model(alone, rope, (Prefill(0, 0),), tokens=PROMPT[:, :5])
         row1 = model(alone, rope, (Rows(torch.tensor([5]), torch.tensor([0]), 64),), tokens=torch.tensor([[9]]))[0, 0]
-        assert rel(both[0], single) < 1e-5 and rel(both[1], row1) < 1e-5, (rel(both[0], single), rel(both[1], row1))
+        assert rel(both[0], single) < 5e-3 and rel(both[1], row1) < 5e-3, (rel(both[0], single), rel(both[1], row1))
 
 def test_a_q4_k_m_file_made_by_llama_cpps_quantizer_runs_on_onnx_runtime(monkeypatch):
-    """Its graph computed in float32 throughout gives its float weights' logits within float rounding (the mixed
-    types, the offsets, the biases are placed right); with the int8 inputs the app runs, within their rounding."""
+    """Its graph with float32 inputs wherever ONNX Runtime takes them (the Q4_K layers; its Q6_K ones take int8) gives
+    its float weights' logits within that rounding (the mixed types, the offsets, the biases are placed right); with
+    the int8 inputs the app runs, within theirs."""
     from engine_builder import gguf_onnx
     from pipeline.llm.loading import load_decoder
     from pipeline.models import locate
@@ -174,7 +179,7 @@ def test_a_q4_k_m_file_made_by_llama_cpps_quantizer_runs_on_onnx_runtime(monkeyp
     assert "Q4_K_M blocks as stored" in how, how
     assert rel(logits(model), want) < 0.1, rel(logits(model), want)
     monkeypatch.setattr(gguf_onnx, "ACCURACY", {name: 1 for name in gguf_onnx.ACCURACY})
-    assert rel(logits(onnx_gguf_decoder(folder, "tiny", None)[0]), want) < 1e-5
+    assert rel(logits(onnx_gguf_decoder(folder, "tiny", None)[0]), want) < 2e-2
 
 def test_the_engine_is_built_once_then_mapped_from_the_cache(tmp_path):
     from engine_builder.build import EngineOptions

@@ -75,12 +75,9 @@ class KVCache:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
-    """Zeros; on the CPU in float32 from the OS's zeroed pages (numpy's calloc), which take memory only as the
-    conversations fill them: torch's zeros writes every page, and a laptop paid for the whole reserve at start
-    (1.9 GB for SmolLM2's five rows of 8192 positions) whatever it held."""
-    if device.type == "cpu" and dtype == torch.float32:
-        return torch.from_numpy(np.zeros(shape, np.float32))
-    return torch.zeros(shape, dtype=dtype, device=device)
+    """Zeros; on the CPU from the OS's zeroed pages (calloc): resident as chats fill them, not all at once."""
+    cpu = device.type == "cpu" and dtype == torch.float32
+    return torch.from_numpy(np.zeros(shape, np.float32)) if cpu else torch.zeros(shape, dtype=dtype, device=device)
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict) -> tuple[Tensor, float]:

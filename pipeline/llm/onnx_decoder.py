@@ -10,8 +10,9 @@ batch of B rows, each prompt read as a batch of one row. The embedding table sta
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import onnxruntime as ort
 import psutil
 import torch
 from torch import Tensor, nn
@@ -19,6 +20,9 @@ from torch import Tensor, nn
 from pipeline.llm.model import ALL, KVCache, Part, Prefill, RotaryTables, Rows
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.weights.gguf_quants import dequantize
+
+if TYPE_CHECKING:  # the session is made by `studio/onnx_llm.py`; importing ONNX Runtime here would slow every start
+    import onnxruntime as ort
 
 KEPT_TOKENS = 16  # steps of up to this many tokens a row keep their binding (decode and verify shapes)
 KEPT_SHAPES = 64  # bindings kept at most
