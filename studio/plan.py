@@ -19,6 +19,7 @@ from pipeline.service.tools import Tool
 from pipeline.llm.weights.checkpoint import read_config
 from studio.backends import BackendChoice, choose_llm_backend, choose_vision_backend, gguf_modes
 from studio.memory_fit import GGUF
+from studio.onnx_llm import unavailable as onnx_unavailable
 from studio.config import StudioConfig
 from studio.vlm import SIZES as VLM_SIZES
 from studio.vlm import local_folder, model_name, vlm_id
@@ -38,6 +39,7 @@ class Plan:
     sam: str
     notes: tuple[tuple[Tool | None, str], ...]  # (the tool it is about, None: all; the note)
     vlm: str | None = None  # Image chat's VLM (hub id or folder); None: MiniGPT-4
+    chat_cpu_weights: str = ""  # what the chat's weights run as on the CPU, where not the dtype (a GGUF file's blocks)
 
     @property
     def remote_chat(self) -> bool:
@@ -86,9 +88,10 @@ def _backends(config: StudioConfig, device: str) -> dict[str, BackendChoice]:
     return backends
 
 
-def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str]]:
+def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str], str]:
+    """The chat model, notes on why, and what its weights run as on the CPU where that is not the dtype."""
     if config.llm_endpoint:
-        return config.llm_model or "(the server's first model)", []
+        return config.llm_model or "(the server's first model)", [], ""
     notes = []
     if config.model == "auto" and config.weights is None:
         model_id, why = auto_model(device.startswith("cuda"))
@@ -102,11 +105,14 @@ def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str]]:
     if found.path is not None and (found.path / "config.json").is_file():
         decoder = read_config(found.path)
         modes, why = gguf_modes(decoder)
+        on_onnx = why and config.quant in ("auto", GGUF) and onnx_unavailable(decoder) is None
         if why and config.quant == "auto":  # what a GGUF file runs as, and why
             runs_as = "its own blocks (--quant gguf)" if modes[0] == GGUF else modes[0]
             notes.append(f"a {decoder.gguf_type} GGUF file: on a GPU --quant auto runs it as {runs_as} ({why}); on "
-                         f"the CPU in float")
-    return model_id, notes
+                         f"the CPU " + ("as stored, on ONNX Runtime" if on_onnx else "in float"))
+        if on_onnx:
+            return model_id, notes, f"its {decoder.gguf_type} blocks as stored, ONNX Runtime"
+    return model_id, notes, ""
 
 
 def _sam(config: StudioConfig, device: str) -> tuple[str, list[str]]:
@@ -128,7 +134,8 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
 
     def where(part: str, hint: str = "") -> str:
         backend = plan.backends[part].backend
-        return f"on the GPU ({backend}, {plan.dtype})" if on_gpu else f"on the CPU ({plan.dtype}){hint}"
+        weights = plan.chat_cpu_weights if part == CHAT and plan.chat_cpu_weights else plan.dtype
+        return f"on the GPU ({backend}, {plan.dtype})" if on_gpu else f"on the CPU ({weights}){hint}"
 
     if plan.remote_chat:
         chat = f"Chat: {config.llm_model or 'the model'} served at {config.llm_endpoint}"
@@ -163,7 +170,7 @@ def make_plan(config: StudioConfig) -> Plan:
     device, device_note = _device(config)
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     backends = _backends(config, device)
-    model_id, model_notes = _chat_model(config, device)
+    model_id, model_notes, chat_cpu_weights = _chat_model(config, device)
     sam, sam_notes = _sam(config, device)
     quant = f"LLM weights: --quant {config.quant}" + (" (at load: float where the weights fit the free memory, "
                                                       "else int8, else int4)" if config.quant == "auto" else "")
@@ -176,4 +183,4 @@ def make_plan(config: StudioConfig) -> Plan:
                                     for part, choice in backends.items()),
              (Tool.CHAT, quant), *((Tool.CHAT, n) for n in model_notes), *((Tool.SEGMENT, n) for n in sam_notes),
              (Tool.IMAGE_CHAT, image)]
-    return Plan(backends, device, dtype, model_id, sam, tuple(notes), vlm)
+    return Plan(backends, device, dtype, model_id, sam, tuple(notes), vlm, chat_cpu_weights)

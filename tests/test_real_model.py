@@ -441,6 +441,7 @@ def test_terminal_chat_answers_the_capital_of_france(studio_cache, folder):
     done = subprocess.run([sys.executable, "launch.py", "chat"], input=f"/set temperature 0\n{CAPITAL}\n/exit\n",
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "Chat: SmolLM2-135M-Instruct, the small model that comes with the app" in done.stderr
+    assert "Chat: SmolLM2-135M-Instruct, the small model that comes with the app, on the CPU (its Q4_1 blocks as " \
+           "stored, ONNX Runtime)" in done.stderr, done.stderr[-2000:]
     assert "(temperature = 0.0)" in done.stdout
     assert "Paris" in done.stdout.split("(temperature = 0.0)", 1)[1], done.stdout
