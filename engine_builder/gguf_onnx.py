@@ -4,9 +4,10 @@ Why: on the CPU a decode step in eager torch is hundreds of small operator calls
 microseconds of Python and dispatch (SmolLM2-135M: 30 ms a step, most of it not weight streaming), and
 torch's weight-only kernels reached 0.20× llama.cpp's decode. One ONNX Runtime session runs the whole step
 in native code: `MatMulNBits` for the projections (`pipeline.llm.weights.gguf_nbits`: the file's blocks,
-nothing re-rounded, int8 activations as llama.cpp's CPU path uses), `GroupQueryAttention` with RoPE and the
-KV cache written in place, `SkipSimplifiedLayerNormalization` for each residual add and RMSNorm. A prototype
-of this graph decoded SmolLM2's shapes at 114 tok/s on this 2-core CPU, where llama.cpp does 91.
+nothing re-rounded, int8 activations where `ACCURACY` says, as llama.cpp's CPU path uses), `GroupQueryAttention`
+with RoPE and the KV cache written in place, `SkipSimplifiedLayerNormalization` for each residual add and RMSNorm.
+The real SmolLM2 Q4_1 decodes at 0.77–0.83× llama.cpp's speed on this 2-core CPU (0.20× on torch's int4 kernels;
+`bench/RESULTS.md`).
 
 The graph (per step; B rows of S tokens each, every row at its own position):
   inputs   embeds [B, S, hidden] (the embedding is looked up outside: a token reads one row of the table),
