@@ -1,5 +1,5 @@
 """The CPU decoder of a GGUF file: one ONNX Runtime session (`engine_builder/gguf_onnx.py`) behind `Decoder`'s
-forward, so the engine, its scheduler, sampler and speculation run it as they run the torch decoder.
+forward, so the engine, its scheduler and sampler run it as they run the torch decoder.
 
 The KV cache stays the engine's own (`KVCache`, float32 on the CPU): each layer's rows are bound to the graph's
 past and present tensors by address, so `GroupQueryAttention` reads and writes them in place, and a step copies
@@ -99,7 +99,8 @@ class OnnxDecoder(nn.Module):
             if self._rope is None or self._rope[0] != id(rope):
                 half = self.config.head_dim // 2
                 self._rope = (id(rope), rope.cos[:, :half].contiguous(), rope.sin[:, :half].contiguous())
-            batch = _Batch(self.session, self.config, cache, self._rope[1:], start_row, *x.shape[:2], wanted.shape[0])
+            batch = _Batch(self.session, self.config, cache, (rope, *self._rope[1:]), start_row, *x.shape[:2],
+                           wanted.shape[0])
             if x.shape[1] <= KEPT_TOKENS:  # a decode or verify shape: it comes back every step
                 if len(self._batches) >= KEPT_SHAPES:
                     self._batches.clear()
@@ -111,15 +112,16 @@ class _Batch:
     """One shape of step bound to the session: its input buffers, the rows' KV caches and its logits, bound once
     by address (binding 60-odd tensors anew took a tenth of a small model's step)."""
 
-    def __init__(self, session: ort.InferenceSession, config: DecoderConfig, cache: KVCache, rope: tuple[Tensor, Tensor],
-                 start_row: int, rows: int, size: int, wanted: int):
+    def __init__(self, session: ort.InferenceSession, config: DecoderConfig, cache: KVCache,
+                 rope: tuple[RotaryTables, Tensor, Tensor], start_row: int, rows: int, size: int, wanted: int):
         self.session, self.binding = session, session.io_binding()
-        self.cache = cache  # held: the binding writes into its memory (and its id, the key, stays its own)
+        # held: the binding reads and writes their memory, and their ids (the key) stay theirs while it lives
+        self.cache, self.rope = cache, rope
         self.embeds = torch.empty(rows, size, config.hidden_size)
         self.seqlens, self.total = torch.empty(rows, dtype=torch.int32), torch.empty((), dtype=torch.int32)
         self.wanted, self.logits = torch.empty(wanted, dtype=torch.int64), torch.empty(wanted, config.vocab_size)
         for name, value in (("embeds", self.embeds), ("seqlens_k", self.seqlens), ("total_len", self.total),
-                            ("wanted", self.wanted), ("cos", rope[0]), ("sin", rope[1])):
+                            ("wanted", self.wanted), ("cos", rope[1]), ("sin", rope[2])):
             _bind(self.binding.bind_input, name, value)
         for i in range(config.num_layers):
             for kind, table in (("key", cache.k), ("value", cache.v)):
