@@ -15,6 +15,9 @@ from pipeline.llm.weights.quant import int4_group, quantized_layers
 
 GGUF = "gguf"  # the weight mode of a GGUF file's own blocks (`pipeline/llm/weights/gguf_native.py`)
 CONTEXTS = (32768, 16384, 8192, 4096, 2048, 1024, 512)  # the --context values a refusal may advise
+# A GGUF file's ONNX Runtime engine on the CPU, resident ÷ the file: 1.80 and 1.86 at Qwen2.5-7B- and 1.5B-shape
+# Q4_K_M (its float32 block scales and offsets, Q6_K as 8 bits; bench/RESULTS.md, 2026-11-29)
+ONNX_RESIDENT = 1.9
 HEADROOM_BYTES = 256 << 20  # beside the weights and the cache: a step's activations and the app's own growth
 
 
@@ -27,7 +30,8 @@ def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: 
     """Refuse, in one line and before anything loads, a model whose weights and one conversation's cache would
     not fit the memory this machine has free (a laptop would swap to a halt), saying what it needs, what is free
     and what would fit: a shorter `--context` where the weights do, else closing programs or a smaller file."""
-    weights = weight_bytes(config, mode, dtype)
+    weights = int(weight_bytes(config, mode, dtype) / 1.03 * ONNX_RESIDENT) if mode == GGUF else \
+        weight_bytes(config, mode, dtype)
     cache = KVCache.row_bytes(config, context + 1, dtype)
     if weights + cache + HEADROOM_BYTES <= available:
         return
@@ -35,7 +39,7 @@ def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: 
                and weights + KVCache.row_bytes(config, c + 1, dtype) + HEADROOM_BYTES <= available]
     advice = f"close programs or use --context {shorter[0]}" if shorter else \
         "close programs, or use a smaller model (a 4-bit GGUF file of it, or fewer parameters)"
-    precision = "float32" if mode == "none" else mode
+    precision = "float32" if mode == "none" else f"{config.gguf_type} (on ONNX Runtime)" if mode == GGUF else mode
     raise UserError(f"{model_id} needs {(weights + cache) / 1e9:.1f} GB of memory here ({weights / 1e9:.1f} GB of "
                     f"{precision} weights and {cache / 1e9:.1f} GB for a {context}-token conversation); "
                     f"{available / 1e9:.1f} GB are free: {advice}")
