@@ -30,8 +30,7 @@ def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: 
     """Refuse, in one line and before anything loads, a model whose weights and one conversation's cache would
     not fit the memory this machine has free (a laptop would swap to a halt), saying what it needs, what is free
     and what would fit: a shorter `--context` where the weights do, else closing programs or a smaller file."""
-    weights = int(weight_bytes(config, mode, dtype) / 1.03 * ONNX_RESIDENT) if mode == GGUF else \
-        weight_bytes(config, mode, dtype)
+    weights = int(gguf_file_bytes(config) * ONNX_RESIDENT) if mode == GGUF else weight_bytes(config, mode, dtype)
     cache = KVCache.row_bytes(config, context + 1, dtype)
     if weights + cache + HEADROOM_BYTES <= available:
         return
@@ -49,7 +48,7 @@ def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
     """What a decoder's weights take in memory with `mode` weights (see `quantized_layers` for which); a GGUF
     file's blocks as stored: the file's size, and 4 bytes per 256 weights of decoded sub-scales."""
     if mode == GGUF:
-        return int(sum(part.stat().st_size for part in split_parts(Path(config.gguf_file))) * 1.03)
+        return int(gguf_file_bytes(config) * 1.03)
     with torch.device("meta"):
         model = Decoder(config)
     total = sum(p.numel() for p in model.parameters()) * dtype.itemsize
@@ -59,3 +58,8 @@ def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
     for parent, name, layer_mode in quantized_layers(model, mode):
         total -= int(getattr(parent, name).weight.numel() * (dtype.itemsize - per_weight[layer_mode]))
     return total
+
+
+def gguf_file_bytes(config) -> int:
+    """A GGUF model's file size, every part of a split one."""
+    return sum(part.stat().st_size for part in split_parts(Path(config.gguf_file)))
