@@ -16,9 +16,8 @@ from pipeline.service.studio import StudioService
 from pipeline.models import ModelEntry
 from pipeline.service.tools import Tool, size_text
 
-COLUMNS = ["Model", "Kind", "Family", "Parameters", "GGUF type", "On disk", "Runs as", "GPU memory", "Fits", "Where",
+COLUMNS = ["Model", "Kind", "Family", "Parameters", "GGUF type", "On disk", "Runs as", "Memory", "Fits", "Where",
            "In use by"]
-GPU_COLUMNS = ("GPU memory", "Fits")  # shown only where there is a GPU budget to fit
 NOTHING_TO_CANCEL = "No download is running: there is nothing to cancel."
 
 
@@ -30,17 +29,27 @@ def count_text(n: int | None) -> str:
     return f"{value:.2g} {unit}" if value < 10 else f"{value:.0f} {unit}"
 
 
-def model_table(entries: list[ModelEntry], budget: int | None, using: dict[Tool, str | None]) -> tuple[list, list]:
-    """(the columns, a row per model); the GPU columns only with a budget (a GPU: on the CPU there is none)."""
+def fits_text(entry: ModelEntry, room: tuple[int, str] | None, in_use: bool) -> str:
+    """Whether the model fits the room there is (`memory_room`: a GPU's budget, or the memory the CPU has free);
+    a model in use on the CPU already holds its memory, so the free memory says nothing about it."""
+    if in_use and room is not None and room[1] == "free":
+        return "in use"
+    fits = entry.fits(room[0] if room else None)
+    return "yes" if fits else f"no ({size_text(room[0])} {room[1]})" if fits is not None else ""
+
+
+def model_table(entries: list[ModelEntry], room: tuple[int, str] | None,
+                using: dict[Tool, str | None]) -> tuple[list, list]:
+    """(the columns, a row per model): the memory each model takes here (a GPU's, or the CPU's), and whether it
+    fits the `room` there is for it (no "Fits" column where there is no limit)."""
     rows = []
     for e in entries:
-        fits = e.fits(budget)
+        users = [t for t, m in using.items() if m in (e.id, str(e.path))]
         rows.append([e.id, e.kind, e.family, count_text(e.params), e.quant, size_text(e.disk_bytes) if e.path else "",
-                     e.precision, size_text(e.gpu_bytes) if e.gpu_bytes is not None else "",
-                     "yes" if fits else f"no ({size_text(budget)} budget)" if fits is not None else "",
-                     e.source, ", ".join(t for t, m in using.items() if m in (e.id, str(e.path))) or ""])
-    if budget is None:
-        keep = [i for i, column in enumerate(COLUMNS) if column not in GPU_COLUMNS]
+                     e.precision, size_text(e.memory_bytes) if e.memory_bytes is not None else "",
+                     fits_text(e, room, bool(users)), e.source, ", ".join(users)])
+    if room is None:
+        keep = [i for i, column in enumerate(COLUMNS) if column != "Fits"]
         return [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in rows]
     return COLUMNS, rows
 
@@ -55,7 +64,7 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
     downloads: dict[str, threading.Event] = {}  # a session's download in progress, to cancel
 
     def table() -> gr.Dataframe:
-        headers, rows = model_table(catalog.models(), catalog.budget, {t: catalog.current(t) for t, _ in SWITCHES})
+        headers, rows = model_table(catalog.models(), catalog.room(), {t: catalog.current(t) for t, _ in SWITCHES})
         return gr.Dataframe(rows, headers=headers)
 
     def refresh() -> tuple:

@@ -261,7 +261,7 @@ class ModelEntry:
     params: int | None
     disk_bytes: int
     precision: str  # what it would run in here
-    gpu_bytes: int | None  # weights as they would run, plus one conversation's KV cache
+    memory_bytes: int | None  # weights as they would run, plus one conversation's KV cache
     source: str
     path: Path | None  # None: a demo not built yet; a GGUF model's folder (`gguf_folder.py`)
     tools: tuple[str, ...]  # the tools it can serve
@@ -274,7 +274,7 @@ class ModelEntry:
         return self.source in DELETABLE_SOURCES and (self.path is not None or bool(self.files))
 
     def fits(self, budget: int | None) -> bool | None:
-        return None if budget is None or self.gpu_bytes is None else self.gpu_bytes <= budget
+        return None if budget is None or self.memory_bytes is None else self.memory_bytes <= budget
 
 
 def hub_reachable(timeout_s: float = 3.0) -> None:

@@ -17,6 +17,7 @@ from pipeline.sam.weights import locate_sam
 from pipeline.service.tools import default_budget, size_text
 from pipeline.weights_io import read_weight_file
 from studio.config import StudioConfig
+from studio.memory_fit import memory_room
 from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_VISION, SEGMENT, Plan
 from studio.quantized_weights import quant_key
@@ -67,9 +68,10 @@ def models_line(config: StudioConfig, plan: Plan) -> str:
     """The models found on this machine (the Models tab's list, in one line)."""
     budget = budget_of(config, plan.device)
     entries = ModelFinder(config, plan.dtype, plan.device, budget, engine_cache(config).root).models()
+    room = memory_room(budget, plan.device)
+    fit = {True: ", fits", False: f", too big for the {room and size_text(room[0])} {room and room[1]}", None: ""}
     return f"models found ({len(entries)}): " + ", ".join(
-        f"{e.id} [{e.kind}, {size_text(e.disk_bytes)}" + ({True: ", fits", False: ", too big for the budget",
-                                                           None: ""}[e.fits(budget)]) + "]" for e in entries)
+        f"{e.id} [{e.kind}, {size_text(e.disk_bytes)}{fit[e.fits(room[0] if room else None)]}]" for e in entries)
 
 
 def check_report(config: StudioConfig, plan: Plan) -> str:

@@ -1,5 +1,6 @@
-"""Whether a model fits this machine before it loads: what its weights take in each mode (`weight_bytes`), and
-on the CPU a one-line refusal of a model that would not fit the free memory (`check_memory`)."""
+"""Whether a model fits this machine before it loads: what its weights take in each mode and on each device
+(`weight_bytes`), the room there is for it (`memory_room`: the GPU budget, or the memory free on the CPU), and on
+the CPU a one-line refusal of a model that would not fit the free memory (`check_memory`)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: 
     """Refuse, in one line and before anything loads, a model whose weights and one conversation's cache would
     not fit the memory this machine has free (a laptop would swap to a halt), saying what it needs, what is free
     and what would fit: a shorter `--context` where the weights do, else closing programs or a smaller file."""
-    weights = int(gguf_file_bytes(config) * ONNX_RESIDENT) if mode == GGUF else weight_bytes(config, mode, dtype)
+    weights = weight_bytes(config, mode, dtype, on_cpu=True)
     cache = KVCache.row_bytes(config, context + 1, dtype)
     if weights + cache + HEADROOM_BYTES <= available:
         return
@@ -44,11 +45,19 @@ def check_memory(model_id: str, config, mode: str, dtype: torch.dtype, context: 
                     f"{available / 1e9:.1f} GB are free: {advice}")
 
 
-def weight_bytes(config, mode: str, dtype: torch.dtype) -> int:
+def memory_room(budget: int | None, device: str) -> tuple[int, str] | None:
+    """(bytes, what they are) a model must fit: the GPU's budget; on the CPU the memory free now; None: no limit."""
+    if budget is not None:
+        return budget, "budget"
+    return (available_memory(), "free") if device == "cpu" else None
+
+
+def weight_bytes(config, mode: str, dtype: torch.dtype, on_cpu: bool = False) -> int:
     """What a decoder's weights take in memory with `mode` weights (see `quantized_layers` for which); a GGUF
-    file's blocks as stored: the file's size, and 4 bytes per 256 weights of decoded sub-scales."""
+    file's blocks as stored: on a GPU the file's size and 4 bytes per 256 weights of decoded sub-scales, on the
+    CPU its ONNX Runtime engine's measured resident size (`ONNX_RESIDENT`)."""
     if mode == GGUF:
-        return int(gguf_file_bytes(config) * 1.03)
+        return int(gguf_file_bytes(config) * (ONNX_RESIDENT if on_cpu else 1.03))
     with torch.device("meta"):
         model = Decoder(config)
     total = sum(p.numel() for p in model.parameters()) * dtype.itemsize

@@ -25,6 +25,7 @@ from pipeline.models import ModelEntry, cache_dir
 from pipeline.service.tools import Tool, ToolHost, ToolSpec
 from studio.config import StudioConfig
 from studio.hub_progress import FirstUseDownload
+from studio.memory_fit import memory_room
 from studio.model_files import ModelFiles
 from studio.model_finder import ModelFinder
 from studio.plan import Plan, image_chat_parts
@@ -45,9 +46,9 @@ class ModelCatalog:
         self._chosen: dict[Tool, str] = {}  # tool → the entry id it was switched to
         self._lock = threading.Lock()
 
-    @property
-    def budget(self) -> int | None:
-        return self.host.budget
+    def room(self) -> tuple[int, str] | None:
+        """The memory a model must fit here now (`memory_room`)."""
+        return memory_room(self.host.budget, self.host.device.type)
 
     # ---- what runs now ------------------------------------------------------------------------
 

@@ -183,9 +183,10 @@ class ModelFinder:
         mode = choose_quant(self.config.quant, config, dtype, torch.device(self.device), self.budget,
                             self.config.context)[0]
         params = weight_bytes(config, "none", torch.float32) // 4
-        precision = self.dtype if mode == "none" else f"{config.gguf_type} blocks as stored, {self.dtype}" \
-            if mode == GGUF else f"{mode} weights, {self.dtype}"
-        need = weight_bytes(config, mode, dtype) + KVCache.row_bytes(config, self.config.context + 1, dtype)
+        on_cpu = self.device == "cpu"
+        precision = self.dtype if mode == "none" else f"{mode} weights, {self.dtype}" if mode != GGUF else \
+            f"{config.gguf_type} blocks as stored, " + ("ONNX Runtime" if on_cpu else self.dtype)
+        need = weight_bytes(config, mode, dtype, on_cpu) + KVCache.row_bytes(config, self.config.context + 1, dtype)
         tools = (CHAT, IMAGE_CHAT) if config.family == "llama" else (CHAT,)
         return ModelEntry(model_id, "LLM", config.family, params, folder_bytes(folder), precision, need, source,
                           folder, tools, config.gguf_type)

@@ -245,10 +245,10 @@ def test_int4_grid_follows_the_files_types():
     assert int4_grid(SimpleNamespace(gguf_tensor_types=())) == "minmax"
 
 
-def test_the_models_tab_says_what_a_q4_k_m_file_takes_on_a_gpu(tmp_path):
+def test_the_models_tab_says_what_a_q4_k_m_file_takes_on_a_gpu_and_on_the_cpu(tmp_path):
     """On a GPU the Models tab sizes a Q4_K_M file as `auto` would run it: its own blocks as stored, about the
     file's size, in bf16 (the file llama.cpp's quantizer made, `fixtures/`); int8 in float32, which the kernels
-    do not compute in."""
+    do not compute in. On the CPU: its ONNX Runtime engine, 1.9× the file as measured, and a float32 cache."""
     import shutil
     from pathlib import Path
 
@@ -262,14 +262,17 @@ def test_the_models_tab_says_what_a_q4_k_m_file_takes_on_a_gpu(tmp_path):
     models.mkdir()
     shutil.copy(fixture, models / fixture.name)
 
-    def entry(budget: int, dtype: str = "bfloat16"):
-        finder = ModelFinder(StudioConfig(models_dir=models, context=256), dtype, "cuda", budget, tmp_path)
+    def entry(budget: int | None, dtype: str = "bfloat16", device: str = "cuda"):
+        finder = ModelFinder(StudioConfig(models_dir=models, context=256), dtype, device, budget, tmp_path)
         return next(e for e in finder.models() if e.id == str(models / fixture.name))
 
     roomy = entry(40 << 30)
     config = read_config(roomy.path)
     as_stored = weight_bytes(config, "gguf", torch.bfloat16) + KVCache.row_bytes(config, 257, torch.bfloat16)
     assert roomy.precision == "Q4_K_M blocks as stored, bfloat16" and roomy.quant == "Q4_K_M"
-    assert roomy.gpu_bytes == as_stored and entry(as_stored).precision == roomy.precision
+    assert roomy.memory_bytes == as_stored and entry(as_stored).precision == roomy.precision
     assert as_stored < 1.1 * fixture.stat().st_size + KVCache.row_bytes(config, 257, torch.bfloat16)
     assert entry(40 << 30, "float32").precision == "int8 weights, float32"
+    on_cpu = entry(None, "float32", "cpu")
+    assert on_cpu.precision == "Q4_K_M blocks as stored, ONNX Runtime"
+    assert on_cpu.memory_bytes == int(1.9 * fixture.stat().st_size) + KVCache.row_bytes(config, 257, torch.float32)

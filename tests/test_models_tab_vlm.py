@@ -18,11 +18,13 @@ import pytest
 
 pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3")
 
+import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from app.models_tab import count_text  # noqa: E402
 from hub_server import serving  # noqa: E402
 from pipeline.service.tools import size_text  # noqa: E402
+from studio.sizes import weights_size  # noqa: E402
 from test_qwen_vl_chat import folder as qwen_vl_folder  # noqa: E402,F401 - the tiny Qwen2.5-VL fixture
 from test_smolvlm import folder  # noqa: E402,F401 - the tiny SmolVLM fixture
 from test_smolvlm_chat import TEMPLATE  # noqa: E402
@@ -43,7 +45,7 @@ service = build(config, make_plan(config), out=None)
 catalog = service.catalog
 
 def table():
-    headers, rows = model_table(catalog.refresh(), catalog.budget, {t: catalog.current(t) for t, _ in SWITCHES})
+    headers, rows = model_table(catalog.refresh(), catalog.room(), {t: catalog.current(t) for t, _ in SWITCHES})
     return {row[0]: dict(zip(headers, row)) for row in rows}
 
 try:
@@ -87,11 +89,12 @@ def test_vlms_are_listed_with_their_size_and_image_chat_switches_to_one(folder, 
 
     qwen_row = {"Model": str(qwen), "Kind": "VLM", "Family": "Qwen2.5-VL", "Parameters": count_text(_params(qwen)),
                 "GGUF type": "", "On disk": size_text(sum(f.stat().st_size for f in qwen.iterdir())),
-                "Runs as": "float32", "Where": "models folder", "In use by": ""}
+                "Runs as": "float32", "Memory": size_text(weights_size(qwen, dtype=torch.float32)), "Fits": "yes",
+                "Where": "models folder", "In use by": ""}
     assert got["before"][str(qwen)] == qwen_row
     assert got["before"][SMOLVLM] == {"Model": SMOLVLM, "Kind": "VLM", "Family": "SmolVLM", "Parameters": "",
-                                      "GGUF type": "", "On disk": "", "Runs as": "float32",
-                                      "Where": "downloads on first use (0.5 GB)", "In use by": "image chat"}
+                                      "GGUF type": "", "On disk": "", "Runs as": "float32", "Memory": "",
+                                      "Fits": "in use", "Where": "downloads on first use (0.5 GB)", "In use by": "image chat"}
     downloaded = got["after"][SMOLVLM]
     assert (downloaded["Kind"], downloaded["Where"], downloaded["In use by"]) == ("VLM", "Hugging Face cache",
                                                                                   "image chat"), downloaded
