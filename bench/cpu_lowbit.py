@@ -1,5 +1,7 @@
 """The real SmolLM2 Q4_1 GGUF on this CPU (issue 50): our engine in float32, with the file's blocks as stored on
-ONNX Runtime (`gguf`, `studio/onnx_llm.py`) and with low-bit weights on torch's CPU kernels (`plugins/cpu_lowbit.py`), against llama.cpp's `llama-bench` on the same file, in the same run.
+ONNX Runtime (`gguf`, `studio/onnx_llm.py`), with its float weights rounded to Q8_0 blocks there (`q8_0`: how image
+chat runs a float decoder on the CPU) and with low-bit weights on torch's CPU kernels (`plugins/cpu_lowbit.py`),
+against llama.cpp's `llama-bench` on the same file, in the same run.
 
 Parts (`--parts`, comma-separated):
   decode      tg128 (greedy, batch 1, a short chat prompt), ours per weight mode and llama.cpp at each thread
@@ -41,7 +43,10 @@ from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.models import locate  # noqa: E402
 
 MODEL_ID = "builtin/smollm2-135m-instruct"
-MODES = ("none", "gguf", "int4", "int8")  # float32 first: the others are compared with it
+# float32 first: the others are compared with it. q8_0: the file's weights in float rounded to Q8_0 blocks on ONNX
+# Runtime, as image chat's float decoder runs on the CPU (`studio/onnx_llm.onnx_float_decoder`)
+MODES = ("none", "gguf", "q8_0", "int4", "int8")
+FLOAT_Q8 = "q8_0"
 LLAMA = Path(os.environ.get("LLAMA_DIR", "/tmp/llamacpu"))
 OUT_NAME = "cpu_lowbit"
 
@@ -62,6 +67,18 @@ def ours_tg128(lm) -> float:
     return stream.stats.tokens_per_s
 
 
+def float_q8_model(folder: Path):
+    """`float_q8_decoder` as image chat's language model (`vlm_chat.language_model`)."""
+    from pipeline.llm.loading import load_decoder
+    from pipeline.llm.text.tokenizer import load_tokenizer
+    from pipeline.pipelines.vlm_chat import language_model
+    from studio.onnx_llm import onnx_float_decoder
+
+    gguf = next(folder.glob("*.gguf")).resolve()
+    return language_model(load_decoder(folder, dtype=torch.float32, device="cpu"), load_tokenizer(folder), MODEL_ID,
+                          "cpu", 8192, 1, engine_of=lambda d: onnx_float_decoder(d, [gguf], MODEL_ID, engine_options()))
+
+
 def decode_part(res: dict, rounds: int) -> None:
     from studio.backends import load_language_model
 
@@ -75,8 +92,8 @@ def decode_part(res: dict, rounds: int) -> None:
     for mode in MODES:  # one mode loaded at a time: its resident memory is its own
         gc.collect()
         before = psutil.Process().memory_info().rss
-        lm = load_language_model(folder, MODEL_ID, "torch", "cpu", torch.float32, quant=mode, speculate="off",
-                                 engines=engine_options())
+        lm = float_q8_model(folder) if mode == FLOAT_Q8 else load_language_model(
+            folder, MODEL_ID, "torch", "cpu", torch.float32, quant=mode, speculate="off", engines=engine_options())
         res[f"ours {mode}: resident MB after loading (more than before)"] = round(
             (psutil.Process().memory_info().rss - before) / 1e6, 1)
         res[f"ours {mode}: runs as"] = lm.description
@@ -108,7 +125,11 @@ def perplexity_part(res: dict) -> None:
     ids = load_tokenizer(folder).encode((ROOT / "assets" / "eval_text.txt").read_text())
     base = None
     for mode in MODES:
-        model, how = torch_decoder(folder, MODEL_ID, mode, torch.float32, torch.device("cpu"), None)
+        if mode == FLOAT_Q8:
+            lm = float_q8_model(folder)
+            model, how = lm.engine.runner.model, lm.description
+        else:
+            model, how = torch_decoder(folder, MODEL_ID, mode, torch.float32, torch.device("cpu"), None)
         ppl = score_text(model.eval(), ids).perplexity
         base = base or ppl
         res[f"perplexity {mode} ({how})"] = round(ppl, 4)

@@ -146,7 +146,7 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                     with first_use.running() as cancel:
                         folder = fetch(vlm, cancellable, cancel)
                     # no warm-up encode: nothing is captured, and a picture costs seconds of its vision side on a CPU
-                    image_chat = load_vlm(folder, vlm, plan.device, dtype, config.max_batch, config.quant,
+                    image_chat = load_vlm(folder, vlm, plan.device, dtype, config.max_batch, config.quant, engines,
                                           engines.report.say)
                     engines.report.say(f"image chat: {image_chat.description}")
                     return image_chat

@@ -117,9 +117,10 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     for tool in Tool:
         p.add_argument(f"--{tool.flag}-backend", choices=BACKENDS, help=f"override --backend for {tool}")
     p.add_argument("--quant", choices=QUANTS, default="auto",
-                   help="LLM weights: int8, int4 (groups of 128), none (--dtype), or gguf (a GGUF file's own blocks, "
-                        "on a GPU); auto runs a GGUF file's blocks as stored on a GPU, else picks the first that fits "
-                        "the GPU memory (float weights on the CPU). Quantized weights are cached after the first launch")
+                   help="LLM weights: int8, int4 (groups of 128), none (--dtype), or gguf (a GGUF file's own blocks); "
+                        "auto runs a GGUF file's blocks as stored, else picks the first that fits the GPU memory (on "
+                        "the CPU: a float chat model in float32, image chat's decoder as 8-bit blocks on ONNX Runtime). "
+                        "Quantized weights and engines are cached after the first launch")
     p.add_argument("--engine-dir", type=Path, help="where built engines are cached (default: <cache>/engines)")
     p.add_argument("--data-dir", type=Path, help="where conversations are kept (default: the platform's user data "
                                                    "folder, e.g. ~/.local/share/ai-studio; $STUDIO_DATA)")

@@ -1,8 +1,10 @@
-"""A GGUF file's decoder on the CPU as an ONNX Runtime engine (`engine_builder/gguf_onnx.py`), built on first
-launch into the engine cache and mapped from it on later ones (`--quant gguf` there, `auto`'s first choice).
+"""A decoder on the CPU as an ONNX Runtime engine (`engine_builder/gguf_onnx.py`), built on first launch into the
+engine cache and mapped from it on later ones: a GGUF file's, its matrices as stored (`--quant gguf` there,
+`auto`'s first choice), or a float checkpoint's, its matrices rounded to 8-bit blocks (image chat's decoder).
 
 Why here: it is composition, the engine cache and the report around the graph builder and the decoder module
-(`pipeline/llm/onnx_decoder.py`); `studio/backends.py` asks `unavailable` and calls `onnx_gguf_decoder`.
+(`pipeline/llm/onnx_decoder.py`); `studio/backends.py` asks `unavailable` and calls `onnx_gguf_decoder`,
+`studio/vlm.py` asks `float_unavailable` and calls `onnx_float_decoder`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -24,10 +28,20 @@ from pipeline.llm.loading import gguf_as_stored
 from pipeline.llm.onnx_decoder import OnnxDecoder, TableEmbedding, threads
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.gguf_file import read_gguf
-from pipeline.llm.weights.gguf_nbits import KINDS
+from pipeline.llm.model import Decoder
+from pipeline.llm.weights.gguf_nbits import KINDS, to_blocks
+from pipeline.llm.weights.quant import QUANTIZED
 
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+Held = tempfile.TemporaryDirectory | None  # a temporary engine's folder, kept while its session lives
 FLOATS = {"F32", "F16", "BF16"}  # matrices the graph multiplies in float32
 COMPONENT = "llm_decoder_gguf"
+FLOAT_COMPONENT = "llm_decoder_float_blocks"
+# A float checkpoint's matrices on this engine: 8-bit blocks of 32 (int8 perplexity +0.07 % on SmolLM2; 4-bit
+# blocks rounded from floats would cost far more on small models)
+FLOAT_BLOCKS = "Q8_0"
 GRAPH_FORMAT = 2  # bump when the graph `gguf_onnx.build` writes changes: cached engines are rebuilt
 
 
@@ -42,30 +56,30 @@ def unavailable(config) -> str | None:
     return None
 
 
-def _key(gguf: Path, cache: EngineCache) -> EngineKey:
-    return EngineKey(COMPONENT, str(gguf.resolve()), fingerprint([gguf], cache.root), "gguf", {}, "onnxruntime",
-                     f"{onnxruntime_backend.version()} graph {GRAPH_FORMAT}", onnxruntime_backend.device_name())
+def float_unavailable(config) -> str | None:
+    """None when a float checkpoint's decoder of `config` runs on this engine as `FLOAT_BLOCKS`, else why not."""
+    if (why := unavailable(config)) is not None:
+        return why
+    if odd := sorted({w for w in (config.hidden_size, config.q_size, config.intermediate_size) if w % 32}):
+        return f"its widths {odd} are not whole blocks of 32"
+    return None
 
 
-def onnx_gguf_decoder(model_dir: Path, model_id: str, engines: EngineOptions | None):
-    """The `OnnxDecoder` of a GGUF folder and how it runs: the engine from `engines`' cache (built now when
-    missing or stale, with progress), or, without `engines` (benchmarks, tests), built into a temporary
-    folder that lives as long as the decoder."""
+def _session(component: str, files: list[Path], weights: str, build_into: Callable[[Path], None], what: str,
+             model_id: str, engines: EngineOptions | None) -> tuple[ort.InferenceSession, Held]:
+    """The engine of the weight `files` (their `weights` form) from `engines`' cache (`build_into` a folder now
+    when missing or stale, with progress), or, without `engines` (benchmarks, tests), built into a temporary
+    folder returned with it, which must live as long as the session."""
     import onnxruntime as ort  # here, not at the top: the app starts without waiting for it
 
     say = engines.report.tell if engines is not None else (lambda line: None)
-    config = read_config(model_dir)
-    gguf = Path(config.gguf_file)
-    held = None if engines is not None else tempfile.TemporaryDirectory(prefix="gguf-onnx.")
+    held = None if engines is not None else tempfile.TemporaryDirectory(prefix="onnx-llm.")
     cache = engines.cache if held is None else EngineCache(Path(held.name))
 
     def make(folder: Path, reason: str) -> None:
-        say(f"{model_id}: building its ONNX Runtime engine from the file's {config.gguf_type} blocks ({reason})")
+        say(f"{model_id}: building its ONNX Runtime engine from {what} ({reason})")
         start = time.perf_counter()
-        _, sd, embed_kind, head_kind = gguf_as_stored(model_dir, torch.float32, KINDS)
-        head = (sd["embed.weight"], embed_kind) if config.tie_word_embeddings else (sd.pop("lm_head.weight"), head_kind)
-        with tqdm(total=config.num_layers, desc=f"{model_id}: ONNX engine", unit="layer", file=sys.stderr) as bar:
-            build(folder, config, sd, head, lambda done, total: bar.update(done - bar.n))
+        build_into(folder)
         say(f"{model_id}: ONNX Runtime engine built in {time.perf_counter() - start:.1f} s")
 
     def load(folder: Path) -> ort.InferenceSession:
@@ -73,9 +87,31 @@ def onnx_gguf_decoder(model_dir: Path, model_id: str, engines: EngineOptions | N
         options.intra_op_num_threads = threads()
         return ort.InferenceSession(str(folder / GRAPH), options, providers=["CPUExecutionProvider"])
 
-    session, cached = cache.get(_key(gguf, cache), make, load)
+    key = EngineKey(component, str(files[0].resolve()), fingerprint(files, cache.root), weights, {}, "onnxruntime",
+                    f"{onnxruntime_backend.version()} graph {GRAPH_FORMAT}", onnxruntime_backend.device_name())
+    session, cached = cache.get(key, make, load)
     if not cached.built:
         say(f"{model_id}: ONNX Runtime engine {cached.outcome()}")
+    return session, held
+
+
+def _build_bar(model_id: str, config) -> tqdm:
+    return tqdm(total=config.num_layers, desc=f"{model_id}: ONNX engine", unit="layer", file=sys.stderr)
+
+
+def onnx_gguf_decoder(model_dir: Path, model_id: str, engines: EngineOptions | None) -> tuple[OnnxDecoder, str]:
+    """The `OnnxDecoder` of a GGUF folder (its matrices as the file stores them) and how it runs."""
+    config = read_config(model_dir)
+    gguf = Path(config.gguf_file)
+
+    def build_into(folder: Path) -> None:
+        _, sd, embed_kind, head_kind = gguf_as_stored(model_dir, torch.float32, KINDS)
+        head = (sd["embed.weight"], embed_kind) if config.tie_word_embeddings else (sd.pop("lm_head.weight"), head_kind)
+        with _build_bar(model_id, config) as bar:
+            build(folder, config, sd, head, lambda done, total: bar.update(done - bar.n))
+
+    session, held = _session(COMPONENT, [gguf], "gguf", build_into, f"the file's {config.gguf_type} blocks", model_id,
+                             engines)
     tensors = read_gguf(gguf).tensors
     table, norm = tensors["token_embd.weight"], tensors["output_norm.weight"]
     model = OnnxDecoder(config, session, TableEmbedding(table.data.reshape(table.shape[0], -1), table.kind,
@@ -84,3 +120,26 @@ def onnx_gguf_decoder(model_dir: Path, model_id: str, engines: EngineOptions | N
     model.engine_folder = held  # a temporary build's folder, removed when the decoder is (None: the cache's)
     return model, f"{config.gguf_type} blocks as stored (ONNX Runtime, {threads()} threads)"
 
+
+def onnx_float_decoder(decoder: Decoder, weights: list[Path], model_id: str,
+                       engines: EngineOptions | None) -> tuple[OnnxDecoder, str]:
+    """The `OnnxDecoder` of a float checkpoint's `decoder` (read from the files `weights`), its matrices rounded
+    to `FLOAT_BLOCKS` as llama.cpp rounds them, and how it runs. Its embedding stays the float table; the
+    torch decoder's layers are not kept."""
+    config = decoder.config
+
+    def build_into(folder: Path) -> None:
+        sd = {name: value.detach().float() for name, value in decoder.state_dict().items()}
+        for i in range(config.num_layers):
+            for path in QUANTIZED:
+                weight = sd.pop(f"layers.{i}.{path}.weight")
+                sd[f"layers.{i}.{path}.matrices"] = [(to_blocks(weight, FLOAT_BLOCKS), FLOAT_BLOCKS)]
+        head = (to_blocks(sd["lm_head.weight"], FLOAT_BLOCKS), FLOAT_BLOCKS)
+        with _build_bar(model_id, config) as bar:
+            build(folder, config, sd, head, lambda done, total: bar.update(done - bar.n))
+
+    session, held = _session(FLOAT_COMPONENT, weights, FLOAT_BLOCKS, build_into,
+                             f"its float weights rounded to {FLOAT_BLOCKS} blocks", model_id, engines)
+    model = OnnxDecoder(config, session, decoder.embed, decoder.norm.weight.detach())
+    model.engine_folder = held
+    return model, f"int8 weights ({FLOAT_BLOCKS} blocks on ONNX Runtime, {threads()} threads)"

@@ -59,6 +59,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny SmolVLM folder as `save_pretrained` writes one: weights, config, tokenizer, processor configs."""
+    return make_folder(tmp_path_factory.mktemp("smolvlm"))
+
+
+def make_folder(path, text_width: int = 48):
+    """`folder`'s model in `path`, its decoder `text_width` wide (MLP twice that)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -75,7 +80,8 @@ def folder(tmp_path_factory):
     config = transformers.Idefics3Config(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                            image_size=TILE, patch_size=PATCH),
-        text_config=dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=48, intermediate_size=96,
+        text_config=dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=text_width,
+                         intermediate_size=2 * text_width,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=1024, tie_word_embeddings=False),
         scale_factor=SCALE, image_token_id=tok.token_to_id(IMAGE), tie_word_embeddings=False)
@@ -89,7 +95,6 @@ def folder(tmp_path_factory):
                 p.normal_(0, 0.1)
             elif "embed" in name and "patch" not in name:
                 p.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp("smolvlm")
     model.save_pretrained(path, max_shard_size="100KB")  # sharded, with an index
     processor.save_pretrained(path)
     return path

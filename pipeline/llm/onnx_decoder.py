@@ -55,7 +55,7 @@ class OnnxDecoder(nn.Module):
 
     torch_threads = 1
 
-    def __init__(self, config: DecoderConfig, session: ort.InferenceSession, embed: TableEmbedding, norm: Tensor):
+    def __init__(self, config: DecoderConfig, session: ort.InferenceSession, embed: nn.Module, norm: Tensor):
         super().__init__()
         self.config, self.session, self.embed = config, session, embed
         self.norm = nn.Module()

@@ -16,7 +16,8 @@ import torch
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.text.prompt import CHATML_STOP_STRINGS
 from pipeline.llm.text.tokenizer import load_tokenizer
-from pipeline.pipelines.vlm_chat import EncodedImage, VLMChatPipeline, VLMFormat, language_model, load_device
+from pipeline.pipelines.vlm_chat import (DecoderEngine, EncodedImage, VLMChatPipeline, VLMFormat, language_model,
+                                         load_device)
 from pipeline.qwen_vl.preprocess import PreprocessConfig, preprocess
 from pipeline.qwen_vl.prompt import IMAGE_PAD, TURN_END, image_prompt, rope_positions
 from pipeline.qwen_vl.text import load_text_decoder
@@ -35,11 +36,11 @@ class QwenVLChatPipeline(VLMChatPipeline):
 
     @classmethod
     def load(cls, folder: Path, model_id: str, device: str, dtype: torch.dtype, context: int,
-             max_batch: int, quant: str = "none") -> QwenVLChatPipeline:
+             max_batch: int, quant: str = "none", engine_of: DecoderEngine | None = None) -> QwenVLChatPipeline:
         """A Qwen2.5-VL folder as the hub ships it (or transformers writes it) on our engine, pictures
         capped at `MAX_IMAGE_TOKENS` positions."""
         llm = language_model(load_text_decoder(folder, dtype, load_device(device, quant)), load_tokenizer(folder),
-                             model_id, device, context, max_batch, quant)
+                             model_id, device, context, max_batch, quant, engine_of)
         images = PreprocessConfig.from_folder(folder)
         cap = MAX_IMAGE_TOKENS * images.factor ** 2
         images = dataclasses.replace(images, max_pixels=min(images.max_pixels, cap),

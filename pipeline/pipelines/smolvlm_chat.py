@@ -13,7 +13,8 @@ import torch
 
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.text.tokenizer import load_tokenizer
-from pipeline.pipelines.vlm_chat import EncodedImage, VLMChatPipeline, VLMFormat, language_model, load_device
+from pipeline.pipelines.vlm_chat import (DecoderEngine, EncodedImage, VLMChatPipeline, VLMFormat, language_model,
+                                         load_device)
 from pipeline.smolvlm.preprocess import PreprocessConfig, preprocess
 from pipeline.smolvlm.prompt import IMAGE, image_ids
 from pipeline.smolvlm.text import load_text_decoder
@@ -33,11 +34,11 @@ class SmolVLMChatPipeline(VLMChatPipeline):
 
     @classmethod
     def load(cls, folder: Path, model_id: str, device: str, dtype: torch.dtype, context: int,
-             max_batch: int, quant: str = "none") -> SmolVLMChatPipeline:
+             max_batch: int, quant: str = "none", engine_of: DecoderEngine | None = None) -> SmolVLMChatPipeline:
         """A SmolVLM folder as transformers writes it (its vision side, decoder, tokenizer and processor
         files) on our engine; on a CPU, pictures at up to `CPU_TILES_PER_SIDE` tiles a side."""
         llm = language_model(load_text_decoder(folder, dtype, load_device(device, quant)), load_tokenizer(folder),
-                             model_id, device, context, max_batch, quant)
+                             model_id, device, context, max_batch, quant, engine_of)
         images = PreprocessConfig.from_folder(folder)
         if device == "cpu":
             images = dataclasses.replace(images, longest_edge=min(images.longest_edge, CPU_TILES_PER_SIDE * images.tile))

@@ -71,13 +71,19 @@ class VLMFormat:
         return Prompt(expanded.ids, expanded.slots, rope=rope)
 
 
+# A float decoder → the module that runs it and how (the studio's ONNX Runtime engine of 8-bit blocks, on the CPU)
+DecoderEngine = Callable[[Decoder], tuple[torch.nn.Module, str]]
+
+
 def language_model(decoder: Decoder, tokenizer: Tokenizer, model_id: str, device: str, context: int,
-                   max_batch: int, quant: str = "none") -> LanguageModel:
+                   max_batch: int, quant: str = "none", engine_of: DecoderEngine | None = None) -> LanguageModel:
     """A VLM's decoder on our engine, as the chat tool runs text models; `quant` int8/int4: its block
     projections quantized now, from a decoder loaded on the CPU (`load_device`), onto `device` and the
-    low-bit kernels where they run there."""
+    low-bit kernels where they run there; `engine_of`: run by the module it makes of the float decoder instead."""
     weights = str(decoder.norm.weight.dtype).removeprefix("torch.")
-    if quant != "none":
+    if engine_of is not None:
+        decoder, weights = engine_of(decoder)
+    elif quant != "none":
         decoder = quantize_decoder(decoder, quant, device).to(device)
         why = kernel_unavailable(decoder)
         if why is None:

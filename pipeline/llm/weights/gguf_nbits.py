@@ -159,3 +159,12 @@ def from_gguf(raw: Tensor, kind: str, in_features: int) -> NBits:
     return NBits(bits, block, q.contiguous().numpy(), scales.contiguous().reshape(-1).numpy(),
                  None if zeros is None else zeros.reshape(-1).numpy(), None if offsets is None else offsets.numpy())
 
+
+
+def to_blocks(weight: Tensor, kind: str) -> Tensor:
+    """A float matrix [rows, cols] rounded to GGUF blocks of `kind` (gguf-py's quantizer, as llama.cpp's)
+    → its bytes [rows, row bytes]: how a float checkpoint's decoder takes the same engine as a GGUF file's."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    return torch.from_numpy(quantize(weight.float().numpy(), GGMLQuantizationType[kind]))
