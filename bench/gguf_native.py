@@ -150,11 +150,12 @@ def q4_k_m_kind(part: str, layer: int, layers: int) -> str:
 
 
 def write_model(path: Path, layers: int, kind_of=lambda part, layer, layers: "F16", c: dict = QWEN25_7B_DIMS,
-                device: str = "cuda") -> None:
+                device: str = "cuda", vocabulary: Path | None = None) -> None:
     """A Qwen2-architecture model with random weights, written with gguf-py, its vocabulary left out
-    (`tokenizer.ggml.model` "none": llama-bench draws random tokens): F16 matrices (std 0.02; zero biases, unit
-    norms), or where `kind_of(part, layer, layers)` names a block type, random blocks of it."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    (`tokenizer.ggml.model` "none": llama-bench draws random tokens) or copied from the GGUF file `vocabulary`
+    (its `tokenizer.*` fields: the app can chat with it): F16 matrices (std 0.02; zero biases, unit norms), or
+    where `kind_of(part, layer, layers)` names a block type, random blocks of it."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
     writer = GGUFWriter(str(path), "qwen2")
     for key, value in {"context_length": 32768, "embedding_length": c["hidden"], "block_count": layers,
@@ -163,7 +164,12 @@ def write_model(path: Path, layers: int, kind_of=lambda part, layer, layers: "F1
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6)
     writer.add_vocab_size(c["vocab"])
-    writer.add_tokenizer_model("none")
+    if vocabulary is None:
+        writer.add_tokenizer_model("none")
+    for field in GGUFReader(vocabulary).fields.values() if vocabulary is not None else ():
+        if field.name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub)
     writer.add_file_type(1 if kind_of("output", 0, layers) == "F16" else 15)  # mostly F16, or Q4_K_M
     g = torch.Generator(device=device).manual_seed(0)
 

@@ -153,7 +153,7 @@ class _Graph:
                         f"{name}.split")[0]
         normed = self.op("SimplifiedLayerNormalization", [split, self.const(f"{name}.weight", weight.float().numpy())],
                          f"{name}.norm", axis=-1, epsilon=eps)[0]
-        return self.op("Reshape", [normed, self.const(f"{name}.flat", np.array([0, 0, heads * dim], np.int64))],
+        return self.op("Reshape", [normed, self.const(f"{name}.width", np.array([0, 0, heads * dim], np.int64))],
                        f"{name}.flat")[0]
 
 

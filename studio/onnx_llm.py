@@ -27,7 +27,7 @@ from engine_builder.gguf_onnx import GRAPH, build, unsupported
 from pipeline.llm.loading import gguf_as_stored
 from pipeline.llm.onnx_decoder import OnnxDecoder, TableEmbedding, threads
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.weights.gguf_file import read_gguf
+from pipeline.llm.weights.gguf_file import read_gguf, split_parts
 from pipeline.llm.model import Decoder
 from pipeline.llm.weights.gguf_nbits import KINDS, to_blocks
 from pipeline.llm.weights.quant import QUANTIZED
@@ -42,7 +42,7 @@ FLOAT_COMPONENT = "llm_decoder_float_blocks"
 # A float checkpoint's matrices on this engine: 8-bit blocks of 32 (int8 perplexity +0.07 % on SmolLM2; 4-bit
 # blocks rounded from floats would cost far more on small models)
 FLOAT_BLOCKS = "Q8_0"
-GRAPH_FORMAT = 2  # bump when the graph `gguf_onnx.build` writes changes: cached engines are rebuilt
+GRAPH_FORMAT = 3  # bump when the graph `gguf_onnx.build` writes changes: cached engines are rebuilt
 
 
 def unavailable(config) -> str | None:
@@ -110,8 +110,8 @@ def onnx_gguf_decoder(model_dir: Path, model_id: str, engines: EngineOptions | N
         with _build_bar(model_id, config) as bar:
             build(folder, config, sd, head, lambda done, total: bar.update(done - bar.n))
 
-    session, held = _session(COMPONENT, [gguf], "gguf", build_into, f"the file's {config.gguf_type} blocks", model_id,
-                             engines)
+    session, held = _session(COMPONENT, split_parts(gguf), "gguf", build_into,
+                             f"the file's {config.gguf_type} blocks", model_id, engines)
     tensors = read_gguf(gguf).tensors
     table, norm = tensors["token_embd.weight"], tensors["output_norm.weight"]
     model = OnnxDecoder(config, session, TableEmbedding(table.data.reshape(table.shape[0], -1), table.kind,

@@ -163,6 +163,9 @@ def write_model(path: Path, vocab: dict, arch: str = "llama", kind: str = "F32",
         if arch == "qwen2":
             for name, heads in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS)):
                 floats(p + f"attn_{name}.bias", rng.normal(0, 0.5, heads * head_dim))
+        if arch == "qwen3":  # its per-head q/k RMSNorms, far from 1
+            floats(p + "attn_q_norm.weight", rng.uniform(0.2, 3.0, head_dim))
+            floats(p + "attn_k_norm.weight", rng.uniform(0.2, 3.0, head_dim))
         weight(p + "attn_output.weight", HIDDEN, HEADS * head_dim)
         floats(p + "ffn_norm.weight", rng.uniform(0.5, 1.5, HIDDEN))
         weight(p + "ffn_gate.weight", FFN, HIDDEN)

@@ -10,7 +10,9 @@ decoder of the same file:
   step's rows as the same tokens read as a prompt, two chats at different positions in one step each as alone, a
   second turn read after the first as the whole read at once;
 - a Q4_K_M file made by llama.cpp's own quantizer (Q4_K and Q6_K, a q/k/v of two types, Qwen2's biases) against
-  its float weights; and the engine cache: a second load maps the built engine instead of building it.
+  its float weights; and the engine cache: a second load maps the built engine instead of building it;
+- a Qwen3 file (its q/k norms run in the graph) and a split file (its engine is the single file's, rebuilt when
+  a later part changes), written as llama.cpp writes them.
 """
 
 from pathlib import Path
@@ -21,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as reference
 
-from test_gguf import cache, random_blocks  # noqa: F401  (the test cache for `locate`)
+from test_gguf import bpe_vocab, cache, random_blocks, write_model  # noqa: F401  (the test cache for `locate`)
 
 from engine_builder.gguf_onnx import _Graph, _Writer
 from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows
@@ -203,3 +205,50 @@ def test_the_engine_is_built_once_then_mapped_from_the_cache(tmp_path):
     onnx_gguf_decoder(folder, "tiny", options)
     assert any("loaded from cache" in line for line in Report.lines) and \
         not any("building" in line for line in Report.lines), Report.lines
+
+
+def gguf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    cache = KVCache(model.config, 1, 32, torch.float32, "cpu")
+    with torch.inference_mode():
+        return model(cache, RotaryTables(model.config, 32, "cpu"), (Prefill(0, 0),), tokens=ids)[0]
+
+
+def test_a_qwen3_file_runs_its_q_and_k_norms_in_the_graph(tmp_path, bpe_vocab, monkeypatch):  # noqa: F811
+    """With float32 inputs everywhere (Q4_0 takes them), its graph gives its float weights' logits within float32
+    rounding."""
+    from engine_builder import gguf_onnx
+    from pipeline.llm.loading import load_decoder
+    from pipeline.models import locate
+    from studio.onnx_llm import onnx_gguf_decoder
+
+    folder = locate(str(write_model(tmp_path / "qwen3.gguf", bpe_vocab, arch="qwen3", kind="Q4_0"))).path
+    ids = torch.tensor([[i % 300 for i in range(3, 60, 3)]])
+    want = gguf_logits(load_decoder(folder), ids)
+    assert load_decoder(folder).config.qk_norm
+    monkeypatch.setattr(gguf_onnx, "ACCURACY", {name: 1 for name in gguf_onnx.ACCURACY})
+    error = rel(gguf_logits(onnx_gguf_decoder(folder, "qwen3", None)[0], ids), want)
+    assert error < 1e-4, error  # 1.7e-6 seen
+
+
+def test_a_split_files_engine_is_the_single_files_and_is_rebuilt_when_a_later_part_changes(tmp_path, bpe_vocab):  # noqa: F811
+    from engine_builder.build import EngineOptions
+    from engine_builder.cache import EngineCache
+    from pipeline.models import locate
+    from studio.onnx_llm import onnx_gguf_decoder
+    from studio.startup_report import StartupReport
+
+    for name, seed in (("one", 0), ("split", 0), ("other", 1)):
+        (tmp_path / name).mkdir()
+        write_model(tmp_path / name / "tiny.gguf", bpe_vocab, kind="Q4_K", seed=seed,
+                    split_max_tensors=0 if name == "one" else 12)
+    parts = sorted((tmp_path / "split").glob("*.gguf"))
+    ids = torch.tensor([[i % 300 for i in range(3, 60, 3)]])
+    options = EngineOptions(EngineCache(tmp_path / "engines"), StartupReport(out=None))
+    whole = gguf_logits(onnx_gguf_decoder(locate(str(tmp_path / "one" / "tiny.gguf")).path, "one", None)[0], ids)
+    first = gguf_logits(onnx_gguf_decoder(locate(str(parts[0])).path, "split", options)[0], ids)
+    assert torch.equal(first, whole)
+    parts[1].write_bytes(sorted((tmp_path / "other").glob("*.gguf"))[1].read_bytes())  # a newer second part
+    options.report.lines.clear()
+    changed = gguf_logits(onnx_gguf_decoder(locate(str(parts[0])).path, "split", options)[0], ids)
+    assert any("engine built in" in line for line in options.report.lines), options.report.lines
+    assert rel(changed, first) > 0.1
