@@ -1,0 +1,254 @@
+"""The documents index: one SQLite database in the data folder (`apsw`, which bundles a current SQLite with FTS5
+and extension loading; Python's own `sqlite3` often cannot load extensions), holding for every collection its
+files (with their content hash, or why they could not be read), their passages, a full-text index of them (FTS5,
+BM25) and their vectors (`sqlite-vec`'s `vec0`, partitioned by collection).
+
+Every change to one file is one transaction (`replace_file`, `mark_unreadable`, `remove_file`): a process killed
+at any moment leaves each file either as it was or as it is now, and the next refresh goes on from there. The
+database is in WAL mode, so chats read it while the indexer writes. The vectors are the embedder's named in
+`meta`; another embedder's would not compare, so switching drops them all (`use_embedder`) and they are made anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.docs.chunking import Passage
+from pipeline.errors import UserError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS collections(
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, root TEXT, created REAL NOT NULL, indexed REAL,
+    deleted REAL);
+CREATE TABLE IF NOT EXISTS files(
+    id INTEGER PRIMARY KEY, collection INTEGER NOT NULL REFERENCES collections(id) ON DELETE CASCADE,
+    path TEXT NOT NULL, hash TEXT, size INTEGER, pages INTEGER, reason TEXT, indexed REAL NOT NULL,
+    UNIQUE(collection, path));
+CREATE TABLE IF NOT EXISTS passages(
+    id INTEGER PRIMARY KEY, file INTEGER NOT NULL REFERENCES files(id) ON DELETE CASCADE, seq INTEGER NOT NULL,
+    text TEXT NOT NULL, start INTEGER NOT NULL, end INTEGER NOT NULL, page INTEGER, heading TEXT,
+    vector INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS passages_by_file ON passages(file, seq);
+CREATE VIRTUAL TABLE IF NOT EXISTS passages_fts USING fts5(
+    text, heading, content='passages', content_rowid='id', tokenize='porter unicode61 remove_diacritics 2');
+CREATE TRIGGER IF NOT EXISTS passages_fts_add AFTER INSERT ON passages BEGIN
+    INSERT INTO passages_fts(rowid, text, heading) VALUES (new.id, new.text, new.heading); END;
+CREATE TRIGGER IF NOT EXISTS passages_fts_drop AFTER DELETE ON passages BEGIN
+    INSERT INTO passages_fts(passages_fts, rowid, text, heading) VALUES ('delete', old.id, old.text, old.heading);
+    DELETE FROM vectors WHERE rowid = old.id; END;
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRow:
+    id: int
+    path: str
+    hash: str | None
+    size: int | None
+    pages: int | None
+    reason: str | None  # None: indexed
+    indexed: float
+    passages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Hit:
+    """A passage found, with its file and place."""
+
+    id: int
+    file: str
+    seq: int
+    text: str
+    start: int
+    end: int
+    page: int | None
+    heading: str | None
+
+
+def connect(path: Path):
+    """The index database at `path` (made if missing), sqlite-vec loaded, WAL mode, foreign keys on."""
+    import apsw
+    import sqlite_vec
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        db = apsw.Connection(str(path))
+        db.set_busy_timeout(30_000)
+        db.enable_load_extension(True)
+        db.load_extension(sqlite_vec.loadable_path())
+        db.enable_load_extension(False)
+        db.execute("PRAGMA journal_mode=WAL; PRAGMA foreign_keys=ON; PRAGMA synchronous=NORMAL")
+        return db
+    except apsw.Error as e:
+        raise UserError(f"the documents index {path} cannot be opened ({e}); move it aside and restart to "
+                        f"index again") from None
+
+
+class Index:
+    """The index in `path`, its vectors `dim` wide from the embedder `embedder`."""
+
+    def __init__(self, path: Path, embedder: str, dim: int):
+        self.path, self.db = Path(path), connect(Path(path))
+        self.use_embedder(embedder, dim)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _one(self, sql: str, args: Sequence = ()):
+        row = self.db.execute(sql, args).fetchone()
+        return None if row is None else row[0]
+
+    def use_embedder(self, embedder: str, dim: int) -> bool:
+        """Make the vectors `embedder`'s; True when they were another's (all dropped: every passage needs its
+        vector again, `missing_vectors`)."""
+        with self.db:
+            self.db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
+            before = self._one("SELECT value FROM meta WHERE key = 'embedder'")
+            if before not in (None, f"{embedder} {dim}"):
+                self.db.execute("DROP TABLE IF EXISTS vectors")
+                if self._one("SELECT count(*) FROM sqlite_master WHERE name = 'passages'"):
+                    self.db.execute("UPDATE passages SET vector = 0")
+            self.db.execute(f"CREATE VIRTUAL TABLE IF NOT EXISTS vectors USING vec0(collection INTEGER PARTITION KEY, "
+                            f"embedding float[{dim}] distance_metric=cosine)")
+            self.db.execute(SCHEMA)
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES ('embedder', ?)", (f"{embedder} {dim}",))
+        return before not in (None, f"{embedder} {dim}")
+
+    # ---- collections ---------------------------------------------------------------------------
+
+    def add_collection(self, name: str, root: str | None) -> int:
+        with self.db:
+            existing = self.db.execute("SELECT id, deleted FROM collections WHERE name = ?", (name,)).fetchone()
+            if existing and existing[1] is None:
+                raise UserError(f"there is already a collection named {name!r}: pick another name, or refresh it")
+            if existing:  # a deleted one's name is taken again: its rows go for good
+                self.db.execute("DELETE FROM collections WHERE id = ?", (existing[0],))
+            self.db.execute("INSERT INTO collections(name, root, created) VALUES (?, ?, ?)", (name, root, time.time()))
+            return self.db.last_insert_rowid()
+
+    def collection(self, name: str) -> int:
+        found = self._one("SELECT id FROM collections WHERE name = ? AND deleted IS NULL", (name,))
+        if found is None:
+            raise UserError(f"there is no collection named {name!r}")
+        return found
+
+    def collections(self) -> list[tuple[str, str | None, float | None]]:
+        """(name, root folder, last indexed) of each collection, by name."""
+        return self.db.execute("SELECT name, root, indexed FROM collections WHERE deleted IS NULL ORDER BY name"
+                               ).fetchall()
+
+    def set_deleted(self, name: str, deleted: bool) -> None:
+        """Hide a collection (deleted: True) or bring it back (Undo); `purge_deleted` removes hidden ones."""
+        with self.db:
+            self.db.execute("UPDATE collections SET deleted = ? WHERE name = ?", (time.time() if deleted else None,
+                                                                                   name))
+
+    def purge_deleted(self) -> None:
+        with self.db:
+            for (cid,) in self.db.execute("SELECT id FROM collections WHERE deleted IS NOT NULL").fetchall():
+                self.db.execute("DELETE FROM passages WHERE file IN (SELECT id FROM files WHERE collection = ?)",
+                                (cid,))
+                self.db.execute("DELETE FROM collections WHERE id = ?", (cid,))
+
+    def mark_indexed(self, collection: int) -> None:
+        with self.db:
+            self.db.execute("UPDATE collections SET indexed = ? WHERE id = ?", (time.time(), collection))
+
+    # ---- files -----------------------------------------------------------------------------------
+
+    def files(self, collection: int) -> list[FileRow]:
+        rows = self.db.execute(
+            "SELECT f.id, f.path, f.hash, f.size, f.pages, f.reason, f.indexed, "
+            "(SELECT count(*) FROM passages p WHERE p.file = f.id) FROM files f WHERE collection = ? ORDER BY path",
+            (collection,)).fetchall()
+        return [FileRow(*row) for row in rows]
+
+    def replace_file(self, collection: int, path: str, digest: str, size: int, pages: int,
+                     passages: Sequence[Passage], vectors: np.ndarray) -> None:
+        """The file's passages and vectors now these, in one transaction (its old ones gone)."""
+        with self.db:
+            self.db.execute("INSERT INTO files(collection, path, hash, size, pages, reason, indexed) "
+                            "VALUES (?, ?, ?, ?, ?, NULL, ?) ON CONFLICT(collection, path) DO UPDATE SET "
+                            "hash = excluded.hash, size = excluded.size, pages = excluded.pages, reason = NULL, "
+                            "indexed = excluded.indexed", (collection, path, digest, size, pages, time.time()))
+            file = self._one("SELECT id FROM files WHERE collection = ? AND path = ?", (collection, path))
+            self.db.execute("DELETE FROM passages WHERE file = ?", (file,))
+            for seq, (p, vector) in enumerate(zip(passages, vectors)):
+                self.db.execute("INSERT INTO passages(file, seq, text, start, end, page, heading, vector) "
+                                "VALUES (?, ?, ?, ?, ?, ?, ?, 1)", (file, seq, p.text, p.start, p.end, p.page,
+                                                                   p.heading))
+                self.db.execute("INSERT INTO vectors(rowid, collection, embedding) VALUES (?, ?, ?)",
+                                (self.db.last_insert_rowid(), collection, np.asarray(vector, np.float32).tobytes()))
+
+    def mark_unreadable(self, collection: int, path: str, reason: str, size: int | None = None) -> None:
+        """The file listed with why it cannot be read; its passages (from an earlier version) gone."""
+        with self.db:
+            self.db.execute("INSERT INTO files(collection, path, hash, size, pages, reason, indexed) "
+                            "VALUES (?, ?, NULL, ?, NULL, ?, ?) ON CONFLICT(collection, path) DO UPDATE SET "
+                            "hash = NULL, size = excluded.size, pages = NULL, reason = excluded.reason, "
+                            "indexed = excluded.indexed", (collection, path, size, reason, time.time()))
+            self.db.execute("DELETE FROM passages WHERE file = (SELECT id FROM files WHERE collection = ? AND "
+                            "path = ?)", (collection, path))
+
+    def remove_file(self, collection: int, path: str) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM passages WHERE file = (SELECT id FROM files WHERE collection = ? AND "
+                            "path = ?)", (collection, path))
+            self.db.execute("DELETE FROM files WHERE collection = ? AND path = ?", (collection, path))
+
+    # ---- vectors after an embedder switch ----------------------------------------------------------
+
+    def missing_vectors(self, limit: int) -> list[tuple[int, int, str]]:
+        """(passage id, collection, text) of passages without a vector, at most `limit`."""
+        return self.db.execute("SELECT p.id, f.collection, p.text FROM passages p JOIN files f ON f.id = p.file "
+                               "WHERE p.vector = 0 LIMIT ?", (limit,)).fetchall()
+
+    def set_vectors(self, rows: Iterable[tuple[int, int]], vectors: np.ndarray) -> None:
+        with self.db:
+            for (pid, collection), vector in zip(rows, vectors):
+                self.db.execute("INSERT OR REPLACE INTO vectors(rowid, collection, embedding) VALUES (?, ?, ?)",
+                                (pid, collection, np.asarray(vector, np.float32).tobytes()))
+                self.db.execute("UPDATE passages SET vector = 1 WHERE id = ?", (pid,))
+
+    # ---- search ------------------------------------------------------------------------------------
+
+    def keyword_search(self, collection: int, query: str, k: int) -> list[int]:
+        """Passage ids best first by BM25 over the query's words (any of them)."""
+        words = [w for w in "".join(ch if ch.isalnum() else " " for ch in query).split() if w]
+        if not words:
+            return []
+        match = " OR ".join(f'"{w}"' for w in words)
+        return [row[0] for row in self.db.execute(
+            "SELECT passages_fts.rowid FROM passages_fts JOIN passages p ON p.id = passages_fts.rowid "
+            "JOIN files f ON f.id = p.file WHERE passages_fts MATCH ? AND f.collection = ? "
+            "ORDER BY bm25(passages_fts) LIMIT ?", (match, collection, k))]
+
+    def vector_search(self, collection: int, vector: np.ndarray, k: int) -> list[int]:
+        """Passage ids nearest to `vector` (cosine), best first."""
+        return [row[0] for row in self.db.execute(
+            "SELECT rowid FROM vectors WHERE embedding MATCH ? AND k = ? AND collection = ? ORDER BY distance",
+            (np.asarray(vector, np.float32).tobytes(), k, collection))]
+
+    def hits(self, ids: Sequence[int]) -> list[Hit]:
+        """The passages of `ids`, in that order."""
+        if not ids:
+            return []
+        marks = ",".join("?" * len(ids))
+        rows = {row[0]: Hit(*row) for row in self.db.execute(
+            f"SELECT p.id, f.path, p.seq, p.text, p.start, p.end, p.page, p.heading FROM passages p "
+            f"JOIN files f ON f.id = p.file WHERE p.id IN ({marks})", list(ids))}
+        return [rows[i] for i in ids if i in rows]
+
+    def neighbours(self, hit: Hit) -> list[Hit]:
+        """The passages just before and after `hit` in its file."""
+        rows = self.db.execute(
+            "SELECT p.id, f.path, p.seq, p.text, p.start, p.end, p.page, p.heading FROM passages p "
+            "JOIN files f ON f.id = p.file WHERE p.file = (SELECT file FROM passages WHERE id = ?) "
+            "AND p.seq IN (?, ?) ORDER BY p.seq", (hit.id, hit.seq - 1, hit.seq + 1)).fetchall()
+        return [Hit(*row) for row in rows]

@@ -1,0 +1,84 @@
+"""A question → the passages of a collection that answer it, numbered, as many as fit the chat model's room:
+BM25 (the words) and the embedder's nearest vectors (the meaning) each rank the passages, and reciprocal rank
+fusion (Cormack et al. 2009: Σ 1/(60 + rank)) joins the two lists without scaling their scores; passages found
+next to each other in one file become one source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from pipeline.docs.index import Hit, Index
+from pipeline.embed.embedder import Embedder
+
+RRF_K = 60
+CANDIDATES = 40  # from each ranking
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A numbered source given to the model: a file's passage(s) and where they are."""
+
+    number: int
+    file: str
+    text: str
+    start: int
+    end: int
+    page: int | None
+    heading: str | None
+    passages: tuple[int, ...]  # the passage ids joined in it
+
+    @property
+    def where(self) -> str:
+        """"guide.pdf, page 3" or "README.md › Install"."""
+        return self.file + (f", page {self.page}" if self.page else "") + (f" › {self.heading}" if self.heading else "")
+
+
+def fuse(rankings: list[list[int]]) -> list[int]:
+    """Ids by reciprocal rank fusion of `rankings` (each best first)."""
+    scores: dict[int, float] = {}
+    for ranking in rankings:
+        for rank, pid in enumerate(ranking):
+            scores[pid] = scores.get(pid, 0.0) + 1.0 / (RRF_K + rank + 1)
+    return sorted(scores, key=lambda pid: -scores[pid])
+
+
+def ranked(index: Index, embedder: Embedder, collection: str, question: str, k: int = CANDIDATES) -> list[Hit]:
+    """The collection's passages for `question`, best first."""
+    cid = index.collection(collection)
+    vector = embedder.encode([question])[0]
+    return index.hits(fuse([index.keyword_search(cid, question, k), index.vector_search(cid, vector, k)]))
+
+
+def retrieve(index: Index, embedder: Embedder, collection: str, question: str, budget: int,
+             count: Callable[[str], int]) -> list[Source]:
+    """Numbered sources for `question`, best first, whose texts take at most `budget` tokens of the chat model
+    (`count`); a passage next to one already taken is joined to it."""
+    taken: list[list[Hit]] = []  # runs of adjacent passages of one file
+    used = 0
+    for hit in ranked(index, embedder, collection, question):
+        tokens = count(hit.text)
+        if used + tokens > budget:
+            if used:
+                break
+            continue  # a first passage over the budget alone: try the next
+        run = next((r for r in taken if r[0].file == hit.file and hit.seq in (r[0].seq - 1, r[-1].seq + 1)), None)
+        if run is None:
+            taken.append([hit])
+        elif hit.seq < run[0].seq:
+            run.insert(0, hit)
+        else:
+            run.append(hit)
+        used += tokens
+    return [_source(n + 1, run) for n, run in enumerate(taken)]
+
+
+def _source(number: int, run: list[Hit]) -> Source:
+    """Adjacent passages as one text: each one's part beyond the one before (they overlap by construction)."""
+    text, end = run[0].text, run[0].end
+    for hit in run[1:]:
+        text += hit.text[max(end - hit.start, 0):] if hit.start < end else "\n" + hit.text
+        end = hit.end
+    return Source(number, run[0].file, text, run[0].start, end, run[0].page, run[0].heading,
+                  tuple(h.id for h in run))

