@@ -199,10 +199,11 @@ def _docx(path: Path) -> Document:
     import zipfile
 
     import docx
+    from docx.opc.exceptions import PackageNotFoundError
 
     try:
         document = docx.Document(str(path))
-    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+    except (zipfile.BadZipFile, PackageNotFoundError, KeyError, ValueError) as e:
         raise Unreadable(f"not a readable Word document ({type(e).__name__}: {e})") from None
     parts: list[tuple[str, int | None, str | None]] = []
     heading, texts = None, []
