@@ -147,5 +147,18 @@ class Indexer:
         return document.pages
 
 
+def embed_missing(index: Index, embedder: Embedder, progress: Callable[[str], None] = lambda line: None,
+                  cancel: threading.Event | None = None, batch: int = 256) -> int:
+    """Give every passage without a vector one (after an embedder switch dropped them all), a batch a
+    transaction; the number embedded."""
+    done = 0
+    while not (cancel is not None and cancel.is_set()) and (rows := index.missing_vectors(batch)):
+        index.set_vectors([(pid, collection) for pid, collection, _ in rows],
+                          embedder.encode([text for _, _, text in rows]))
+        done += len(rows)
+        progress(f"embedding again with {embedder.name}: {done} passages")
+    return done
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
