@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from engine_builder import onnxruntime_backend
 from pipeline.errors import UserError
 from pipeline.minigpt4.weights import DEMO_LLM, demo_parts
 from pipeline.models import CHAT_MODELS, EMBEDDED, auto_model, cache_dir, locate
@@ -132,19 +133,19 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
     """One line per tool in a user's words: what runs and where (the why is in `plan.notes`)."""
     on_gpu = plan.device.startswith("cuda")
 
-    def where(part: str, hint: str = "") -> str:
+    def where(part: str, hint: str = "", cpu_weights: str = "") -> str:
         backend = plan.backends[part].backend
-        weights = plan.chat_cpu_weights if part == CHAT and plan.chat_cpu_weights else plan.dtype
-        return f"on the GPU ({backend}, {plan.dtype})" if on_gpu else f"on the CPU ({weights}){hint}"
+        return f"on the GPU ({backend}, {plan.dtype})" if on_gpu else f"on the CPU ({cpu_weights or plan.dtype}){hint}"
 
+    chat_where = where(CHAT, GPU_HINT, plan.chat_cpu_weights)
     if plan.remote_chat:
         chat = f"Chat: {config.llm_model or 'the model'} served at {config.llm_endpoint}"
     elif plan.model_id == EMBEDDED:
-        chat = f"Chat: SmolLM2-135M-Instruct, the small model that comes with the app, {where(CHAT, GPU_HINT)}"
+        chat = f"Chat: SmolLM2-135M-Instruct, the small model that comes with the app, {chat_where}"
     elif plan.model_id.startswith("demo/"):
-        chat = f"Chat: {plan.model_id}, a demo with random weights (its replies mean nothing), {where(CHAT, GPU_HINT)}"
+        chat = f"Chat: {plan.model_id}, a demo with random weights (its replies mean nothing), {chat_where}"
     else:
-        chat = f"Chat: {plan.model_id} {where(CHAT, GPU_HINT)}"
+        chat = f"Chat: {plan.model_id} {chat_where}"
     vlm = plan.vlm
     if vlm is not None:
         name = model_name(vlm)
@@ -153,7 +154,11 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
     else:
         image = "Image chat: MiniGPT-4 "
     segment = "Segment: " + _segment_model(plan.sam)
-    return [(Tool.CHAT, chat), (Tool.IMAGE_CHAT, image + where(IMAGE_CHAT_VISION)),
+    # a SmolVLM's decoder on the CPU: 8-bit blocks on ONNX Runtime (`studio/vlm.load_vlm`; its widths are whole blocks)
+    smolvlm_low_bit = vlm is not None and "smolvlm" in vlm.lower() and config.quant in ("auto", "int8") and \
+        onnxruntime_backend.unavailable() is None
+    image_weights = "its decoder as 8-bit blocks on ONNX Runtime" if smolvlm_low_bit else ""
+    return [(Tool.CHAT, chat), (Tool.IMAGE_CHAT, image + where(IMAGE_CHAT_VISION, cpu_weights=image_weights)),
             (Tool.SEGMENT, segment + where(SEGMENT))]
 
 

@@ -132,7 +132,8 @@ def test_start_up_says_what_runs_where_in_a_users_words(tmp_path, verbose):
     assert printed[:3] == [
         f"Chat: {TEST_MODEL}, a demo with random weights (its replies mean nothing), on the CPU (float32) — for "
         "GPU speed see --help",
-        "Image chat: SmolVLM-256M-Instruct, 0.5 GB, downloads on first use, on the CPU (float32)",
+        "Image chat: SmolVLM-256M-Instruct, 0.5 GB, downloads on first use, on the CPU (its decoder as 8-bit blocks on "
+        "ONNX Runtime)",
         "Segment: MobileSAM, 40 MB, downloads on first use, on the CPU (float32)"]
     assert f"conversations are kept in {tmp_path}" in " ".join(printed) and printed[-1].startswith("chat ready in")
     details = [line for line in service.startup if any(word in line for word in JARGON)]

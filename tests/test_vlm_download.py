@@ -89,7 +89,7 @@ def test_smolvlm_downloads_on_first_use_and_answers_about_a_picture(folder, tmp_
     assert first["kind"] == "SmolVLMChatPipeline" and not first["demo"] and first["reply"], first
     assert_the_api_reaches_it(first, REPO)
     assert first["printed"][1] == "Image chat: SmolVLM-256M-Instruct, 0.5 GB, downloads on first use, on the CPU " \
-                                  "(float32)", first["printed"]
+                                  "(its decoder as 8-bit blocks on ONNX Runtime)", first["printed"]
     said = " ".join(first["report"])
     assert f"image chat: downloading {REPO} (0.5 GB)" in said and "downloaded " in said, said
     with serving({}) as empty_hub:  # cached: nothing asked of the hub
@@ -97,7 +97,8 @@ def test_smolvlm_downloads_on_first_use_and_answers_about_a_picture(folder, tmp_
         assert empty_hub.ranges == []
     assert again["kind"] == "SmolVLMChatPipeline" and again["reply"] == first["reply"]
     assert "downloading" not in " ".join(again["report"])
-    assert again["printed"][1] == "Image chat: SmolVLM-256M-Instruct on the CPU (float32)", again["printed"]
+    assert again["printed"][1] == "Image chat: SmolVLM-256M-Instruct on the CPU (its decoder as 8-bit blocks " \
+        "on ONNX Runtime)", again["printed"]
 
 
 CHOICE = """
