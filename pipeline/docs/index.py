@@ -45,6 +45,12 @@ CREATE TRIGGER IF NOT EXISTS passages_fts_drop AFTER DELETE ON passages BEGIN
 """
 
 
+# Words a question is made of that say nothing of its subject: matched, they rank every passage that has them
+STOPWORDS = frozenset("""a an and are as at be by can could do does for from had has have how i if in into is it its
+me my of on or our should so than that the their them then there these they this to was we what when where which who
+why will with would you your""".split())
+
+
 @dataclasses.dataclass(frozen=True)
 class FileRow:
     id: int
@@ -220,7 +226,8 @@ class Index:
 
     def keyword_search(self, collection: int, query: str, k: int) -> list[int]:
         """Passage ids best first by BM25 over the query's words (any of them)."""
-        words = [w for w in "".join(ch if ch.isalnum() else " " for ch in query).split() if w]
+        words = [w for w in "".join(ch if ch.isalnum() or ch == "_" else " " for ch in query).split()
+                 if w.lower() not in STOPWORDS]
         if not words:
             return []
         match = " OR ".join(f'"{w}"' for w in words)
