@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.openai_body import read_json
+from app.openai_embeddings import embeddings
 from app.openai_protocol import ApiError, ChatRequest, api_error, parse_request
 from app.openai_shapes import Response, error_event
 from pipeline.errors import UserError
@@ -108,7 +109,8 @@ async def _answer(service: StudioService, req: ChatRequest,
 
 
 def build_router(service: StudioService, api_key: str | None, allow_files: bool) -> APIRouter:
-    """`/v1/models`, `/v1/chat/completions` and `/v1/completions`; `api_key` None: no key asked for (loopback only)."""
+    """`/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings`; `api_key` None: no key asked for
+    (loopback only)."""
     router = APIRouter(prefix="/v1")
 
     def check_key(request: Request) -> None:
@@ -143,6 +145,15 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
     @router.post("/completions")
     async def completions(request: Request):
         return await answer(request, completion=True)
+
+    @router.post("/embeddings")
+    async def embeddings_route(request: Request):
+        try:
+            check_key(request)
+            body = await read_json(request)
+            return await asyncio.to_thread(embeddings, service, body)  # its batches take seconds on a CPU
+        except (ApiError, UserError) as e:
+            return api_error(e).response()
 
     return router
 

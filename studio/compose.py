@@ -18,6 +18,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 
 from engine_builder.build import EngineOptions
+from pipeline.embed.embedder import BUILT_IN, Embedder, EmbedderSlot, built_in_folder
 from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.engine.sampling import SamplingParams
@@ -190,6 +191,25 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                      is_demo=plan.sam == SAM_DEMO)]
 
 
+def embedder_slot(config: StudioConfig, device: str, tell: Callable[[str], None]) -> EmbedderSlot | None:
+    """The documents' embedder, loaded on first use: `--embedder FOLDER`, else the built-in all-MiniLM-L6-v2 (None
+    where it is not installed)."""
+    folder = built_in_folder() if config.embedder == "auto" else Path(config.embedder)
+    if folder is None:
+        return None
+    if not (folder / "modules.json").is_file():
+        raise UserError(f"--embedder {folder}: not a sentence-transformers folder (it has no modules.json)")
+    name = BUILT_IN if config.embedder == "auto" else folder.name
+
+    def load() -> Embedder:
+        tell(f"loading the embedder {name}…")
+        embedder = Embedder(folder, name, device)
+        tell(f"embedder {name} ready ({embedder.dim} dimensions, up to {embedder.max_tokens} tokens a text)")
+        return embedder
+
+    return EmbedderSlot(name, load)
+
+
 def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = print_line,
           shown: Collection[Tool] = tuple(Tool)) -> StudioService:
     """The studio service for `plan`, every tool added to its host (none loaded yet), its start-up
@@ -221,7 +241,7 @@ def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = 
     store = ConversationStore(config.data_dir or data_dir())
     report.tell(store.notice or f"conversations are kept in {store.path}")
     return StudioService(host, engines.report.lines, store=store, catalog=catalog, image_model=plan.vlm or "minigpt4",
-                         verbose=config.verbose)
+                         verbose=config.verbose, embedder=embedder_slot(config, plan.device, report.tell))
 
 
 def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,

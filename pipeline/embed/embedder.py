@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -142,3 +144,26 @@ class Embedder:
                 pooled = F.normalize(pooled, dim=-1)
             out[chunk] = pooled.cpu().numpy()
         return out
+
+
+class EmbedderSlot:
+    """The embedder `name`, loaded by `load` on first use (once, however many requests ask at the same time); its
+    calls one at a time (each batch already takes every core)."""
+
+    def __init__(self, name: str, load: Callable[[], Embedder]):
+        self.name, self._load = name, load
+        self._embedder: Embedder | None = None
+        self._lock = threading.Lock()
+
+    def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """(each text's embedding, the tokens read), or `UserError` naming a text over the embedder's limit."""
+        with self._lock:
+            if self._embedder is None:
+                self._embedder = self._load()
+            embedder = self._embedder
+            counts = [embedder.count_tokens(text) for text in texts]
+            too_long = next((i for i, n in enumerate(counts) if n > embedder.max_tokens), None)
+            if too_long is not None:
+                raise UserError(f"input[{too_long}] is {counts[too_long]} tokens; {self.name} reads at most "
+                                f"{embedder.max_tokens}: split it", param="input")
+            return embedder.encode(texts), sum(counts)

