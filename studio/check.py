@@ -69,7 +69,7 @@ def models_line(config: StudioConfig, plan: Plan) -> str:
     budget = budget_of(config, plan.device)
     entries = ModelFinder(config, plan.dtype, plan.device, budget, engine_cache(config).root).models()
     room = memory_room(budget, plan.device)
-    fit = {True: ", fits", False: f", too big for the {room and size_text(room[0])} {room and room[1]}", None: ""}
+    fit = {True: ", fits", False: f", too big for the {size_text(room[0])} {room[1]}" if room else "", None: ""}
     return f"models found ({len(entries)}): " + ", ".join(
         f"{e.id} [{e.kind}, {size_text(e.disk_bytes)}{fit[e.fits(room[0] if room else None)]}]" for e in entries)
 

@@ -17,6 +17,7 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+from engine_builder.build import EngineOptions
 from pipeline.errors import UserError
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.models import download_failure, hub_reachable
@@ -26,7 +27,6 @@ from pipeline.pipelines.vlm_chat import VLMChatPipeline
 from pipeline.qwen_vl.text import text_config as qwen_vl_text_config
 from pipeline.smolvlm.text import text_config as smolvlm_text_config
 from pipeline.weights_io import read_json, weight_files
-from engine_builder.build import EngineOptions
 from studio.backends import choose_quant
 from studio.onnx_llm import float_unavailable, onnx_float_decoder
 from studio.config import StudioConfig

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -65,8 +66,7 @@ class Recipe:
 
 
 def read_json_list(path: Path) -> list[dict]:
-    import json
-
+    """A JSON file holding a list (`modules.json`), or `UserError` saying why not."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
