@@ -71,7 +71,7 @@ def test_a_word_document_is_split_at_its_headings_tables_included(tmp_path):
 def test_an_html_page_is_split_at_its_headings_without_its_scripts(tmp_path):
     rst = ("Lighthouse\n==========\n\nThe lamp turns.\n\nFog\n---\n\nThe horn sounds every *thirty* seconds.\n\n"
            ".. raw:: html\n\n   <script>var hidden = 'do not index';</script>\n\nShips\n-----\n\nLog them.\n")
-    html = docutils_core.publish_string(rst, writer_name="html5").decode()
+    html = docutils_core.publish_string(rst, writer="html5").decode()
     (tmp_path / "page.html").write_text(html)
     sections = read_document(tmp_path / "page.html").sections
     assert [(s.heading, s.text) for s in sections] == [("Lighthouse", "The lamp turns."),
