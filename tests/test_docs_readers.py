@@ -8,7 +8,6 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pipeline.docs.chunking import passages
@@ -125,21 +124,9 @@ def test_a_bad_file_says_why(tmp_path, name, make, reason):
     assert str(e.value).startswith(reason), str(e.value)
 
 
-class WordEmbedder:
-    """The indexer's embedder where what is tested is the listing: a word a token, a vector per text."""
-
-    name, dim, max_tokens = "words", 8, 64
-
-    def count_tokens(self, text: str) -> int:
-        return len(text.split()) + 2
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), self.dim), np.float32)
-        out[:, 0] = 1
-        return out
-
-
 def test_a_folder_of_bad_files_lists_each_with_its_reason_and_indexes_the_rest(tmp_path):
+    from test_docs_index import WordEmbedder
+
     from pipeline.docs.index import Index
     from pipeline.docs.indexer import Indexer
 
@@ -156,7 +143,7 @@ def test_a_folder_of_bad_files_lists_each_with_its_reason_and_indexes_the_rest(t
     (folder / "photo.png").write_bytes(b"\x89PNG")
     (folder / "sub" / "loop").symlink_to(folder)
     (folder / "gone.txt").symlink_to(tmp_path / "nowhere.txt")
-    index = Index(tmp_path / "index.db", "words", 8)
+    index = Index(tmp_path / "index.db", "words", WordEmbedder.dim)
     index.add_collection("docs", str(folder))
     summary = Indexer(index, WordEmbedder()).refresh("docs", folder)
     rows = {f.path: (f.passages, f.reason) for f in index.files(index.collection("docs"))}
