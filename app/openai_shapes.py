@@ -33,11 +33,13 @@ class Choice(abc.ABC):
         self.updates: list[Update] = []
         self.calls = 0  # tool calls taken so far
         self.stats: GenerationStats | None = None  # set by the choice's last update
+        self.sources: list[dict] | None = None  # a reply from a document collection: the sources it cited
 
     def take(self, update: Update) -> Update | None:
         """`update` as this choice shows it (tool calls past `max_calls` left out), or None when it shows
         nothing; kept for `whole`."""
         self.stats = update.stats or self.stats
+        self.sources = update.sources if update.sources is not None else self.sources
         calls = update.tool_calls if self.max_calls is None else update.tool_calls[:max(self.max_calls - self.calls, 0)]
         if not (update.text or calls or update.logprobs):
             return None
@@ -109,12 +111,15 @@ class ChatChoice(Choice):
         return {"index": self.index, "delta": delta, "logprobs": self._logprobs(update.logprobs), "finish_reason": None}
 
     def last(self) -> dict:
-        return {"index": self.index, "delta": {}, "logprobs": None, "finish_reason": self.finish_reason()}
+        delta = {} if self.sources is None else {"sources": self.sources}
+        return {"index": self.index, "delta": delta, "logprobs": None, "finish_reason": self.finish_reason()}
 
     def whole(self) -> dict:
         text = "".join(u.text for u in self.updates)
         calls = self._calls([c for u in self.updates for c in u.tool_calls], 0)
         message = {"role": "assistant", "content": text if text or not calls else None}
+        if self.sources is not None:
+            message["sources"] = self.sources
         if calls:
             message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in calls]
         return {"index": self.index, "message": message, "logprobs": self._logprobs(self._entries()),

@@ -11,6 +11,7 @@ import threading
 import time
 import webbrowser
 
+from app.documents_route import mount_documents
 from app.downloads import keep_files_for
 from app.openai_api import mount
 from app.page_style import CSS, HEAD, SPOKEN
@@ -39,6 +40,7 @@ def start_server(config: StudioConfig, service: StudioService):
                                               max_file_size=config.max_upload,
                                               state_session_capacity=config.max_sessions)
     mount(server, service, api_key, config.allow_file_urls)
+    mount_documents(server, service)
     url = share_url or local_url
     print(f"[studio] ready: {url} (OpenAI-compatible API at {local_url.rstrip('/')}/v1) · Ctrl+C to stop", flush=True)
     return app, url

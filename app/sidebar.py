@@ -17,6 +17,7 @@ from app.conversation import NO_CONVERSATION, Viewing, user_of
 from app.conversation_files import read_conversations, to_archive
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
+from app.sources_view import sources_markdown
 from pipeline.errors import UserError
 from pipeline.service.messages import INTERRUPTED
 from pipeline.service.store import UNDO_S
@@ -53,8 +54,8 @@ def listed(conversation: dict, now: float) -> str:
 
 def history_of(found: dict) -> list[dict]:
     """A stored conversation's messages as the Chatbot shows them (a reply a crash cut, marked so)."""
-    return [{"role": m["role"], "content": m["content"] + (INTERRUPTED if m["state"] == "interrupted" else "")}
-            for m in found["messages"] if m["role"] != "system"]
+    return [{"role": m["role"], "content": m["content"] + (INTERRUPTED if m["state"] == "interrupted" else "") +
+             sources_markdown(m.get("sources"))} for m in found["messages"] if m["role"] != "system"]
 
 
 def image_file(data: bytes) -> str:

@@ -9,6 +9,7 @@ import gradio as gr
 import torch
 
 from app.chat_tab import build_chat_tab
+from app.documents_tab import build_documents_tab
 from app.downloads import KEEP_FILES_S
 from app.errors import shown_to_user
 from app.gradio_api import add_gradio_api
@@ -114,6 +115,10 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
                 segment_demo = gr.Markdown(SAM_DEMO_WARNING, visible=service.is_demo(Tool.SEGMENT),
                                            elem_id="segment-demo")
                 ask = build_segment_tab(service, example_images())
+            with gr.Tab("Documents", id="documents") as documents_tab:
+                listed = build_documents_tab(service)
+            if listed is not None:
+                documents_tab.select(**listed)
             header = dict(fn=lambda: header_lines(service), inputs=None, outputs=[banner, report, image_demo, segment_demo],
                           api_visibility="private", queue=False)
             if service.catalog is not None:

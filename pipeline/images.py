@@ -149,6 +149,20 @@ def masked_crop(image: np.ndarray, mask: np.ndarray, margin: float = 0.15, dim: 
     return np.where(keep, crop, (crop * dim).astype(np.uint8))
 
 
+def asked_picture(image: str | Path | bytes | np.ndarray, mask: str | Path | bytes | np.ndarray | None) -> np.ndarray:
+    """The picture an image-chat request asks about: the image, or the object its `mask` whites out (a crop)."""
+    try:
+        pixels = load_image(image)
+    except UserError as e:
+        raise UserError(f"the image: {e}", "image") from None
+    if mask is None:
+        return pixels
+    try:
+        return masked_crop(pixels, load_image(mask).max(axis=2) > 127)
+    except UserError as e:
+        raise UserError(f"the mask: {e}", "mask") from None
+
+
 def normalise(image: Image.Image, rescale: float | None, mean: tuple[float, ...] | None,
               std: tuple[float, ...] | None) -> np.ndarray:
     """[3, H, W] float32 as the transformers image processors make it: scaled in float64 and rounded to

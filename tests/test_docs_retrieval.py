@@ -122,7 +122,7 @@ def test_sources_are_numbered_joined_when_adjacent_and_within_the_budget(library
 
 
 def test_a_citation_of_a_source_not_given_is_dropped():
-    sources = [Source(n, f"f{n}.txt", "text", 0, 4, None, None, (n,)) for n in (1, 2)]
+    sources = [Source(n, f"f{n}.txt", n, "text", 0, 4, None, None, (n,)) for n in (1, 2)]
     text, shown = cited("Use copytree [2]. It copies links [3]. See also [1, 4] and [2].", sources)
     assert text == "Use copytree [2]. It copies links. See also [1] and [2]."
     assert [s.number for s in shown] == [2, 1]

@@ -35,6 +35,9 @@ CREATE TABLE IF NOT EXISTS passages(
     text TEXT NOT NULL, start INTEGER NOT NULL, end INTEGER NOT NULL, page INTEGER, heading TEXT,
     vector INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS passages_by_file ON passages(file, seq);
+CREATE TABLE IF NOT EXISTS excluded(
+    collection INTEGER NOT NULL REFERENCES collections(id) ON DELETE CASCADE, path TEXT NOT NULL,
+    PRIMARY KEY(collection, path));
 CREATE VIRTUAL TABLE IF NOT EXISTS passages_fts USING fts5(
     text, heading, content='passages', content_rowid='id', tokenize='porter unicode61 remove_diacritics 2');
 CREATE TRIGGER IF NOT EXISTS passages_fts_add AFTER INSERT ON passages BEGIN
@@ -70,6 +73,7 @@ class Hit:
     id: int
     file: str
     seq: int
+    file_id: int
     text: str
     start: int
     end: int
@@ -149,15 +153,20 @@ class Index:
         return self.db.execute("SELECT name, root, indexed FROM collections WHERE deleted IS NULL ORDER BY name"
                                ).fetchall()
 
+    def deleted(self) -> list[tuple[str, str | None, float]]:
+        """(name, root folder, when deleted) of each collection deleted and not yet purged."""
+        return self.db.execute("SELECT name, root, deleted FROM collections WHERE deleted IS NOT NULL").fetchall()
+
     def set_deleted(self, name: str, deleted: bool) -> None:
         """Hide a collection (deleted: True) or bring it back (Undo); `purge_deleted` removes hidden ones."""
         with self.db:
             self.db.execute("UPDATE collections SET deleted = ? WHERE name = ?", (time.time() if deleted else None,
                                                                                    name))
 
-    def purge_deleted(self) -> None:
+    def purge_deleted(self, before: float) -> None:
+        """Remove for good the collections deleted before `before` (a time)."""
         with self.db:
-            for (cid,) in self.db.execute("SELECT id FROM collections WHERE deleted IS NOT NULL").fetchall():
+            for (cid,) in self.db.execute("SELECT id FROM collections WHERE deleted < ?", (before,)).fetchall():
                 self.db.execute("DELETE FROM passages WHERE file IN (SELECT id FROM files WHERE collection = ?)",
                                 (cid,))
                 self.db.execute("DELETE FROM collections WHERE id = ?", (cid,))
@@ -201,6 +210,20 @@ class Index:
                             "indexed = excluded.indexed", (collection, path, size, reason, time.time()))
             self.db.execute("DELETE FROM passages WHERE file = (SELECT id FROM files WHERE collection = ? AND "
                             "path = ?)", (collection, path))
+
+    def exclude(self, collection: int, path: str) -> None:
+        """Take the file out of the collection for good (its passages gone; refreshes pass it over)."""
+        with self.db:
+            self.db.execute("INSERT OR IGNORE INTO excluded VALUES (?, ?)", (collection, path))
+            self.remove_file(collection, path)
+
+    def excluded(self, collection: int) -> set[str]:
+        return {row[0] for row in self.db.execute("SELECT path FROM excluded WHERE collection = ?", (collection,))}
+
+    def file_place(self, file: int) -> tuple[str, str | None, str] | None:
+        """(collection name, its root, the file's path in it) of file id `file`, if it is indexed now."""
+        return self.db.execute("SELECT c.name, c.root, f.path FROM files f JOIN collections c ON c.id = f.collection "
+                               "WHERE f.id = ? AND f.reason IS NULL AND c.deleted IS NULL", (file,)).fetchone()
 
     def remove_file(self, collection: int, path: str) -> None:
         with self.db:
@@ -248,14 +271,14 @@ class Index:
             return []
         marks = ",".join("?" * len(ids))
         rows = {row[0]: Hit(*row) for row in self.db.execute(
-            f"SELECT p.id, f.path, p.seq, p.text, p.start, p.end, p.page, p.heading FROM passages p "
+            f"SELECT p.id, f.path, p.seq, f.id, p.text, p.start, p.end, p.page, p.heading FROM passages p "
             f"JOIN files f ON f.id = p.file WHERE p.id IN ({marks})", list(ids))}
         return [rows[i] for i in ids if i in rows]
 
     def neighbours(self, hit: Hit) -> list[Hit]:
         """The passages just before and after `hit` in its file."""
         rows = self.db.execute(
-            "SELECT p.id, f.path, p.seq, p.text, p.start, p.end, p.page, p.heading FROM passages p "
+            "SELECT p.id, f.path, p.seq, f.id, p.text, p.start, p.end, p.page, p.heading FROM passages p "
             "JOIN files f ON f.id = p.file WHERE p.file = (SELECT file FROM passages WHERE id = ?) "
             "AND p.seq IN (?, ?) ORDER BY p.seq", (hit.id, hit.seq - 1, hit.seq + 1)).fetchall()
         return [Hit(*row) for row in rows]

@@ -91,6 +91,9 @@ class Indexer:
         """Bring `collection` (its files under `root`) up to date."""
         cid = self.index.collection(collection)
         files, listed = scan(root)
+        excluded = self.index.excluded(cid)
+        files = [p for p in files if p.relative_to(root).as_posix() not in excluded]
+        listed = {path: why for path, why in listed.items() if path not in excluded}
         known = {row.path: row for row in self.index.files(cid)}
         summary = Summary(files=len(files) + len(listed))
         present = {p.relative_to(root).as_posix() for p in files} | set(listed)

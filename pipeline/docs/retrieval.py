@@ -1,7 +1,7 @@
 """A question → the passages of a collection that answer it, numbered, as many as fit the chat model's room:
 BM25 (the words) and the embedder's nearest vectors (the meaning) each rank the passages, and reciprocal rank
 fusion (Cormack et al. 2009: Σ 1/(60 + rank)) joins the two lists without scaling their scores; passages found
-next to each other in one file become one source.
+next to each other on one page of a file become one source.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class Source:
 
     number: int
     file: str
+    file_id: int
     text: str
     start: int
     end: int
@@ -54,7 +55,7 @@ def ranked(index: Index, embedder: Embedder, collection: str, question: str, k: 
 def retrieve(index: Index, embedder: Embedder, collection: str, question: str, budget: int,
              count: Callable[[str], int]) -> list[Source]:
     """Numbered sources for `question`, best first, whose texts take at most `budget` tokens of the chat model
-    (`count`); a passage next to one already taken is joined to it."""
+    (`count`); a passage next to one already taken (on its page) is joined to it."""
     taken: list[list[Hit]] = []  # runs of adjacent passages of one file
     used = 0
     for hit in ranked(index, embedder, collection, question):
@@ -63,7 +64,8 @@ def retrieve(index: Index, embedder: Embedder, collection: str, question: str, b
             if used:
                 break
             continue  # a first passage over the budget alone: try the next
-        run = next((r for r in taken if r[0].file == hit.file and hit.seq in (r[0].seq - 1, r[-1].seq + 1)), None)
+        run = next((r for r in taken if (r[0].file, r[0].page) == (hit.file, hit.page)  # a source is on one page
+                    and hit.seq in (r[0].seq - 1, r[-1].seq + 1)), None)
         if run is None:
             taken.append([hit])
         elif hit.seq < run[0].seq:
@@ -80,5 +82,5 @@ def _source(number: int, run: list[Hit]) -> Source:
     for hit in run[1:]:
         text += hit.text[max(end - hit.start, 0):] if hit.start < end else "\n" + hit.text
         end = hit.end
-    return Source(number, run[0].file, text, run[0].start, end, run[0].page, run[0].heading,
+    return Source(number, run[0].file, run[0].file_id, text, run[0].start, end, run[0].page, run[0].heading,
                   tuple(h.id for h in run))

@@ -147,25 +147,29 @@ class Embedder:
 
 
 class EmbedderSlot:
-    """The embedder `name`, loaded by `load` on first use (once, however many requests ask at the same time); its
-    calls one at a time (each batch already takes every core)."""
+    """The embedder `name`, loaded by `load` on first use (once, however many requests ask at the same time), shared
+    by the API, the indexer and the questions asked of collections."""
 
     def __init__(self, name: str, load: Callable[[], Embedder]):
         self.name, self._load = name, load
         self._embedder: Embedder | None = None
         self._lock = threading.Lock()
 
+    def get(self) -> Embedder:
+        """The embedder, loaded now if it is not yet."""
+        with self._lock:
+            if self._embedder is None:
+                self._embedder = self._load()
+            return self._embedder
+
     def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
         """(each text's embedding, the tokens read), or `UserError` naming an empty text or one over the limit."""
         if not texts or any(not text for text in texts):
             raise UserError("input must be a non-empty string or a list of non-empty strings", param="input")
-        with self._lock:
-            if self._embedder is None:
-                self._embedder = self._load()
-            embedder = self._embedder
-            counts = [embedder.count_tokens(text) for text in texts]
-            too_long = next((i for i, n in enumerate(counts) if n > embedder.max_tokens), None)
-            if too_long is not None:
-                raise UserError(f"input[{too_long}] is {counts[too_long]} tokens; {self.name} reads at most "
-                                f"{embedder.max_tokens}: split it", param="input")
-            return embedder.encode(texts), sum(counts)
+        embedder = self.get()
+        counts = [embedder.count_tokens(text) for text in texts]
+        too_long = next((i for i, n in enumerate(counts) if n > embedder.max_tokens), None)
+        if too_long is not None:
+            raise UserError(f"input[{too_long}] is {counts[too_long]} tokens; {self.name} reads at most "
+                            f"{embedder.max_tokens}: split it", param="input")
+        return embedder.encode(texts), sum(counts)

@@ -52,6 +52,9 @@ class LanguageModel(ChatModel):
         """Raise `UserError` now, at load, if this model has no chat format (a base LLaMA)."""
         self.format
 
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text))
+
     def status(self) -> dict:
         """What the engine is doing now (for `/engine_status`)."""
         return self.engine.status()

@@ -25,6 +25,7 @@ from pipeline.llm.engine.sampling import SamplingParams
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ToolCall
 
+CHARS_PER_TOKEN = 4  # an estimate of text per token where the tokenizer is elsewhere
 CONNECT_TIMEOUT_S = 10
 
 
@@ -70,6 +71,11 @@ class RemoteLanguageModel(ChatModel):
 
     def check_chat(self) -> None:
         """The server applies its own chat template: nothing to check here."""
+
+    @staticmethod
+    def count_tokens(text: str) -> int:
+        """Its tokenizer is the server's: English runs about 4 characters a token."""
+        return len(text) // CHARS_PER_TOKEN + 1
 
     def chat(self, messages: Sequence[dict], params: SamplingParams, cancel: threading.Event | None = None,
              session: str | None = None, structure: Structure = Structure()) -> Iterator[ChatEvent]:

@@ -24,6 +24,9 @@ def text_of(content: object) -> str:
 # How a reply cut by a crash is shown (after its text); taken off again when the conversation goes on, so the
 # model never reads it
 INTERRUPTED = "\n\n*(interrupted: the app stopped before this reply ended)*"
+# Where the box of a reply's document sources starts (the UI shows it under the reply): cut off, so the model
+# never reads it
+SOURCES_START = '\n\n<details class="studio-sources">'
 
 
 def plain_messages(raw: object, name: str = "messages") -> list[dict]:
@@ -43,7 +46,7 @@ def plain_messages(raw: object, name: str = "messages") -> list[dict]:
             raise UserError(f"{name}[{i}].content must be text or a list of parts", "messages")
         message = {"role": m["role"], "content": text_of(content)}
         if m["role"] == "assistant":
-            message["content"] = message["content"].removesuffix(INTERRUPTED)
+            message["content"] = message["content"].split(SOURCES_START)[0].removesuffix(INTERRUPTED)
         if m["role"] == "assistant" and m.get("tool_calls"):
             message["tool_calls"] = _tool_calls(m["tool_calls"], f"{name}[{i}].tool_calls")
         if m["role"] == "tool":

@@ -38,11 +38,13 @@ class ReplyRecord:
             self.written = self.store.later(self.store.update, self.user, self.message, text, "streaming")
             self.saved_at = time.monotonic()
 
-    def end(self, text: str, finish_reason: str) -> None:
-        """Write the reply as it stands, waiting for it briefly (`soon`), so that what a front end reads next
-        has it, unless another program holds the database locked; only the first call counts."""
+    def end(self, text: str, finish_reason: str, sources: list[dict] | None = None) -> None:
+        """Write the reply as it stands, with the document `sources` it cited, waiting for it briefly (`soon`), so
+        that what a front end reads next has it, unless another program holds the database locked; only the first
+        call counts."""
         if not self.ended:
             self.ended = True
             self.written = self.store.later(self.store.update, self.user, self.message, text,
-                                            "cancelled" if finish_reason in ("cancelled", "error") else "complete")
+                                            "cancelled" if finish_reason in ("cancelled", "error") else "complete",
+                                            sources)
             soon(self.written)

