@@ -46,10 +46,10 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     def saved(current: int, request: gr.Request, revision: Revision = Revision.NEW) -> Saved:
         return Saved(user_of(request), None if current == NO_CONVERSATION else current, revision)
 
-    def reply(updates, current: int, request: gr.Request, clear: bool = True):
+    def reply(updates, data: dict, request: gr.Request, clear: bool = True):
         """A reply's outputs, with editing over (its state cleared, Cancel edit hidden), then Continue."""
-        yield from turn(updates, current, (sidebar.viewing, request.session_hash), clear,
-                        during=(None, gr.Button(visible=False)))
+        yield from turn(updates, data[current], (sidebar.viewing, request.session_hash), clear,
+                        during=(None, gr.Button(visible=False)), on_page=data[chatbot])
 
     @shown_to_user
     def respond(data: dict, request: gr.Request):
@@ -59,7 +59,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                system=data[system_prompt], saved=saved(data[current], request, revision),
                                collection=data[documents] or None)
-        yield from reply(updates, data[current], request)
+        yield from reply(updates, data, request)
 
     def redo(action: Callable) -> Callable:
         """`action` (the service's regenerate or continue_reply) on the last reply, kept as another version
@@ -70,7 +70,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                 raise UserError("send or cancel the edit first")
             updates = action(client_of(request), data[chatbot], form.values(data), system=data[system_prompt],
                              saved=saved(data[current], request), collection=data[documents] or None)
-            yield from reply(updates, data[current], request, clear=False)
+            yield from reply(updates, data, request, clear=False)
         return run
 
     regenerate = redo(service.regenerate)  # another draw (the same one if the seed is fixed)

@@ -14,6 +14,7 @@ import gradio as gr
 
 from app.sources_view import sources_markdown
 from pipeline.llm.engine.seam import FinishReason
+from pipeline.service.messages import text_of
 from pipeline.service.requests import Update
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
@@ -59,14 +60,16 @@ def user_of(request: gr.Request | None) -> str:
 
 
 def streamed(updates: Iterator[Update], conversation: int, clear: bool = True, ended: list[str] | None = None,
-             viewing: tuple[Viewing, str] | None = None) -> Iterator[tuple[object, list[dict], str, int]]:
+             viewing: tuple[Viewing, str] | None = None,
+             on_page: list[dict] | None = None) -> Iterator[tuple[object, list[dict], str, int]]:
     """The service's `updates` of a reply (`StudioService.send`) as (the textbox, the conversation with
     the growing answer, status, the id of the conversation it is kept in). The textbox is emptied once,
     with the first update (the message was accepted: a refused one stays in the box), where `clear`, and
     left alone after that: what the user types while the reply streams stays theirs. A reply that continues
     the last one (its conversation ends with the assistant's words) grows that message. `ended` gets the
     reply's finish reason. `viewing` (the tab's `Viewing`, the page): the page is updated only while it shows
-    the reply's conversation; the reply goes on (and is kept) when the user opens another."""
+    the reply's conversation; the reply goes on (and is kept) when the user opens another. `on_page`: the
+    conversation as the page showed it, whose earlier replies keep what only the page shows (their sources)."""
     history = [{"role": "assistant", "content": ""}]
     notices: list[str] = []
     shown = 0.0  # when the page was last updated
@@ -75,6 +78,9 @@ def streamed(updates: Iterator[Update], conversation: int, clear: bool = True, e
         for update in updates:
             if update.messages:
                 said = [dict(m) for m in update.messages if m["role"] != "system"]
+                for m, before in zip(said, on_page or []):
+                    if before.get("role") == m["role"] and text_of(before.get("content")).startswith(m["content"]):
+                        m["content"] = text_of(before["content"])
                 history = said if said and said[-1]["role"] == "assistant" else [*said, *history]
             if update.stats is not None and ended is not None:
                 ended.append(str(update.stats.finish_reason))
@@ -108,13 +114,13 @@ def continuable(found: dict) -> bool:
 
 
 def turn(updates: Iterator[Update], conversation: int, viewing: tuple[Viewing, str], clear: bool = True,
-         during: tuple = ()) -> Iterator[tuple]:
+         during: tuple = (), on_page: list[dict] | None = None) -> Iterator[tuple]:
     """`streamed`'s outputs, then `during` (the tab's own outputs' values while a reply streams), then the
     tab's Continue button: hidden while the reply streams, offered after one cut at the token limit or
-    stopped, to go on in the same message."""
+    stopped, to go on in the same message; `on_page` as in `streamed`."""
     ended: list[str] = []
     unchanged: tuple = ()  # the outputs before Continue, left as they are
-    for shown_now in streamed(updates, conversation, clear, ended, viewing):
+    for shown_now in streamed(updates, conversation, clear, ended, viewing, on_page):
         unchanged = (gr.skip(),) * (len(shown_now) + len(during))
         yield *shown_now, *during, gr.Button(visible=False)
     if ended and ended[-1] in CONTINUABLE:

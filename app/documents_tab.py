@@ -13,7 +13,6 @@ from app.errors import shown_to_user
 from pipeline.docs.library import UNDO_S, CollectionView
 from pipeline.errors import UserError
 from pipeline.service.studio import StudioService
-from pipeline.service.tools import size_text
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 COLLECTION_COLUMNS = ["Collection", "Files", "Pages", "Passages", "Size", "Last indexed", "Indexing"]
@@ -29,19 +28,24 @@ def from_this_machine(request: gr.Request) -> bool:
     return request is not None and request.client.host in LOOPBACK and not headers & {"x-forwarded-for", "forwarded"}
 
 
+def bytes_text(n: int) -> str:
+    """A file's size as people read it: 820 KB, 3.1 MB."""
+    return f"{n / 1e6:.1f} MB" if n >= 1e6 else f"{n / 1e3:.0f} KB" if n >= 1e3 else f"{n} B"
+
+
 def when(stamp: float | None) -> str:
     return datetime.datetime.fromtimestamp(stamp).strftime("%Y-%m-%d %H:%M") if stamp else "not yet"
 
 
 def collection_rows(views: list[CollectionView]) -> list[list]:
-    return [[v.name, len(v.files), v.pages, v.passages, size_text(v.size), when(v.indexed),
+    return [[v.name, len(v.files), v.pages, v.passages, bytes_text(v.size), when(v.indexed),
              v.state or ("" if v.indexed else "waiting")] for v in views]
 
 
 def file_rows(view: CollectionView | None) -> list[list]:
     if view is None:
         return []
-    return [[f.path, f.pages or "", f.passages, size_text(f.size) if f.size else "",
+    return [[f.path, f.pages or "", f.passages, bytes_text(f.size) if f.size else "",
              "yes" if f.reason is None else f"no: {f.reason}"] for f in view.files]
 
 
@@ -66,7 +70,8 @@ def build_documents_tab(service: StudioService) -> dict | None:
             add_folder = gr.Button("Add the folder", elem_id="docs-add-folder")
         with gr.Column(scale=3):
             table = gr.Dataframe(headers=COLLECTION_COLUMNS, value=[], interactive=False, wrap=True,
-                                 label="Collections", elem_id="docs-collections")
+                                 label="Collections", elem_id="docs-collections",
+                                 column_widths=["16%", "8%", "8%", "10%", "9%", "16%", "33%"])
             status = gr.Markdown("", elem_id="docs-status")
             with gr.Row(equal_height=True):
                 chosen = gr.Dropdown([], label="Collection", elem_id="docs-chosen", scale=2)
@@ -75,7 +80,8 @@ def build_documents_tab(service: StudioService) -> dict | None:
                 delete = gr.Button("Delete collection", size="sm", variant="stop", elem_id="docs-delete")
                 undo = gr.Button("Undo delete", size="sm", visible=False, elem_id="docs-undo")
             contents = gr.Dataframe(headers=FILE_COLUMNS, value=[], interactive=False, wrap=True,
-                                    label="Its files", elem_id="docs-files-table")
+                                    label="Its files", elem_id="docs-files-table",
+                                    column_widths=["30%", "8%", "10%", "10%", "42%"])
             with gr.Row(equal_height=True):
                 doomed = gr.Dropdown([], label="File", elem_id="docs-file", scale=3)
                 remove = gr.Button("Remove from the collection", size="sm", elem_id="docs-remove")
