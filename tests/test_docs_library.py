@@ -1,0 +1,126 @@
+"""The collections as the app keeps them (`pipeline/docs/library.py`), on the index tests' word embedder: a folder
+indexed in the background with its unreadable file listed; a file removed from a folder collection stays on disk
+and is passed over by later refreshes, one removed from an upload collection is deleted; uploading into a folder
+collection is refused; a deleted collection comes back with Undo, and after the undo time it is gone with its
+uploaded copies; a source's link opens its file, a forged or stale one nothing; the app's data survives a restart."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.docs import library as library_module
+from pipeline.docs.citations import CitationStream
+from pipeline.docs.library import Library
+from pipeline.embed.embedder import EmbedderSlot
+from pipeline.errors import UserError
+from test_docs_index import WordEmbedder, write_files
+
+
+def settled(library: Library) -> list:
+    deadline = time.time() + 60
+    views = library.listing()
+    while any(v.busy for v in views):
+        assert time.time() < deadline, [v.state for v in views]
+        time.sleep(0.05)
+        views = library.listing()
+    return views
+
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    write_files(tmp_path / "logs", 4)
+    (tmp_path / "logs" / "noise.txt").write_bytes(bytes(range(256)) * 4)
+    return tmp_path / "logs"
+
+
+def test_a_folder_is_indexed_in_the_background_and_its_files_listed(tmp_path, folder):
+    library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    library.add_folder("logs", folder)
+    [view] = settled(library)
+    assert (view.name, view.uploaded, len(view.files), view.pages) == ("logs", False, 5, 4)
+    assert [(f.path, f.reason) for f in view.unreadable] == [("noise.txt", "binary content, not text (its name says text)")]
+    assert view.state == "5 files: 4 read (4 pages), 0 unchanged, 1 could not be read"
+    with pytest.raises(UserError, match="there is already a collection named 'logs'"):
+        library.add_folder("logs", folder)
+    with pytest.raises(UserError, match="is not a folder on this machine \\(it does not exist\\)"):
+        library.add_folder("other", tmp_path / "nowhere")
+    with pytest.raises(UserError, match="reads the folder .*: put the files there"):
+        library.add_files("logs", [folder / "doc000.md"])
+    library.close()
+
+    again = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))  # a restart
+    again.start()
+    [view] = settled(again)
+    assert view.state == "5 files: 0 read (0 pages), 4 unchanged, 1 could not be read" and view.passages > 4
+    again.close()
+
+
+def test_removing_a_file_keeps_the_users_file_and_deletes_an_uploaded_copy(tmp_path, folder):
+    library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    library.add_folder("logs", folder)
+    library.add_files("uploaded", [folder / "doc001.md", folder / "doc002.md"])
+    settled(library)
+    assert library.remove_file("logs", "doc000.md") is False
+    assert (folder / "doc000.md").is_file()
+    library.refresh("logs")
+    logs, uploaded = settled(library)
+    assert "doc000.md" not in [f.path for f in logs.files]  # passed over from now on
+    assert library.remove_file("uploaded", "doc001.md") is True
+    [copy] = [v for v in library.listing() if v.name == "uploaded"]
+    assert [f.path for f in copy.files] == ["doc002.md"] and copy.uploaded
+    assert not (copy.root / "doc001.md").exists() and (copy.root / "doc002.md").is_file()
+    library.close()
+
+
+def test_a_deleted_collection_comes_back_with_undo_then_goes_with_its_copies(tmp_path, folder, monkeypatch):
+    library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    library.add_files("uploaded", [folder / "doc001.md"])
+    [view] = settled(library)
+    library.delete("uploaded")
+    assert library.names() == []
+    library.restore("uploaded")
+    assert library.names() == ["uploaded"]
+    library.delete("uploaded")
+    monkeypatch.setattr(library_module, "UNDO_S", 0)
+    time.sleep(0.01)
+    assert library.listing() == [] and not view.root.exists()
+    with pytest.raises(UserError, match="cannot be restored: it was deleted for good"):
+        library.restore("uploaded")
+    library.close()
+
+
+def test_a_source_link_opens_its_file_and_a_forged_or_stale_one_nothing(tmp_path, folder):
+    library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    library.add_folder("logs", folder)
+    settled(library)
+    sources = library.sources("logs", "ship number 302 passing the reef", 100, lambda text: len(text.split()))
+    [shown] = library.shown(_citing(sources[0]))
+    file, key = shown["link"].removeprefix("/documents/source/").split("?key=")
+    assert library.source_file(int(file), key) == folder / sources[0].file
+    with pytest.raises(UserError, match="not one this app made"):
+        library.source_file(int(file), "0" * len(key))
+    with pytest.raises(UserError, match="not one this app made"):
+        library.source_file(int(file) + 1, key)  # a key is for its file only
+    (folder / sources[0].file).unlink()
+    with pytest.raises(UserError, match="is no longer in"):
+        library.source_file(int(file), key)
+    library.close()
+
+
+def _citing(source) -> CitationStream:
+    stream = CitationStream([source])
+    stream.push(f"It is so [{source.number}].")
+    return stream
+
+
+def test_citations_are_checked_as_they_stream_whatever_the_pieces():
+    from pipeline.docs.retrieval import Source
+
+    sources = [Source(n, f"f{n}.txt", n, "text", 0, 4, None, None, (n,)) for n in (1, 2)]
+    reply = "Use copytree [2]. It copies links [3]. See also [1, 4] and [2]; arrays use a[i] here [12]."
+    for size in (1, 2, 3, 7, len(reply)):
+        stream = CitationStream(sources)
+        text = "".join(stream.push(reply[i:i + size]) for i in range(0, len(reply), size)) + stream.finish()
+        assert text == "Use copytree [2]. It copies links. See also [1] and [2]; arrays use a[i] here."
+        assert [s.number for s in stream.cited] == [2, 1]
