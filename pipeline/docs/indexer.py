@@ -135,7 +135,7 @@ class Indexer:
         try:
             document = read_document(path)
             found = passages(document, self.count, self.max_tokens, int(self.max_tokens * OVERLAP_SHARE))
-            vectors = self.embedder.encode([p.text for p in found])
+            vectors = self.embedder.encode([p.text for p in found], prompt="document")
             after = path.stat()
             if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns) or \
                     content_hash(path) != digest:
@@ -157,7 +157,7 @@ def embed_missing(index: Index, embedder: Embedder, progress: Callable[[str], No
     done = 0
     while not (cancel is not None and cancel.is_set()) and (rows := index.missing_vectors(batch)):
         index.set_vectors([(pid, collection) for pid, collection, _ in rows],
-                          embedder.encode([text for _, _, text in rows]))
+                          embedder.encode([text for _, _, text in rows], prompt="document"))
         done += len(rows)
         progress(f"embedding again with {embedder.name}: {done} passages")
     return done

