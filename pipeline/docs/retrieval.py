@@ -1,7 +1,8 @@
 """A question → the passages of a collection that answer it, numbered, as many as fit the chat model's room:
 BM25 (the words) and the embedder's nearest vectors (the meaning) each rank the passages, and reciprocal rank
 fusion (Cormack et al. 2009: Σ 1/(60 + rank)) joins the two lists without scaling their scores; passages found
-next to each other on one page of a file become one source.
+next to each other on one page of a file become one source. A cross-encoder reranker, where one is given,
+reorders the first of them.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
+
 from pipeline.docs.index import Hit, Index
 from pipeline.embed.embedder import Embedder
 
 RRF_K = 60
 CANDIDATES = 40  # from each ranking
+RERANKED = 20  # of the fused ranking, reordered by a reranker where there is one
+Rerank = Callable[[str, list[str]], np.ndarray]  # (question, passages) → a score a passage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +50,25 @@ def fuse(rankings: list[list[int]]) -> list[int]:
     return sorted(scores, key=lambda pid: -scores[pid])
 
 
-def ranked(index: Index, embedder: Embedder, collection: str, question: str, k: int = CANDIDATES) -> list[Hit]:
-    """The collection's passages for `question`, best first."""
+def ranked(index: Index, embedder: Embedder, collection: str, question: str, k: int = CANDIDATES,
+           rerank: Rerank | None = None) -> list[Hit]:
+    """The collection's passages for `question`, best first (the first `RERANKED` reordered by `rerank`)."""
     cid = index.collection(collection)
     vector = embedder.encode([question], prompt="query")[0]
-    return index.hits(fuse([index.keyword_search(cid, question, k), index.vector_search(cid, vector, k)]))
+    hits = index.hits(fuse([index.keyword_search(cid, question, k), index.vector_search(cid, vector, k)]))
+    if rerank is None or not hits:
+        return hits
+    scores = rerank(question, [hit.text for hit in hits[:RERANKED]])
+    return [hits[i] for i in np.argsort(-scores, kind="stable")] + hits[RERANKED:]
 
 
 def retrieve(index: Index, embedder: Embedder, collection: str, question: str, budget: int,
-             count: Callable[[str], int]) -> list[Source]:
+             count: Callable[[str], int], rerank: Rerank | None = None) -> list[Source]:
     """Numbered sources for `question`, best first, whose texts take at most `budget` tokens of the chat model
     (`count`); a passage next to one already taken (on its page) is joined to it."""
     taken: list[list[Hit]] = []  # runs of adjacent passages of one file
     used = 0
-    for hit in ranked(index, embedder, collection, question):
+    for hit in ranked(index, embedder, collection, question, rerank=rerank):
         tokens = count(hit.text)
         if used + tokens > budget:
             if used:

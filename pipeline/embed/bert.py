@@ -36,7 +36,8 @@ class BertConfig:
 
 
 class Embeddings(nn.Module):
-    """A token's embedding, plus its position's and its segment's (always the first: one text at a time)."""
+    """A token's embedding, plus its position's and its segment's (the first for one text; a cross-encoder's
+    pair of texts gives the second its own)."""
 
     def __init__(self, c: BertConfig):
         super().__init__()
@@ -46,9 +47,10 @@ class Embeddings(nn.Module):
         self.segment = nn.Embedding(c.type_vocab_size, c.hidden_size)
         self.norm = nn.LayerNorm(c.hidden_size, eps=c.layer_norm_eps)
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def forward(self, ids: Tensor, segments: Tensor | None = None) -> Tensor:
         positions = torch.arange(self.first_position, self.first_position + ids.shape[1], device=ids.device)
-        return self.norm(self.token(ids) + self.position(positions) + self.segment.weight[0])
+        segment = self.segment.weight[0] if segments is None else self.segment(segments)
+        return self.norm(self.token(ids) + self.position(positions) + segment)
 
 
 class SelfAttention(nn.Module):
@@ -93,10 +95,11 @@ class BertEncoder(nn.Module):
         self.embeddings = Embeddings(c)
         self.layers = nn.ModuleList(EncoderLayer(c) for _ in range(c.num_layers))
 
-    def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
-        """ids, mask [B, S] (mask 1 for a token, 0 for padding) → every token's last hidden state [B, S, H]."""
+    def forward(self, ids: Tensor, mask: Tensor, segments: Tensor | None = None) -> Tensor:
+        """ids, mask [B, S] (mask 1 for a token, 0 for padding; `segments`: each token's text of a pair) → every
+        token's last hidden state [B, S, H]."""
         keep = mask[:, None, None, :].bool()
-        x = self.embeddings(ids)
+        x = self.embeddings(ids, segments)
         for layer in self.layers:
             x = layer(x, keep)
         return x

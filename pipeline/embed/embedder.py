@@ -92,6 +92,26 @@ def read_json_list(path: Path) -> list[dict]:
     return data
 
 
+def read_encoder(folder: Path, name: str, config: BertConfig,
+                 head: dict[str, str]) -> tuple[BertEncoder, dict[str, torch.Tensor]]:
+    """The folder's encoder weights on a `BertEncoder(config)`, and the `head` tensors (our name → the
+    checkpoint's) that a model on top of it needs; a weight missing is a `UserError` naming it."""
+    with torch.device("meta"):
+        model = BertEncoder(config)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in weight_files(folder):
+        tensors.update(read_weight_file(file, "weights"))
+    tensors.update({k.removeprefix("bert.").removeprefix("roberta."): v for k, v in tensors.items()})
+    found = {}
+    for ours, theirs in {**checkpoint_names(config), **head}.items():
+        if theirs not in tensors:
+            raise UserError(f"{name}: its weights lack {theirs}: the folder is not a BERT or XLM-RoBERTa model's, or "
+                            f"it is incomplete")
+        found[ours] = tensors[theirs]
+    model.load_state_dict({k: v for k, v in found.items() if k not in head}, assign=True, strict=True)
+    return model, {k: found[k] for k in head}
+
+
 class Embedder:
     """`encode(texts)` → unit vectors (when the folder normalizes) [N, dim], float32."""
 
@@ -108,24 +128,8 @@ class Embedder:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.no_padding()  # a file's own padding would pad every text of a batch: batches pad here
         self.tokenizer.enable_truncation(self.max_tokens)
-        self.model = self._load(folder).to(self.device, dtype).eval()
+        self.model = read_encoder(folder, name, self.config, {})[0].to(self.device, dtype).eval()
         self.dim = self.config.hidden_size
-
-    def _load(self, folder: Path) -> BertEncoder:
-        with torch.device("meta"):
-            model = BertEncoder(self.config)
-        tensors: dict[str, torch.Tensor] = {}
-        for file in weight_files(folder):
-            tensors.update({k.removeprefix("bert.").removeprefix("roberta."): v
-                            for k, v in read_weight_file(file, "embedder weights").items()})
-        state = {}
-        for ours, theirs in checkpoint_names(self.config).items():
-            if theirs not in tensors:
-                raise UserError(f"{self.name}: its weights lack {theirs}: the folder is not a BERT embedder's, or "
-                                f"it is incomplete")
-            state[ours] = tensors[theirs]
-        model.load_state_dict(state, assign=True, strict=True)
-        return model
 
     def count_tokens(self, text: str) -> int:
         """Tokens `text` takes, its [CLS]/[SEP] included, beyond the limit included (not truncated)."""
