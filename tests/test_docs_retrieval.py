@@ -1,8 +1,9 @@
 """Retrieval quality (`pipeline/docs/retrieval.py`) on documents we did not write: Python's own documentation of 20
 standard-library modules (pydoc's text of each, as `python -m pydoc` prints it), indexed with the real
 all-MiniLM-L6-v2, and 51 questions in a user's words, each labelled with its module and a word the answering
-passage holds: recall@5, a passage of the right module holding that word among the first five. Issue 51 asks
-0.9; this is 0.88 (45 of 51, 2026-11-29), and the test holds that level while the target stays open. Then the
+passage holds: recall@5, a passage of the right module holding that word among the first five, at least 0.9 as
+issue 51 asks (0.92, 47 of 51, on 2026-11-29; 24 questions held out from choosing the fusion's constants, over 20
+other modules: 0.92, bench/docs_recall.py). Then the
 sources: numbered, adjacent passages joined, within the budget; citations of numbers not given dropped."""
 
 import re
@@ -102,7 +103,7 @@ def test_recall_at_5_on_python_documentation(library):
         if not any(hit.file == f"{module}.txt" and word in hit.text for hit in top):
             missed.append((question, [hit.file for hit in top]))
     recall = 1 - len(missed) / len(QUESTIONS)
-    assert recall >= 45 / 51, (recall, missed)
+    assert recall >= 0.9, (recall, missed)
 
 
 def test_sources_are_numbered_joined_when_adjacent_and_within_the_budget(library):
