@@ -124,6 +124,9 @@ def index_part(res: dict, embedder: Embedder, work: Path, pages: int) -> None:
     res["index: pages/s"] = round(summary.pages / seconds, 2)
     res["index: seconds"] = round(seconds, 1)
     res["index: peak resident MB while indexing (growth)"] = round((peak[0] - base) / 1e6, 1)
+    res["index: peak resident MB (the whole process)"] = round(peak[0] / 1e6, 1)
+    if torch.cuda.is_available():
+        res["index: peak GPU memory MB"] = round(torch.cuda.max_memory_allocated() / 1e6, 1)
     res["index: database MB"] = round(sum(p.stat().st_size for p in (work / "index").iterdir()) / 1e6, 1)
 
 

@@ -69,3 +69,38 @@ def test_add_a_folder_watch_it_index_ask_and_open_the_cited_page(tmp_path):
             assert "Sources:\n\n[1] lighthouses.pdf" in scripted.asked[-1][-1]["content"]
             assert all("studio-sources" not in m["content"] for m in scripted.asked[-1])  # the box is not said
         browser.close()
+
+
+def non_loopback_address() -> str | None:
+    """This machine's address on its network (what another computer's browser would reach), if it has one."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+def test_a_folder_path_is_refused_from_another_computers_browser(tmp_path):
+    """Started with --host 0.0.0.0 and opened at the machine's network address (as another computer would): a
+    typed folder path is refused in words and nothing is read; uploads stay the way in."""
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no network address besides loopback")
+    folder = tmp_path / "secrets"
+    folder.mkdir()
+    (folder / "passwords.txt").write_text("the vault code is 1234")
+    with launched(tmp_path / "launch.log", tmp_path / "cache", "--host", "0.0.0.0") as app, \
+            sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        with browser_page(browser, app.url.replace("127.0.0.1", address)) as page:
+            page.get_by_role("tab", name="Documents").click()
+            page.locator("#docs-name textarea, #docs-name input").first.fill("secrets")
+            page.locator("#docs-folder textarea, #docs-folder input").first.fill(str(folder))
+            page.locator("#docs-add-folder").click()
+            page.get_by_text("a folder path is taken only from a browser on this machine").first.wait_for()
+            expect(page.locator("#docs-collections")).not_to_contain_text("secrets")
+        browser.close()

@@ -96,6 +96,26 @@ def test_a_changed_file_alone_is_embedded_again_and_a_removed_ones_passages_are_
     assert check_consistent(tmp_path / "index.db", folder, embedder) == 4
 
 
+def test_a_file_whose_size_and_time_are_unchanged_is_not_even_hashed(tmp_path, monkeypatch):
+    """A refresh of a big folder reads only the file system's listing for what did not change: no file's bytes."""
+    from pipeline.docs import indexer as indexer_module
+
+    folder = tmp_path / "docs"
+    write_files(folder, 4)
+    embedder = WordEmbedder()
+    index = Index(tmp_path / "index.db", embedder.name, embedder.dim)
+    index.add_collection("logs", str(folder))
+    indexer = Indexer(index, embedder)
+    indexer.refresh("logs", folder)
+    hashed = []
+    monkeypatch.setattr(indexer_module, "content_hash", lambda path: hashed.append(path.name) or
+                        indexer_module.hashlib.sha256(path.read_bytes()).hexdigest())
+    assert indexer.refresh("logs", folder).unchanged == 4 and hashed == []
+    (folder / "doc001.md").write_text((folder / "doc001.md").read_text().replace("dusk", "dawn"))  # same size
+    summary = indexer.refresh("logs", folder)
+    assert (summary.read, summary.unchanged) == (1, 3) and set(hashed) == {"doc001.md"}
+
+
 CHILD = """
 import sys
 from pathlib import Path

@@ -148,3 +148,23 @@ def test_a_reranker_reorders_the_first_passages_found_and_loads_on_the_first_que
         assert sources[0].file == "doc003.md" and "keeper3" in sources[0].text
     assert loads == [1]
     library.close()
+
+
+def test_a_file_added_or_changed_in_the_folder_is_indexed_without_a_refresh(tmp_path, folder):
+    """While the app runs, the folder is watched (the system's notifications): a new file and a changed one are
+    read, the unchanged ones are not read again."""
+    embedder = WordEmbedder()
+    library = Library(tmp_path / "data", EmbedderSlot("words", lambda: embedder))
+    library.add_folder("logs", folder)
+    settled(library)
+    embedder.seen.clear()
+    (folder / "new.md").write_text("# New\n\nThe relief keeper arrived with the supply boat on Tuesday.")
+    with open(folder / "doc001.md", "a") as f:
+        f.write("\n\nA gale blew all night and the lamp stayed lit.")
+    deadline = time.time() + 30
+    while not ({"new.md"} <= {f.path for f in library.listing()[0].files} and
+               any("gale" in text for text in embedder.seen) and not library.listing()[0].busy):
+        assert time.time() < deadline, library.listing()[0].state
+        time.sleep(0.1)
+    assert all("keeper0" not in text for text in embedder.seen)  # doc000.md was not read again
+    library.close()

@@ -33,7 +33,7 @@ CREATE TABLE IF NOT EXISTS collections(
 CREATE TABLE IF NOT EXISTS files(
     id INTEGER PRIMARY KEY, collection INTEGER NOT NULL REFERENCES collections(id) ON DELETE CASCADE,
     path TEXT NOT NULL, hash TEXT, size INTEGER, pages INTEGER, reason TEXT, indexed REAL NOT NULL,
-    UNIQUE(collection, path));
+    modified INTEGER, UNIQUE(collection, path));
 CREATE TABLE IF NOT EXISTS passages(
     id INTEGER PRIMARY KEY, file INTEGER NOT NULL REFERENCES files(id) ON DELETE CASCADE, seq INTEGER NOT NULL,
     text TEXT NOT NULL, start INTEGER NOT NULL, end INTEGER NOT NULL, page INTEGER, heading TEXT,
@@ -74,6 +74,7 @@ class FileRow:
     pages: int | None
     reason: str | None  # None: indexed
     indexed: float
+    modified: int | None  # the file's modification time (ns) when it was read
     passages: int
 
 
@@ -185,19 +186,20 @@ class Index:
 
     def files(self, collection: int) -> list[FileRow]:
         rows = self.db.execute(
-            "SELECT f.id, f.path, f.hash, f.size, f.pages, f.reason, f.indexed, "
+            "SELECT f.id, f.path, f.hash, f.size, f.pages, f.reason, f.indexed, f.modified, "
             "(SELECT count(*) FROM passages p WHERE p.file = f.id) FROM files f WHERE collection = ? ORDER BY path",
             (collection,)).fetchall()
         return [FileRow(*row) for row in rows]
 
     def replace_file(self, collection: int, path: str, digest: str, size: int, pages: int,
-                     passages: Sequence[Passage], vectors: np.ndarray) -> None:
+                     passages: Sequence[Passage], vectors: np.ndarray, modified: int | None = None) -> None:
         """The file's passages and vectors now these, in one transaction (its old ones gone)."""
         with self.db:
-            self.db.execute("INSERT INTO files(collection, path, hash, size, pages, reason, indexed) "
-                            "VALUES (?, ?, ?, ?, ?, NULL, ?) ON CONFLICT(collection, path) DO UPDATE SET "
+            self.db.execute("INSERT INTO files(collection, path, hash, size, pages, reason, indexed, modified) "
+                            "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(collection, path) DO UPDATE SET "
                             "hash = excluded.hash, size = excluded.size, pages = excluded.pages, reason = NULL, "
-                            "indexed = excluded.indexed", (collection, path, digest, size, pages, time.time()))
+                            "indexed = excluded.indexed, modified = excluded.modified",
+                            (collection, path, digest, size, pages, time.time(), modified))
             file = self._one("SELECT id FROM files WHERE collection = ? AND path = ?", (collection, path))
             self.db.execute("DELETE FROM passages WHERE file = ?", (file,))
             for seq, (p, vector) in enumerate(zip(passages, vectors)):

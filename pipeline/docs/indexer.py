@@ -1,4 +1,5 @@
-"""Bringing a collection's index up to date with its folder: each file whose content hash changed is read,
+"""Bringing a collection's index up to date with its folder: each file whose content hash changed is read (one
+whose size and modification time are unchanged is not even hashed),
 split, embedded and written (one transaction a file: `Index.replace_file`); a removed file's passages go; a file
 that cannot be read is listed with why. Nothing is skipped silently: a file of a type not read here is listed as
 such (hidden files and folders, dot-named, are not documents and are passed over). Progress after each file
@@ -121,9 +122,14 @@ class Indexer:
         return summary
 
     def _file(self, cid: int, path: Path, relative: str, known, summary: Summary) -> int:
-        """Index one file if its content changed; the pages read (0 when unchanged or unreadable)."""
+        """Index one file if its content changed (one whose size and modification time are as when it was read is
+        not even hashed); the pages read (0 when unchanged or unreadable)."""
         try:
             before = path.stat()
+            if known is not None and known.reason is None and (known.size, known.modified) == \
+                    (before.st_size, before.st_mtime_ns):
+                summary.unchanged += 1
+                return 0
             digest = content_hash(path)
         except OSError as e:
             self.index.mark_unreadable(cid, relative, f"cannot be read ({e.strerror or e})")
@@ -144,7 +150,8 @@ class Indexer:
             self.index.mark_unreadable(cid, relative, str(e), before.st_size)
             summary.unreadable += 1
             return 0
-        self.index.replace_file(cid, relative, digest, before.st_size, document.pages, found, vectors)
+        self.index.replace_file(cid, relative, digest, before.st_size, document.pages, found, vectors,
+                                before.st_mtime_ns)
         summary.read += 1
         summary.pages += document.pages
         return document.pages

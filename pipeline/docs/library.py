@@ -4,8 +4,9 @@ its own (chatting never waits for it), with progress for the tab and the termina
 
 Two connections to the one index database: the indexing thread's, and one for everything else (listing,
 questions, deleting), which reads a consistent snapshot while the other writes (WAL). A collection is refreshed
-when it is added, when asked, when a chat picks it and at start-up (picking up what changed while the app was
-not running, and resuming an indexing that a killed process left). A deleted collection can be restored for
+when it is added, when asked, when a chat picks it, at start-up (picking up what changed while the app was not
+running, and resuming an indexing that a killed process left), and while the app runs when a file in its folder
+changes (`watchfiles`: the system's own file notifications, nothing polls; a burst of changes is one refresh). A deleted collection can be restored for
 `UNDO_S` seconds; then its passages, and the copies of its uploaded files, go for good.
 """
 
@@ -101,6 +102,7 @@ class Library:
         self._jobs: dict[str, Job] = {}
         self._queue: queue.Queue[str] = queue.Queue()
         self._worker: threading.Thread | None = None
+        self._watching: dict[str, threading.Event] = {}  # a folder collection's watcher, stopped by setting it
         self._key = self._link_key()
 
     # ---- the index -----------------------------------------------------------------------------
@@ -121,12 +123,34 @@ class Library:
 
     def start(self) -> None:
         """Bring every collection up to date in the background (what changed while the app was not running, an
-        indexing a killed process left)."""
-        for name, _, _ in self.index.collections():
+        indexing a killed process left), and watch the folders for changes."""
+        for name, root, _ in self.index.collections():
             self.refresh(name)
+            self._watch(name, Path(root))
+
+    def _watch(self, name: str, root: Path) -> None:
+        """Refresh `name` whenever a file under `root` changes, until the collection is deleted or the app stops
+        (an uploaded collection changes only through the app, which refreshes it then)."""
+        if self._uploaded(root) or name in self._watching:
+            return
+        stop = self._watching[name] = threading.Event()
+
+        def watch() -> None:
+            import watchfiles
+
+            try:
+                for _ in watchfiles.watch(root, stop_event=stop, recursive=True, raise_interrupt=False):
+                    if name in self.names():
+                        self.refresh(name)
+            except (OSError, RuntimeError) as e:  # the folder went away, or the system has no watches left
+                self.say(f"[documents] {name}: changes in {root} are no longer followed ({e}); Refresh reads them")
+
+        threading.Thread(target=watch, name=f"documents-watch-{name}", daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
+            for stop in self._watching.values():
+                stop.set()
             for job in self._jobs.values():
                 job.cancel.set()
         self._queue.put(None)
@@ -159,6 +183,7 @@ class Library:
                 "" if folder.exists() else " (it does not exist)"), "folder")
         self.index.add_collection(_checked_name(name), str(folder.resolve()))
         self.refresh(name)
+        self._watch(name, folder.resolve())
 
     @_locked
     def add_files(self, name: str, files: list[Path]) -> None:
@@ -197,6 +222,8 @@ class Library:
         with self._lock:
             if name in self._jobs:
                 self._jobs[name].cancel.set()
+            if name in self._watching:
+                self._watching.pop(name).set()
         self.index.set_deleted(name, True)
 
     @_locked
@@ -207,6 +234,7 @@ class Library:
                             f"Delete)")
         self.index.set_deleted(name, False)
         self.refresh(name)
+        self._watch(name, self._root(name))
 
     def _purge(self) -> None:
         due = time.time() - UNDO_S
