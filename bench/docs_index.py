@@ -183,9 +183,22 @@ def query_part(res: dict, work: Path, sizes: list[int], dim: int = 384) -> None:
                 run(q)
                 times.append(time.perf_counter() - start)
             res[f"query@{size}: {name} ms (median of {len(queries)})"] = round(statistics.median(times) * 1e3, 2)
+        from pipeline.docs.chunking import Passage  # a file of 1,000 passages written again, as a refresh would
+
+        texts = [f"changed passage {i} w1 w2 w3" for i in range(1000)]
+        fresh = rng.standard_normal((1000, dim)).astype(np.float32)
+        fresh /= np.linalg.norm(fresh, axis=1, keepdims=True)
+        index.replace_file(cid, "file0", "changed", 0, 1, [Passage(t, 0, len(t), None, None) for t in texts], fresh)
+        every[:1000] = fresh
+        start = time.perf_counter()
+        index.vector_search(cid, embed.encode(queries[:1])[0], 40)
+        res[f"query@{size}: vector ms, the first after 1,000 passages changed"] = round(
+            (time.perf_counter() - start) * 1e3, 1)
+        ids = np.concatenate([np.arange(1000, size) + 1, np.arange(size + 1, size + 1001)])  # file0's new ids
+        every = np.concatenate([every[1000:], fresh])
         found = []
         for vector in embed.encode(queries):
-            exact = set((np.argsort(-(every @ vector))[:40] + 1).tolist())
+            exact = set(ids[np.argsort(-(every @ vector))[:40]].tolist())
             found.append(len(exact & set(index.vector_search(cid, vector, 40))) / 40)
         res[f"query@{size}: exact 40 nearest found"] = round(float(np.mean(found)), 3)
         index.close()

@@ -183,3 +183,51 @@ def test_another_embedder_re_embeds_every_passage_never_mixing_vectors(tmp_path)
     assert index.db.execute("SELECT count(*) FROM vectors").fetchone()[0] == 0
     assert embed_missing(index, other, batch=7) == total and len(other.seen) == total
     assert not index.missing_vectors(10) and check_consistent(tmp_path / "index.db", folder, other) == 3
+
+
+def test_the_vector_cache_follows_changes_reading_only_what_changed(tmp_path, monkeypatch):
+    """A question after files were added, changed and removed finds what a fresh index finds (exact), while the
+    warm cache read only the changed rows; after an embedder switch every vector is read again."""
+    from pipeline.docs import vector_cache
+
+    folder = tmp_path / "docs"
+    write_files(folder, 6)
+    embedder = WordEmbedder()
+    index = Index(tmp_path / "index.db", embedder.name, embedder.dim)
+    index.add_collection("logs", str(folder))
+    indexer = Indexer(index, embedder)
+    indexer.refresh("logs", folder)
+    cid = index.collection("logs")
+    queries = embedder.encode(["keeper2 ship reef", "whale gale lamp", "horn dusk keeper5", "supply boat"])
+    [index.vector_search(cid, q, 8) for q in queries]  # the cache warm
+    read = []
+    real = vector_cache.Block.of
+    monkeypatch.setattr(vector_cache.Block, "of", classmethod(lambda cls, rows: read.append(r := real(rows)) or r))
+    (folder / "doc002.md").write_text("# Log 2\n\nThe keeper2 saw a whale and a gale.")
+    (folder / "doc004.md").unlink()
+    (folder / "new.md").write_text("# New\n\nThe supply boat came with oil for the lamp.")
+    indexer.refresh("logs", folder)
+    warm = [index.vector_search(cid, q, 8) for q in queries]
+    fresh = Index(tmp_path / "index.db", embedder.name, embedder.dim)
+    assert scored(fresh, cid, queries, warm) == scored(fresh, cid, queries, [fresh.vector_search(cid, q, 8)
+                                                                             for q in queries])
+    assert [len(block.ids) for block in read[:1]] == [2]  # doc002's and new.md's passages, not the collection's
+    assert not {pid for found in warm for pid in found} - {h.id for h in index.hits(sorted({p for f in warm for p in f}))}
+
+    switched = WordEmbedder("other words")
+    index.use_embedder(switched.name, switched.dim)
+    embed_missing(index, switched)
+    read.clear()
+    assert scored(fresh, cid, queries, [index.vector_search(cid, q, 8) for q in queries]) == \
+        scored(fresh, cid, queries, [fresh.vector_search(cid, q, 8) for q in queries])
+    every = fresh.db.execute("SELECT count(*) FROM vectors").fetchone()[0]
+    assert [len(block.ids) for block in read] == [every, every]  # both caches read everything again
+
+
+def scored(index, cid, queries, found) -> list[list[float]]:
+    """Each query's found passages as their cosines (rounded), so that equal vectors in another order compare
+    equal."""
+    vectors = {pid: np.frombuffer(blob, np.float32) for pid, blob in index.db.execute(
+        "SELECT passage, embedding FROM vectors WHERE collection = ?", (cid,))}
+    return [[round(float(vectors[pid] @ q / np.linalg.norm(vectors[pid]) / np.linalg.norm(q)), 5) for pid in ids]
+            for q, ids in zip(queries, found)]

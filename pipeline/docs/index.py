@@ -2,8 +2,8 @@
 holding for every collection its files (with their content hash, or why they could not be read), their passages,
 a full-text index of them (FTS5, BM25) and their vectors (float32, one row a passage).
 
-The nearest vectors are found by one matrix product over the collection's vectors, held in memory (`VectorCache`)
-and read again when the collection changed. Measured at a million 384-wide vectors on this workplace's 2-core CPU
+The nearest vectors are found by one matrix product over the collection's vectors, held in memory and kept up to
+date by what changed (`vector_cache.py`). Measured at a million 384-wide vectors on this workplace's 2-core CPU
 (`bench/docs_index.py`): 100 ms a question, exact; sqlite-vec's `vec0` scan took 689 ms for the same (float32), and
 589 ms with binary codes, which found only a fifth of the true 40 nearest (bench/RESULTS.md).
 
@@ -17,25 +17,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from pipeline.docs.chunking import Passage
+from pipeline.docs.vector_cache import Source as VectorSource, VectorCache
 from pipeline.errors import UserError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT);
 CREATE TABLE IF NOT EXISTS collections(
     id INTEGER PRIMARY KEY, name TEXT NOT NULL UNIQUE, root TEXT, created REAL NOT NULL, indexed REAL,
-    deleted REAL, generation INTEGER NOT NULL DEFAULT 0);
+    deleted REAL, generation INTEGER NOT NULL DEFAULT 0, pruned INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS files(
     id INTEGER PRIMARY KEY, collection INTEGER NOT NULL REFERENCES collections(id) ON DELETE CASCADE,
     path TEXT NOT NULL, hash TEXT, size INTEGER, pages INTEGER, reason TEXT, indexed REAL NOT NULL,
     modified INTEGER, UNIQUE(collection, path));
 CREATE TABLE IF NOT EXISTS passages(
-    id INTEGER PRIMARY KEY, file INTEGER NOT NULL REFERENCES files(id) ON DELETE CASCADE, seq INTEGER NOT NULL,
+    id INTEGER PRIMARY KEY AUTOINCREMENT, file INTEGER NOT NULL REFERENCES files(id) ON DELETE CASCADE,
+    seq INTEGER NOT NULL,
     text TEXT NOT NULL, start INTEGER NOT NULL, end INTEGER NOT NULL, page INTEGER, heading TEXT,
     vector INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS passages_by_file ON passages(file, seq);
@@ -44,8 +46,13 @@ CREATE TABLE IF NOT EXISTS vectors(
 CREATE INDEX IF NOT EXISTS vectors_by_collection ON vectors(collection);
 CREATE TRIGGER IF NOT EXISTS vectors_add AFTER INSERT ON vectors BEGIN
     UPDATE collections SET generation = generation + 1 WHERE id = new.collection; END;
+CREATE TABLE IF NOT EXISTS vectors_removed(collection INTEGER NOT NULL, generation INTEGER NOT NULL,
+    passage INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS vectors_removed_since ON vectors_removed(collection, generation);
 CREATE TRIGGER IF NOT EXISTS vectors_drop AFTER DELETE ON vectors BEGIN
-    UPDATE collections SET generation = generation + 1 WHERE id = old.collection; END;
+    UPDATE collections SET generation = generation + 1 WHERE id = old.collection;
+    INSERT INTO vectors_removed SELECT old.collection, generation, old.passage FROM collections
+        WHERE id = old.collection; END;
 CREATE TABLE IF NOT EXISTS excluded(
     collection INTEGER NOT NULL REFERENCES collections(id) ON DELETE CASCADE, path TEXT NOT NULL,
     PRIMARY KEY(collection, path));
@@ -58,6 +65,8 @@ CREATE TRIGGER IF NOT EXISTS passages_fts_drop AFTER DELETE ON passages BEGIN
     DELETE FROM vectors WHERE passage = old.id; END;
 """
 
+
+PRUNE_REMOVED = 100_000  # rows of the removal log a collection keeps at most past an indexing
 
 # Words a question is made of that say nothing of its subject: matched, they rank every passage that has them
 STOPWORDS = frozenset("""a an and are as at be by can could do does for from had has have how i if in into is it its
@@ -179,8 +188,12 @@ class Index:
                 self.db.execute("DELETE FROM collections WHERE id = ?", (cid,))
 
     def mark_indexed(self, collection: int) -> None:
+        """The collection is up to date now; its log of removed vectors is forgotten once it holds
+        `PRUNE_REMOVED` (a cache older than that reads the collection's vectors again)."""
         with self.db:
             self.db.execute("UPDATE collections SET indexed = ? WHERE id = ?", (time.time(), collection))
+            if self._one("SELECT count(*) FROM vectors_removed WHERE collection = ?", (collection,)) > PRUNE_REMOVED:
+                self.prune_removed(collection)
 
     # ---- files -----------------------------------------------------------------------------------
 
@@ -246,7 +259,9 @@ class Index:
                                "WHERE p.vector = 0 LIMIT ?", (limit,)).fetchall()
 
     def _put_vector(self, passage: int, collection: int, vector: np.ndarray) -> None:
-        self.db.execute("INSERT OR REPLACE INTO vectors VALUES (?, ?, ?)",
+        """(A plain delete then insert: a REPLACE would not run the delete trigger the vector cache reads.)"""
+        self.db.execute("DELETE FROM vectors WHERE passage = ?", (passage,))
+        self.db.execute("INSERT INTO vectors VALUES (?, ?, ?)",
                         (passage, collection, np.asarray(vector, np.float32).tobytes()))
 
     def set_vectors(self, rows: Iterable[tuple[int, int]], vectors: np.ndarray) -> None:
@@ -270,16 +285,25 @@ class Index:
             "ORDER BY bm25(passages_fts) LIMIT ?", (match, collection, k))]
 
     def vector_search(self, collection: int, vector: np.ndarray, k: int) -> list[int]:
-        """Passage ids nearest to `vector` (cosine: the vectors are unit length, or ranked as if they were), best
-        first."""
-        generation = self._one("SELECT generation FROM collections WHERE id = ?", (collection,))
-        ids, matrix = self.vectors.of(collection, generation, lambda: self.db.execute(
-            "SELECT passage, embedding FROM vectors WHERE collection = ? ORDER BY passage", (collection,)))
-        if not len(ids):
-            return []
-        scores = matrix @ np.asarray(vector, np.float32)
-        best = np.argpartition(-scores, k - 1)[:k] if len(ids) > k else np.arange(len(ids))
-        return ids[best[np.argsort(-scores[best], kind="stable")]].tolist()
+        """Passage ids nearest to `vector` (cosine), best first."""
+        return self.vectors.search(collection, VectorSource(
+            state=lambda: self.db.execute("SELECT generation, pruned FROM collections WHERE id = ?",
+                                          (collection,)).fetchone() or (0, 0),
+            everything=lambda: self.db.execute("SELECT passage, embedding FROM vectors WHERE collection = ?",
+                                               (collection,)),
+            removed_since=lambda generation: [row[0] for row in self.db.execute(
+                "SELECT passage FROM vectors_removed WHERE collection = ? AND generation > ?", (collection, generation))],
+            added=lambda top, generation: self.db.execute(
+                "SELECT passage, embedding FROM vectors WHERE collection = ? AND (passage > ? OR passage IN ("
+                "SELECT passage FROM vectors_removed WHERE collection = ? AND generation > ?))",
+                (collection, top, collection, generation))), vector, k)
+
+    def prune_removed(self, collection: int) -> None:
+        """Forget the removal log of `collection` up to now (caches older than this read everything again)."""
+        with self.db:
+            self.db.execute("UPDATE collections SET pruned = generation WHERE id = ?", (collection,))
+            self.db.execute("DELETE FROM vectors_removed WHERE collection = ? AND generation <= "
+                            "(SELECT pruned FROM collections WHERE id = ?)", (collection, collection))
 
     def hits(self, ids: Sequence[int]) -> list[Hit]:
         """The passages of `ids`, in that order."""
@@ -299,22 +323,3 @@ class Index:
             "AND p.seq IN (?, ?) ORDER BY p.seq", (hit.id, hit.seq - 1, hit.seq + 1)).fetchall()
         return [Hit(*row) for row in rows]
 
-
-class VectorCache:
-    """Each collection's vectors as one matrix (rows scaled to unit length), read from the database once and again
-    only when the collection's `generation` (bumped by every vector written or deleted) moved on."""
-
-    def __init__(self):
-        self._held: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
-
-    def of(self, collection: int, generation: int, rows: Callable[[], Iterable]) -> tuple[np.ndarray, np.ndarray]:
-        """(passage ids, their vectors [N, dim]) of `collection` at `generation`; `rows` reads (id, blob) pairs."""
-        held = self._held.get(collection)
-        if held is None or held[0] != generation:
-            found = list(rows())
-            ids = np.fromiter((pid for pid, _ in found), np.int64, len(found))
-            matrix = np.frombuffer(b"".join(blob for _, blob in found), np.float32).reshape(len(found), -1).copy() \
-                if found else np.zeros((0, 0), np.float32)
-            matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
-            self._held[collection] = held = (generation, ids, matrix)
-        return held[1], held[2]
