@@ -4,8 +4,8 @@ a full-text index of them (FTS5, BM25) and their vectors (float32, one row a pas
 
 The nearest vectors are found by one matrix product over the collection's vectors, held in memory and kept up to
 date by what changed (`vector_cache.py`). Measured at a million 384-wide vectors on this workplace's 2-core CPU
-(`bench/docs_index.py`): 100 ms a question, exact; sqlite-vec's `vec0` scan took 689 ms for the same (float32), and
-589 ms with binary codes, which found only a fifth of the true 40 nearest (bench/RESULTS.md).
+(`bench/docs_index.py`): 100–150 ms a question, exact; sqlite-vec's `vec0` scan took 689 ms for the same (float32),
+and 589 ms with binary codes, which found only a fifth of the true 40 nearest (bench/RESULTS.md).
 
 Every change to one file is one transaction (`replace_file`, `mark_unreadable`, `remove_file`): a process killed
 at any moment leaves each file either as it was or as it is now, and the next refresh goes on from there. The
