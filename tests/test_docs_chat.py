@@ -104,3 +104,16 @@ def test_the_terminal_chat_answers_from_the_collection_with_its_sources(app, fol
     assert "* lights: 3 files, 4 pages" in out
     assert f"{SHOWN}\n\nSources:\n[1] lighthouses.pdf, page 2: The Fastnet lighthouse stands" in out, out
     assert "(replies answer from the model alone)" in out and out.rstrip().endswith(REPLY)
+
+
+def test_the_built_in_model_answers_from_a_collection_with_its_sources(app, folder):
+    """The local engine's path (SmolLM2, its own tokenizer counting the sources' room in its context): the reply
+    comes with the sources it cited, or, where the small model cites none, the ones it was given, said so."""
+    _, _, _, data = app
+    env = {"STUDIO_DATA": str(data), "STUDIO_CACHE": str(data.parent), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "launch.py", "chat", "--docs", f"lights={folder}"],
+                          input=f"/set max_new_tokens 24\n/set temperature 0\n{QUESTION}\n", capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"\n(Sources:|\(the reply cites no source; it was given:\))\n\[1\] lighthouses\.pdf, page 2: ",
+                     done.stdout), done.stdout

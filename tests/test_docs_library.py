@@ -168,3 +168,23 @@ def test_a_file_added_or_changed_in_the_folder_is_indexed_without_a_refresh(tmp_
         time.sleep(0.1)
     assert all("keeper0" not in text for text in embedder.seen)  # doc000.md was not read again
     library.close()
+
+
+def test_another_embedder_embeds_every_passage_again_showing_its_progress(tmp_path, folder):
+    """The app started with another embedder: every collection says it is being embedded again until it is, and
+    then every passage has the new embedder's vector (never the old one's)."""
+    first = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    first.add_folder("logs", folder)
+    [view] = settled(first)
+    first.close()
+    other = WordEmbedder("other words", delay=0.2)
+    again = Library(tmp_path / "data", EmbedderSlot("other words", lambda: other))
+    states = set()
+    deadline = time.time() + 60
+    while not states or any(v.busy for v in again.listing()):
+        states |= {v.state for v in again.listing()}
+        assert time.time() < deadline, states
+        time.sleep(0.05)
+    assert any(state.startswith("embedding again with other words") for state in states), states
+    assert len(other.seen) == view.passages
+    again.close()

@@ -163,10 +163,10 @@ def embed_missing(index: Index, embedder: Embedder, progress: Callable[[str], No
     transaction; the number embedded."""
     done = 0
     while not (cancel is not None and cancel.is_set()) and (rows := index.missing_vectors(batch)):
+        progress(f"embedding again with {embedder.name}: {done} passages so far")
         index.set_vectors([(pid, collection) for pid, collection, _ in rows],
                           embedder.encode([text for _, _, text in rows], prompt="document"))
         done += len(rows)
-        progress(f"embedding again with {embedder.name}: {done} passages")
     return done
 
 

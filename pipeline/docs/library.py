@@ -248,9 +248,10 @@ class Library:
         """Every collection with its files (those that could not be read with why) and its indexing's state."""
         self._purge()
         views = []
+        again = self._jobs.get(EMBED_MISSING)  # another embedder's vectors being made anew: every collection's
         for name, root, indexed in self.index.collections():
             with self._lock:
-                job = self._jobs.get(name, Job("", False))
+                job = again if again is not None and again.busy else self._jobs.get(name, Job("", False))
                 state, busy = job.state, job.busy
             views.append(CollectionView(name, Path(root), self._uploaded(Path(root)), indexed,
                                         self.index.files(self.index.collection(name)), state, busy))
