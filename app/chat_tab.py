@@ -120,8 +120,8 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     def collections(chosen: str | None = None) -> gr.Dropdown:
         """The picker's choices now (collections come and go in the Documents tab)."""
         names = service.documents.names() if service.documents is not None else []
-        return gr.Dropdown(choices=[(NO_DOCUMENTS, "")] + [(n, n) for n in names],
-                           value=chosen if chosen in names else gr.skip() if chosen is None else "")
+        chosen_now = {} if chosen is None else {"value": chosen if chosen in names else ""}  # None: as it is
+        return gr.Dropdown(choices=[(NO_DOCUMENTS, "")] + [(n, n) for n in names], **chosen_now)
 
     @shown_to_user
     def pick_collection(name: str, conversation: int, request: gr.Request) -> str:
