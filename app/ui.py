@@ -103,7 +103,7 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
         banner = gr.Markdown(tools_line(service), elem_id="tools-status")
         with gr.Accordion("Start-up: what runs where, and why", open=False):
             report = gr.Markdown(startup_lines(service), elem_id="startup-report")
-        with gr.Tabs() as tabs:
+        with gr.Tabs(overflow_behavior="wrap") as tabs:  # on a phone every tab stays in sight
             secret = browser_storage_secret()
             with gr.Tab("Chat", id="chat"):
                 build_chat_tab(service, demo, secret)

@@ -87,7 +87,7 @@ def launched(log: Path, cache: Path, *args: str, model: str | None = TEST_MODEL)
         proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port), *args],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.time() + 180
-    while f"127.0.0.1:{port}" not in log.read_text():
+    while f"127.0.0.1:{port}" not in log.read_text() and f"localhost:{port}" not in log.read_text():  # --host 0.0.0.0
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
             pytest.fail(f"launch.py did not come up:\n{log.read_text()}")
