@@ -96,17 +96,24 @@ def test_a_changed_file_alone_is_embedded_again_and_a_removed_ones_passages_are_
     assert check_consistent(tmp_path / "index.db", folder, embedder) == 4
 
 
-def test_a_file_whose_size_and_time_are_unchanged_is_not_even_hashed(tmp_path, monkeypatch):
-    """A refresh of a big folder reads only the file system's listing for what did not change: no file's bytes."""
-    from pipeline.docs import indexer as indexer_module
-
+def indexed(tmp_path: Path, files: int) -> tuple[Path, WordEmbedder, Index, Indexer]:
+    """A folder of `files` logs indexed as the collection "logs": (the folder, the embedder, the index, its
+    indexer)."""
     folder = tmp_path / "docs"
-    write_files(folder, 4)
+    write_files(folder, files)
     embedder = WordEmbedder()
     index = Index(tmp_path / "index.db", embedder.name, embedder.dim)
     index.add_collection("logs", str(folder))
     indexer = Indexer(index, embedder)
     indexer.refresh("logs", folder)
+    return folder, embedder, index, indexer
+
+
+def test_a_file_whose_size_and_time_are_unchanged_is_not_even_hashed(tmp_path, monkeypatch):
+    """A refresh of a big folder reads only the file system's listing for what did not change: no file's bytes."""
+    from pipeline.docs import indexer as indexer_module
+
+    folder, embedder, index, indexer = indexed(tmp_path, 4)
     hashed = []
     monkeypatch.setattr(indexer_module, "content_hash", lambda path: hashed.append(path.name) or
                         indexer_module.hashlib.sha256(path.read_bytes()).hexdigest())
@@ -190,13 +197,7 @@ def test_the_vector_cache_follows_changes_reading_only_what_changed(tmp_path, mo
     warm cache read only the changed rows; after an embedder switch every vector is read again."""
     from pipeline.docs import vector_cache
 
-    folder = tmp_path / "docs"
-    write_files(folder, 6)
-    embedder = WordEmbedder()
-    index = Index(tmp_path / "index.db", embedder.name, embedder.dim)
-    index.add_collection("logs", str(folder))
-    indexer = Indexer(index, embedder)
-    indexer.refresh("logs", folder)
+    folder, embedder, index, indexer = indexed(tmp_path, 6)
     cid = index.collection("logs")
     queries = embedder.encode(["keeper2 ship reef", "whale gale lamp", "horn dusk keeper5", "supply boat"])
     [index.vector_search(cid, q, 8) for q in queries]  # the cache warm
