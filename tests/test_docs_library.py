@@ -188,3 +188,28 @@ def test_another_embedder_embeds_every_passage_again_showing_its_progress(tmp_pa
     assert any(state.startswith("embedding again with other words") for state in states), states
     assert len(other.seen) == view.passages
     again.close()
+
+
+
+def test_an_index_the_indexer_cannot_open_fails_that_job_in_words_and_the_next_try_works(tmp_path, folder,
+                                                                                          monkeypatch):
+    """The indexing thread's own connection fails to open (another program holds the file, a full disk): the
+    collection's indexing ends saying why instead of waiting forever, and a later Refresh indexes it."""
+    library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    library.index  # the reader's connection opens as usual
+    real, tries = Library._open, []
+
+    def flaky(self):
+        tries.append(1)
+        if len(tries) == 1:
+            raise UserError("the documents index cannot be opened (disk I/O error)")
+        return real(self)
+
+    monkeypatch.setattr(Library, "_open", flaky)
+    library.add_folder("logs", folder)
+    [view] = settled(library)
+    assert view.state == "indexing stopped: the documents index cannot be opened (disk I/O error)"
+    library.refresh("logs")
+    [view] = settled(library)
+    assert view.passages > 0 and view.state.startswith("5 files: 4 read")
+    library.close()

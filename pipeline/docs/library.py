@@ -287,12 +287,16 @@ class Library:
         self._queue.put(job)
 
     def _work(self) -> None:
-        index = self._open()
-        indexer = Indexer(index, self.embedder.get())
+        """Jobs one after another; the index is opened with the first (an embedder that cannot load fails that
+        job in words, and the next job tries again)."""
+        index = indexer = None
         try:
             while (name := self._queue.get()) is not None:
                 job = self._jobs[name]
                 try:
+                    if indexer is None:
+                        index = self._open()
+                        indexer = Indexer(index, self.embedder.get())
                     line = self._run(index, indexer, name, job)
                 except Exception as e:  # noqa: BLE001 - one collection's failure is said, the app goes on
                     line = f"indexing stopped: {e}"
@@ -300,7 +304,8 @@ class Library:
                     job.state, job.busy = line, False
                 self.say(f"[documents] {name or 'embedder'}: {line}")
         finally:
-            index.close()
+            if index is not None:
+                index.close()
 
     def _run(self, index: Index, indexer: Indexer, name: str, job: Job) -> str:
         said = [0.0]
