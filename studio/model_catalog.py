@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pipeline.embed.embedder import BUILT_IN
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.demo import demo_model_dir
@@ -41,7 +42,7 @@ class ModelCatalog:
                  say: Callable[[str], None]):
         self.config, self.plan, self.host, self.finder, self._respec = config, plan, host, finder, respec
         self._started = config  # MiniGPT-4's checkpoint and vision folder, whatever image chat ran since
-        self.files = ModelFiles(finder, self.current, say)
+        self.files = ModelFiles(finder, self.in_use, say)
         self.first_use = FirstUseDownload()
         self._chosen: dict[Tool, str] = {}  # tool → the entry id it was switched to
         self._lock = threading.Lock()
@@ -65,6 +66,13 @@ class ModelCatalog:
         if tool == Tool.IMAGE_CHAT:
             return str(self.config.minigpt4_llm) if self.config.minigpt4_llm else image_chat_parts(self.config).llm_id
         return self.plan.sam
+
+    def in_use(self) -> dict[str, str | None]:
+        """What each part of the app runs now, by the names users read: the tools, and the documents' embedder
+        and reranker (set at launch: `--embedder`, `--reranker`)."""
+        embedder = BUILT_IN if self.config.embedder == "auto" else self.config.embedder
+        return {**{str(tool): self.current(tool) for tool in Tool}, "documents' embedder": embedder,
+                "documents' reranker": None if self.config.reranker == "none" else self.config.reranker}
 
     def servable(self) -> list[str]:
         """Chat models a request may name (`/v1/models`): every LLM found, unless chat is remote."""

@@ -22,10 +22,10 @@ from studio.model_finder import ModelFinder
 
 
 class ModelFiles:
-    """Downloads and deletes; `current(tool)` says which model a tool runs (never deleted from under it)."""
+    """Downloads and deletes; `in_use()` says which model each part of the app runs (never deleted from under it)."""
 
-    def __init__(self, finder: ModelFinder, current: Callable[[Tool], str | None], say: Callable[[str], None]):
-        self.finder, self.current, self.say = finder, current, say
+    def __init__(self, finder: ModelFinder, in_use: Callable[[], dict[str, str | None]], say: Callable[[str], None]):
+        self.finder, self.in_use, self.say = finder, in_use, say
 
     def download(self, repo_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path:
         """Fetch `repo_id`'s config, tokenizer and weights into the Hugging Face cache with huggingface_hub's
@@ -68,9 +68,12 @@ class ModelFiles:
     def delete_plan(self, model_id: str) -> tuple[ModelEntry, str]:
         """What deleting `model_id` would remove, as the question asked before doing it."""
         entry = self.finder.entry(model_id)
-        for tool in Tool:
-            if self._runs(entry, self.current(tool)):
-                raise UserError(f"{entry.id} is the {tool} model now: switch {tool} to another model first")
+        for user, current in self.in_use().items():
+            if self._runs(entry, current):
+                if user in iter(Tool):
+                    raise UserError(f"{entry.id} is the {user} model now: switch {user} to another model first")
+                flag = user.rpartition(" ")[2]  # the documents' embedder → --embedder
+                raise UserError(f"{entry.id} is the {user} now: start the app with another --{flag} first")
         if not entry.deletable:
             raise UserError(f"{entry.id} is {entry.source}: it is not a download this app manages")
         where = "the Hugging Face cache" if entry.source == "Hugging Face cache" else \

@@ -4,7 +4,9 @@ Where models are found: the Hugging Face cache (what `--model` downloads and the
 `--models-dir` (folders with a config.json, SAM `.pth` files, GGUF files loose or in folders), our own
 cache (SAM checkpoints, the built-in demos), the SmolLM2 GGUF file that comes with the app, and the
 weights named by cached engines. A folder whose config.json names a VLM (SmolVLM, Qwen2.5-VL) is Image
-chat's; Segment's and Image chat's defaults are listed before their first-use download. Each entry says
+chat's; a sentence-transformers folder is an embedder and a one-score classifier a reranker (the documents'
+models, the built-in all-MiniLM-L6-v2 among them); Segment's and Image chat's defaults, and `--embedder` and
+`--reranker`, are listed before their first-use download. Each entry says
 what a user needs to pick: family, parameters, size on disk, a GGUF file's quantization, the precision it
 would run in, the GPU memory that takes (weights plus one conversation's KV cache; a VLM's weights) and
 whether that fits the budget.
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 from huggingface_hub import scan_cache_dir
 
+from pipeline.embed.embedder import BUILT_IN, built_in_folder
 from pipeline.errors import UserError
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.demo import DEMO_MODELS
@@ -50,6 +53,7 @@ from studio.vlm import SIZES as VLM_SIZES
 from studio.vlm import local_folder, model_name, vlm_id
 
 CHAT, IMAGE_CHAT, SEGMENT = Tool.CHAT, Tool.IMAGE_CHAT, Tool.SEGMENT
+EMBEDDER, RERANKER = "Embedder", "Reranker"  # the documents' models: kinds of entry, not tools one switches
 SAM_PARAMS = {"sam_vit_h": 636_000_000, "sam_vit_l": 308_000_000, "sam_vit_b": 91_000_000, "mobile_sam": 9_808_452}
 # The parts of a GGUF file's name that read as its quantization (Q4_K_M, IQ2_XXS, F16, BF16, fp16)
 QUANT_NAME = re.compile(r"^(i?q\d\w*|b?fp?\d+)$", re.IGNORECASE)
@@ -140,6 +144,13 @@ class ModelFinder:
         if vlm is not None and local_folder(vlm) is None:
             family = next((f for f in VLM_FAMILIES.values() if model_name(vlm).startswith(f)), "")
             add(self._vlm(vlm, None, family, f"downloads on first use ({VLM_SIZES.get(vlm, 'a download')})"))
+        for value, kind in ((self.config.embedder, EMBEDDER), (self.config.reranker, RERANKER)):
+            if Path(value).expanduser().is_dir():
+                add(self._documents_model(value, Path(value).expanduser(), "local folder", kind))
+            elif value not in ("auto", "none") and not any(e.id == value for e in found.values()):
+                add(self._documents_model(value, None, "downloads on first use", kind))
+        if (built_in := built_in_folder()) is not None:
+            add(self._documents_model(BUILT_IN, built_in, "built in", EMBEDDER))
         for source in self._engine_sources():
             if source.is_dir() and (source / "config.json").is_file():
                 add(self._folder(str(source), source, "behind a cached engine"))
@@ -154,12 +165,30 @@ class ModelFinder:
         raise UserError(f"there is no model {model_id!r} here: pick one the Models tab lists, or download it first")
 
     def _folder(self, model_id: str, folder: Path, source: str) -> ModelEntry | None:
-        """A model folder: Image chat's by its config's model_type (SmolVLM, Qwen2.5-VL), else an LLM."""
+        """A model folder: Image chat's by its config's model_type (SmolVLM, Qwen2.5-VL), the documents' by its
+        layout (a sentence-transformers folder: an embedder; a one-score classifier: a reranker), else an LLM."""
         try:
-            family = VLM_FAMILIES.get(read_json(folder / "config.json").get("model_type"))
+            config = read_json(folder / "config.json")
         except (OSError, UserError):  # `_llm` lists it with the reason
-            family = None
+            config = {}
+        if str((config.get("architectures") or [""])[0]).endswith("ForSequenceClassification"):
+            return self._documents_model(model_id, folder, source, RERANKER)
+        if (folder / "modules.json").is_file():
+            return self._documents_model(model_id, folder, source, EMBEDDER)
+        family = VLM_FAMILIES.get(config.get("model_type"))
         return self._vlm(model_id, folder, family, source) if family else self._llm(model_id, folder, source)
+
+    def _documents_model(self, model_id: str, folder: Path | None, source: str, kind: str) -> ModelEntry:
+        """An embedder or a reranker for the documents (None: not downloaded yet): it runs in float32, its
+        parameters its floats counted at one byte each."""
+        if folder is None:
+            return ModelEntry(model_id, kind, "", None, 0, "float32", None, source, None, ())
+        try:
+            family = str(read_json(folder / "config.json").get("model_type", ""))
+        except (OSError, UserError):
+            family = ""
+        return ModelEntry(model_id, kind, family, weights_size(folder, dtype=torch.float8_e4m3fn), folder_bytes(folder),
+                          "float32", weights_size(folder, dtype=torch.float32), source, folder, ())
 
     def _vlm(self, model_id: str, folder: Path | None, family: str, source: str) -> ModelEntry:
         """An image-chat model (None: not downloaded yet): its parameters are its floats counted at one byte

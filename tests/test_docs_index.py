@@ -32,6 +32,9 @@ class WordEmbedder:
     def count_tokens(self, text: str) -> int:
         return len(text.split()) + 2
 
+    def overhead(self, prompt: str | None = None) -> int:
+        return 2
+
     def encode(self, texts: list[str], prompt: str | None = None) -> np.ndarray:
         time.sleep(self.delay)
         self.seen.extend(texts)

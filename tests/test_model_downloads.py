@@ -27,7 +27,7 @@ from studio.model_finder import ModelFinder
 
 configure_process()  # huggingface_hub's reads of 1 MiB, as the app starts with
 hub_progress.EVERY_S = 0  # every read reported
-catalog = ModelFiles(ModelFinder(StudioConfig(), "float32", "cpu", None, Path(tempfile.mkdtemp())), lambda tool: None,
+catalog = ModelFiles(ModelFinder(StudioConfig(), "float32", "cpu", None, Path(tempfile.mkdtemp())), lambda: {},
                      print)
 said, cancel = [], threading.Event()
 def say(line):

@@ -45,7 +45,7 @@ service = build(config, make_plan(config), out=None)
 catalog = service.catalog
 
 def table():
-    headers, rows = model_table(catalog.refresh(), catalog.room(), {t: catalog.current(t) for t, _ in SWITCHES})
+    headers, rows = model_table(catalog.refresh(), catalog.room(), catalog.in_use())
     return {row[0]: dict(zip(headers, row)) for row in rows}
 
 try:

@@ -22,6 +22,9 @@ from pipeline.docs.readers import Unreadable, read_document, supported
 from pipeline.embed.embedder import Embedder
 
 OVERLAP_SHARE = 0.15  # of a passage's tokens, repeated at the start of the next one
+# a passage's tokens at most, whatever more the embedder reads (nomic-embed-text 2,048, Qwen3-Embedding 32,768): the
+# sources share at most 1,500 tokens of the prompt, and a long passage's one vector blurs what it says
+PASSAGE_TOKENS = 512
 
 
 @dataclasses.dataclass
@@ -82,10 +85,10 @@ class Indexer:
 
     def __init__(self, index: Index, embedder: Embedder, max_tokens: int | None = None):
         self.index, self.embedder = index, embedder
-        self.max_tokens = min(max_tokens or embedder.max_tokens, embedder.max_tokens) - 2  # [CLS], [SEP]
+        self.max_tokens = min(max_tokens or PASSAGE_TOKENS, embedder.max_tokens) - embedder.overhead("document")
 
     def count(self, text: str) -> int:
-        return self.embedder.count_tokens(text) - 2
+        return self.embedder.count_tokens(text) - self.embedder.overhead()
 
     def refresh(self, collection: str, root: Path, progress: Callable[[str], None] = lambda line: None,
                 cancel: threading.Event | None = None) -> Summary:

@@ -1,8 +1,8 @@
 """Sentence embeddings from a sentence-transformers folder as it is published (all-MiniLM-L6-v2, bge-small/base,
-multilingual-e5): its `modules.json` pipeline read as data (a BERT or XLM-RoBERTa encoder, a pooling, a
-normalization), the prompts it names for queries and documents, its weights onto our `BertEncoder`, its
-`tokenizer.json` run by `tokenizers`; no code from the folder runs. Batched by length (a batch's padding is a
-batch's waste), on the GPU where there is one.
+multilingual-e5, nomic-embed-text-v1.5, Qwen3-Embedding): its `modules.json` pipeline read as data (a network, a
+pooling, a normalization), the prompts it names for queries and documents, its weights onto our `BertEncoder` (BERT,
+XLM-RoBERTa, NomicBERT) or the chat engine's decoder (`DecoderEncoder`), its `tokenizer.json` run by `tokenizers`;
+no code from the folder runs. Batched by length (a batch's padding is a batch's waste), on the GPU where there is one.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from pipeline.embed.bert import BertConfig, BertEncoder, checkpoint_names
+from pipeline.embed.decoder import DECODERS, DecoderEncoder
 from pipeline.errors import UserError
 from pipeline.weights_io import read_json, read_weight_file, weight_files
 
@@ -29,8 +30,10 @@ BUILT_IN = "all-MiniLM-L6-v2"
 # a module's class (sentence-transformers 2–3 write `sentence_transformers.models.Pooling`, 5 writes
 # `sentence_transformers.base.modules.pooling.Pooling`) → its part here
 MODULES = {"Transformer": "encoder", "Pooling": "pooling", "Normalize": "normalize"}
-ENCODERS = ("bert", "roberta", "xlm-roberta")  # model types `BertEncoder` runs
-POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+ENCODERS = ("bert", "roberta", "xlm-roberta", "nomic_bert")  # model types `BertEncoder` runs
+# sentence-transformers 2–3 write one flag a mode ("pooling_mode_cls_token": true), 5 one word ("cls")
+POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+            "pooling_mode_lasttoken": "lasttoken"}
 
 
 def built_in_folder() -> Path | None:
@@ -47,7 +50,7 @@ def built_in_folder() -> Path | None:
 class Recipe:
     """What a sentence-transformers folder's `modules.json` asks: pooling, normalization, the token limit."""
 
-    pooling: str  # "mean" or "cls"
+    pooling: str  # "mean", "cls" or "lasttoken"
     normalize: bool
     max_tokens: int
     prompts: dict[str, str] = dataclasses.field(default_factory=dict)  # {"query": "query: ", "document": …}
@@ -62,11 +65,10 @@ class Recipe:
             raise UserError(f"{folder.name}: its modules.json asks for {unknown}: embedders here are a transformer, "
                             f"a pooling and optionally a normalization")
         pooling = read_json(folder / modules[1].get("path", "1_Pooling") / "config.json")
-        # sentence-transformers 2–3 write one flag a mode ("pooling_mode_cls_token": true), 5 one word ("cls")
         modes = [mode for key, mode in POOLINGS.items() if pooling.get(key)] + \
             [mode for mode in POOLINGS.values() if pooling.get("pooling_mode") == mode]
         if len(modes) != 1:
-            raise UserError(f"{folder.name}: its pooling is not one of mean or CLS ({pooling})")
+            raise UserError(f"{folder.name}: its pooling is not one of mean, CLS or last token ({pooling})")
         if pooling.get("include_prompt") is False and modes[0] == "mean":
             raise UserError(f"{folder.name}: it pools without its prompt's tokens, which embedders here do not do")
         max_tokens = read_json(folder / "sentence_bert_config.json").get("max_seq_length") \
@@ -103,11 +105,12 @@ def read_encoder(folder: Path, name: str, config: BertConfig,
         tensors.update(read_weight_file(file, "weights"))
     tensors.update({k.removeprefix("bert.").removeprefix("roberta."): v for k, v in tensors.items()})
     found = {}
-    for ours, theirs in {**checkpoint_names(config), **head}.items():
-        if theirs not in tensors:
-            raise UserError(f"{name}: its weights lack {theirs}: the folder is not a BERT or XLM-RoBERTa model's, or "
-                            f"it is incomplete")
-        found[ours] = tensors[theirs]
+    for ours, theirs in {**checkpoint_names(model), **{k: (v,) for k, v in head.items()}}.items():
+        missing = next((t for t in theirs if t not in tensors), None)
+        if missing is not None:
+            raise UserError(f"{name}: its weights lack {missing}: the folder is not a BERT, XLM-RoBERTa or NomicBERT "
+                            f"model's, or it is incomplete")
+        found[ours] = torch.cat([tensors[t] for t in theirs]) if len(theirs) > 1 else tensors[theirs[0]]
     model.load_state_dict({k: v for k, v in found.items() if k not in head}, assign=True, strict=True)
     return model, {k: found[k] for k in head}
 
@@ -120,19 +123,35 @@ class Embedder:
         self.name, self.folder, self.device = name, folder, torch.device(device)
         self.recipe = Recipe.read(folder)
         config = read_json(folder / "config.json")
-        if config.get("model_type") not in ENCODERS:
-            raise UserError(f"{name}: its encoder is {config.get('model_type')!r}; embedders here are BERT and "
-                            f"XLM-RoBERTa models (all-MiniLM, bge, multilingual-e5)")
-        self.config = BertConfig.from_hf(config)
-        self.max_tokens = min(self.recipe.max_tokens, self.config.max_positions)
+        self.encoder: BertEncoder | None = None
+        self.decoder: DecoderEncoder | None = None
+        if config.get("model_type") in ENCODERS:
+            try:
+                bert = BertConfig.from_hf(config)
+            except UserError as e:
+                raise UserError(f"{name}: {e}") from None
+            self.encoder = read_encoder(folder, name, bert, {})[0].to(self.device, dtype).eval()
+            self.dim, positions = bert.hidden_size, bert.max_positions
+        elif config.get("model_type") in DECODERS and self.recipe.pooling == "lasttoken":
+            self.decoder = DecoderEncoder(folder, self.device, dtype)
+            self.dim, positions = self.decoder.hidden_size, self.decoder.max_positions
+        else:
+            raise UserError(f"{name}: its network is {config.get('model_type')!r} pooled by {self.recipe.pooling}; "
+                            f"embedders here are BERT, XLM-RoBERTa and NomicBERT encoders (all-MiniLM, bge, "
+                            f"multilingual-e5, nomic-embed-text) and Qwen or LLaMA decoders pooled by their last token "
+                            f"(Qwen3-Embedding)")
+        self.max_tokens = min(self.recipe.max_tokens, positions)
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.no_padding()  # a file's own padding would pad every text of a batch: batches pad here
         self.tokenizer.enable_truncation(self.max_tokens)
-        self.model = read_encoder(folder, name, self.config, {})[0].to(self.device, dtype).eval()
-        self.dim = self.config.hidden_size
+
+    def overhead(self, prompt: str | None = None) -> int:
+        """Tokens added around a text of kind `prompt` ("query", "document"; None: none): the tokenizer's own ([CLS],
+        [SEP]) and the folder's prompt for that kind."""
+        return self.count_tokens(self.recipe.prompts.get(prompt, "") if prompt else "")
 
     def count_tokens(self, text: str) -> int:
-        """Tokens `text` takes, its [CLS]/[SEP] included, beyond the limit included (not truncated)."""
+        """Tokens `text` takes, the tokenizer's own included, beyond the limit included (not truncated)."""
         self.tokenizer.no_truncation()
         try:
             return len(self.tokenizer.encode(text).ids)
@@ -149,24 +168,29 @@ class Embedder:
         out = np.empty((len(encoded), self.dim), np.float32)
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
-            width = max(len(encoded[i].ids) for i in chunk)
-            ids = torch.zeros(len(chunk), width, dtype=torch.long)
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)
-            for row, i in enumerate(chunk):
-                n = len(encoded[i].ids)
-                ids[row, :n] = torch.tensor(encoded[i].ids)
-                mask[row, :n] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
-            hidden = self.model(ids, mask).float()
-            if self.recipe.pooling == "cls":
-                pooled = hidden[:, 0]
-            else:
-                weights = mask[..., None].float()
-                pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+            pooled = self._pooled([encoded[i].ids for i in chunk])
             if self.recipe.normalize:
                 pooled = F.normalize(pooled, dim=-1)
             out[chunk] = pooled.cpu().numpy()
         return out
+
+    def _pooled(self, batch: list[list[int]]) -> torch.Tensor:
+        """One embedding a text of `batch` [B, dim], float32, before normalization."""
+        if self.decoder is not None:
+            return self.decoder.last_states(batch).float()
+        ids = torch.zeros(len(batch), max(map(len, batch)), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, text in enumerate(batch):
+            ids[row, :len(text)] = torch.tensor(text)
+            mask[row, :len(text)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        hidden = self.encoder(ids, mask).float()
+        if self.recipe.pooling == "cls":
+            return hidden[:, 0]
+        if self.recipe.pooling == "lasttoken":
+            return hidden[torch.arange(len(batch), device=self.device), mask.sum(1) - 1]
+        weights = mask[..., None].float()
+        return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
 
 
 class EmbedderSlot:

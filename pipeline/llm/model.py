@@ -21,7 +21,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.llm.weights.config import DecoderConfig
@@ -375,11 +374,13 @@ class Decoder(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def forward(self, cache: KVCache, rope: RotaryTables, parts: tuple[Part, ...], tokens: Tensor | None = None,
-                embeds: Tensor | None = None, outputs: Tensor | slice | None = ALL) -> Tensor | None:
+                embeds: Tensor | None = None, outputs: Tensor | slice | None = ALL,
+                hidden: bool = False) -> Tensor | None:
         """Logits [1, P, vocab] for one engine step: `tokens` [1, N] (or ready-made `embeds` [1, N, hidden]),
         `parts` in order covering them: decode and verify rows, prompt chunks, a prompt read whole. The
         GEMMs run once over all N tokens. `outputs`: the positions (of the N) whose logits are wanted: a
         tensor of indices, `ALL`, or None for no logits (a prompt chunk before the last only writes the cache).
+        `hidden`: the last layer's normalized states at those positions instead of logits (an embedder's output).
         """
         x = self.embed(tokens) if embeds is None else embeds
         spans = _spans(parts, x.shape[1], x.device)
@@ -397,4 +398,5 @@ class Decoder(nn.Module):
             return None
         if isinstance(outputs, Tensor):
             x, delta = x.index_select(1, outputs), delta.index_select(1, outputs)
-        return self.lm_head(self.norm.add(x, delta)[1])
+        states = self.norm.add(x, delta)[1]
+        return states if hidden else self.lm_head(states)

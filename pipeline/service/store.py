@@ -156,8 +156,8 @@ class ConversationStore:
                 self._db.execute("BEGIN IMMEDIATE")
             except sqlite3.OperationalError as e:
                 if is_locked(e):
-                    raise StoreLocked(f"the conversation database is locked by another program (a backup, or the "
-                                      f"sqlite3 shell?): try again once it is closed") from None
+                    raise StoreLocked("the conversation database is locked by another program (a backup, or the "
+                                      "sqlite3 shell?): try again once it is closed") from None
                 raise
             try:
                 yield self._db
