@@ -56,6 +56,24 @@ def test_a_folder_is_indexed_in_the_background_and_its_files_listed(tmp_path, fo
     again.close()
 
 
+def test_the_vectors_are_in_memory_before_the_first_question_after_a_start(tmp_path, folder):
+    """A restart brings each collection up to date, then reads its vectors into memory on the indexing thread: the
+    first question reads no vector out of the database (at a million, that read takes 15 s)."""
+    first = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    first.add_folder("logs", folder)
+    settled(first)
+    first.close()
+    library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
+    library.start()
+    settled(library)
+    read: list[str] = []
+    library.index.db.exec_trace = lambda cursor, sql, bindings: read.append(sql) or True
+    [source, *_] = library.sources("logs", "the keeper2 logs ship", 400, lambda text: len(text.split()))
+    assert "keeper2" in source.text
+    assert read and not [sql for sql in read if "embedding FROM vectors" in sql], read
+    library.close()
+
+
 def test_removing_a_file_keeps_the_users_file_and_deletes_an_uploaded_copy(tmp_path, folder):
     library = Library(tmp_path / "data", EmbedderSlot("words", WordEmbedder))
     library.add_folder("logs", folder)

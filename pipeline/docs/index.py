@@ -120,9 +120,10 @@ def connect(path: Path):
 class Index:
     """The index in `path`, its vectors `dim` wide from the embedder `embedder`."""
 
-    def __init__(self, path: Path, embedder: str, dim: int):
+    def __init__(self, path: Path, embedder: str, dim: int, vectors: VectorCache | None = None):
+        """`vectors`: the in-memory vectors, shared with the index's other connections (the indexing thread's)."""
         self.path, self.db = Path(path), connect(Path(path))
-        self.vectors = VectorCache()
+        self.vectors = vectors if vectors is not None else VectorCache()
         self.use_embedder(embedder, dim)
 
     def close(self) -> None:
@@ -286,7 +287,14 @@ class Index:
 
     def vector_search(self, collection: int, vector: np.ndarray, k: int) -> list[int]:
         """Passage ids nearest to `vector` (cosine), best first."""
-        return self.vectors.search(collection, VectorSource(
+        return self.vectors.search(collection, self._vector_source(collection), vector, k)
+
+    def read_vectors(self, collection: int) -> None:
+        """Bring the in-memory vectors of `collection` up to date now, before a question needs them."""
+        self.vectors.update(collection, self._vector_source(collection))
+
+    def _vector_source(self, collection: int) -> VectorSource:
+        return VectorSource(
             state=lambda: self.db.execute("SELECT generation, pruned FROM collections WHERE id = ?",
                                           (collection,)).fetchone() or (0, 0),
             everything=lambda: self.db.execute("SELECT passage, embedding FROM vectors WHERE collection = ?",
@@ -296,7 +304,7 @@ class Index:
             added=lambda top, generation: self.db.execute(
                 "SELECT passage, embedding FROM vectors WHERE collection = ? AND (passage > ? OR passage IN ("
                 "SELECT passage FROM vectors_removed WHERE collection = ? AND generation > ?))",
-                (collection, top, collection, generation))), vector, k)
+                (collection, top, collection, generation)))
 
     def prune_removed(self, collection: int) -> None:
         """Forget the removal log of `collection` up to now (caches older than this read everything again)."""

@@ -29,6 +29,7 @@ from pipeline.docs.citations import CitationStream
 from pipeline.docs.index import FileRow, Index
 from pipeline.docs.indexer import Indexer, embed_missing
 from pipeline.docs.retrieval import Source, retrieve
+from pipeline.docs.vector_cache import VectorCache
 from pipeline.embed.embedder import EmbedderSlot
 from pipeline.embed.reranker import Reranker
 from pipeline.errors import UserError
@@ -98,6 +99,7 @@ class Library:
         self._load_reranker, self._reranker = reranker, None
         self.uploads = self.folder / UPLOADS
         self._reader: Index | None = None
+        self._vectors = VectorCache()  # the collections' vectors in memory, shared by the two connections
         self._lock = threading.RLock()  # the reader connection, and `_jobs`
         self._jobs: dict[str, Job] = {}
         self._queue: queue.Queue[str] = queue.Queue()
@@ -109,7 +111,7 @@ class Library:
 
     def _open(self) -> Index:
         embedder = self.embedder.get()
-        return Index(self.folder / INDEX_FILE, embedder.name, embedder.dim)
+        return Index(self.folder / INDEX_FILE, embedder.name, embedder.dim, self._vectors)
 
     @property
     def index(self) -> Index:
@@ -298,6 +300,8 @@ class Library:
                         index = self._open()
                         indexer = Indexer(index, self.embedder.get())
                     line = self._run(index, indexer, name, job)
+                    job.state = f"{line}; reading its vectors for questions"
+                    self._read_vectors(index, name)
                 except Exception as e:  # noqa: BLE001 - one collection's failure is said, the app goes on
                     line = f"indexing stopped: {e}"
                 with self._lock:
@@ -323,6 +327,16 @@ class Library:
         if job.cancel.is_set() or root is None:
             return "cancelled"
         return indexer.refresh(name, root, progress, job.cancel).line()
+
+    @staticmethod
+    def _read_vectors(index: Index, job: str) -> None:
+        """The vectors of the collection a job refreshed (all, after a re-embedding) into memory now, so that its
+        first question does not wait for the read (a million vectors: about 15 s on 2 cores)."""
+        for name in [n for n, _, _ in index.collections()] if job == EMBED_MISSING else [job]:
+            try:
+                index.read_vectors(index.collection(name))
+            except UserError:  # deleted meanwhile
+                continue
 
     # ---- questions and their sources ---------------------------------------------------------------
 

@@ -4,12 +4,15 @@ Reading a million vectors out of SQLite takes about 15 s on a 2-core CPU; a ques
 after each file the indexer writes. So the cache reads them all once, then, when the collection's `generation`
 moved on, only what changed: the passages removed since (`vectors_removed`, a log the index's trigger writes),
 whose rows are marked dead, and the rows added since (ids past the highest one read, or re-written ones), appended
-as another block. A log pruned past what a cache holds makes it read everything again.
+as another block. A log pruned past what a cache holds makes it read everything again. The indexing thread brings
+a collection's vectors up to date after each refresh (`update`), so the first question after a start or a large
+change does not wait for the read; a question arriving meanwhile waits for that read instead of making its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -54,12 +57,21 @@ MOST_BLOCKS = 8  # then the live rows are joined into one block again
 
 
 class VectorCache:
+    """Shared by the index's connections (the questions' and the indexing thread's): one copy of each collection."""
+
     def __init__(self):
         self._held: dict[int, Held] = {}
+        self._lock = threading.Lock()  # one reader of changes at a time; searches run outside it
+
+    def update(self, collection: int, source: Source) -> None:
+        """Read what changed in `collection` since it was last read (everything, the first time)."""
+        with self._lock:
+            self._current(collection, source)
 
     def search(self, collection: int, source: Source, vector: np.ndarray, k: int) -> list[int]:
         """The ids of the `k` vectors of `collection` nearest to `vector` by cosine, best first."""
-        held = self._current(collection, source)
+        with self._lock:
+            held = self._current(collection, source)
         query = np.asarray(vector, np.float32)
         ids, scores = [], []
         for block in held.blocks:
