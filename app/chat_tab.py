@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from app.composer import Composer
+from app.composer import Composer, reply_menu
 from app.page_style import CHAT_PANE_CLASS, LATEX
 from app.conversation import client_of, continuable, turn, user_of
 from app.conversation_files import to_json, to_markdown
@@ -52,25 +52,25 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                         during=(None, gr.Button(visible=False)), on_page=data[chatbot])
 
     @shown_to_user
-    def respond(data: dict, request: gr.Request):
+    def respond(data: dict, request: gr.Request, fed: Callable):
         """Stream a reply to the message, kept in the open conversation (a new one if none is open); an
         edited last message is kept as another version of it."""
         revision = Revision.QUESTION if data[editing] is not None else Revision.NEW
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                system=data[system_prompt], saved=saved(data[current], request, revision),
                                collection=data[documents] or None)
-        yield from reply(updates, data, request)
+        yield from reply(fed(updates), data, request)
 
     def redo(action: Callable) -> Callable:
         """`action` (the service's regenerate or continue_reply) on the last reply, kept as another version
         of it; a draft in the box stays."""
         @shown_to_user
-        def run(data: dict, request: gr.Request):
+        def run(data: dict, request: gr.Request, fed: Callable):
             if data[editing] is not None:
                 raise UserError("send or cancel the edit first")
             updates = action(client_of(request), data[chatbot], form.values(data), system=data[system_prompt],
                              saved=saved(data[current], request), collection=data[documents] or None)
-            yield from reply(updates, data, request, clear=False)
+            yield from reply(fed(updates), data, request, clear=False)
         return run
 
     regenerate = redo(service.regenerate)  # another draw (the same one if the seed is fixed)
@@ -148,12 +148,12 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history",
                                  latex_delimiters=LATEX, elem_classes=[CHAT_PANE_CLASS],
-                                 placeholder=GREETING, examples=[{"text": p} for p in EXAMPLE_PROMPTS])
+                                 feedback_options=reply_menu(service.speech), placeholder=GREETING, examples=[{"text": p} for p in EXAMPLE_PROMPTS])
             with gr.Row(visible=False, elem_id="chat-versions", equal_height=True) as switcher:
                 older = gr.Button("‹ older", size="sm", min_width=70, elem_id="chat-version-older")
                 label = gr.Markdown("", elem_id="chat-version-label")
                 newer = gr.Button("newer ›", size="sm", min_width=70, elem_id="chat-version-newer")
-            composer = Composer(Tool.CHAT, "chat", "Type a message, Enter to send")
+            composer = Composer(Tool.CHAT, "chat", "Type a message, Enter to send", service.speech)
             message = composer.message
             with gr.Row():
                 regen = gr.Button("Regenerate", size="sm")
@@ -189,6 +189,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                   *composer.streams([more.click], continue_reply, inputs, outputs)]:
         ended.then(**sidebar.relist).then(**versions)
     composer.wire_stop(service, "stop")
+    composer.wire_reading(chatbot)
     edit.click(edit_last, [chatbot, editing], [message, chatbot, status, editing, cancel], **private)
     cancel.click(cancel_edit, editing, [message, chatbot, status, editing, cancel], **private)
     for button, step in ((older, -1), (newer, 1)):

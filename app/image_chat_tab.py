@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from app.composer import Composer
+from app.composer import Composer, reply_menu
 from app.conversation import client_of, continuable, turn, user_of
 from app.errors import shown_to_user
 from app.page_style import CHAT_PANE_CLASS, LATEX
@@ -41,32 +41,32 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
         return Saved(user_of(request), None if current == NO_CONVERSATION else current)
 
     @shown_to_user
-    def respond(data: dict, request: gr.Request):
+    def respond(data: dict, request: gr.Request, fed: Callable):
         """Stream an answer about the image, kept in the open conversation (a new one holding the picture
         if none is open); yields (textbox, history, status, conversation, Continue)."""
         current = data[sidebar.current]
         updates = service.send(client_of(request), data[chatbot], data[message], form.values(data),
                                tool=Tool.IMAGE_CHAT, image=data[image], saved=saved(current, request))
-        yield from turn(updates, current, (sidebar.viewing, request.session_hash))
+        yield from turn(fed(updates), current, (sidebar.viewing, request.session_hash))
 
     @shown_to_user
-    def continue_reply(data: dict, request: gr.Request):
+    def continue_reply(data: dict, request: gr.Request, fed: Callable):
         """The last answer, cut at the token limit or stopped, goes on in the same message (a draft in the
         box stays)."""
         current = data[sidebar.current]
         updates = service.continue_reply(client_of(request), data[chatbot], form.values(data),
                                          tool=Tool.IMAGE_CHAT, image=data[image], saved=saved(current, request))
-        yield from turn(updates, current, (sidebar.viewing, request.session_hash), clear=False)
+        yield from turn(fed(updates), current, (sidebar.viewing, request.session_hash), clear=False)
 
     def show(picture: str, question: str) -> tuple:
         return picture, question, [], "", NO_CONVERSATION, gr.Button(visible=False)
 
-    def ask(picture: str, question: str, data: dict, request: gr.Request):
+    def ask(picture: str, question: str, data: dict, request: gr.Request, fed: Callable):
         """`question` about `picture` answered, in a new conversation (the one this page shows now)."""
         sidebar.viewing.show(request.session_hash, NO_CONVERSATION)
         updates = service.send(client_of(request), [], question, form.values(data), tool=Tool.IMAGE_CHAT,
                                image=picture, saved=Saved(user_of(request)))
-        for shown_now in turn(updates, NO_CONVERSATION, (sidebar.viewing, request.session_hash)):
+        for shown_now in turn(fed(updates), NO_CONVERSATION, (sidebar.viewing, request.session_hash)):
             yield gr.skip(), *shown_now
 
     with gr.Row():
@@ -78,8 +78,8 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
         with gr.Column(scale=3):
             chatbot = gr.Chatbot(label="Conversation about the image", height=420, buttons=["copy", "copy_all"],
                                  latex_delimiters=LATEX, elem_classes=[CHAT_PANE_CLASS],
-                                 elem_id="image-chat-history")
-            composer = Composer(Tool.IMAGE_CHAT, "image-chat", "Ask about the image, Enter to send")
+                                 feedback_options=reply_menu(service.speech), elem_id="image-chat-history")
+            composer = Composer(Tool.IMAGE_CHAT, "image-chat", "Ask about the image, Enter to send", service.speech)
             message = composer.message
             with gr.Row():
                 more = gr.Button("Continue", size="sm", visible=False, elem_id="image-chat-continue")
@@ -98,6 +98,7 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                   *composer.streams([more.click], continue_reply, inputs, outputs)]:
         ended.then(**sidebar.relist)
     composer.wire_stop(service, "image_chat_stop")
+    composer.wire_reading(chatbot)
     # A new picture, or Restart, starts a new conversation (the old one stays in the sidebar). Only the
     # user's own changes count: opening a stored conversation sets the picture too.
     fresh = dict(fn=lambda: ([], "", NO_CONVERSATION, gr.Button(visible=False)), inputs=None,

@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.openai_body import read_json
+from app.openai_audio import speech, transcription
 from app.openai_embeddings import embeddings
 from app.openai_protocol import ApiError, ChatRequest, api_error, parse_request
 from app.openai_shapes import Response, error_event
@@ -109,8 +110,8 @@ async def _answer(service: StudioService, req: ChatRequest,
 
 
 def build_router(service: StudioService, api_key: str | None, allow_files: bool) -> APIRouter:
-    """`/v1/models`, `/v1/chat/completions`, `/v1/completions` and `/v1/embeddings`; `api_key` None: no key asked for
-    (loopback only)."""
+    """`/v1/models`, `/v1/chat/completions`, `/v1/completions`, `/v1/embeddings` and `/v1/audio/…`; `api_key` None: no
+    key asked for (loopback only)."""
     router = APIRouter(prefix="/v1")
 
     def check_key(request: Request) -> None:
@@ -152,6 +153,22 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
             check_key(request)
             body = await read_json(request)
             return await asyncio.to_thread(embeddings, service, body)  # its batches take seconds on a CPU
+        except (ApiError, UserError) as e:
+            return api_error(e).response()
+
+    @router.post("/audio/transcriptions")
+    async def transcriptions_route(request: Request):
+        try:
+            check_key(request)
+            return await transcription(service, request)
+        except (ApiError, UserError) as e:
+            return api_error(e).response()
+
+    @router.post("/audio/speech")
+    async def speech_route(request: Request):
+        try:
+            check_key(request)
+            return await speech(service, await read_json(request), request)
         except (ApiError, UserError) as e:
             return api_error(e).response()
 

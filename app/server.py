@@ -12,6 +12,7 @@ import time
 import webbrowser
 
 from app.documents_route import mount_documents
+from app.speech_route import mount_speech
 from app.downloads import keep_files_for
 from app.openai_api import mount
 from app.page_style import CSS, HEAD, SPOKEN
@@ -41,6 +42,7 @@ def start_server(config: StudioConfig, service: StudioService):
                                               state_session_capacity=config.max_sessions)
     mount(server, service, api_key, config.allow_file_urls)
     mount_documents(server, service)
+    mount_speech(server, service)
     url = share_url or local_url
     print(f"[studio] ready: {url} (OpenAI-compatible API at {local_url.rstrip('/')}/v1) · Ctrl+C to stop", flush=True)
     return app, url

