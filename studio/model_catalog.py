@@ -30,6 +30,7 @@ from studio.memory_fit import memory_room
 from studio.model_files import ModelFiles
 from studio.model_finder import ModelFinder
 from studio.plan import Plan, image_chat_parts
+from studio.speech_models import voice_file, whisper_folder
 
 # The composition root's: a configuration → its plan and every tool's spec.
 Respec = Callable[[StudioConfig], tuple[Plan, Sequence[ToolSpec]]]
@@ -68,11 +69,13 @@ class ModelCatalog:
         return self.plan.sam
 
     def in_use(self) -> dict[str, str | None]:
-        """What each part of the app runs now, by the names users read: the tools, and the documents' embedder
-        and reranker (set at launch: `--embedder`, `--reranker`)."""
+        """What each part of the app runs now, by the names users read: the tools, and the models set at launch
+        (`SET_AT_LAUNCH`: the documents' embedder and reranker, the speech models)."""
         embedder = BUILT_IN if self.config.embedder == "auto" else self.config.embedder
+        hearing, voice = whisper_folder(self.config.stt), voice_file(self.config.voice)
         return {**{str(tool): self.current(tool) for tool in Tool}, "documents' embedder": embedder,
-                "documents' reranker": None if self.config.reranker == "none" else self.config.reranker}
+                "documents' reranker": None if self.config.reranker == "none" else self.config.reranker,
+                "speech to text": hearing.name if hearing else None, "voice": voice.name if voice else None}
 
     def servable(self) -> list[str]:
         """Chat models a request may name (`/v1/models`): every LLM found, unless chat is remote."""

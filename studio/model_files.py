@@ -21,6 +21,11 @@ from studio.hub_progress import DownloadCancelled, cancelled, progress_class
 from studio.model_finder import ModelFinder
 
 
+# the models chosen at launch (no switch in the Models tab) by what uses them → the option that chooses them
+SET_AT_LAUNCH = {"documents' embedder": "--embedder", "documents' reranker": "--reranker",
+                 "speech to text": "--stt", "voice": "--voice"}
+
+
 class ModelFiles:
     """Downloads and deletes; `in_use()` says which model each part of the app runs (never deleted from under it)."""
 
@@ -72,8 +77,8 @@ class ModelFiles:
             if self._runs(entry, current):
                 if user in iter(Tool):
                     raise UserError(f"{entry.id} is the {user} model now: switch {user} to another model first")
-                flag = user.rpartition(" ")[2]  # the documents' embedder → --embedder
-                raise UserError(f"{entry.id} is the {user} now: start the app with another --{flag} first")
+                raise UserError(f"{entry.id} is the {user} now: start the app with another {SET_AT_LAUNCH[user]} "
+                                f"first")
         if not entry.deletable:
             raise UserError(f"{entry.id} is {entry.source}: it is not a download this app manages")
         where = "the Hugging Face cache" if entry.source == "Hugging Face cache" else \

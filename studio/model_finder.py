@@ -44,6 +44,7 @@ from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.service.tools import Tool
 from pipeline.weights_io import read_json
+from studio.speech_models import voice_file, whisper_folder
 from studio.backends import choose_quant
 from studio.memory_fit import GGUF, weight_bytes
 from studio.config import StudioConfig
@@ -54,6 +55,7 @@ from studio.vlm import local_folder, model_name, vlm_id
 
 CHAT, IMAGE_CHAT, SEGMENT = Tool.CHAT, Tool.IMAGE_CHAT, Tool.SEGMENT
 EMBEDDER, RERANKER = "Embedder", "Reranker"  # the documents' models: kinds of entry, not tools one switches
+HEARING, VOICE = "Speech to text", "Voice"  # the microphone's and the speaker's
 SAM_PARAMS = {"sam_vit_h": 636_000_000, "sam_vit_l": 308_000_000, "sam_vit_b": 91_000_000, "mobile_sam": 9_808_452}
 # The parts of a GGUF file's name that read as its quantization (Q4_K_M, IQ2_XXS, F16, BF16, fp16)
 QUANT_NAME = re.compile(r"^(i?q\d\w*|b?fp?\d+)$", re.IGNORECASE)
@@ -118,10 +120,13 @@ class ModelFinder:
         if (embedded := embedded_gguf()) is not None:
             add(self._gguf(EMBEDDED, embedded, "built in"))
         for repo_id, folder in self._hub_cache():
+            for voice in sorted(folder.rglob("*.onnx")):  # Piper voices (rhasspy/piper-voices holds many)
+                if Path(f"{voice}.json").is_file():
+                    add(self._speech_model(voice.stem, voice, "Hugging Face cache", VOICE))
             ggufs = self._hub_ggufs(repo_id, folder)
             for model_id, file in ggufs:
                 add(self._gguf(model_id, file, "Hugging Face cache"))
-            if not ggufs or (folder / "config.json").is_file():
+            if (folder / "config.json").is_file() or not (ggufs or any(folder.rglob("*.onnx"))):
                 add(self._folder(repo_id, folder, "Hugging Face cache"))
         models_dir = self.config.models_dir
         if models_dir is not None and Path(models_dir).is_dir():
@@ -151,6 +156,13 @@ class ModelFinder:
                 add(self._documents_model(value, None, "downloads on first use", kind))
         if (built_in := built_in_folder()) is not None:
             add(self._documents_model(BUILT_IN, built_in, "built in", EMBEDDER))
+        for value, kind, speech in ((self.config.stt, HEARING, whisper_folder(self.config.stt)),
+                                    (self.config.voice, VOICE, voice_file(self.config.voice))):
+            if speech is not None and speech.path is not None:
+                add(self._speech_model(speech.name, speech.path, "built in" if value == "auto" else "given at launch",
+                                       kind))
+            elif speech is not None and not any(e.id == speech.name for e in found.values()):
+                add(self._speech_model(speech.name, None, "downloads on first use", kind))
         for source in self._engine_sources():
             if source.is_dir() and (source / "config.json").is_file():
                 add(self._folder(str(source), source, "behind a cached engine"))
@@ -175,6 +187,8 @@ class ModelFinder:
             return self._documents_model(model_id, folder, source, RERANKER)
         if (folder / "modules.json").is_file():
             return self._documents_model(model_id, folder, source, EMBEDDER)
+        if (folder / "model.bin").is_file() and "alignment_heads" in config:  # faster-whisper's CTranslate2 folder
+            return self._speech_model(model_id, folder, source, HEARING)
         family = VLM_FAMILIES.get(config.get("model_type"))
         return self._vlm(model_id, folder, family, source) if family else self._llm(model_id, folder, source)
 
@@ -189,6 +203,17 @@ class ModelFinder:
             family = ""
         return ModelEntry(model_id, kind, family, weights_size(folder, dtype=torch.float8_e4m3fn), folder_bytes(folder),
                           "float32", weights_size(folder, dtype=torch.float32), source, folder, ())
+
+    def _speech_model(self, model_id: str, path: Path | None, source: str, kind: str) -> ModelEntry:
+        """Whisper (a CTranslate2 folder: int8 on the CPU, float16 on a GPU) or a Piper voice (an ONNX file, run by
+        ONNX Runtime) (None: not downloaded yet); its memory, its weights' bytes; its parameters, counted from them."""
+        hearing = kind == HEARING
+        precision = ("int8" if self.device == "cpu" else "float16") if hearing else "float32 (ONNX Runtime)"
+        size = folder_bytes(path) if path is not None else 0
+        weights = (path / "model.bin" if hearing else path).stat().st_size if path is not None else None
+        params = weights // (2 if hearing else 4) if weights else None  # faster-whisper's are float16, Piper's float32
+        return ModelEntry(model_id, kind, "Whisper" if hearing else "Piper", params, size, precision, weights, source,
+                          path, ())
 
     def _vlm(self, model_id: str, folder: Path | None, family: str, source: str) -> ModelEntry:
         """An image-chat model (None: not downloaded yet): its parameters are its floats counted at one byte

