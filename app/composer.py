@@ -45,20 +45,31 @@ class Composer:
                                   elem_id=f"{prefix}-stop", elem_classes=[STOP_CLASS])
         gr.HTML(f'<div id="{prefix}-hint" class="studio-hint" aria-live="polite"></div>', padding=False)  # BUSY_HINT
         with gr.Row(equal_height=True, visible=speech.ears is not None or speech.voice is not None):
-            self.mic = gr.Audio(sources=["microphone"], type="filepath", label="Speak your message", scale=3,
-                                visible=speech.ears is not None, elem_id=f"{prefix}-mic")
+            self.mic = gr.Audio(sources=["microphone", "upload"], type="filepath", scale=3,
+                                label="Speak your message (or drop a recording)", visible=speech.ears is not None,
+                                elem_id=f"{prefix}-mic")
             with gr.Column(scale=2, visible=speech.voice is not None):
-                self.aloud = gr.Checkbox(False, label="Read replies aloud", elem_id=f"{prefix}-aloud")
+                with gr.Row():
+                    self.aloud = gr.Checkbox(False, label="Read replies aloud", elem_id=f"{prefix}-aloud")
+                    self.voice = gr.Checkbox(False, label="Voice mode (hands-free)", elem_id=f"{prefix}-voice",
+                                             visible=speech.ears is not None,
+                                             info="talk, hear the answer, talk again; speak to interrupt")
                 self.speaker = gr.HTML(QUIET, elem_id=f"{prefix}-speaker", padding=False)
-        self.mic.stop_recording(self.heard, [self.mic, self.message], [self.message, self.mic],
-                                api_visibility="private", concurrency_limit=None)
+        for recorded in (self.mic.stop_recording, self.mic.upload):  # in voice mode, `voice_mode.js` sends the words
+            recorded(self.heard, [self.mic, self.message], [self.message, self.mic], api_visibility="private",
+                     concurrency_limit=None)
+        self.voice.change(lambda on: True if on else gr.skip(), self.voice, self.aloud, api_visibility="private")
 
-    def heard(self, recording: str | None, draft: str) -> tuple:
-        """A recording's words after the draft in the box (to read and edit before sending); the recorder cleared."""
+    def heard(self, recording: str | None, draft: str, progress=gr.Progress()) -> tuple:
+        """A recording's words after the draft in the box (to read and edit before sending); the recorder cleared. A
+        long one shows how far its transcription is."""
         if not recording:
             return gr.skip(), gr.skip()
+
+        def done(seconds: float, total: float) -> None:
+            progress(seconds / total, desc=f"Transcribing: {seconds / 60:.0f} of {total / 60:.0f} minutes")
         try:
-            said = self.speech.transcribe(recording).text
+            said = self.speech.transcribe(recording, progress=done).text
         except UserError as e:
             gr.Warning(str(e)[:1].upper() + str(e)[1:])
             return gr.skip(), None

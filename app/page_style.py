@@ -1,10 +1,12 @@
 """The page's own CSS and script (`app.server` hands them to Gradio's launch): one streaming control
 that Escape presses, a message box a reply never takes over (Enter while it streams keeps the message
-there and says why; Send stays off while the box is empty), and a layout that works at a phone's width."""
+there and says why; Send stays off while the box is empty), voice mode's hands-free listening
+(`voice_mode.js`), and a layout that works at a phone's width."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import gradio as gr
 
@@ -43,6 +45,7 @@ CSS = f"""
 }}
 """
 
+VOICE_MODE = (Path(__file__).parent / "voice_mode.js").read_text(encoding="utf-8")
 HEAD = f"""<script>
 document.addEventListener("keydown", (event) => {{
   // Escape stops the reply streaming in the tab shown (the Stop button takes Send's place meanwhile).
@@ -73,6 +76,7 @@ setInterval(() => {{
     if (box && send) send.disabled = !box.value.trim();
   }}
 }}, 250);
+{VOICE_MODE}
 window.addEventListener("load", () => {{
   // The message box takes the focus on a wide screen only: on a phone that would scroll the tabs away.
   if (window.innerWidth > {PHONE_PX}) setTimeout(() => document.querySelector("#chat-input textarea")?.focus(), 500);

@@ -1,6 +1,7 @@
 """Voice in a real browser (headless Debian Chromium with its fake microphone playing a WAV file): the question
 spoken into Chat's microphone lands in the message box; with "Read replies aloud" on, the reply plays in the
-speaker's audio element while it streams; a reply's own "Read aloud" plays it again."""
+speaker's audio element while it streams; a reply's own "Read aloud" plays it again, with sound; in voice mode the
+question is heard and sent with no click, again and again."""
 
 import re
 
@@ -38,7 +39,7 @@ def test_speak_a_question_and_hear_the_reply(tmp_path):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=flags)
         with browser_page(browser, app.url) as page:
             mic = page.locator("#chat-mic")
-            mic.get_by_role("button", name="Record").click()
+            mic.get_by_role("button", name="Record", exact=True).click()
             page.wait_for_timeout(5_000)  # the file plays into the microphone as it would be spoken
             mic.locator("button.stop-button").click()
             box = page.get_by_placeholder("Type a message, Enter to send")
@@ -59,7 +60,18 @@ def test_speak_a_question_and_hear_the_reply(tmp_path):
             page.wait_for_function(PLAYING, timeout=120_000)
             page.screenshot(path=str(tmp_path / "voice.png"))
             again = page.locator("#chat-speaker-audio").get_attribute("src")
-        sound = httpx.get(app.url.rstrip("/") + again, timeout=300).content  # what the element plays: speech
+            sound = httpx.get(app.url.rstrip("/") + again, timeout=300).content  # what the element plays: speech
+
+            # voice mode: the microphone listens by itself, a pause sends the question, the reply is read aloud,
+            # and it listens again (the fake microphone says the question over and over)
+            asked = history.get_by_text(re.compile("museum open on sunday", re.IGNORECASE))
+            before = asked.count()
+            page.locator("#chat-voice input").check()
+            expect(page.locator("#chat-aloud input")).to_be_checked()
+            page.wait_for_function(f"() => [...document.querySelectorAll('#chat-history *')].filter(e => "
+                                   f"e.children.length === 0 && /museum open on sunday/i.test(e.textContent)).length "
+                                   f">= {before + 2}", timeout=180_000)
+            page.locator("#chat-voice input").uncheck()
         (tmp_path / "reply.mp3").write_bytes(sound)
         samples = decode_audio(str(tmp_path / "reply.mp3"))
         assert len(samples) > 16_000 and float(np.sqrt(np.mean(samples ** 2))) > 0.01

@@ -128,6 +128,23 @@ def test_sentences_come_once_and_never_from_inside_an_open_code_block():
     assert given == ["First sentence.", "Second one.", "(code shown on screen)", "After the code.", "Last"]
 
 
+def test_a_long_recording_is_heard_in_pieces_with_its_progress(speech, tmp_path):
+    """Two minutes of speech: transcribed in Whisper's 30-second windows, each piece's progress told, the words of its
+    start and of its end both there."""
+    story = " ".join(SENTENCES)
+    sound = np.concatenate([piece for _ in range(2) for piece in speech.speak(story)])
+    rate = speech.speaker().sample_rate
+    assert len(sound) / rate > 100
+    path = tmp_path / "long.wav"
+    path.write_bytes(wav_bytes(sound, rate))
+    told: list[tuple[float, float]] = []
+    heard = speech.transcribe(path, progress=lambda done, total: told.append((done, total)))
+    assert len(told) >= 4 and [d for d, _ in told] == sorted(d for d, _ in told) and told[-1][0] == told[-1][1]
+    assert abs(heard.duration - len(sound) / rate) < 0.5
+    said = words(heard.text)
+    assert said[:4] == words(SENTENCES[0])[:4] and said[-3:] == words(SENTENCES[-1])[-3:], heard.text
+
+
 def test_bad_audio_and_text_are_refused_in_words(speech, tmp_path):
     silence = tmp_path / "silence.wav"
     silence.write_bytes(wav_bytes(np.zeros(16_000 * 3, np.int16), 16_000))

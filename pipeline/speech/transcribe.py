@@ -97,6 +97,7 @@ class Transcriber:
                     progress(min(piece.end, total), total)
             except ValueError as e:  # an unknown language code
                 raise UserError(f"language {language!r}: {e}", param="language") from None
+        progress(total, total)
         text = " ".join(s.text for s in segments if s.text).strip()
         if not text:
             raise UserError("nothing was heard: the recording holds only silence or noise", param="file")
