@@ -45,9 +45,10 @@ class Composer:
                                   elem_id=f"{prefix}-stop", elem_classes=[STOP_CLASS])
         gr.HTML(f'<div id="{prefix}-hint" class="studio-hint" aria-live="polite"></div>', padding=False)  # BUSY_HINT
         with gr.Row(equal_height=True, visible=speech.ears is not None or speech.voice is not None):
-            self.mic = gr.Audio(sources=["microphone", "upload"], type="filepath", scale=3,
-                                label="Speak your message (or drop a recording)", visible=speech.ears is not None,
-                                elem_id=f"{prefix}-mic")
+            with gr.Column(scale=3, visible=speech.ears is not None):
+                self.mic = gr.Audio(sources=["microphone", "upload"], type="filepath",
+                                    label="Speak your message (or drop a recording)", elem_id=f"{prefix}-mic")
+                gr.HTML(f'<div id="{prefix}-mic-help" class="studio-hint" aria-live="polite"></div>', padding=False)
             with gr.Column(scale=2, visible=speech.voice is not None):
                 with gr.Row():
                     self.aloud = gr.Checkbox(False, label="Read replies aloud", elem_id=f"{prefix}-aloud")

@@ -2,6 +2,37 @@
 // transcribed; a pause of QUIET_MS after speech ends the recording, whose words are sent as soon as they land in the
 // box, the reply is read aloud, and listening goes on. Speaking while a reply streams or is read stops it (the
 // composer's Stop), and that speech is the next question.
+//
+// The microphone's troubles, said under it in words with how to fix them: a page that is neither https nor on this
+// machine (browsers give such pages no microphone), a microphone the browser blocked, none at all.
+const MIC_HELP = {
+  insecure: "The microphone works on this machine's own address or over https: on a phone, open the --share link " +
+    "(browsers give a plain-http page on another computer no microphone).",
+  NotAllowedError: "The microphone is blocked for this page: click the icon left of the address bar (a lock or a " +
+    "microphone), allow the microphone, then reload the page.",
+  NotFoundError: "No microphone was found: plug one in (or pick it in your system's sound settings), then reload.",
+};
+function micHelp(text) {
+  for (const prefix of composers) {
+    const help = document.getElementById(`${prefix}-mic-help`);
+    if (help) help.textContent = text;
+  }
+}
+if (!window.isSecureContext || !navigator.mediaDevices?.getUserMedia) {
+  setInterval(() => micHelp(MIC_HELP.insecure), 1000);  // the components come after the page
+} else {
+  const ask = navigator.mediaDevices.getUserMedia.bind(navigator.mediaDevices);
+  navigator.mediaDevices.getUserMedia = async (constraints) => {
+    try {
+      const stream = await ask(constraints);
+      if (constraints?.audio) micHelp("");
+      return stream;
+    } catch (e) {
+      if (constraints?.audio) micHelp(MIC_HELP[e.name] || `The microphone could not be opened (${e.name}: ${e.message}).`);
+      throw e;
+    }
+  };
+}
 (() => {
   const QUIET_MS = 1200, LOUD = 0.03;  // a pause that ends a question; the level (RMS) that counts as speech
   const SHORTEST_MS = 1500, STUCK_MS = 8000;  // a recording's least length; a recorder left showing a take

@@ -12,6 +12,7 @@ import pytest
 from conftest import launched
 from pipeline.speech.audio_files import resampled, wav_bytes
 from test_browser import CHROMIUM, FLAGS, browser_page  # noqa: F401 - skips without chromium
+from test_browser_documents import non_loopback_address
 from test_speech import pytestmark as speech_installed
 from studio.speech_models import speech_models
 
@@ -75,3 +76,21 @@ def test_speak_a_question_and_hear_the_reply(tmp_path):
         (tmp_path / "reply.mp3").write_bytes(sound)
         samples = decode_audio(str(tmp_path / "reply.mp3"))
         assert len(samples) > 16_000 and float(np.sqrt(np.mean(samples ** 2))) > 0.01
+
+
+def test_a_microphone_the_page_cannot_have_is_explained_with_how_to_fix_it(tmp_path):
+    """A microphone the browser blocked (its permission refused) and a page opened over plain http from another
+    computer (browsers give such a page no microphone): each says so under the microphone, with what to do."""
+    address = non_loopback_address()
+    with launched(tmp_path / "launch.log", tmp_path / "cache", "--host", "0.0.0.0") as app, \
+            sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=[*FLAGS, "--use-fake-device-for-media-stream", "--deny-permission-prompts"])
+        with browser_page(browser, app.url) as page:
+            page.locator("#chat-mic").get_by_role("button", name="Record", exact=True).click()
+            expect(page.locator("#chat-mic-help")).to_contain_text("The microphone is blocked for this page: click "
+                                                                   "the icon left of the address bar")
+        if address is not None:
+            with browser_page(browser, app.url.replace("127.0.0.1", address)) as page:
+                expect(page.locator("#chat-mic-help")).to_contain_text("on a phone, open the --share link")
+        browser.close()

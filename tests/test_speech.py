@@ -166,3 +166,36 @@ def test_bad_audio_and_text_are_refused_in_words(speech, tmp_path):
         speech.speak("   ")
     # what a random-weight model writes: control characters (espeak-ng refuses a NUL), other scripts, replacements
     assert sum(map(len, speech.speak("Noise\x00 here \ufffd\ufffd ok\x07. 漢字 ありがとう. Ж"))) > 10_000
+
+
+def test_larger_models_named_by_size_or_voice_download_on_first_use(tmp_path):
+    """`--stt tiny.en` and `--voice en_US-joe-medium`: nothing is fetched at start-up; the first use downloads
+    Systran/faster-whisper-tiny.en and the voice's two files from rhasspy/piper-voices (a local stand-in for the hub
+    serving the same files), and they hear and speak."""
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from hub_server import serving
+
+    voices = tmp_path / "piper-voices" / "en" / "en_US" / "joe" / "medium"
+    voices.mkdir(parents=True)
+    for suffix in (".onnx", ".onnx.json"):
+        shutil.copy(f"{built_in_voice().with_suffix('')}{suffix}", voices / f"en_US-joe-medium{suffix}")
+    child = ("import sys, numpy as np, pathlib; from studio.speech_models import speech_models\n"
+             "from pipeline.speech.audio_files import wav_bytes\n"
+             "speech = speech_models('tiny.en', 'en_US-joe-medium', 'cpu', print)\n"
+             "print('fetched early' if any(pathlib.Path(sys.argv[1]).rglob('model.bin')) else 'nothing yet')\n"
+             "sound = np.concatenate(list(speech.speak('The museum opens at nine.')))\n"
+             "path = pathlib.Path(sys.argv[1]).parent / 'said.wav'\n"
+             "path.write_bytes(wav_bytes(sound, speech.speaker().sample_rate))\n"
+             "print('HEARD', speech.transcribe(path).text)")
+    with serving({"Systran/faster-whisper-tiny.en": built_in_folder(),
+                  "rhasspy/piper-voices": tmp_path / "piper-voices"}) as hub:
+        done = subprocess.run([sys.executable, "-c", child, str(tmp_path / "hub")], capture_output=True, text=True,
+                              cwd=ROOT, timeout=300, env={"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(tmp_path / "hub"),
+                                                          "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "nothing yet" in done.stdout and "loading Systran/faster-whisper-tiny.en" in done.stdout
+    assert re.search(r"HEARD The museum opens at (nine|9)\.", done.stdout), done.stdout
