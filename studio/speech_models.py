@@ -86,7 +86,9 @@ def speech_models(stt: str, voice: str, device: str, tell: Callable[[str], None]
         def load():
             tell(f"loading {found.name}…")
             model = make(found.where(), Path(found.name).name)
-            tell(f"{found.name} ready ({'on the GPU' if device.startswith('cuda') else 'on the CPU'})")
+            if model.fallback:
+                tell(model.fallback)
+            tell(f"{found.name} ready ({'on the GPU' if model.device == 'cuda' else 'on the CPU'})")
             return model
         return load
 

@@ -199,3 +199,25 @@ def test_larger_models_named_by_size_or_voice_download_on_first_use(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "nothing yet" in done.stdout and "loading Systran/faster-whisper-tiny.en" in done.stdout
     assert re.search(r"HEARD The museum opens at (nine|9)\.", done.stdout), done.stdout
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU here may run Whisper: the failure is a CPU's")
+def test_whisper_that_cannot_run_on_the_gpu_runs_on_the_cpu_and_says_why():
+    """CTranslate2's wheels need CUDA 12's cuBLAS, which a CUDA 13 machine lacks (so on the H200 we measured on); here,
+    with no CUDA at all, the same failure of the GPU load: the words are still heard, on the CPU, and the reason told."""
+    told: list[str] = []
+    speech = speech_models("auto", "auto", "cuda", told.append)
+    heard = speech.transcribe(_spoken(speech, "Please remind me to call my sister."))
+    assert "remind me to call my sister" in heard.text.lower()
+    assert any(line.startswith("whisper-tiny.en cannot run on this GPU (") and line.endswith(
+        "it runs on the CPU (int8)") for line in told), told
+    assert "whisper-tiny.en ready (on the CPU)" in told
+
+
+def _spoken(speech, text: str):
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp()) / "said.wav"
+    path.write_bytes(wav_bytes(np.concatenate(list(speech.speak(text))), speech.speaker().sample_rate))
+    return path

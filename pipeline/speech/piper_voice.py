@@ -45,8 +45,9 @@ class Voice:
         if not Path(f"{model}.json").is_file():
             raise UserError(f"--voice {name}: {model}.json is missing: a Piper voice is a .onnx file with its "
                             f".onnx.json beside it")
+        self.device, self.fallback = "cuda" if on_gpu(device) else "cpu", None
         try:
-            self.voice = PiperVoice.load(str(model), use_cuda=on_gpu(device))
+            self.voice = PiperVoice.load(str(model), use_cuda=self.device == "cuda")
         except Exception as e:  # noqa: BLE001 - ONNX Runtime's and JSON's errors for a file that is no voice
             raise UserError(f"--voice {name}: {model} is not a Piper voice ({type(e).__name__})") from None
         self.name, self.sample_rate = name, int(self.voice.config.sample_rate)

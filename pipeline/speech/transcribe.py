@@ -52,16 +52,20 @@ class Transcriber:
     def __init__(self, folder: Path, name: str, device: str = "cpu"):
         from faster_whisper import WhisperModel
 
-        self.name = name
-        cuda = device.startswith("cuda")
+        self.name, self.device = name, "cuda" if device.startswith("cuda") else "cpu"
+        self.fallback: str | None = None  # why it runs on the CPU when a GPU was asked for
+        if self.device == "cuda":
+            try:
+                self.model = WhisperModel(str(folder), device="cuda", compute_type="float16")
+            except RuntimeError as e:  # CTranslate2's wheels are built for CUDA 12: its cuBLAS may be missing here
+                self.device, self.fallback = "cpu", f"{name} cannot run on this GPU ({e}): it runs on the CPU (int8)"
         try:
-            self.model = WhisperModel(str(folder), device="cuda" if cuda else "cpu",
-                                      compute_type="float16" if cuda else "int8")
+            if self.device == "cpu":
+                self.model = WhisperModel(str(folder), device="cpu", compute_type="int8")
         except (RuntimeError, ValueError, OSError) as e:
             raise UserError(f"--stt {name}: {folder} is not a faster-whisper (CTranslate2) model folder "
                             f"({e})") from None
         self.multilingual = bool(self.model.model.is_multilingual)
-        self.device = "cuda" if cuda else "cpu"
         self._lock = threading.Lock()
 
     def transcribe(self, audio: str | Path | BinaryIO, language: str | None = None, prompt: str | None = None,
