@@ -34,6 +34,9 @@ CSS = f"""
 .{TOGGLE_CLASS} {{ display: none !important; }}
 .{SIDEBAR_CLASS} .studio-conversation-list {{ max-height: {LIST_HEIGHT}; overflow-y: auto; flex-wrap: nowrap; }}
 .{CHAT_PANE_CLASS} .bubble-wrap {{ margin-top: {PANE_BAR}; height: calc(100% - {PANE_BAR}) !important; }}
+/* a reply's menu holds one entry, Read aloud (`composer.reply_menu`): its button shows a speaker, not a flag */
+.{CHAT_PANE_CLASS} button[aria-label="Feedback"] svg {{ display: none; }}
+.{CHAT_PANE_CLASS} button[aria-label="Feedback"]::after {{ content: "🔊"; font-size: 0.9em; }}
 #theme-toggle {{ align-self: flex-start; }}  /* a button's height, beside a heading that wraps on a phone */
 #models-table {{ max-width: 100%; overflow-x: auto; }}
 @media (max-width: {PHONE_PX}px) {{
