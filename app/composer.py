@@ -89,6 +89,9 @@ class Composer:
         def spoken(data: dict, request: gr.Request):
             with read_aloud(self.speech, request.session_hash, bool(data[self.aloud]), self.prefix) as (fed, shown):
                 for i, out in enumerate(fn(data, request, fed)):
+                    if not isinstance(out, tuple):  # a refusal's one skip for every output (`errors._toast`)
+                        yield out
+                        continue
                     yield *out, shown if i == 0 and shown is not None else gr.skip()
 
         # No concurrency limit: the engine batches every session's reply (and queues past its batch).
