@@ -148,7 +148,8 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
         with gr.Column(scale=4):
             chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history",
                                  latex_delimiters=LATEX, elem_classes=[CHAT_PANE_CLASS],
-                                 feedback_options=reply_menu(service.speech), placeholder=GREETING, examples=[{"text": p} for p in EXAMPLE_PROMPTS])
+                                 feedback_options=reply_menu(service.speech), placeholder=GREETING,
+                                 examples=[{"text": p} for p in EXAMPLE_PROMPTS])
             with gr.Row(visible=False, elem_id="chat-versions", equal_height=True) as switcher:
                 older = gr.Button("‹ older", size="sm", min_width=70, elem_id="chat-version-older")
                 label = gr.Markdown("", elem_id="chat-version-label")
@@ -163,6 +164,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                 export_json = gr.Button("Export JSON", size="sm")
                 export_md = gr.Button("Export Markdown", size="sm")
             status = gr.Markdown("", elem_id="chat-status")
+            composer.voice_controls()
         with gr.Column(scale=2, min_width=240):
             documents = gr.Dropdown([(NO_DOCUMENTS, "")], value="", label="Answer from documents",
                                     visible=service.documents is not None, elem_id="chat-collection",

@@ -3,9 +3,10 @@ size) while a reply streams. Escape stops it too (`page_style.HEAD`), and the bo
 when the reply ends. The box stays the user's while a reply streams: Enter then keeps the message in it
 and a line under it says why (`BUSY_HINT`); Send is off while the box is empty.
 
-Under it, where the app has speech: a microphone (what is said lands in the box, to read and edit), a "Read
-replies aloud" switch and the speaker that plays them (`read_aloud.py`), sentence by sentence as they stream;
-each reply's flag menu reads that reply aloud. Stop ends the speech too."""
+Under the tab's actions and status line (`voice_controls`), where the app has speech: a microphone (what is said
+lands in the box, to read and edit), a "Read replies aloud" switch and the speaker that plays them (`read_aloud.py`),
+sentence by sentence as they stream, and voice mode (`voice_mode.js`); each reply's menu reads that reply aloud.
+Stop ends the speech too."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ class Composer:
             self.stop = gr.Button("Stop", variant="stop", scale=1, min_width=90, visible=False,
                                   elem_id=f"{prefix}-stop", elem_classes=[STOP_CLASS])
         gr.HTML(f'<div id="{prefix}-hint" class="studio-hint" aria-live="polite"></div>', padding=False)  # BUSY_HINT
+
+    def voice_controls(self) -> None:
+        """The microphone, the read-aloud switches and the speaker, made in the column being built (the tab puts them
+        under its own actions and status line, which stay next to the box)."""
+        speech, prefix = self.speech, self.prefix
         with gr.Row(equal_height=True, visible=speech.ears is not None or speech.voice is not None):
             with gr.Column(scale=3, visible=speech.ears is not None):
                 self.mic = gr.Audio(sources=["microphone", "upload"], type="filepath",

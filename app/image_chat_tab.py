@@ -85,6 +85,7 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                 more = gr.Button("Continue", size="sm", visible=False, elem_id="image-chat-continue")
                 restart = gr.Button("Restart conversation", size="sm")
             status = gr.Markdown("", elem_id="image-chat-status")
+            composer.voice_controls()
             form = SamplingForm("image-chat", max_new_tokens=IMAGE_CHAT_MAX_NEW_TOKENS)
 
     current = sidebar.current
