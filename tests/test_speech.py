@@ -221,3 +221,15 @@ def _spoken(speech, text: str):
     path = Path(tempfile.mkdtemp()) / "said.wav"
     path.write_bytes(wav_bytes(np.concatenate(list(speech.speak(text))), speech.speaker().sample_rate))
     return path
+
+
+def test_a_page_gets_one_reading_at_a_time_and_pages_long_gone_lose_theirs(speech, monkeypatch):
+    from pipeline.speech import speech as speech_module
+
+    monkeypatch.setattr(speech_module, "MOST_LISTENERS", 3)
+    first_key, first = speech.read_aloud("page-0")
+    second_key, _ = speech.read_aloud("page-0")  # the same page's next reading stops the first
+    assert first.stopped.is_set() and speech.reading(first_key) is None and speech.reading(second_key) is not None
+    for n in range(1, 4):  # three more pages: the oldest, page-0, is forgotten
+        speech.read_aloud(f"page-{n}")
+    assert speech.reading(second_key) is None

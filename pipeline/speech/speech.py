@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 import secrets
 import threading
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pipeline.speech.spoken_reply import SpokenReply
 from pipeline.speech.transcribe import Transcriber, Transcript
 
 MAX_SPOKEN_CHARS = 100_000  # a text to speak at once (about 2 hours of speech)
+MOST_LISTENERS = 64  # readings kept (each holds its sound): pages long gone lose theirs, the oldest first
 
 
 class Speech:
@@ -25,7 +27,8 @@ class Speech:
     def __init__(self, ears: FirstUse[Transcriber] | None, voice: FirstUse[Voice] | None):
         self.ears, self.voice = ears, voice
         self._handed: dict[str, SpokenReply] = {}  # key → the reply read under it
-        self._playing: dict[str, tuple[str, SpokenReply]] = {}  # listener → (key, the reply read to them now)
+        # listener → (key, the reply read to them now), the most recent last
+        self._playing: collections.OrderedDict[str, tuple[str, SpokenReply]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def transcriber(self) -> Transcriber:
@@ -62,6 +65,9 @@ class Speech:
         self.stop_reading(listener)
         with self._lock:
             self._handed[key], self._playing[listener] = spoken, (key, spoken)
+            oldest = next(iter(self._playing)) if len(self._playing) > MOST_LISTENERS else None
+        if oldest is not None:
+            self.stop_reading(oldest)
         return key, spoken
 
     def reading(self, key: str) -> SpokenReply | None:
