@@ -15,7 +15,7 @@ import dataclasses
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -147,30 +147,29 @@ def build_router(service: StudioService, api_key: str | None, allow_files: bool)
     async def completions(request: Request):
         return await answer(request, completion=True)
 
-    @router.post("/embeddings")
-    async def embeddings_route(request: Request):
+    async def keyed(request: Request, work: Callable[[], Awaitable]):
+        """`work()`'s response once the key is checked, or the error in OpenAI's shape."""
         try:
             check_key(request)
-            body = await read_json(request)
-            return await asyncio.to_thread(embeddings, service, body)  # its batches take seconds on a CPU
+            return await work()
         except (ApiError, UserError) as e:
             return api_error(e).response()
+
+    @router.post("/embeddings")
+    async def embeddings_route(request: Request):
+        async def work():  # its batches take seconds on a CPU
+            return await asyncio.to_thread(embeddings, service, await read_json(request))
+        return await keyed(request, work)
 
     @router.post("/audio/transcriptions")
     async def transcriptions_route(request: Request):
-        try:
-            check_key(request)
-            return await transcription(service, request)
-        except (ApiError, UserError) as e:
-            return api_error(e).response()
+        return await keyed(request, lambda: transcription(service, request))
 
     @router.post("/audio/speech")
     async def speech_route(request: Request):
-        try:
-            check_key(request)
+        async def work():
             return await speech(service, await read_json(request), request)
-        except (ApiError, UserError) as e:
-            return api_error(e).response()
+        return await keyed(request, work)
 
     return router
 
