@@ -126,6 +126,27 @@ def test_a_file_whose_size_and_time_are_unchanged_is_not_even_hashed(tmp_path, m
     assert (summary.read, summary.unchanged) == (1, 3) and set(hashed) == {"doc001.md"}
 
 
+
+def test_a_write_takes_the_lock_as_it_begins_so_the_other_connections_write_waits_for_it(tmp_path):
+    """The app's connection adds a collection while the indexing thread's writes: the app's transaction reads,
+    then writes. Had it only read-locked at first, the indexer's write would slip in and the app's own write fail
+    at once with "database is locked" (CI saw it); holding the write lock from its start, the other waits."""
+    import apsw
+
+    app, indexer = Index(tmp_path / "index.db", "words", 16), Index(tmp_path / "index.db", "words", 16)
+    indexer.db.set_busy_timeout(0)  # refused at once rather than waiting, so this test needs no second thread
+    with app.writing():
+        app.collections()
+        try:
+            indexer.add_collection("logs", None)
+            raise AssertionError("the indexer wrote inside the app's write transaction")
+        except apsw.BusyError:
+            pass
+        app.add_collection("notes", None)
+    indexer.add_collection("logs", None)
+    assert [name for name, _, _ in app.collections()] == ["logs", "notes"]
+
+
 CHILD = """
 import sys
 from pathlib import Path

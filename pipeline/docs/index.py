@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -129,6 +130,23 @@ class Index:
     def close(self) -> None:
         self.db.close()
 
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """One write transaction that takes the write lock as it begins. A deferred one (SQLite's default) that
+        reads first and then writes fails at once with "database is locked", the busy timeout unused, when the
+        index's other connection wrote in between."""
+        if self.db.in_transaction:  # inside another: a savepoint of it
+            with self.db:
+                yield
+            return
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
     def _one(self, sql: str, args: Sequence = ()):
         row = self.db.execute(sql, args).fetchone()
         return None if row is None else row[0]
@@ -136,7 +154,7 @@ class Index:
     def use_embedder(self, embedder: str, dim: int) -> bool:
         """Make the vectors `embedder`'s; True when they were another's (all dropped: every passage needs its
         vector again, `missing_vectors`)."""
-        with self.db:
+        with self.writing():
             self.db.execute("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT)")
             before = self._one("SELECT value FROM meta WHERE key = 'embedder'")
             now = f"{embedder} {dim}"
@@ -150,7 +168,7 @@ class Index:
     # ---- collections ---------------------------------------------------------------------------
 
     def add_collection(self, name: str, root: str | None) -> int:
-        with self.db:
+        with self.writing():
             existing = self.db.execute("SELECT id, deleted FROM collections WHERE name = ?", (name,)).fetchone()
             if existing and existing[1] is None:
                 raise UserError(f"there is already a collection named {name!r}: pick another name, or refresh it")
@@ -176,13 +194,13 @@ class Index:
 
     def set_deleted(self, name: str, deleted: bool) -> None:
         """Hide a collection (deleted: True) or bring it back (Undo); `purge_deleted` removes hidden ones."""
-        with self.db:
+        with self.writing():
             self.db.execute("UPDATE collections SET deleted = ? WHERE name = ?", (time.time() if deleted else None,
                                                                                    name))
 
     def purge_deleted(self, before: float) -> None:
         """Remove for good the collections deleted before `before` (a time)."""
-        with self.db:
+        with self.writing():
             for (cid,) in self.db.execute("SELECT id FROM collections WHERE deleted < ?", (before,)).fetchall():
                 self.db.execute("DELETE FROM passages WHERE file IN (SELECT id FROM files WHERE collection = ?)",
                                 (cid,))
@@ -191,7 +209,7 @@ class Index:
     def mark_indexed(self, collection: int) -> None:
         """The collection is up to date now; its log of removed vectors is forgotten once it holds
         `PRUNE_REMOVED` (a cache older than that reads the collection's vectors again)."""
-        with self.db:
+        with self.writing():
             self.db.execute("UPDATE collections SET indexed = ? WHERE id = ?", (time.time(), collection))
             if self._one("SELECT count(*) FROM vectors_removed WHERE collection = ?", (collection,)) > PRUNE_REMOVED:
                 self.prune_removed(collection)
@@ -208,7 +226,7 @@ class Index:
     def replace_file(self, collection: int, path: str, digest: str, size: int, pages: int,
                      passages: Sequence[Passage], vectors: np.ndarray, modified: int | None = None) -> None:
         """The file's passages and vectors now these, in one transaction (its old ones gone)."""
-        with self.db:
+        with self.writing():
             self.db.execute("INSERT INTO files(collection, path, hash, size, pages, reason, indexed, modified) "
                             "VALUES (?, ?, ?, ?, ?, NULL, ?, ?) ON CONFLICT(collection, path) DO UPDATE SET "
                             "hash = excluded.hash, size = excluded.size, pages = excluded.pages, reason = NULL, "
@@ -224,7 +242,7 @@ class Index:
 
     def mark_unreadable(self, collection: int, path: str, reason: str, size: int | None = None) -> None:
         """The file listed with why it cannot be read; its passages (from an earlier version) gone."""
-        with self.db:
+        with self.writing():
             self.db.execute("INSERT INTO files(collection, path, hash, size, pages, reason, indexed) "
                             "VALUES (?, ?, NULL, ?, NULL, ?, ?) ON CONFLICT(collection, path) DO UPDATE SET "
                             "hash = NULL, size = excluded.size, pages = NULL, reason = excluded.reason, "
@@ -234,7 +252,7 @@ class Index:
 
     def exclude(self, collection: int, path: str) -> None:
         """Take the file out of the collection for good (its passages gone; refreshes pass it over)."""
-        with self.db:
+        with self.writing():
             self.db.execute("INSERT OR IGNORE INTO excluded VALUES (?, ?)", (collection, path))
             self.remove_file(collection, path)
 
@@ -247,7 +265,7 @@ class Index:
                                "WHERE f.id = ? AND f.reason IS NULL AND c.deleted IS NULL", (file,)).fetchone()
 
     def remove_file(self, collection: int, path: str) -> None:
-        with self.db:
+        with self.writing():
             self.db.execute("DELETE FROM passages WHERE file = (SELECT id FROM files WHERE collection = ? AND "
                             "path = ?)", (collection, path))
             self.db.execute("DELETE FROM files WHERE collection = ? AND path = ?", (collection, path))
@@ -266,7 +284,7 @@ class Index:
                         (passage, collection, np.asarray(vector, np.float32).tobytes()))
 
     def set_vectors(self, rows: Iterable[tuple[int, int]], vectors: np.ndarray) -> None:
-        with self.db:
+        with self.writing():
             for (pid, collection), vector in zip(rows, vectors):
                 self._put_vector(pid, collection, vector)
                 self.db.execute("UPDATE passages SET vector = 1 WHERE id = ?", (pid,))
@@ -308,7 +326,7 @@ class Index:
 
     def prune_removed(self, collection: int) -> None:
         """Forget the removal log of `collection` up to now (caches older than this read everything again)."""
-        with self.db:
+        with self.writing():
             self.db.execute("UPDATE collections SET pruned = generation WHERE id = ?", (collection,))
             self.db.execute("DELETE FROM vectors_removed WHERE collection = ? AND generation <= "
                             "(SELECT pruned FROM collections WHERE id = ?)", (collection, collection))
