@@ -23,7 +23,7 @@ from pathlib import Path
 from pipeline.errors import UserError
 from pipeline.service.tools import Tool
 from pipeline.images import load_image
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.service.requests import Update
 from pipeline.service.studio import StudioService
 from studio.compose import build, run as run_studio

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.llm.engine.sampling import Limit
+from pipeline.llm.engine.params import Limit
 
 IMPLEMENTED, REFUSED, NO_EFFECT = "implemented", "refused", "accepted, changes nothing here"
 CHOICES = Limit(1, 8, whole=True)  # `n`: each choice is a row of the engine's batch of 8

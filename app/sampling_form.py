@@ -10,7 +10,7 @@ from typing import Any
 
 import gradio as gr
 
-from pipeline.llm.engine.sampling import LIMITS, SamplingParams
+from pipeline.llm.engine.params import LIMITS, SamplingParams
 
 # The settings the page shows (the API takes every field); labels and slider steps are the page's own words.
 LABELS = {"temperature": "Temperature (0 = greedy)", "top_p": "Top-p", "top_k": "Top-k (0 = off)",

@@ -46,7 +46,7 @@ from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
 from timing import report  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.engine.seam import TokenStream  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 
 CHATS, CHAT_PROMPT, LONG_PROMPT = 7, 128, 4000

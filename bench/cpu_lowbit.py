@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from timing import report  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.evaluate import score_text  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.models import locate  # noqa: E402
@@ -69,7 +69,7 @@ def ours_tg128(lm) -> float:
 
 def float_q8_model(folder: Path):
     """`float_q8_decoder` as image chat's language model (`vlm_chat.language_model`)."""
-    from pipeline.llm.loading import load_decoder
+    from pipeline.llm.model.loading import load_decoder
     from pipeline.llm.text.tokenizer import load_tokenizer
     from pipeline.pipelines.vlm_chat import language_model
     from studio.onnx_llm import onnx_float_decoder
@@ -185,7 +185,9 @@ def load_engine(name: str):
 
 def ours_steps(model, tokens: int = 128) -> float:
     """tg`tokens` of the decoder alone: greedy steps of one row after an 8-token prompt, tok/s."""
-    from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows
+    from pipeline.llm.model.kv_cache import KVCache
+    from pipeline.llm.model.parts import Prefill, Rows
+    from pipeline.llm.model.rotary import RotaryTables
 
     cache = KVCache(model.config, 1, 256, torch.float32, "cpu")
     rope = RotaryTables(model.config, 256, "cpu")

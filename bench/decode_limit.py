@@ -46,10 +46,10 @@ from llm_engine import GREEDY, QWEN25_7B, UI_DEFAULT, concurrent, random_prompt,
 from timing import copy_bandwidth_tbps, report  # noqa: E402
 from pipeline.llm.weights.config import config_from_hf  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.model import Decoder  # noqa: E402
+from pipeline.llm.model.decoder import Decoder  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.llm.weights.quant import MODES, QuantLinear, dequantize, quantize, quantize_decoder, use_kernels  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from plugins import lowbit  # noqa: E402
 from plugins.fused import FUSED, REFERENCE  # noqa: E402
 from plugins.lowbit_tuning import TunedConfigs, fastest, graphed_us  # noqa: E402
@@ -255,7 +255,7 @@ def real_checkpoint_part(res: dict) -> None:
     `save_pretrained` and read through our loader in each mode: last-token logits against transformers'."""
     import transformers
 
-    from pipeline.llm.loading import load_decoder
+    from pipeline.llm.model.loading import load_decoder
 
     config = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
                                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,

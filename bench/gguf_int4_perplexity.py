@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline.llm.evaluate import agreement, score_text  # noqa: E402
-from pipeline.llm.loading import load_decoder  # noqa: E402
+from pipeline.llm.model.loading import load_decoder  # noqa: E402
 from pipeline.llm.weights.quant import quantize_decoder, use_kernels  # noqa: E402
 
 MODEL_ID = "builtin/smollm2-135m-instruct"

@@ -248,9 +248,9 @@ def model_part(res: dict, layers: int) -> None:
     8 chats at once) on the Q4_K_M file, its GPU memory, and our tg128 against its roofline (the bytes a
     token reads at the copy bandwidth of this run)."""
     from llm_engine import concurrent, random_prompt, run
-    from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.engine.params import SamplingParams
     from pipeline.llm.engine.torch_engine import TorchLLMEngine
-    from pipeline.llm.loading import load_gguf_native
+    from pipeline.llm.model.loading import load_gguf_native
     from pipeline.llm.weights.gguf_native import GGUFLinear
 
     path = Q4_K_M

@@ -29,10 +29,13 @@ from pipeline.llm.weights.config import config_from_hf  # noqa: E402
 from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.engine.seam import GenerationStats  # noqa: E402
-from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
+from pipeline.llm.model.decoder import Decoder  # noqa: E402
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from plugins.fused import REFERENCE  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 GREEDY = SamplingParams(max_new_tokens=256, temperature=0, repetition_penalty=1.0)

@@ -19,7 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.llm.weights.checkpoint import to_internal  # noqa: E402
 from pipeline.llm.weights.config import config_from_hf  # noqa: E402
 from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
-from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables  # noqa: E402
+from pipeline.llm.model.decoder import Decoder  # noqa: E402
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

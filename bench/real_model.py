@@ -45,8 +45,10 @@ from timing import report  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from engine_builder.onnxruntime_backend import cpu_model  # noqa: E402
 from pipeline.llm.evaluate import TextScore, agreement, score_text, score_windows  # noqa: E402
-from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.model.kv_cache import KVCache  # noqa: E402
+from pipeline.llm.model.parts import Prefill, Rows
+from pipeline.llm.model.rotary import RotaryTables
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 
 MODEL_ID = "builtin/smollm2-135m-instruct"
 DATE = "2026-11-26"
@@ -439,7 +441,7 @@ def cpu(args) -> dict:
 def gpu(args) -> dict:
     os.environ.setdefault("STUDIO_CACHE", "/tmp/real_model_cache")
     from pipeline.models import locate
-    from pipeline.llm.loading import load_decoder
+    from pipeline.llm.model.loading import load_decoder
     from pipeline.llm.text.tokenizer import load_tokenizer
     import transformers
 

@@ -34,7 +34,7 @@ from timing import report  # noqa: E402
 from pipeline.llm.weights.checkpoint import write_checkpoint  # noqa: E402
 from pipeline.llm.weights.config import DecoderConfig, config_from_hf  # noqa: E402
 from pipeline.llm.demo import demo_model_dir  # noqa: E402
-from pipeline.llm.model import Decoder  # noqa: E402
+from pipeline.llm.model.decoder import Decoder  # noqa: E402
 from pipeline.minigpt4.vision import TINY, VisionConfig  # noqa: E402
 from pipeline.minigpt4.weights import build_demo  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402

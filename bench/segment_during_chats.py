@@ -28,7 +28,7 @@ from timing import report  # noqa: E402
 from studio.backends import sam_engine  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.sam.model import VARIANTS, Sam  # noqa: E402
 from pipeline.pipelines.segment import SegmentPipeline  # noqa: E402

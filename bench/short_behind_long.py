@@ -32,10 +32,10 @@ from torch.nn.attention.bias import causal_lower_right
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import pipeline.llm.model as model_module  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+import pipeline.llm.model.decoder as model_module  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.loading import load_decoder  # noqa: E402
+from pipeline.llm.model.loading import load_decoder  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.llm.text.tokenizer import load_tokenizer  # noqa: E402
 from pipeline.models import locate  # noqa: E402

@@ -37,7 +37,7 @@ from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3I
 from test_smolvlm import SPECIALS  # noqa: E402
 from test_smolvlm_chat import TEMPLATE  # noqa: E402
 from timing import report  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "What is in the picture?"}]

@@ -80,7 +80,9 @@ OPEN_CHAT = {
 def verify_part(res: dict, layers: int) -> None:
     from llm_engine import random_qwen25_7b
     from pipeline.cuda_graphs import CapturedCall
-    from pipeline.llm.model import Chunk, KVCache, RotaryTables, Rows
+    from pipeline.llm.model.kv_cache import KVCache
+    from pipeline.llm.model.parts import Chunk, Rows
+    from pipeline.llm.model.rotary import RotaryTables
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit import rows_as_one_row
     from plugins.lowbit_tuning import TunedConfigs
@@ -152,7 +154,7 @@ def real_part(res: dict, max_new_tokens: int) -> None:
     """Each prompt alone (batch 1), greedy, through the app's loader and engine: once to capture the CUDA
     graphs, then timed; tok/s over the replies' decode time, drafts kept, and the tokens compared."""
     from pipeline.llm.engine.speculation import prompt_lookup
-    from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.engine.params import SamplingParams
     from pipeline.llm.engine.torch_engine import TorchLLMEngine
     from pipeline.llm.text.prompt import fit_prompt
     from pipeline.llm.weights.gguf_folder import gguf_model_dir
@@ -316,7 +318,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
     at once. `seed` picks other 7B prompts and pairs each with another real reply's pattern (a fresh draft
     pattern per run)."""
     from llm_engine import random_prompt, random_qwen25_7b
-    from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.engine.params import SamplingParams
     from pipeline.llm.text.prompt import Prompt
     from pipeline.llm.engine.speculation import GPU_FLOAT, GPU_LOW_BIT, Speculation, VerifyCost
     from pipeline.llm.engine.torch_engine import TorchLLMEngine

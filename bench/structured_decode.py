@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.text.grammar import GrammarVocabulary, json_schema_grammar  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.llm.text.tokenizer import QwenTiktokenTokenizer  # noqa: E402
 

@@ -22,7 +22,7 @@ from engine_builder.cache import Verdict
 from engine_builder.onnx_export import GraphSpec, TensorSpec
 from pipeline.engine_session import Session
 from pipeline.llm.engine.seam import LLMEngine
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.prompt import Prompt
 
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 8e-2}  # relative error of each output

@@ -15,7 +15,7 @@ The graph (per step; B rows of S tokens each, every row at its own position):
            flattened positions whose logits are wanted), cos/sin [positions, head_dim/2] (our rotary tables,
            scaling included), past_key_i / past_value_i [B, kv_heads, positions, head_dim] per layer
   outputs  logits [P, vocab], present_key_i / present_value_i: bound to the past buffers themselves (the
-           operator then writes the new keys in place: `pipeline.llm.onnx_decoder`)
+           operator then writes the new keys in place: `pipeline.llm.model.onnx_decoder`)
 Weights go to an external data file, each at a 64 KiB boundary, so ONNX Runtime maps them from disk instead
 of reading them into memory a second time.
 """

@@ -22,14 +22,15 @@ from pipeline.models import resolve
 from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
-from pipeline.llm.loading import load_decoder, load_gguf_native
+from pipeline.llm.model.loading import load_decoder, load_gguf_native
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.gguf_native import KINDS as GGUF_KINDS, GGUFLinear, unavailable as gguf_unavailable
 from pipeline.llm.engine.draft_model import DraftModel
 from pipeline.llm.engine.speculation import prompt_lookup
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
-from pipeline.llm.model import Decoder, KVCache
+from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.model.kv_cache import KVCache
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import (MODES, QuantLinear, empty_quantized, kernel_stand_ins, kernel_unavailable,
                                         use_kernels)
@@ -37,7 +38,7 @@ from studio.draft_choice import draft_modes, fastest_draft, record_name
 from studio.onnx_llm import onnx_gguf_decoder, unavailable as onnx_unavailable
 from studio.memory_fit import GGUF, available_memory, check_memory, weight_bytes
 from studio.quantized_weights import quantized_decoder
-from pipeline.llm.engine.sampling import SamplingParams, checkpoint_defaults
+from pipeline.llm.engine.params import SamplingParams, checkpoint_defaults
 from pipeline.llm.text.tokenizer import Tokenizer, load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision

@@ -24,7 +24,7 @@ from pipeline.embed.embedder import BUILT_IN, Embedder, EmbedderSlot, built_in_f
 from pipeline.embed.reranker import Reranker
 from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.minigpt4.weights import load_vision_folder
 from pipeline.models import EMBEDDED, cache_dir, data_dir, draft_model_for, locate, resolve
 from pipeline.pipelines.chat import ChatPipeline

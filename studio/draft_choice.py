@@ -19,7 +19,7 @@ import torch
 
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.text.prompt import Prompt
 

@@ -10,7 +10,8 @@ import psutil
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.model import Decoder, KVCache
+from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.model.kv_cache import KVCache
 from pipeline.llm.weights.gguf_file import split_parts
 from pipeline.llm.weights.quant import int4_group, quantized_layers
 

@@ -38,7 +38,7 @@ from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.demo import DEMO_MODELS
 from pipeline.llm.weights.gguf_file import SPLIT
 from pipeline.llm.weights.gguf_folder import gguf_model_dir
-from pipeline.llm.model import KVCache
+from pipeline.llm.model.kv_cache import KVCache
 from pipeline.models import EMBEDDED, HUB_GGUF, ModelEntry, cache_dir, embedded_gguf, gguf_files_for_tag
 from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 from pipeline.sam.weights import SIZES as SAM_SIZES

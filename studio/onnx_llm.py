@@ -3,7 +3,7 @@ engine cache and mapped from it on later ones: a GGUF file's, its matrices as st
 `auto`'s first choice), or a float checkpoint's, its matrices rounded to 8-bit blocks (image chat's decoder).
 
 Why here: it is composition, the engine cache and the report around the graph builder and the decoder module
-(`pipeline/llm/onnx_decoder.py`); `studio/backends.py` asks `unavailable` and calls `onnx_gguf_decoder`,
+(`pipeline/llm/model/onnx_decoder.py`); `studio/backends.py` asks `unavailable` and calls `onnx_gguf_decoder`,
 `studio/vlm.py` asks `float_unavailable` and calls `onnx_float_decoder`.
 """
 
@@ -24,11 +24,11 @@ from engine_builder.build import EngineOptions
 from engine_builder.cache import EngineCache, EngineKey
 from engine_builder.fingerprint import fingerprint
 from engine_builder.gguf_onnx import GRAPH, build, unsupported
-from pipeline.llm.loading import gguf_as_stored
-from pipeline.llm.onnx_decoder import OnnxDecoder, TableEmbedding, threads
+from pipeline.llm.model.loading import gguf_as_stored
+from pipeline.llm.model.onnx_decoder import OnnxDecoder, TableEmbedding, threads
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.gguf_file import read_gguf, split_parts
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.weights.gguf_nbits import KINDS, to_blocks
 from pipeline.llm.weights.quant import QUANTIZED
 

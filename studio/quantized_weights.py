@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 
 from engine_builder.cache import EngineCache, EngineKey, Verdict
 from engine_builder.fingerprint import fingerprint
-from pipeline.llm.loading import build_decoder, load_decoder, load_prequantized
+from pipeline.llm.model.loading import build_decoder, load_decoder, load_prequantized
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.weights.quant import int4_grid, int4_group, quantize_decoder, quantized_layers
 from pipeline.weights_io import read_weight_file
 

@@ -10,9 +10,9 @@ import torch
 from pipeline.pipelines.chat import ChatPipeline
 from studio.backends import load_language_model
 from pipeline.errors import UserError
-from pipeline.llm.model import RotaryTables, qwen_logn_scale, qwen_ntk_alpha
+from pipeline.llm.model.rotary import RotaryTables, qwen_logn_scale, qwen_ntk_alpha
 from pipeline.llm.text.prompt import ChatMLFormat, chat_format, fit_prompt
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0)

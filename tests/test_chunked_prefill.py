@@ -4,10 +4,10 @@ between their decode steps, and gives what the unchunked engine gives (CPU, fp32
 import pytest
 import torch
 
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.engine.seam import FinishReason
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.prompt import Prompt
 
 CONTEXT = 1024

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.prompt import Prompt
 from studio.backends import load_language_model
 from studio.draft_choice import draft_modes, fastest_draft, record_name

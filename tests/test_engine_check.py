@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine_builder.engine_check import check_llm
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.text.prompt import Prompt
 

@@ -10,13 +10,14 @@ import torch
 
 from pipeline.llm.engine import cache_rows as cache_rows_module
 from pipeline.llm.engine.cache_rows import BLOCK, CacheRows
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.engine.seam import TokenStream
-from pipeline.llm.model import Prefill
+from pipeline.llm.model.parts import Prefill
 from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner, RowsFeed
 from pipeline.llm.engine.sampler import Sampler
-from pipeline.llm.engine.sampling import Draws, SamplingParams
+from pipeline.llm.engine.params import SamplingParams
+from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.scheduler import Request, Scheduler
 from pipeline.llm.text.prompt import Prompt
 

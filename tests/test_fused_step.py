@@ -18,8 +18,8 @@ import torch
 from plugins import decode_attention, fused
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
-from pipeline.llm.model import Decoder
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.prompt import Prompt
 
 fused._use_triton = decode_attention._use_triton = lambda x: True  # the interpreter runs them on CPU tensors

@@ -22,12 +22,14 @@ from gguf import quants as reference
 
 from conftest import train_sentencepiece
 from pipeline.errors import UserError
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.demo import _train_bpe
 from pipeline.llm.weights.gguf_file import read_gguf
 from pipeline.llm.weights.gguf_quants import supported
-from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.tokenizer import ENDOFTEXT, IM_END, IM_START, load_tokenizer
 from pipeline.models import embedded_gguf, gguf_files_for_tag, locate
 from studio.compose import run

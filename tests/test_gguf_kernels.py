@@ -98,8 +98,10 @@ print("ok")
 MIX = r'''
 import sys, torch
 from pathlib import Path
-from pipeline.llm.loading import load_decoder, load_gguf_native
-from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.llm.model.loading import load_decoder, load_gguf_native
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.weights.gguf_native import GGUFLinear
 folder, ids, want_kinds, served = Path(sys.argv[1]), [int(i) for i in sys.argv[2].split(",")], set(sys.argv[3].split(",")), \
     sys.argv[4] == "served"
@@ -121,7 +123,7 @@ want = logits(load_decoder(folder, torch.float32), torch.float32)
 err = [((got - want).norm() / want.norm()).item()
        for got in (logits(native, torch.bfloat16), logits(load_decoder(folder, torch.bfloat16), torch.bfloat16))]
 if served:  # the app's loader with --quant gguf (on the CPU only under the interpreter), a reply through the engine
-    from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.engine.params import SamplingParams
     from pipeline.llm.text.prompt import Prompt
     from studio.backends import load_language_model
     lm = load_language_model(folder, "tiny-Q4_K_M", "torch", "cpu", torch.bfloat16, max_context=64, max_batch=1,

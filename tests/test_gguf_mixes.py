@@ -163,7 +163,7 @@ def test_what_a_gguf_file_runs_as_follows_its_types_and_check_says_so(tmp_path, 
     stored, int8 where it cannot run so (re-rounding a real Q4_K_M into int4 cost +9.25 % perplexity) or where a
     type has no kernel; asked, int4 and gguf all the same; on the CPU as stored on ONNX Runtime where every type has
     a form there, else float."""
-    from pipeline.llm.model import KVCache
+    from pipeline.llm.model.kv_cache import KVCache
     from studio.backends import choose_quant
     from studio.memory_fit import weight_bytes
     from studio.compose import run
@@ -252,7 +252,7 @@ def test_the_models_tab_says_what_a_q4_k_m_file_takes_on_a_gpu_and_on_the_cpu(tm
     import shutil
     from pathlib import Path
 
-    from pipeline.llm.model import KVCache
+    from pipeline.llm.model.kv_cache import KVCache
     from studio.memory_fit import weight_bytes
     from studio.config import StudioConfig
     from studio.model_finder import ModelFinder

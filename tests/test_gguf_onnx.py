@@ -1,5 +1,5 @@
 """A GGUF file's decoder on the CPU as one ONNX Runtime graph (`engine_builder/gguf_onnx.py`,
-`pipeline/llm/onnx_decoder.py`, `studio/onnx_llm.py`), against gguf-py (llama.cpp's own reader) and our float
+`pipeline/llm/model/onnx_decoder.py`, `studio/onnx_llm.py`), against gguf-py (llama.cpp's own reader) and our float
 decoder of the same file:
 
 - every block type's MatMulNBits operands dequantize to gguf-py's values bit for bit (random blocks in which every
@@ -26,7 +26,9 @@ from gguf.quants import dequantize as reference
 from test_gguf import bpe_vocab, cache, random_blocks, write_model  # noqa: F401  (the test cache for `locate`)
 
 from engine_builder.gguf_onnx import _Graph, _Writer
-from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill, Rows
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.weights.gguf_nbits import KINDS, from_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +86,7 @@ def smollm2():
     graph with float32 inputs wherever ONNX Runtime takes them (its Q4_1 layers; not the Q8_0 head's 8-bit quants),
     each built into a temporary folder, and its float decoder."""
     from engine_builder import gguf_onnx
-    from pipeline.llm.loading import load_decoder
+    from pipeline.llm.model.loading import load_decoder
     from pipeline.models import locate
     from studio.onnx_llm import onnx_gguf_decoder
 
@@ -164,7 +166,7 @@ def test_a_q4_k_m_file_made_by_llama_cpps_quantizer_runs_on_onnx_runtime(monkeyp
     its float weights' logits within that rounding (the mixed types, the offsets, the biases are placed right); with
     the int8 inputs the app runs, within theirs."""
     from engine_builder import gguf_onnx
-    from pipeline.llm.loading import load_decoder
+    from pipeline.llm.model.loading import load_decoder
     from pipeline.models import locate
     from studio.onnx_llm import onnx_gguf_decoder
 
@@ -217,7 +219,7 @@ def test_a_qwen3_file_runs_its_q_and_k_norms_in_the_graph(tmp_path, bpe_vocab, m
     """With float32 inputs everywhere (Q4_0 takes them), its graph gives its float weights' logits within float32
     rounding."""
     from engine_builder import gguf_onnx
-    from pipeline.llm.loading import load_decoder
+    from pipeline.llm.model.loading import load_decoder
     from pipeline.models import locate
     from studio.onnx_llm import onnx_gguf_decoder
 

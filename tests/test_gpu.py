@@ -19,7 +19,7 @@ from pipeline.pipelines.image_chat import ImageChatPipeline  # noqa: E402
 from pipeline.images import load_image  # noqa: E402
 from pipeline.llm.demo import demo_model_dir  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder  # noqa: E402
@@ -201,7 +201,7 @@ def test_quantized_chat_graphs_match_eager():
     engine's tokens, at batch 1 and with three chats at once (the demo models are too narrow for the
     kernel's 128-input groups, so a small random decoder of kernel-sized widths)."""
     from pipeline.llm.weights.config import DecoderConfig
-    from pipeline.llm.model import Decoder
+    from pipeline.llm.model.decoder import Decoder
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit_tuning import TunedConfigs
 
@@ -232,7 +232,8 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode, g
     (before 2026-11-27) the graphed decode steps read the next step's tokens once the GPU fell behind.
     A Q4_K GGUF file's int4 keeps its blocks of 32 (`quant.int4_group`) and must hold to it too."""
     from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner, RowsFeed
-    from pipeline.llm.model import Decoder, KVCache
+    from pipeline.llm.model.decoder import Decoder
+    from pipeline.llm.model.kv_cache import KVCache
     from pipeline.llm.weights.config import DecoderConfig
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins import lowbit
@@ -272,7 +273,7 @@ def test_two_engines_over_one_int4_model_at_once_give_what_each_gives_alone():
     partials, and int4 speculation's replies parted from plain decoding's in some runs and not in others."""
     import threading
 
-    from pipeline.llm.model import Decoder
+    from pipeline.llm.model.decoder import Decoder
     from pipeline.llm.weights.config import DecoderConfig
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from pipeline.llm.engine.speculation import GPU_LOW_BIT, PromptLookup, Speculation

@@ -8,10 +8,12 @@ from pipeline.errors import UserError
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.images import load_image
 from pipeline.llm.demo import demo_model_dir
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from studio.backends import load_language_model, vision_encoder
 from pipeline.llm.engine.seam import TokenStream
-from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.minigpt4.template import IMAGE, MINIGPT4_SYSTEM, PLACEHOLDER_ID, MiniGPT4Format
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder
 

@@ -198,7 +198,7 @@ def test_inside_pipeline_each_layer_imports_only_those_below_it():
 # Inside pipeline/llm/, lowest first: the text (tokenizers, prompts and the `Prompt` engines take), the
 # weights (configs and checkpoint formats, which write tokenizer files), the decoder and its loading
 # from a checkpoint, the engine; anything else there (language_model, remote, evaluate, demo) above them all.
-LLM_LAYERS = {"text": 0, "weights": 1, "model": 2, "loading": 2, "engine": 3}
+LLM_LAYERS = {"text": 0, "weights": 1, "model": 2, "engine": 3}
 LLM_REST = 4
 
 
@@ -224,3 +224,20 @@ def test_inside_pipeline_llm_each_sub_layer_imports_only_those_below_it():
                 wrong.append(f"{path.relative_to(ROOT)} imports {name}: {own[1]} may not import {target[1]}, "
                              f"a sub-layer above it")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_engines_contract_and_the_remote_client_import_no_torch():
+    """`--llm-endpoint` chats through another server: its client, the engine's contract (`seam.py`) and the
+    sampling parameters (`params.py`) load with torch made unimportable, so they pull in none of it."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.abc, sys\n"
+            "class NoTorch(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch':\n"
+            "            raise ImportError(f'{name} is imported')\n"
+            "sys.meta_path.insert(0, NoTorch())\n"
+            "import pipeline.llm.engine.seam, pipeline.llm.engine.params, pipeline.llm.remote\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
-from pipeline.llm.engine.sampling import SamplingParams, sample, sampling_columns
+from pipeline.llm.engine.params import SamplingParams
+from pipeline.llm.engine.sampling import sample, sampling_columns
 from pipeline.llm.text.prompt import Prompt
 
 CONTEXT = 512

@@ -5,13 +5,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from pipeline.llm.loading import load_decoder  # noqa: E402
+from pipeline.llm.model.loading import load_decoder  # noqa: E402
 from pipeline.llm.weights.checkpoint import (convert_qwen_v1_to_hf, read_config, read_tensors,  # noqa: E402
                                              to_internal, write_checkpoint)
 from pipeline.llm.weights.families import HF_LAYOUT  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.model import KVCache, Prefill, RotaryTables, Rows  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.model.kv_cache import KVCache  # noqa: E402
+from pipeline.llm.model.parts import Prefill, Rows
+from pipeline.llm.model.rotary import RotaryTables
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 
 COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3, max_position_embeddings=512)

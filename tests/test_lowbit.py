@@ -92,7 +92,7 @@ print("ok")
 MLP_SCRIPT = r'''
 import torch
 from pipeline.llm.weights.config import DecoderConfig
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.weights.quant import quantize_decoder, use_kernels
 torch.manual_seed(0)
 config = DecoderConfig(family="qwen2", vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=1,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.model import KVCache
+from pipeline.llm.model.kv_cache import KVCache
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.models import locate
 from studio.backends import load_language_model

@@ -158,7 +158,7 @@ def test_the_verify_rows_are_the_engines_draft_sizes_plus_one():
 
 def test_stand_ins_are_one_per_distinct_layer_shape_of_the_decoder(monkeypatch, qwen2_demo):
     """`kernel_stand_ins` of a meta-device decoder: the shapes `use_kernels` makes of the loaded one."""
-    from pipeline.llm.model import Decoder
+    from pipeline.llm.model.decoder import Decoder
     from pipeline.llm.weights.checkpoint import read_config
     from pipeline.llm.weights.quant import QuantLinear, empty_quantized, kernel_stand_ins, quantize_decoder, use_kernels
 

@@ -18,13 +18,16 @@ from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model, torch_decoder
 from studio.memory_fit import weight_bytes
 from pipeline.errors import UserError
-from pipeline.llm.loading import load_decoder, load_prequantized
+from pipeline.llm.model.loading import load_decoder, load_prequantized
 from pipeline.llm.weights.checkpoint import from_internal, layout_of, read_config, to_internal, write_checkpoint
 from pipeline.llm.weights.config import CONFIG_WRITERS, config_from_hf
-from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import QuantLinear
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 
 GROUP = 128
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble k of a word holds output AWQ_PACK_ORDER[k]

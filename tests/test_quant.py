@@ -12,10 +12,13 @@ from studio.startup_report import StartupReport
 from engine_builder.cache import EngineCache
 from studio.backends import choose_quant, load_language_model
 from studio.memory_fit import weight_bytes
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.config import DecoderConfig, config_from_hf
-from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import QuantLinear, dequantize, group_size, pack_int4, quantize, quantize_decoder, unpack_int4
 from studio.quantized_weights import quantized_decoder
@@ -160,7 +163,7 @@ def test_the_chat_model_loads_quantized_and_says_how_it_runs(qwen_v1_demo, tmp_p
 
 
 def _greedy(n):
-    from pipeline.llm.engine.sampling import SamplingParams
+    from pipeline.llm.engine.params import SamplingParams
 
     return SamplingParams(max_new_tokens=n, temperature=0, repetition_penalty=1.0)
 

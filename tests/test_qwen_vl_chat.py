@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 pil_processing = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
 from pipeline.errors import UserError  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.tokenizer import load_tokenizer  # noqa: E402
 from pipeline.pipelines.qwen_vl_chat import QwenVLChatPipeline  # noqa: E402
 from pipeline.pipelines.vlm_chat import language_model  # noqa: E402

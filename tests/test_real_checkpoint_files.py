@@ -10,9 +10,11 @@ import torch
 import transformers
 
 from pipeline.errors import UserError
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.weights.checkpoint import read_config
-from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.tokenizer import load_tokenizer
 from conftest import train_sentencepiece
 

@@ -25,7 +25,7 @@ from pipeline.llm.evaluate import agreement, score_text
 from pipeline.llm.weights.gguf_folder import gguf_model_dir
 from pipeline.llm.text.prompt import chat_format
 from pipeline.llm.weights.quant import quantize_decoder
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.tokenizer import load_tokenizer
 from pipeline.llm.text.tool_calls import TaggedCallsInMessages
 from pipeline.models import EMBEDDED, embedded_gguf

@@ -16,9 +16,11 @@ transformers = pytest.importorskip("transformers")
 pil_processing = pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3")
 
 from pipeline.images import load_image  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
-from pipeline.llm.model import KVCache, Prefill, RotaryTables  # noqa: E402
+from pipeline.llm.model.kv_cache import KVCache  # noqa: E402
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.llm.text.tokenizer import load_tokenizer  # noqa: E402
 from pipeline.smolvlm.preprocess import PreprocessConfig, preprocess  # noqa: E402

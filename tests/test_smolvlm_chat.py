@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 pil_processing = pytest.importorskip("transformers.models.idefics3.image_processing_pil_idefics3")
 
 from test_smolvlm import IMAGES, SEQ, folder  # noqa: E402,F401 - the tiny checkpoint fixture
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.language_model import LanguageModel  # noqa: E402
 from pipeline.llm.text.tokenizer import load_tokenizer  # noqa: E402

@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from pipeline.llm.engine.proposer import Proposer
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PerRequest, PromptLookup, batch_cap,
                                              best_draft, expected_tokens, Speculation, VerifyCost)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
-from pipeline.llm.loading import load_decoder
-from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.llm.model.loading import load_decoder
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt
 
 

@@ -13,7 +13,7 @@ import transformers
 
 from pipeline.llm.demo import CORPUS
 from pipeline.llm.text.grammar import GrammarVocabulary, json_schema_grammar
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ReActReader, TaggedReader

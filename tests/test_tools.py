@@ -16,7 +16,7 @@ from studio.sizes import weights_size
 from conftest import TEST_MODEL
 from studio.startup_report import StartupReport
 from pipeline.errors import UserError
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.service.tools import ToolHost, ToolSpec
 
 MIB = 2**20

@@ -13,7 +13,8 @@ pytest.importorskip("triton", reason="Triton is not installed")
 SCRIPT = r'''
 import torch
 from plugins import topk_sampling
-from pipeline.llm.engine.sampling import SamplingParams, sample, sampling_columns
+from pipeline.llm.engine.params import SamplingParams
+from pipeline.llm.engine.sampling import sample, sampling_columns
 torch.manual_seed(0)
 vocab = 500
 kinds = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),

@@ -15,7 +15,7 @@ from engine_builder import trtllm
 from engine_builder.trtllm.build import build_settings
 from engine_builder.trtllm.checkpoint import write_trtllm_checkpoint
 from engine_builder.trtllm.prompt_table import content_id, prompt_table_input
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.weights.checkpoint import read_config, read_tensors, to_internal
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.demo import demo_model_dir

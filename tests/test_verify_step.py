@@ -5,8 +5,10 @@ prompt chunks in the same forward give each part what its own forward gives."""
 import pytest
 import torch
 
-from pipeline.llm.model import Chunk, KVCache, Prefill, RotaryTables, Rows
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Chunk, Prefill, Rows
+from pipeline.llm.model.rotary import RotaryTables
+from pipeline.llm.model.loading import load_decoder
 
 CONTEXT = 512
 

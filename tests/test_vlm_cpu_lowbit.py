@@ -14,8 +14,10 @@ from test_smolvlm import IMAGES, make_folder  # noqa: E402
 from test_smolvlm_chat import TEMPLATE, TURNS  # noqa: E402
 from engine_builder.build import EngineOptions  # noqa: E402
 from engine_builder.cache import EngineCache  # noqa: E402
-from pipeline.llm.engine.sampling import SamplingParams  # noqa: E402
-from pipeline.llm.model import KVCache, Prefill, RotaryTables  # noqa: E402
+from pipeline.llm.engine.params import SamplingParams  # noqa: E402
+from pipeline.llm.model.kv_cache import KVCache  # noqa: E402
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from studio.startup_report import StartupReport  # noqa: E402
 from studio.vlm import CPU_AUTO, load_vlm  # noqa: E402
 

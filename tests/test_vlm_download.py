@@ -28,7 +28,7 @@ REPO = "HuggingFaceTB/SmolVLM-256M-Instruct"
 ASK = """
 import base64, io, json, sys, numpy as np
 from PIL import Image
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.service.tools import Tool
 from studio import hub_progress
 from studio.compose import build

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, free_port
 from pipeline.errors import UserError
 from pipeline.files import atomic_folder, atomic_write
-from pipeline.llm.loading import load_decoder
+from pipeline.llm.model.loading import load_decoder
 from pipeline.minigpt4.weights import build_demo, load_vision_folder
 from pipeline.sam.model import load_sam
 from pipeline.sam.weights import resolve_sam

@@ -38,7 +38,7 @@ from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.engine.seam import FinishReason, TokenStream
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.prompt import Prompt
 
 FINISH_REASONS = {"END_ID": FinishReason.STOP, "STOP_WORDS": FinishReason.STOP, "LENGTH": FinishReason.LENGTH,

@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pipeline.llm.loading import build_decoder
-from pipeline.llm.model import KVCache, Prefill, RotaryTables
+from pipeline.llm.model.loading import build_decoder
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.weights.checkpoint import layout_of, read_config, read_tensors, to_internal
 
 DECODERS = ("qwen2", "qwen3", "llama")  # model types read this way (the chat engine's transformers families)

@@ -9,7 +9,7 @@ loaders real checkpoints use. Their text is meaningless: the weights are random.
   (`▁` for spaces, `<0xNN>` byte tokens, `<s>`/`</s>`): the Vicuna stand-in for image chat.
 All vocabularies are BPE-trained by `tokenizers` on `assets/demo_corpus.txt` (English, Chinese,
 emoji, code), so multi-byte characters really are split across tokens, as in the real ones.
-Here, above `model.py` rather than in `weights/`: the random weights are a fresh `Decoder`'s.
+Here, above `model/` rather than in `weights/`: the random weights are a fresh `Decoder`'s.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from filelock import FileLock
 
 from pipeline.files import atomic_folder
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.text.tokenizer import (ENDOFTEXT, IM_END, IM_START, QWEN_PAT_STR, QWEN_SPECIALS, byte_level_alphabet,
                                          write_tiktoken_ranks)
 from pipeline.llm.weights.checkpoint import write_checkpoint_files

@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 import torch
 
-from pipeline.llm.model import Decoder, KVCache, Prefill, RotaryTables
+from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Prefill
+from pipeline.llm.model.rotary import RotaryTables
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pipeline.errors import UserError
 from pipeline.llm.engine.seam import ChatEvent, ChatModel, FinishReason, LLMEngine, TokenLogprob, TokenStream
 from pipeline.llm.text.grammar import GrammarVocabulary, json_schema_grammar
 from pipeline.llm.text.prompt import Prompt, PromptFormat, chat_format, fit_prompt
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.streaming import TextStream
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tokenizer import Tokenizer

@@ -21,7 +21,7 @@ import httpx
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.seam import ChatEvent, ChatModel, FinishReason, GenerationStats, TokenLogprob
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ToolCall
 

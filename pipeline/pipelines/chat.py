@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterator, Sequence
 
 from pipeline.llm.engine.seam import ChatEvent, ChatModel
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.structure import Structure
 
 

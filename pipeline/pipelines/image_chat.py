@@ -18,7 +18,7 @@ from pipeline.errors import UserError
 from pipeline.images import content_key
 from pipeline.llm.engine.seam import ChatEvent
 from pipeline.llm.language_model import LanguageModel
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
 from pipeline.minigpt4.engine import VisionEncoder

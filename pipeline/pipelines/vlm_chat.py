@@ -19,11 +19,11 @@ from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.images import content_key
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.engine.seam import ChatEvent
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.text.prompt import Prompt, expand_images
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tokenizer import Tokenizer

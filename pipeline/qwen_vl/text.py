@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.loading import decoder_from
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.loading import decoder_from
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.weights.config import DecoderConfig, config_from_hf
 from pipeline.llm.weights.families import HF_LAYOUT
 from pipeline.weights_io import read_json

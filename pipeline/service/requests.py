@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.llm.engine.seam import GenerationStats, TokenLogprob
-from pipeline.llm.engine.sampling import NEUTRAL, SamplingParams
+from pipeline.llm.engine.params import NEUTRAL, SamplingParams
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ToolCall
 from pipeline.service.tools import Tool

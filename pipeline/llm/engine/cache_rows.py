@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pipeline.llm.model import DecoderConfig, KVCache
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.weights.config import DecoderConfig
 
 BLOCK = 16  # positions per hashed block
 

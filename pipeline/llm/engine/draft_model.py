@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.engine.seam import LLMEngine
 from pipeline.llm.engine.speculation import Ask
 from pipeline.llm.text.prompt import Prompt

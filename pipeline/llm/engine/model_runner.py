@@ -24,7 +24,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT, VerifyCost
-from pipeline.llm.model import Chunk, Decoder, KVCache, Part, Prefill, RotaryTables, Rows
+from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import Chunk, Part, Prefill, Rows
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt
 from plugins import decode_attention, lowbit
 from plugins.cuda_streams import own_stream, release

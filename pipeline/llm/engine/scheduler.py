@@ -24,7 +24,8 @@ from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.seam import TokenStream
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.grammar import Grammar
-from pipeline.llm.engine.sampling import Draws, SamplingParams
+from pipeline.llm.engine.params import SamplingParams
+from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.speculation import DraftState
 
 

@@ -17,15 +17,16 @@ import enum
 import queue
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from torch import Tensor
-
-from pipeline.llm.engine.sampling import SamplingParams
+from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.structure import Structure
 from pipeline.llm.text.tool_calls import ToolCall
+
+if TYPE_CHECKING:  # annotations only: the contract imports no torch
+    from torch import Tensor
 
 
 class FinishReason(enum.StrEnum):

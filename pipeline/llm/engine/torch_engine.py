@@ -35,11 +35,12 @@ from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.seam import FinishReason, TokenStream
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.text.grammar import Grammar
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner, RowsFeed
 from pipeline.llm.engine.outputs import Launched, Outputs
 from pipeline.llm.engine.sampler import Sampler
-from pipeline.llm.engine.sampling import Draws, InvalidSampling, SamplingParams
+from pipeline.llm.engine.params import InvalidSampling, SamplingParams
+from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.scheduler import Request, Scheduler
 from pipeline.llm.engine.proposer import Proposer
 from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation

@@ -7,19 +7,14 @@ its first token; outlines-core needs seconds to build each schema's index and ~2
 
 `GrammarVocabulary` is built once per loaded model from our own tokenizer's byte table, so the same
 code serves HF `tokenizers`, Qwen v1 tiktoken and SentencePiece vocabularies. Each request gets a
-`Grammar` (its own matcher: the row's grammar state in the continuous batch). While the GPU runs a
-step's forward pass, the engine has `fill_masks` compute the constrained rows' masks on the host (in
-parallel threads), uploads them in one asynchronous copy and applies them with `apply_masks` on the
-device: the host never waits for the GPU for it. Rows without a grammar keep their logits as they
-were, and a batch without any grammar row does none of this.
+`Grammar` (its own matcher: the row's grammar state in the continuous batch); the engine turns the rows'
+matchers into token masks (`pipeline.llm.engine.grammar_masks`). Torch-free: the engine's contract names
+`Grammar`, and the HTTP client of `--llm-endpoint` imports that contract.
 """
 
 from __future__ import annotations
 
 import json
-
-import torch
-from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.text.tokenizer import Tokenizer
@@ -71,9 +66,10 @@ class GrammarVocabulary:
         import llguidance
 
         self.vocab_size = vocab_size
-        self._ends = torch.zeros(bitmask_words(vocab_size), dtype=torch.int32)  # only the end ids allowed
+        ends = [0] * bitmask_words(vocab_size)  # a mask that allows only the end ids, as int32 words
         for i in stop_ids:
-            self._ends[i // 32] |= _bit(i % 32)
+            ends[i // 32] |= _bit(i % 32)
+        self._ends = tuple(ends)
         wrapper = _Wrapper(tokenizer, vocab_size, stop_ids)
         self._tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=vocab_size,
                                                  eos_token=sorted(stop_ids))
@@ -106,55 +102,32 @@ def lark_json(schema: dict) -> str:
 
 
 class Grammar:
-    """One request's grammar state: which tokens may come next, advanced by each token drawn."""
+    """One request's grammar state: which tokens may come next (`matcher`, llguidance's), advanced by each token
+    drawn; `ends`: the mask of the end ids alone, as int32 words (what a matcher in error allows)."""
 
-    def __init__(self, matcher, ends: Tensor):
-        self._matcher, self._ends = matcher, ends
+    def __init__(self, matcher, ends: tuple[int, ...]):
+        self.matcher, self.ends = matcher, ends
 
     def consume(self, token: int) -> bool:
         """Advance past the drawn `token` (a stop id ends the grammar); whether it was taken (a stopped
         grammar takes nothing)."""
-        if self._matcher.is_stopped():
+        if self.matcher.is_stopped():
             return False
-        self._matcher.consume_token(token)
+        self.matcher.consume_token(token)
         return True
 
     def allowed_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, in order, the grammar allows from here (a speculative draft is cut there)."""
-        return self._matcher.validate_tokens(tokens) if tokens and not self._matcher.is_stopped() else 0
+        return self.matcher.validate_tokens(tokens) if tokens and not self.matcher.is_stopped() else 0
 
     def rollback(self, tokens: int) -> None:
         """Undo the last `tokens` taken (a draft's, once its masks are made)."""
         if tokens:
-            self._matcher.rollback(tokens)
+            self.matcher.rollback(tokens)
 
     @property
     def error(self) -> str:
-        return self._matcher.get_error() if self._matcher.is_error() else ""
-
-
-_executor = None
-
-
-def fill_masks(grammars: list[Grammar | None], bitmask: Tensor) -> None:
-    """Write each row's allowed next tokens into the host `bitmask` [len(grammars), words] (int32, one
-    bit per token), the rows' grammars computed in parallel: a row without a grammar allows every token;
-    a complete grammar allows only the end ids (a matcher in error ends the reply the same way)."""
-    import llguidance
-    import llguidance.torch
-
-    global _executor
-    jobs = []
-    for row, grammar in enumerate(grammars):
-        if grammar is None:
-            bitmask[row] = -1
-        elif grammar._matcher.is_error():
-            bitmask[row] = grammar._ends
-        else:
-            jobs.append((grammar._matcher, row))
-    if jobs:
-        _executor = _executor or llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(_executor, jobs, bitmask)
+        return self.matcher.get_error() if self.matcher.is_error() else ""
 
 
 def _bit(i: int) -> int:
@@ -164,11 +137,3 @@ def _bit(i: int) -> int:
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
-
-
-def apply_masks(logits: Tensor, bitmask: Tensor) -> Tensor:
-    """`logits` [B, vocab] with the tokens `bitmask` [B, words] (on the logits' device) forbids set to
-    -inf; a row whose bits are all set comes back unchanged."""
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :logits.shape[-1]].bool()
-    return logits.masked_fill(~allowed, float("-inf"))

@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Protocol
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Protocol
 
 from pipeline.errors import UserError
 from pipeline.llm.text.tokenizer import ENDOFTEXT, IM_END, IM_START, Tokenizer
 from pipeline.llm.text.tool_calls import ReActCalls, TaggedCalls, TaggedCallsInMessages
+
+if TYPE_CHECKING:  # annotations only: the contract imports no torch
+    from torch import Tensor
 
 ROLES = ("system", "user", "assistant", "tool")
 

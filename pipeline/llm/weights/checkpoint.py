@@ -3,8 +3,8 @@
 Formats: transformers folders (Qwen2/2.5, Qwen3, LLaMA/Vicuna; safetensors or `.bin`, single or
 sharded with an index) and Qwen v1 folders (Qwen-7B-Chat: `transformer.h.N.attn.c_attn` holds
 q/k/v, `mlp.w1` is up, `mlp.w2` is gate). Every format maps onto the decoder's own names
-(see `model.py`), so one writer per format also gives the Qwen v1 → Qwen2 converter. The tensors
-go into a `Decoder` in `loading.py`, above the decoder: this layer never imports it.
+(see `model/decoder.py`), so one writer per format also gives the Qwen v1 → Qwen2 converter. The tensors
+go into a `Decoder` in `model/loading.py`, above the decoder: this layer never imports it.
 """
 
 from __future__ import annotations

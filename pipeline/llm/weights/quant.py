@@ -42,7 +42,7 @@ from plugins import cpu_lowbit, lowbit, lowbit_tuning
 
 MODES = ("none", "int8", "int4")
 GROUP = lowbit.GROUP  # int4 group size (TensorRT-LLM's and AWQ's usual choice): 1/32 extra bytes of metadata
-QUANTIZED = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # per block, the names in model.py
+QUANTIZED = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # per block, the names in model/decoder.py
 HEAD_MODE = "int8"  # the LM head's, under both modes (see the module docstring)
 BITS = {"int8": 8, "int4": 4}
 

@@ -1,5 +1,5 @@
 """A checkpoint folder's weights in a `Decoder`: `weights/` reads the tensors and renames them to the
-decoder's names, this puts them into one. It sits beside `model.py`, not in `weights/`, so the
+decoder's names, this puts them into one. It sits in the model layer, beside `decoder.py`, not in `weights/`, so the
 weights layer never imports the decoder it is loaded into (text → weights → model → engine).
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.model import Decoder
+from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.weights.checkpoint import (StateDict, layout_of, read_config, read_gguf_as_stored, read_tensors,
                                              take, to_internal)
 from pipeline.llm.weights.config import DecoderConfig

@@ -17,7 +17,9 @@ import psutil
 import torch
 from torch import Tensor, nn
 
-from pipeline.llm.model import ALL, KVCache, Part, Prefill, RotaryTables, Rows
+from pipeline.llm.model.kv_cache import KVCache
+from pipeline.llm.model.parts import ALL, Part, Prefill, Rows
+from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.weights.config import DecoderConfig
 from pipeline.llm.weights.gguf_quants import dequantize
 

@@ -1,0 +1,84 @@
+"""The parts of one engine step, as the decoder reads them: `Rows` (decode and verify), prompt `Chunk`s and a
+`Prefill` (a prompt read eagerly), each placed in the step's flat token list (`spans_of`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """`per_row` tokens for each cache row 0..B-1, row b's at positions starts[b].. with rotary offset
+    offsets[b] (`RotaryTables.offset`): one for a decode step, the last token and the tokens drafted after
+    it for speculative decoding's check (a decode step is a check without drafts). Each query attends in
+    place to its row up to its own position (the decode attention), reading at most the first `kv_len`
+    positions."""
+
+    starts: Tensor
+    offsets: Tensor
+    kv_len: int
+    per_row: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefill:
+    """A prompt's tokens at positions start.. of cache row `row` (`size` of them; 0: all the step's
+    tokens left), read eagerly: its keys are read exactly up to its end, causal attention aligned to
+    the last key (plain causal attention for a fresh prompt, which skips the masked half). Rotary: each
+    token at `offset` + its position, or, given, at its own M-RoPE positions `rope` [3, size]."""
+
+    row: int
+    start: int
+    offset: int = 0
+    size: int = 0
+    rope: Tensor | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """A prompt chunk of `size` tokens (padded to a fixed length) of cache row `row` [1] at positions
+    `start` [1].. with rotary offset `offset` [1], all tensors, attending to the row's first `kv_len`
+    positions (a mask hides those past each query): its shapes stay the same from chunk to chunk, so a
+    CUDA graph replays it."""
+
+    row: Tensor
+    start: Tensor
+    offset: Tensor
+    kv_len: int
+    size: int
+
+
+Part = Rows | Prefill | Chunk
+ALL = slice(None)  # `Decoder.forward`'s outputs: logits at every position
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """A part's place in the step's flat token list, its tokens' positions in the cache and rows of the
+    rotary tables [size]."""
+
+    part: Part
+    begin: int
+    end: int
+    positions: Tensor
+    rotary: Tensor
+
+
+def spans_of(parts: tuple[Part, ...], total: int, device: torch.device) -> list[Span]:
+    spans, begin = [], 0
+    for part in parts:
+        if isinstance(part, Rows):
+            size = part.starts.shape[0] * part.per_row
+            positions = (part.starts[:, None] + torch.arange(part.per_row, device=device)).flatten()
+            offsets = part.offsets[:, None].expand(-1, part.per_row).flatten()
+        else:
+            size = part.size or total - begin
+            positions = part.start + torch.arange(size, device=device)
+            offsets = part.offset
+        spans.append(Span(part, begin, begin + size, positions, positions + offsets))
+        begin += size
+    assert begin == total, f"the parts cover {begin} tokens of {total}"
+    return spans
