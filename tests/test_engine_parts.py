@@ -166,8 +166,8 @@ def test_the_model_runners_steps_continue_its_prefill_like_one_forward_pass(qwen
         assert torch.allclose(chained[1, 0], full[5], atol=1e-4)  # positions one further
         sampler = Sampler(cache, vocab, max_batch=2, device=torch.device("cpu"))
         greedy = [SimpleNamespace(params=SamplingParams(temperature=0, repetition_penalty=1.0), draws=Draws(0),
-                                  bias=None, grammar=None)] * 2
-        drawn, kept, _ = sampler.draw(greedy, chained, 0)
+                                  bias=None, grammar=None, row=row) for row in (0, 1)]
+        drawn, kept, _ = sampler.draw(greedy, chained)
         assert drawn[:, 0].tolist() == [int(full[5].argmax())] * 2 and kept.tolist() == [1, 1]
         assert cache.seen[0, drawn[0, 0]]
 

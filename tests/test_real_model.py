@@ -220,7 +220,7 @@ def test_speculation_keeps_greedy_replies_token_for_token(ours):
         engine = _engine(ours, Speculation(PromptLookup(), CPU, max_draft=most))
         got, stats = replies(engine)
         assert got == plain, most
-        assert engine.verify_steps and engine.accepted_tokens >= 20, engine.status()
+        assert engine.verify_steps and engine.status()["accepted_tokens"] >= 20, engine.status()
         assert stats[0].accepted_tokens > 0 and " · drafts: " in stats[0].summary(engine=True), stats[0].summary()
 
 

@@ -350,3 +350,60 @@ def test_fast_speculation_checks_one_chats_drafts_on_the_batch_kernels(model, mo
     assert status["verify_steps"] > 0 and one_row.count(True) > 0
     prompt_steps = 1  # the prompt's read: a chunk's rows take the batch kernels
     assert one_row.count(False) == prompt_steps + (0 if exact else status["verify_steps"]), (one_row, status)
+
+
+def test_one_plan_one_forward_one_draw_and_one_settlement_for_every_step_kind(model):
+    """A chat that drafts (half its drafts kept: rollbacks) and then no more, a second whose long prompt is read in chunks while
+    the first runs, then decodes without drafts (its drafts miss, so it stops drafting): every step is a
+    `StepPlan` run in one forward, drawn in one call and settled by `Outputs.settle`, whatever it holds, prompt
+    chunks, a prompt's first token, decode rows and verify rows, mixed in one step too. The replies are each
+    prompt's greedy reply alone, without speculation or chunks."""
+    import random
+
+    def words(seed: int, n: int) -> Prompt:  # replies of distinct tokens (a run of one token hides a wrong position)
+        rng = random.Random(seed)
+        return Prompt(tuple(rng.randrange(5, model.config.vocab_size) for _ in range(n)))
+
+    first, second = words(2, 30), words(1, 100)
+    params = SamplingParams(max_new_tokens=30, temperature=0, repetition_penalty=1.0)
+    plain = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=2, prefill_chunk=None)
+    alone = [list(plain.submit(p, params, set())) for p in (first, second)]
+    plain.close()
+
+    engine = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=2, prefill_chunk=16,
+                            speculation=Speculation(FirstRight(first, alone[0][:15]), CPU))  # then no drafts
+    calls = {"forward": 0, "draw": 0}
+    planned: list[set[str]] = []
+    settled: list[set[str]] = []
+
+    def kinds(plan) -> set[str]:
+        return {"chunk" for c in plan.chunks if not c.last} | \
+            {"prompt" if s.last else "verify" if s.draft else "decode" for s in plan.drawing}
+
+    def spy(owner, name: str, log):
+        method = getattr(owner, name)
+
+        def spied(*args, **kwargs):
+            out = method(*args, **kwargs)
+            log(out if name == "plan" else args[0])
+            return out
+
+        setattr(owner, name, spied)
+
+    spy(engine.scheduler, "plan", lambda plan: planned.append(kinds(plan)))
+    spy(engine.runner, "step", lambda _: calls.update(forward=calls["forward"] + 1))
+    spy(engine.sampler, "draw", lambda _: calls.update(draw=calls["draw"] + 1))
+    spy(engine.outputs, "settle", lambda step: settled.append(kinds(step.plan)))
+    streams = [engine.submit(first, params, set())]
+    next(iter(streams[0]))  # the first chat runs before the second joins
+    streams.append(engine.submit(second, params, set()))
+    replies = [list(s) for s in streams]
+    status = engine.status()
+    engine.close()
+    assert [alone[0][0], *replies[0]] == alone[0] and replies[1] == alone[1], (replies, alone)
+    assert set().union(*planned) == {"chunk", "prompt", "decode", "verify"}, planned
+    assert any({"prompt", "decode"} <= step or {"prompt", "verify"} <= step for step in settled), settled  # mixed
+    assert calls["forward"] == calls["draw"] == len(planned), (calls, len(planned))  # every step draws here
+    # every step settled: the last one too, unless its requests had all ended when it was launched
+    assert len(settled) <= calls["draw"] <= len(settled) + 1 and settled == planned[:len(settled)], (settled, planned)
+    assert status["verify_steps"] and 0 < status["accepted_tokens"] < status["drafted_tokens"], status

@@ -1,5 +1,6 @@
-"""Handing a step's tokens to its requests: each token read from the host (a step behind the GPU), the
-grammars advanced, the stop, length and context checks, the stream's statistics, and a request's end.
+"""Handing a step's tokens to its requests (`Outputs.settle`, one routine for every step kind): each token read
+from the host (a step behind the GPU), the grammars advanced, drafts kept or rolled back, the stop, length and
+context checks, the stream's statistics, and a request's end.
 """
 
 from __future__ import annotations
@@ -13,69 +14,95 @@ from torch import Tensor
 
 from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.sampler import logprobs_of
-from pipeline.llm.engine.scheduler import Request, Scheduler
+from pipeline.llm.engine.scheduler import Request, Scheduler, StepPlan
 from pipeline.llm.engine.seam import FinishReason
 
 
 @dataclasses.dataclass
 class Launched:
-    """A launched decode step, or the first draw of a request whose prompt is read: who ran in it, the
-    drawn tokens (on the device and, once `copied` is done, on the host, with their log-probabilities
-    where asked for), and the logits where a request keeps them. `consumed`: its tokens have advanced
-    the requests' grammars."""
+    """A launched step: its plan, the tokens it drew [n, T] and how many of each row's it keeps [n] (on the
+    device and, once `copied` is done, on the host: one copy, [n, T + 1]), their log-probabilities where asked
+    for, and the logits where a request keeps them. `consumed`: its tokens have advanced the grammars."""
 
-    requests: list[Request]
-    drawn: Tensor
+    plan: StepPlan
+    chained: Tensor  # the rows' first drawn tokens, on the device: the next step's inputs where it chains
     logits: Tensor | None
     logprobs: Tensor | None
     copied: tuple[Tensor, "torch.cuda.Event | None"]
     consumed: bool = False
 
+    @property
+    def requests(self) -> list[Request]:
+        return [s.request for s in self.plan.drawing]
+
 
 class Outputs:
-    """`to_host` starts a tensor's copy to the host (`ModelRunner.to_host`)."""
+    """`to_host` starts a tensor's copy to the host (`ModelRunner.to_host`). `drafted`, `accepted`: the drafted
+    tokens checked and kept, over every step settled."""
 
     def __init__(self, scheduler: Scheduler, rows: CacheRows, context: int,
                  to_host: Callable[[Tensor], tuple[Tensor, "torch.cuda.Event | None"]]):
         self.scheduler, self.rows, self.context, self.to_host = scheduler, rows, context, to_host
+        self.drafted = self.accepted = 0
 
-    def launched(self, requests: list[Request], drawn: Tensor, kept: Tensor | None,
-                  logprobs: Tensor | None) -> Launched:
-        """A step whose tokens `drawn` (and log-probabilities) start their way to the host."""
+    def launched(self, plan: StepPlan, drawn: Tensor, kept: Tensor, logits: Tensor | None,
+                 logprobs: Tensor | None) -> Launched:
+        """A step whose tokens `drawn` and counts `kept` (and log-probabilities) start their way to the host."""
         if logprobs is not None:
             logprobs = logprobs.to("cpu", non_blocking=True)  # pinned: ready with the tokens' copy
-        return Launched(requests, drawn, kept, logprobs, self.to_host(drawn))
+        return Launched(plan, drawn[:len(plan.rows), 0], logits, logprobs,
+                        self.to_host(torch.cat([drawn, kept[:, None]], 1)))
 
-    def consume(self, step: Launched) -> None:
-        """Advance the grammars of a step's requests by the tokens it drew (once per step)."""
-        if step.consumed:
-            return
-        step.consumed = True
+    def _host(self, step: Launched) -> tuple[list[list[int]], list[int]]:
+        """The step's drawn tokens and kept counts on the host (waiting for its copy)."""
         host, done = step.copied
         if done is not None:
             done.synchronize()
-        for r, token in zip(step.requests, host.tolist()):
-            if r.grammar is not None and r.row >= 0 and not r.stream.cancelled:
-                r.grammar.consume(token)
+        values = host.tolist()
+        return [v[:-1] for v in values], [v[-1] for v in values]
 
-    def read(self, step: Launched, starting: bool = False) -> None:
-        """Hand out a finished step's tokens to the requests still running (`starting`: their first
-        tokens, with which they join the running ones)."""
+    def consume(self, step: Launched) -> None:
+        """Advance the grammars of a step's requests by the tokens they keep (once per step)."""
+        if step.consumed:
+            return
+        step.consumed = True
+        for s, tokens, kept in zip(step.plan.drawing, *self._host(step)):
+            r = s.request
+            if r.grammar is not None and r.row >= 0 and not r.stream.cancelled:
+                for token in tokens[:kept]:
+                    r.grammar.consume(token)
+
+    def settle(self, step: Launched) -> None:
+        """Hand out a finished step's tokens: the one settlement of every step kind. A prompt read to its end
+        joins the running requests with its first token; a running request keeps its fed tokens in its row
+        and delivers each kept token, its draft kept up to the first token the model would not have drawn
+        (its cache is rolled back by position: the rejected positions are written again later)."""
         self.consume(step)
-        host, _ = step.copied
-        rows = step.logits if step.logits is not None else [None] * len(step.requests)
-        logprobs = step.logprobs if step.logprobs is not None else [None] * len(step.requests)
-        for r, token, row_logits, row_logprobs in zip(step.requests, host.tolist(), rows, logprobs):
-            if r.row < 0:  # finished while this step ran
-                continue
-            if r.stream.cancelled:
-                self.finish(r, r.stream.reason)
-                continue
-            if starting:
-                self.scheduler.promote(r)
-            else:
-                self.rows.append(r.row, r.last_token)
-            self.deliver(r, token, row_logits, row_logprobs)
+        tokens, kept = self._host(step)
+        logits = step.logits if step.logits is not None else [None] * len(kept)
+        logprobs = step.logprobs if step.logprobs is not None else [None] * len(kept)
+        for s, drawn, k, row_logits, row_logprobs in zip(step.plan.drawing, tokens, kept, logits, logprobs):
+            r = s.request
+            if s.draft:
+                r.draws.skip(k - 1)  # the first position's number was taken at the launch
+                r.draft.record(len(s.draft), k - 1)
+                r.stream.stats.drafted_tokens += len(s.draft)
+                r.stream.stats.accepted_tokens += k - 1
+                self.drafted, self.accepted = self.drafted + len(s.draft), self.accepted + k - 1
+                r.position = s.start + k
+            fed = [r.last_token, *s.draft]  # a chained row's last token: the one the step before delivered
+            for j in range(k):
+                if r.row < 0:  # finished while this step ran, or by an earlier token of it
+                    break
+                if r.stream.cancelled:
+                    self.finish(r, r.stream.reason)
+                    break
+                if s.last:
+                    self.scheduler.promote(r)
+                else:
+                    self.rows.append(r.row, fed[j])
+                self.deliver(r, drawn[j], row_logits[j] if row_logits is not None else None,
+                             row_logprobs[j] if row_logprobs is not None else None)
 
     def deliver(self, r: Request, token: int, logits: Tensor | None, logprobs: Tensor | None = None) -> None:
         """Hand `token` to its request, or end the request (a stop id, its length, the context end)."""

@@ -60,11 +60,12 @@ class Sampler:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
-    def draw(self, requests: Sequence[Request], logits: Tensor, first_row: int,
+    def draw(self, requests: Sequence[Request], logits: Tensor,
              drafts: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Every position's token for requests in the consecutive cache rows from `first_row`: `logits`
-        [n, T, vocab] score each request's fed tokens, its last token and the tokens drafted after it
-        (`drafts[i]`, up to T - 1; none in a decode step, T = 1). At each position a row draws its token
+        """Every position's token for a step's drawing requests (the running ones, in cache rows 0..n-1, and
+        the prompts read to their end, in their rows): `logits` [n, T, vocab] score each request's fed tokens,
+        its last token and the tokens drafted after it (`drafts[i]`, up to T - 1; none in a decode step, T = 1;
+        a prompt's last position at 0). At each position a row draws its token
         exactly as a decode step would there if the drafted tokens before it were kept (bias, grammar,
         penalties counting those tokens, its own next uniform number), all positions in one batch; its
         draft stays accepted while the drawn token equals the drafted one. That is the rejection-sampling
@@ -86,7 +87,7 @@ class Sampler:
             host = self._columns_host[self._flip, :len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
             host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
             columns.copy_(host, non_blocking=True)
-        rows = slice(first_row, first_row + n)
+        rows = self._rows([r.row for r in requests])
         seen, counts = self._penalty_state(rows, drafts, positions, counts_penalized(params))
         flat = logits.reshape(n * positions, vocab)
         allowed = _biased([r for r in requests for _ in range(positions)], flat) \
@@ -94,7 +95,7 @@ class Sampler:
         if any(r.grammar is not None for r in requests):
             allowed = apply_masks(allowed, self._masks(requests, drafts, positions))
         drawn = sample(allowed, params, seen, columns, counts).view(n, positions)  # greedy alone reads no columns
-        if positions == 1:  # the state was the rows' own
+        if positions == 1:  # the state was the rows' own (or their copy)
             kept = self._ones_long[:n]
             seen.scatter_(1, drawn, True)
             if counts is not None:
@@ -103,15 +104,27 @@ class Sampler:
             drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
             kept = (drawn == drafted).long().cumprod(1).sum(1) + 1
             taken = torch.arange(positions, device=self.device)[None] < kept[:, None]
-            self.rows.seen[rows].scatter_(1, torch.where(taken, drawn, drawn[:, :1]), True)  # every write True
+            seen, counts = self.rows.seen[rows], self.rows.counts[rows] if counts is not None else None
+            seen.scatter_(1, torch.where(taken, drawn, drawn[:, :1]), True)  # every write True
             if counts is not None:
-                self.rows.counts[rows].scatter_add_(1, drawn, taken.float())
+                counts.scatter_add_(1, drawn, taken.float())
+        if isinstance(rows, Tensor):  # copies of rows apart: written back
+            self.rows.seen.index_copy_(0, rows, seen)
+            if counts is not None:
+                self.rows.counts.index_copy_(0, rows, counts)
         wanted = [r.params.logprobs for r in requests if r.params.logprobs is not None]
         logprobs = _chosen_and_top(flat.float().log_softmax(-1), drawn.view(-1), max(wanted)).view(n, positions, -1) \
             if wanted else None  # log-softmax of the model's own logits, before any setting or grammar, as OpenAI's
         return drawn, kept, logprobs
 
-    def _penalty_state(self, rows: slice, drafts: Sequence[Sequence[int]], positions: int,
+    def _rows(self, rows: list[int]) -> slice | Tensor:
+        """The cache rows drawn for: a slice where they are consecutive (views of the rows' state, written in
+        place), else their indices on the device (copies, written back)."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            return slice(rows[0], rows[0] + len(rows))
+        return self._upload(rows, torch.long)
+
+    def _penalty_state(self, rows: slice | Tensor, drafts: Sequence[Sequence[int]], positions: int,
                        counted: bool) -> tuple[Tensor, Tensor | None]:
         """The repetition mask and reply counts each position draws with: the rows' own (one position), or
         a copy per position (repeat_interleave waits for the GPU) with the drafted tokens before it added."""

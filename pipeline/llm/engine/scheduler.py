@@ -51,6 +51,43 @@ class Request:
     draft: DraftState | None = None  # its speculative drafting, where the engine speculates
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scheduled:
+    """One request's part of a step: `size` tokens fed from cache position `start` on. A running request feeds
+    its last token and the tokens `draft`ed after it (`chained`: the last token is the one the step before drew,
+    still on the device); a request reading its prompt feeds a chunk of it, whose last position is drawn where
+    the chunk ends the prompt (`last`)."""
+
+    request: Request
+    start: int
+    size: int
+    draft: tuple[int, ...] = ()
+    chained: bool = False
+    last: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepPlan:
+    """One engine step as data (vLLM v1's scheduler output): the running requests, in cache rows 0..n-1, each
+    feeding its last token and its draft, and the prompt chunks read beside them, all under one token budget.
+    Every running request's positions and every prompt's last position are drawn (`drawing`), in one draw."""
+
+    rows: tuple[Scheduled, ...]
+    chunks: tuple[Scheduled, ...]
+
+    @property
+    def drawing(self) -> tuple[Scheduled, ...]:
+        return self.rows + tuple(c for c in self.chunks if c.last)
+
+    @property
+    def drafted(self) -> bool:
+        return any(s.draft for s in self.rows)
+
+
 class Scheduler:
     """`step_tokens`: each step's budget while requests run; `lone_tokens`: while none runs. None: no
     budget, a prompt is read whole in one step."""
@@ -100,6 +137,15 @@ class Scheduler:
         self.prefilling.append(request)
         self.most_held = max(self.most_held, len(self.running) + len(self.prefilling))
         return reused
+
+    def plan(self, drafts: list[list[int]] | None, chained: bool) -> StepPlan:
+        """This step: each running request's last token (`chained`: the step before drew it on the device) and
+        its draft (`drafts`, in row order; None: no drafts), and the prompt chunks the budget leaves room for."""
+        drafts = drafts or [[]] * len(self.running)
+        rows = tuple(Scheduled(r, r.position, 1 + len(d), tuple(d), chained) for r, d in zip(self.running, drafts))
+        chunks = tuple(Scheduled(r, r.position, end - r.position, last=end == len(r.sig))
+                       for r, end in self.chunks(sum(map(len, drafts))))
+        return StepPlan(rows, chunks)
 
     def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
         """This step's prompt chunks, as (request, the position its chunk ends at), in row order. The budget:

@@ -8,11 +8,12 @@ what each row holds, found by content through block hashes), the `ModelRunner` (
 tables and CUDA graphs) and the `Sampler` (every draw, with biases, grammar masks, penalties and
 log-probabilities). This module keeps the loop and each request's life.
 
-There is one kind of step (`_step`): under one token budget, every running request feeds its last token
-(and, speculating, the tokens drafted after it: `speculation.py`, asked of the drafter once for all rows),
-and requests reading their prompts feed chunks of them, shared fairly; one forward runs it all and one
-draw keeps each row's tokens. A step without drafts is pipelined: its inputs are the previous step's
-tokens, made on the GPU, and the host reads those tokens while the GPU runs this step. A prompt's last
+There is one kind of step (`_step`), planned as data (`Scheduler.plan` → `StepPlan`): under one token
+budget, every running request feeds its last token (and, speculating, the tokens drafted after it:
+`speculation.py`, asked of the drafter once for all rows), and requests reading their prompts feed chunks of
+them, shared fairly; one forward runs it all, one draw takes every drawn position (a prompt's last one too)
+and one routine settles the step (`Outputs.settle`), a step later: the host reads a step's tokens while the
+GPU runs the next, whose inputs, after a plain step of the same rows, are the tokens drawn on the GPU. A prompt's last
 chunk draws its first token, and the request joins the running ones. Finished or cancelled requests
 leave at once. A row keeps its tokens after a reply, and a new request runs in the idle row holding the
 longest prefix of it, so a conversation's next turn prefills only what is new whoever sends it (the UI,
@@ -28,7 +29,6 @@ import warnings
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
@@ -41,7 +41,7 @@ from pipeline.llm.engine.outputs import Launched, Outputs
 from pipeline.llm.engine.sampler import Sampler
 from pipeline.llm.engine.params import InvalidSampling, SamplingParams
 from pipeline.llm.engine.sampling import Draws
-from pipeline.llm.engine.scheduler import Request, Scheduler
+from pipeline.llm.engine.scheduler import Request, Scheduler, StepPlan
 from pipeline.llm.engine.proposer import Proposer
 from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
 from plugins.cuda_streams import launching
@@ -80,13 +80,11 @@ class TorchLLMEngine:
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
         self.outputs = Outputs(self.scheduler, self.rows, context, self.runner.to_host)
-        self._pending: Launched | None = None  # the decode step in flight, its tokens not yet read
-        self._starting: list[Launched] = []  # first tokens drawn after prompts' last chunks, read a step later
+        self._pending: Launched | None = None  # the step in flight, its tokens not yet settled
         self.speculation = speculation
         self.proposer = Proposer(speculation, context) if speculation is not None else None
         self.steps = self.verify_steps = 0  # decode steps run, verify steps among them (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
-        self.drafted_tokens = self.accepted_tokens = 0  # speculative decoding's drafts checked, and kept
         self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
                             f"{rows} cache rows of {context} tokens"
                             f"{f' · prefill in chunks of {prefill_chunk}' if prefill_chunk else ''}"
@@ -126,7 +124,7 @@ class TorchLLMEngine:
         """What the engine is doing now (for the UI and tests): requests running and queued, and so on."""
         return {**self.scheduler.status(), "decode_steps": self.steps, "prefilled_tokens": self.prefilled_tokens,
                 "reused_tokens": self.reused_tokens, "verify_steps": self.verify_steps,
-                "drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens}
+                "drafted_tokens": self.outputs.drafted, "accepted_tokens": self.outputs.accepted}
 
     def close(self) -> None:
         """Stop the engine thread (queued and running requests end "cancelled") and let go of the model,
@@ -160,7 +158,7 @@ class TorchLLMEngine:
                 for r in [r for r in scheduler.running + scheduler.prefilling if r.stream.cancelled]:
                     self.outputs.finish(r, r.stream.reason)
                 self._guarded(scheduler.running + scheduler.prefilling, self._step)
-            self._pending, self._starting = None, []
+            self._pending = None
             for request in scheduler.drop_all():
                 self.outputs.finish(request, FinishReason.CANCELLED)
 
@@ -206,82 +204,74 @@ class TorchLLMEngine:
         self.reused_tokens += reused
 
     def _step(self) -> None:
-        """One engine step: the drafts (where speculating), the prompt chunks the budget leaves room for,
-        one forward over all of it, the draws; then the first tokens of the prompts the step before
-        finished are read (while the GPU works on this one; first, where nothing decodes), and their
-        requests join the running ones. The host stays at most one step ahead of the GPU."""
-        with launching():  # (the drafts outside: a draft model's engine may be waiting to capture a graph)
-            if self._pending is not None and self._pending.requests != self.scheduler.running:
-                self._drain()  # the batch changed: this step's inputs come from the host
-            starting, self._starting = self._starting, []
-            if not self.scheduler.running:  # no GPU work to overlap: read them now, and they decode in this step
-                for step in starting:
-                    self._guarded(step.requests, self.outputs.read, step, True)
-                starting = []
+        """One engine step: the drafts (where speculating), the plan (`Scheduler.plan`), one forward and one
+        draw over all of it; then the step before is settled while the GPU runs this one. The host stays at most
+        one step ahead of the GPU."""
+        running = self.scheduler.running
+        pending = self._pending
+        with launching():  # a step chains on the one in flight where that was a plain step of the same rows
+            if pending is not None and (pending.plan.drafted or [s.request for s in pending.plan.rows] != running
+                                        or not running):
+                self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
         drafts = self._propose() if self.speculation is not None and self.scheduler.running else None
-        active = list(self.scheduler.running)
-        chunks = self.scheduler.chunks(sum(map(len, drafts)) if drafts else 0)
-        with launching():
-            if active or chunks:
+        plan = self.scheduler.plan(drafts, chained=self._pending is not None)
+        with launching():  # (the drafts outside: a draft model's engine may be waiting to capture a graph)
+            if plan.rows or plan.chunks:
                 try:
-                    self._launch(active, drafts, chunks)
+                    self._launch(plan)
                 except Exception as e:  # noqa: BLE001 - a step that read prompts: theirs end, the running take it again
-                    if not chunks:
+                    if not plan.chunks:
                         raise
-                    self._fail([r for r, _ in chunks], e)
+                    self._fail([s.request for s in plan.chunks], e)
                     self._drain()  # the rows were not advanced: their next step starts from the host
                 self.runner.one_step_ahead()
-            for step in starting:
-                self._guarded(step.requests, self.outputs.read, step, True)
 
     def _offset(self, request: Request, position: int) -> int:
         """The rotary offset of `request`'s tokens from `position` on: its table's, moved by its prompt's
         M-RoPE shift there (0 but for Qwen2.5-VL's pictures)."""
         return self.runner.rope.offset(request.table, request.prompt.shift(position))
 
-    def _launch(self, active: list[Request], drafts: list[list[int]] | None,
-                chunks: list[tuple[Request, int]]) -> None:
-        """Run one step: rows 0..n-1 feed their last token (after the step in flight, chained on the GPU) or,
-        where some drafted, their last token and drafts (padded to a draft size); the chunks are read beside
-        them. A prompt's last chunk draws its first token, read at the next step."""
+    def _launch(self, plan: StepPlan) -> None:
+        """Run `plan` in one forward: rows 0..n-1 feed their last token (chained on the GPU after the step in
+        flight) or their last token and drafts (padded to a draft size); the chunks are read beside them. Every
+        drawn position is drawn in one call, and the step's tokens start their way to the host."""
+        rows, chunks = plan.rows, plan.chunks
         feed = None
-        if active and (drafts is not None or self._pending is None):
-            size = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts or [[]]))) + 1
-            fed = [[r.last_token, *d, *[r.last_token] * (size - 1 - len(d))] for r, d in zip(active, drafts or [[]] * len(active))]
-            feed = RowsFeed(len(active), fed, [r.position for r in active], [self._offset(r, r.position) for r in active],
-                            kv_need=max(r.position for r in active) + size)
-        elif active:
-            feed = RowsFeed(len(active), chained=self._pending.drawn, kv_need=max(r.position for r in active) + 1)
-        reads = [ChunkRead(r.prompt, r.row, r.position, end, self._offset(r, r.position), end == len(r.sig))
-                 for r, end in chunks]
-        logits, firsts = self.runner.step(self.rows.kv, feed, reads, graphed=bool(active))
-        self.steps += bool(active)
-        for r, end in chunks:
-            self.prefilled_tokens += end - r.position
-            r.position = self.rows[r.row].written = end
-        for r, first in zip([r for r, end in chunks if end == len(r.sig)], firsts):
+        if rows and rows[0].chained:
+            feed = RowsFeed(len(rows), chained=self._pending.chained, kv_need=max(s.end for s in rows))
+        elif rows:
+            size = next(k for k in (0, *DRAFT_SIZES) if k >= max(len(s.draft) for s in rows)) + 1
+            fed = [[s.request.last_token, *s.draft, *[s.request.last_token] * (size - s.size)] for s in rows]
+            feed = RowsFeed(len(rows), fed, [s.start for s in rows], [self._offset(s.request, s.start) for s in rows],
+                            kv_need=max(s.start for s in rows) + size)
+        reads = [ChunkRead(s.request.prompt, s.request.row, s.start, s.end, self._offset(s.request, s.start), s.last)
+                 for s in chunks]
+        logits, firsts = self.runner.step(self.rows.kv, feed, reads, graphed=bool(rows))
+        self.steps += bool(rows)
+        self.verify_steps += plan.drafted
+        for s in rows + chunks:  # the positions fed are written (a row's rejected drafts are rolled back at settling)
+            s.request.position = self.rows[s.request.row].written = s.end
+        self.prefilled_tokens += sum(s.size for s in chunks)
+        drawing = plan.drawing
+        if not drawing:  # prompt chunks alone, none of them a prompt's last
+            return
+        for s in drawing[len(rows):]:
+            r = s.request
             self.rows.hold(r.row, r.sig, r.table, r.session)
             self.sampler.start(r)
-            drawn, _, logprobs = self.sampler.draw([r], first[None, None], r.row)
-            r.draws.skip(1)
-            self._starting.append(self.outputs.launched([r], drawn[:, 0], first[None].clone() if r.stream.logits is not None
-                                                 else None, logprobs[:, 0] if logprobs is not None else None))
-        if drafts is not None:
-            self._settle(active, drafts, logits)
-        elif active:
-            for r in active:
-                r.position += 1
-                self.rows[r.row].written = r.position
-            if self._pending is not None and any(r.grammar is not None for r in active):
-                self.outputs.consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
-            kept = logits[:, 0].clone() if any(r.stream.logits is not None for r in active) else None  # graphs reuse theirs
-            drawn, _, logprobs = self.sampler.draw(active, logits, 0)
-            for r in active:
-                r.draws.skip(1)
-            previous, self._pending = self._pending, self.outputs.launched(active, drawn[:, 0], kept,
-                                                                    logprobs[:, 0] if logprobs is not None else None)
-            if previous is not None:
-                self.outputs.read(previous)
+        if firsts:
+            width = logits.shape[1] if logits is not None else 1
+            firsts = torch.stack(firsts)[:, None].expand(-1, width, -1)
+            logits = firsts if logits is None else torch.cat([logits, firsts])
+        if self._pending is not None and any(s.request.grammar is not None for s in rows):
+            self.outputs.consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
+        kept_logits = logits.clone() if any(s.request.stream.logits is not None for s in drawing) else None  # graphs reuse theirs
+        drawn, kept, logprobs = self.sampler.draw([s.request for s in drawing], logits, [s.draft for s in drawing])
+        for s in drawing:
+            s.request.draws.skip(1)
+        previous, self._pending = self._pending, self.outputs.launched(plan, drawn, kept, kept_logits, logprobs)
+        if previous is not None:
+            self.outputs.settle(previous)
 
     def _propose(self) -> list[list[int]] | None:
         """This step's drafts for the running requests (`Proposer`); None where none wants to draft or none
@@ -297,39 +287,9 @@ class TorchLLMEngine:
                 self._drain()
         return self.proposer.drafts(self.scheduler.running, wanted, self.rows)
 
-    def _settle(self, active: list[Request], drafts: list[list[int]], logits: Tensor) -> None:
-        """A step that checked drafts: each row keeps its drafted tokens up to its first rejection plus the
-        token drawn there, and its cache is rolled back by length (positions past the kept ones are written
-        again later). The host waits for the step here."""
-        self.verify_steps += 1
-        kept_logits = logits.clone() if any(r.stream.logits is not None for r in active) else None
-        drawn, kept, logprobs = self.sampler.draw(active, logits, 0, drafts)
-        drawn, kept = drawn.tolist(), kept.tolist()
-        logprobs = logprobs.cpu() if logprobs is not None else None
-        for i, (r, draft) in enumerate(zip(active, drafts)):
-            fed = [r.last_token, *draft]
-            r.draws.skip(kept[i])
-            r.draft.record(len(draft), kept[i] - 1)
-            r.stream.stats.drafted_tokens += len(draft)
-            r.stream.stats.accepted_tokens += kept[i] - 1
-            self.drafted_tokens += len(draft)
-            self.accepted_tokens += kept[i] - 1
-            for j in range(kept[i]):
-                if r.row < 0:  # ended by an earlier token of this step
-                    break
-                if r.stream.cancelled:
-                    self.outputs.finish(r, r.stream.reason)
-                    break
-                if r.grammar is not None:
-                    r.grammar.consume(drawn[i][j])
-                self.rows.append(r.row, fed[j])
-                r.position += 1
-                self.rows[r.row].written = r.position
-                self.outputs.deliver(r, drawn[i][j], kept_logits[i, j] if kept_logits is not None else None,
-                              logprobs[i, j] if logprobs is not None else None)
-
     def _drain(self) -> None:
+        """Settle the step in flight now (waiting for the GPU)."""
         if self._pending is not None:
             step, self._pending = self._pending, None
-            self.outputs.read(step)
+            self.outputs.settle(step)
 
