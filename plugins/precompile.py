@@ -35,8 +35,9 @@ from tqdm.auto import tqdm
 from plugins.decode_attention import decode_attention
 from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
 
-# A speculative verify step of one chat: its last token and k drafted ones, k one of the engine's draft
-# sizes (`pipeline.llm.engine.speculation.DRAFT_SIZES` = 1, 2, 4, 8), as one-row launches (`rows_as_one_row`).
+# A speculative verify step of one chat: its last token and k drafted ones, as one-row launches
+# (`rows_as_one_row`). The draft sizes k are defined here, once: the engine drafts only these
+# (`pipeline.llm.engine.speculation.DRAFT_SIZES`), so these are all the verify kernels it launches.
 VERIFY_ROWS = (2, 3, 5, 9)
 # Representative row counts for the tensor-core kernel: every count in a class compiles to one kernel
 # (the rows are a value, but Triton compiles a multiple of 16 apart): 2–15 and 16 rows (the batch

@@ -7,6 +7,7 @@ engines); a backend adds implementations here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from pathlib import Path
 
@@ -276,7 +277,7 @@ def load_draft(draft_id: str, target_dir: Path, device: str, dtype: torch.dtype,
                                        engines=engines, quant=mode, free_bytes=free_bytes, speculate="off")
 
         on_gpu = engines is not None and device.startswith("cuda")
-        record = engines.cache.root / "kernels" / record_name(draft_id, TunedConfigs.file_name(torch.device(device))) \
+        record = engines.cache.root / "kernels" / record_name("draft", draft_id, TunedConfigs.file_name(torch.device(device))) \
             if on_gpu else None
         draft = fastest_draft(load, draft_modes(device, quant), record, lambda line: tell(f"chat: {line}"))
     except (UserError, torch.cuda.OutOfMemoryError) as e:
@@ -333,11 +334,17 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     # ONNX Runtime's CPU decoder rounds its inputs to int8 per block: a verify step's rows and the decode steps they
     # stand for part at near-ties (so "exact" could not hold), and prompt lookup measured no faster there (SmolLM2)
     onnx_cpu = quant == GGUF and target.type == "cpu"
+    measured_for = f"{model_id} {weights} {speculate} batch {batch} context {context}" + \
+        (f" drafts {draft.model_id} {draft.engine.description}" if draft is not None else "")
+    record = engines.cache.root / "kernels" / record_name(
+        "verify", f"{Path(model_id).name}-{hashlib.sha256(measured_for.encode()).hexdigest()[:12]}",
+        TunedConfigs.file_name(target)) if engines is not None and target.type == "cuda" else None
     speculation = None if speculate == "off" or onnx_cpu else \
-        prompt_lookup(target.type, quant != "none", speculate == "exact")
+        prompt_lookup(target.type, quant != "none", speculate == "exact", record)
     if speculation is not None and draft is not None:  # its cost is its own steps too: measured
         speculation = dataclasses.replace(speculation, drafter=DraftModel(draft.engine, f"the draft model "
-                                                                                       f"{draft.model_id}"), measured=True)
+                                                                                       f"{draft.model_id}"), measured=True,
+                                          record=record)
     engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows, speculation=speculation)
     if target.type == "cuda":
         warm_up(engine, model_id, engines.report.tell if engines is not None else (lambda line: None))

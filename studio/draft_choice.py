@@ -33,10 +33,11 @@ def draft_modes(device: str, quant: str) -> tuple[str, ...]:
     return GPU_MODES if device.startswith("cuda") else (quant,)
 
 
-def record_name(draft_id: str, kernels_file: str) -> str:
-    """The file that keeps the choice for this draft model on this GPU and kernel version (`kernels_file`:
-    the low-bit kernels' tuned-configs file name, which names both)."""
-    return f"draft-{re.sub(r'[^A-Za-z0-9_.-]+', '_', draft_id)}-{kernels_file}"
+def record_name(what: str, name: str, kernels_file: str) -> str:
+    """The file that keeps `what` was measured for `name` on this GPU and kernel version (`kernels_file`: the
+    low-bit kernels' tuned-configs file name, which names both): a draft model's choice of weights, a chat
+    model's verify costs."""
+    return f"{what}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{kernels_file}"
 
 
 def decode_speed(model: LanguageModel) -> float:

@@ -27,7 +27,7 @@ def loader(folder, loads: list[str]):
 
 
 def test_the_draft_model_is_kept_in_the_weights_measured_fastest_and_the_choice_is_reused(qwen2_demo, tmp_path):
-    record = tmp_path / record_name("demo/qwen2-tiny", "lowbit-GPU-v6.json")
+    record = tmp_path / record_name("draft", "demo/qwen2-tiny", "lowbit-GPU-v6.json")
     said: list[str] = []
     loads: list[str] = []
     draft = fastest_draft(loader(qwen2_demo, loads), MODES, record, said.append)

@@ -408,13 +408,15 @@ def test_the_sampling_kernels_draw_the_reference_tokens_at_qwens_vocabulary(monk
     assert differ <= 2, differ
 
 
-def test_speculation_on_gpu_keeps_greedy_replies(studio_cache):
-    """On the GPU (CUDA graphs for the verify steps, the engine measuring them as it starts): prompt lookup and a
-    draft model (the model drafting for itself, through an engine of its own) give plain decoding's
-    greedy tokens, and drafts were checked and kept. fp32, so that a verify step's GEMM and a decode
-    step's GEMV round alike (in bf16 they need not: `bench/RESULTS.md`, issue 32)."""
+def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
+    """On the GPU (CUDA graphs for the verify steps, the engine measuring them as it starts, once: a second
+    engine reads the costs the first recorded and times nothing): prompt lookup and a draft model (the model
+    drafting for itself, through an engine of its own) give plain decoding's greedy tokens, and drafts were
+    checked and kept. fp32, so that a verify step's GEMM and a decode step's GEMV round alike (in bf16 they need
+    not: `bench/RESULTS.md`, issue 32)."""
     from pipeline.llm.engine.draft_model import DraftModel
-    from pipeline.llm.engine.speculation import GPU_FLOAT, PromptLookup, Speculation
+    from pipeline.llm.engine.model_runner import ModelRunner
+    from pipeline.llm.engine.speculation import GPU_FLOAT, PromptLookup, Speculation, read_costs
 
     llm = load_language_model(demo_model_dir("demo/qwen2-tiny", studio_cache), "demo/qwen2-tiny", device="cuda",
                               dtype=torch.float32, max_context=1024)
@@ -432,8 +434,18 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache):
         return got, status
 
     plain, _ = replies(None)
-    lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True))
-    assert lookup == plain and status["drafted_tokens"] > 0, status
+    timed, measure = [], ModelRunner.verify_cost
+    ModelRunner.verify_cost = lambda self, *args, **kwargs: \
+        timed.append(kwargs.get("timed", True)) or measure(self, *args, **kwargs)
+    try:
+        record = tmp_path / "verify.json"
+        lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))
+        assert lookup == plain and status["drafted_tokens"] > 0, status
+        assert timed == [True, True] and set(read_costs(record)) == {1, 4}, (timed, read_costs(record))
+        assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
+        assert timed == [True, True, False, False], timed  # the second engine took the recorded costs
+    finally:
+        ModelRunner.verify_cost = measure
     drafter = TorchLLMEngine(model, 1024, vocab, max_batch=4)
     drafted, status = replies(Speculation(DraftModel(drafter, "itself"), GPU_FLOAT))
     drafter.close()

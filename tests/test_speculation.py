@@ -407,3 +407,16 @@ def test_one_plan_one_forward_one_draw_and_one_settlement_for_every_step_kind(mo
     # every step settled: the last one too, unless its requests had all ended when it was launched
     assert len(settled) <= calls["draw"] <= len(settled) + 1 and settled == planned[:len(settled)], (settled, planned)
     assert status["verify_steps"] and 0 < status["accepted_tokens"] < status["drafted_tokens"], status
+
+
+def test_verify_costs_are_kept_for_the_next_launch_and_a_damaged_record_is_measured_again(tmp_path):
+    from pipeline.llm.engine.speculation import read_costs, write_costs
+
+    record = tmp_path / "kernels" / "verify.json"
+    assert read_costs(record) is None  # a first launch: nothing recorded, measured
+    costs = {1: VerifyCost(0.05, 0.01), 8: VerifyCost(0.2, 0.3)}
+    write_costs(record, costs)
+    assert read_costs(record) == costs
+    for damaged in ("", "{", "[]", '{"1": [0.1]}', '{"x": [0.1, 0.2]}', '{"1": "ab"}'):
+        record.write_text(damaged)
+        assert read_costs(record) is None, damaged

@@ -14,8 +14,9 @@ drafted token accepted with probability a, independently): k maximises the expec
 drafting and tries again with a short draft every `PROBE_EVERY` steps, so a chat where lookup does not
 pay runs as plain decode steps. With several chats the step's cost is the batch's: `batch_cap` cuts every
 row's draft to the length that pays for the batch as a whole, none where none does, so by the cost model a
-batch never runs slower for its drafts. The cost is fixed while the engine runs (measured once when it starts, on
-a GPU: `ModelRunner.verify_cost`), never read from the clock between steps: which steps verify follows
+batch never runs slower for its drafts. The cost is fixed while the engine runs (on a GPU measured once by the
+first launch, `ModelRunner.verify_cost`, and kept for the next ones, `write_costs`), never read from the clock
+between steps: which steps verify follows
 from the tokens alone, the same in every run. A drafter is asked once per step for every row that drafts
 (`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Which token is kept is the sampler's business
 (`Sampler.draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
@@ -25,11 +26,17 @@ tokens, exactly those of plain decoding.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
-MAX_DRAFT = 8  # drafted tokens per step at most (a verify step scores MAX_DRAFT + 1 positions)
-DRAFT_SIZES = (1, 2, 4, 8)  # a step checks one of these many positions past the last token (one CUDA graph each)
+from pipeline.files import atomic_write
+from plugins.precompile import VERIFY_ROWS
+
+# a step checks one of these many positions past the last token (one CUDA graph each; the kernels compile for these)
+DRAFT_SIZES = tuple(rows - 1 for rows in VERIFY_ROWS)
+MAX_DRAFT = DRAFT_SIZES[-1]  # drafted tokens per step at most (a verify step scores MAX_DRAFT + 1 positions)
 PROBE_EVERY = 16  # plain steps before a request whose drafts stopped paying tries a short draft again
 DECAY = 0.8  # weight of the earlier acceptance counts at each new verify
 
@@ -46,6 +53,21 @@ class VerifyCost:
 
     def __call__(self, k: int) -> float:
         return 1.0 + (self.fixed + self.per_token * k if k else 0.0)
+
+
+def read_costs(path: Path) -> dict[int, VerifyCost] | None:
+    """The verify costs recorded in `path` per row count (`write_costs`); None where there is no record, or one
+    this cannot read (then they are measured again)."""
+    try:
+        return {int(rows): VerifyCost(float(fixed), float(per_token))
+                for rows, (fixed, per_token) in json.loads(Path(path).read_text()).items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def write_costs(path: Path, costs: dict[int, VerifyCost]) -> None:
+    """Keep costs measured on this GPU for the next launch, as the kernels' tuned configs are kept."""
+    atomic_write(path, json.dumps({rows: [c.fixed, c.per_token] for rows, c in costs.items()}))
 
 
 GPU_FLOAT = VerifyCost(0.06, 0.007)
@@ -192,7 +214,8 @@ class Speculation:
     drafter: Drafter
     cost: VerifyCost
     max_draft: int = MAX_DRAFT
-    measured: bool = False  # the engine measures the cost once when it starts (`ModelRunner.verify_cost`)
+    measured: bool = False  # the engine measures the cost on its GPU (`ModelRunner.verify_cost`), once: kept in
+    record: Path | None = None  # this file, and read from it by later launches
     exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_verify`)
 
     @property
@@ -200,13 +223,14 @@ class Speculation:
         return f"speculative decoding by {self.drafter.name} (up to {self.max_draft} tokens)"
 
 
-def prompt_lookup(device: str, low_bit: bool, exact: bool = True) -> Speculation:
+def prompt_lookup(device: str, low_bit: bool, exact: bool = True, record: Path | None = None) -> Speculation:
     """Prompt lookup with the verify cost measured for `device`'s kind ("cuda" or "cpu") and weights; on a
-    GPU the engine measures its own steps once as it starts (a CPU's costs were measured once: its tests
-    decide nothing by the clock). `exact`: see `Speculation.exact`."""
+    GPU the engine measures its own steps once and keeps them in `record` (a CPU's costs were measured once:
+    its tests decide nothing by the clock). `exact`: see `Speculation.exact`."""
     if device == "cpu":
         return Speculation(PromptLookup(), CPU, exact=exact)
-    return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True, exact=exact)
+    return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True, exact=exact,
+                       record=record)
 
 
 @dataclasses.dataclass

@@ -43,7 +43,7 @@ from pipeline.llm.engine.params import InvalidSampling, SamplingParams
 from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.scheduler import Request, Scheduler, StepPlan
 from pipeline.llm.engine.proposer import Proposer
-from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation
+from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation, read_costs, write_costs
 from plugins.cuda_streams import launching
 
 LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
@@ -164,12 +164,16 @@ class TorchLLMEngine:
 
     def _measure(self) -> None:
         """Compile and capture every draft size's verify step of one row and of a full batch before a reply
-        needs it, and where the speculation asks for it take their costs measured on this GPU
-        (`ModelRunner.verify_cost`)."""
+        needs it; where the speculation asks for its costs on this GPU, take those recorded by an earlier
+        launch, or measure them (`ModelRunner.verify_cost`) and record them."""
+        spec, counts = self.speculation, sorted({1, self.max_batch})
+        recorded = read_costs(spec.record) if spec.measured and spec.record is not None else None
         with launching():
-            measured = {rows: self.runner.verify_cost(self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
-        if self.speculation.measured:
-            self.proposer.costs = measured
+            measured = {rows: self.runner.verify_cost(self.rows.kv, rows, timed=recorded is None) for rows in counts}
+        if spec.measured:
+            self.proposer.costs = recorded or measured
+            if recorded is None and spec.record is not None:
+                write_costs(spec.record, measured)
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
         """Run `fn`; if it fails, the requests involved end with the error and the engine carries on
