@@ -70,7 +70,8 @@ def main() -> None:
         row_res = {"flash_varlen_us": graphed_us(flash), "flash_error": error(flash())}
         for tile in (32, 64, 128):
             da._TILE_ROWS = tile
-            ours = lambda: da.decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=size, row=row)  # noqa: E731
+            rows = row.expand(size)
+            ours = lambda: da.decode_attention(q, k_cache, v_cache, lengths, kv_len, rows=rows)  # noqa: E731
             row_res[f"ours_tile{tile}_us"] = graphed_us(ours)
             row_res[f"ours_tile{tile}_error"] = error(ours())
             row_res[f"flash_over_ours_tile{tile}"] = round(row_res["flash_varlen_us"] / row_res[f"ours_tile{tile}_us"], 2)

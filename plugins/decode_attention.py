@@ -6,13 +6,14 @@ every padded position of every row (kv_len is rounded up to a multiple of 256 fo
 may copy the grouped KV heads. This reads only each row's valid positions, in place, once for the whole
 GQA group.
 
-`_split_kernel`: one program per (split, row, kv head) scores a contiguous chunk of positions for all q
+`_split_kernel`: one program per (split, row, kv head) scores a contiguous span of positions for all q
 heads of that kv head (the group padded to 16 rows for `tl.dot`) and writes fp32 (max, sum, output)
-partials to a workspace; chunks past the row's length read nothing. `_merge_kernel`: one program per
-(row, q head) merges that head's splits by log-sum-exp. Both grids depend on B and kv_len only, never
-on `lengths`, so a call can be captured in a CUDA graph (after one call outside it, which allocates the
-workspace; workspaces are cached per device and size class and never freed, so graphs keep their
-addresses; calls on one device must not run concurrently on two streams).
+partials to a workspace; splits past the row's length read nothing. `_merge_kernel`: one program per
+(row, q head) merges that head's splits by log-sum-exp. Both grids depend on B and kv_len (the cache's
+size) only, never on `lengths`: the splits share out each row's own length (`_span`), so one CUDA graph
+serves a step at any length and a graph table need not be keyed by it (workspaces are cached per device
+and size class and never freed, so graphs keep their addresses; calls on one device must not run
+concurrently on two streams).
 
 Why two launches: a single launch where the last split program of each (row, kv head) merges the
 partials (found with an atomic counter) was built and was correct on an H100, but that one program
@@ -20,8 +21,9 @@ reads all splits x group x head_dim partials alone, so at batch 1 with 4 kv head
 where the separate merge, spread over B x heads programs, takes 8-15 us (kv_len 4096-16384, Qwen2.5-7B
 shapes; masked SDPA: 17-23 us).
 
-A prompt chunk (`row` given) runs the same two launches, each split program scoring a tile of the chunk's
-queries (all q heads of a kv head) so each key is loaded once per tile: FlashAttention's variable-length
+Prompt tokens (`rows` given: each query's cache row; one request's or several, laid out in runs of
+`tile_queries`) run the same two launches, each split program scoring a tile of a prompt's queries (all q
+heads of a kv head) so each key is loaded once per tile: FlashAttention's variable-length
 kernel, which it replaced, gives one program per (128 queries, head) and reads the earlier keys serially,
 so 7 running chats' step grew from 8.6 to 12.2 ms while an 8th read its 4,000 tokens in chunks of 256
 (H200, 2026-11-27).
@@ -53,30 +55,36 @@ def _use_triton(x: Tensor) -> bool:
 
 
 def decode_attention_reference(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                               out: Tensor | None = None, tokens: int = 1, row: Tensor | None = None) -> Tensor:
+                               out: Tensor | None = None, tokens: int = 1, rows: Tensor | None = None) -> Tensor:
     """q [B, heads, head_dim]; caches [rows, kv_heads, max_seq, head_dim]; query b attends to positions
-    0..lengths[b]-1 of cache row b // tokens (of row `row` [1] when given), within the first kv_len. Math in
-    fp32; returns [B, heads*head_dim]."""
+    0..lengths[b]-1 of cache row b // tokens (of row rows[b] when `rows` [B] is given), within the first kv_len
+    (a length of 0: zeros). Math in fp32; returns [B, heads*head_dim]."""
     batch, heads, dim = q.shape
     group = heads // k_cache.shape[1]
-    rows = row if row is not None else torch.arange(batch // tokens, device=q.device)
-    keys = k_cache[:, :, :kv_len].index_select(0, rows).float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
-    values = v_cache[:, :, :kv_len].index_select(0, rows).float().repeat_interleave(tokens, 0).repeat_interleave(group, 1)
+    if rows is None:
+        rows = torch.arange(batch // tokens, device=q.device).repeat_interleave(tokens)
+    keys = k_cache[:, :, :kv_len].index_select(0, rows).float().repeat_interleave(group, 1)
+    values = v_cache[:, :, :kv_len].index_select(0, rows).float().repeat_interleave(group, 1)
     scores = torch.einsum("bhd,bhnd->bhn", q.float(), keys) / math.sqrt(dim)
     valid = torch.arange(kv_len, device=q.device) < lengths[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    y = torch.einsum("bhn,bhnd->bhd", scores.softmax(-1), values).reshape(batch, heads * dim).to(q.dtype)
+    y = torch.einsum("bhn,bhnd->bhd", scores.softmax(-1).nan_to_num(0.0), values).reshape(batch, heads * dim).to(q.dtype)
     return y if out is None else out.copy_(y)
 
 
 if triton is not None:
+    @triton.jit
+    def _span(length, n_splits, BLOCK_N: tl.constexpr):
+        """Positions per split: the tile's length shared out over the splits, in whole blocks."""
+        return tl.cdiv(tl.cdiv(length, n_splits), BLOCK_N) * BLOCK_N
+
     # The lengths are values, not compiled in, and the merge's lane counts are compiled at the first call:
     # Triton would otherwise compile a kernel again where a length first equals 1 or the splits reach a new
     # power of two (a short context, a verify step's few splits), in the middle of a reply (seen on an H100:
     # 0.2-0.4 s each).
-    @triton.jit(do_not_specialize=["batch", "kv_len", "chunk", "n_splits"])
+    @triton.jit(do_not_specialize=["batch", "kv_len", "n_splits"])
     def _split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, row_ptr, acc_ptr, ml_ptr, stride_qb, stride_qh, stride_kb, stride_kh,
-                      batch, kv_len, chunk, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                      batch, kv_len, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                       PRECISION: tl.constexpr, TOKENS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
                       ROW: tl.constexpr):
@@ -84,7 +92,8 @@ if triton is not None:
         # multiplies bf16 bit patterns as integers; bf16 products are exact in fp32, so the numbers agree).
         # A program scores QUERIES consecutive queries of one cache row (ROWS >= QUERIES x GROUP rows, query
         # qi's head g at row qi * GROUP + g; one query: its group padded to GROUP_PAD rows); ROW: the cache
-        # row is read from row_ptr (a prompt chunk), else it is the first query's // TOKENS.
+        # row is read from row_ptr (prompt tokens: each query's row, the same for a tile's), else it is the first
+        # query's // TOKENS. The splits share out the tile's own positions (`_span`), so the grid depends on no length.
         split, tile_kh = tl.program_id(0), tl.program_id(1)
         tile, kh = tile_kh // KV_HEADS, tile_kh % KV_HEADS
         r, d = tl.arange(0, ROWS), tl.arange(0, DIM)
@@ -93,17 +102,18 @@ if triton is not None:
         real = (qi < QUERIES) & (b < batch)  # rows past the tile's queries pad it for tl.dot: q = 0, never stored
         lengths = tl.minimum(tl.load(len_ptr + b, mask=real, other=0).to(tl.int32), kv_len)
         length = tl.max(lengths, 0)
-        start = split * chunk
-        if start < length:  # chunks past the queries' lengths read nothing
+        span = _span(length, n_splits, BLOCK_N)
+        start = split * span
+        if start < length:  # splits past the queries' lengths read nothing
             q = tl.load(q_ptr + b.to(tl.int64)[:, None] * stride_qb + (kh * GROUP + g)[:, None] * stride_qh + d[None, :],
                         mask=real[:, None], other=0.0)
-            row = tl.load(row_ptr) if ROW else tile * QUERIES // TOKENS
+            row = tl.load(row_ptr + tile * QUERIES) if ROW else tile * QUERIES // TOKENS
             kv_off = row.to(tl.int64) * stride_kb + kh * stride_kh
             # running max of the scores (log2 units); -1e30 for -inf: a row with no position here makes no NaN
             m = tl.full([ROWS], -1e30, tl.float32)
             l = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m)
             acc = tl.zeros([ROWS, DIM], tl.float32)
-            end = tl.minimum(start + chunk, length)
+            end = tl.minimum(start + span, length)
             for n0 in range(start, end, BLOCK_N):
                 n = n0 + tl.arange(0, BLOCK_N)
                 valid = n < end
@@ -124,15 +134,22 @@ if triton is not None:
             tl.store(ml_ptr + 2 * part, m, mask=real)
             tl.store(ml_ptr + 2 * part + 1, l, mask=real)
 
-    @triton.jit(do_not_specialize=["kv_len", "chunk", "n_splits"])
-    def _merge_kernel(len_ptr, out_ptr, acc_ptr, ml_ptr, kv_len, chunk, n_splits, KV_HEADS: tl.constexpr,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, LANES: tl.constexpr):
+    @triton.jit(do_not_specialize=["batch", "kv_len", "n_splits"])
+    def _merge_kernel(len_ptr, out_ptr, acc_ptr, ml_ptr, batch, kv_len, n_splits, KV_HEADS: tl.constexpr,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, LANES: tl.constexpr,
+                      BLOCK_N: tl.constexpr, QUERIES: tl.constexpr, QUERIES_PAD: tl.constexpr):
         # One program per (row, q head): its splits' partials, rows first + s*GROUP_PAD, by log-sum-exp.
         # Lane j keeps its own running state over splits j, j+LANES, .. (independent loads, no reduction
         # in the loop); -1e30 stands for -inf so that an idle lane makes no NaN.
         bh = tl.program_id(0)
         b, h = bh // (KV_HEADS * GROUP), bh % (KV_HEADS * GROUP)
-        n_valid = tl.cdiv(tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len), chunk)  # splits that held positions
+        # the splits that held positions: as the tile's programs shared out its longest query's positions
+        qi = tl.arange(0, QUERIES_PAD)
+        tile_q = b // QUERIES * QUERIES + qi
+        tile_length = tl.max(tl.minimum(tl.load(len_ptr + tile_q, mask=(qi < QUERIES) & (tile_q < batch), other=0)
+                                        .to(tl.int32), kv_len), 0)
+        span = _span(tile_length, n_splits, BLOCK_N)
+        n_valid = tl.cdiv(tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len), tl.maximum(span, 1))
         first = (b * KV_HEADS + h // GROUP) * n_splits * GROUP_PAD + h % GROUP
         lane, d = tl.arange(0, LANES), tl.arange(0, DIM)
         m = tl.full([LANES], -1e30, tl.float32)
@@ -150,7 +167,8 @@ if triton is not None:
             o = o * alpha[:, None] + o_s * beta[:, None]
             m = m_new
         w = tl.math.exp2(m - tl.max(m, 0))
-        o = tl.sum(o * w[:, None], 0) / tl.sum(l * w, 0)
+        total = tl.sum(l * w, 0)
+        o = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)  # a padding query (length 0): zeros
         tl.store(out_ptr + bh.to(tl.int64) * DIM + d, o.to(out_ptr.dtype.element_ty))
 
 
@@ -191,44 +209,47 @@ def _lanes(n_splits: int, dim: int) -> int:
 _merges_compiled: set[tuple] = set()  # (device, dtype, kv heads, group, dim) whose merge kernels are compiled
 
 
-def _chunk(kv_len: int, programs_per_split: int, device: torch.device) -> int:
-    """Positions per split: the largest of 64..1024 (and kv_len) that still gives ~2 programs per SM."""
+def _splits(kv_len: int, programs_per_split: int, device: torch.device) -> int:
+    """The grid's splits: about two programs per SM, each reading at least 64 of `kv_len` positions. A
+    program's positions are its tile's length shared out over them (`_span`), so the grid depends on the cache's
+    size alone, never on the lengths: one CUDA graph serves every length."""
     if device.type == "cuda":
         if device.index not in _sm_counts:
             _sm_counts[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
         target = 2 * _sm_counts[device.index]
     else:
         target = 2 * 132  # the interpreter: as on an H100
-    chunk = 64
-    while chunk < min(kv_len, 1024) and programs_per_split * triton.cdiv(kv_len, 2 * chunk) >= target:
-        chunk *= 2
-    return chunk
+    return max(1, min(triton.cdiv(target, programs_per_split), triton.cdiv(kv_len, 64)))
+
+
+def tile_queries(heads: int, kv_heads: int) -> int:
+    """Prompt tokens a program scores together (`rows`): a caller lays each row's tokens out in runs of this many."""
+    return max(1, _TILE_ROWS // (heads // kv_heads))
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                     out: Tensor | None = None, tokens: int = 1, row: Tensor | None = None,
+                     out: Tensor | None = None, tokens: int = 1, rows: Tensor | None = None,
                      compile_only: bool = False) -> Tensor:
     """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
     the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
-    valid positions of each row, >= 1 and <= kv_len). Returns [B, heads*head_dim] in q's dtype, written
-    into `out` when given. The launches depend on B and kv_len, never on the values in `lengths`.
-    `tokens` > 1: that many queries per cache row, query b reading row b // tokens up to its own
-    length (a verify step's positions, causal among them by their lengths). `row` [1] (a prompt chunk:
-    `tokens` = B): every query reads that cache row, and a program scores `_TILE_ROWS` // group queries
-    at once (each of a decode or verify step's queries has its own program: a verify reads exactly a
-    decode step's sums). `compile_only`: compile the kernels this call needs (in Triton's
-    `AsyncCompileMode`: in the background) and launch nothing; what they compile for depends on the
-    dtypes, heads, head_dim, and `tokens` or else `row` only (a chunk's kernel is the same for any size;
-    every stride is a multiple of 16), so small stand-in tensors compile a model's
-    (`plugins.precompile.attention_calls`)."""
+    valid positions of each row, <= kv_len; 0: a padding query, whose output is zeros). Returns [B, heads*head_dim]
+    in q's dtype, written into `out` when given. The launches depend on B and kv_len, never on the values in
+    `lengths`. `tokens` > 1: that many queries per cache row, query b reading row b // tokens up to its own
+    length (a verify step's positions, causal among them by their lengths). `rows` [B] (prompt tokens, of one
+    request or several): query b reads cache row rows[b], and a program scores `tile_queries` consecutive
+    queries at once, which must share a row (each of a decode or verify step's queries has its own program,
+    whose splits share out its own length: a verify reads exactly a decode step's sums). `compile_only`:
+    compile the kernels this call needs (in Triton's `AsyncCompileMode`: in the background) and launch
+    nothing; what they compile for depends on the dtypes, heads, head_dim, and `tokens` or else `rows` only
+    (prompt tokens' kernel is the same for any count; every stride is a multiple of 16), so small stand-in
+    tensors compile a model's (`plugins.precompile.attention_calls`)."""
     global _failed
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    assert row is None or tokens == batch, "a chunk's queries all read its one row"
     if (not _use_triton(q) or _failed or dim < 16 or dim & (dim - 1) or heads % kv_heads
             or q.dtype not in _TL_DTYPES or q.dtype != k_cache.dtype or q.dtype != v_cache.dtype
             or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
-        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens, row)
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens, rows)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -236,34 +257,34 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     assert out.shape == (batch, heads * dim) and out.dtype == q.dtype and out.is_contiguous(), "bad `out`"
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    queries = max(1, _TILE_ROWS // group) if row is not None else 1
+    queries = tile_queries(heads, kv_heads) if rows is not None else 1
     tile_rows = max(16, triton.next_power_of_2(queries * group))
     tiles = triton.cdiv(batch, queries)
     # a verify step splits as a decode step of its rows: the same sums
-    chunk = _chunk(kv_len, (tiles if row is not None else batch // tokens) * kv_heads, q.device)
-    n_splits = triton.cdiv(kv_len, chunk)
-    rows = batch * kv_heads * n_splits * group_pad
-    partials = _workspace(q.device, rows * (dim + 2))  # each row's output, then its (max, sum)
-    acc, ml = partials[:rows * dim], partials[rows * dim:]
+    n_splits = _splits(kv_len, (tiles if rows is not None else batch // tokens) * kv_heads, q.device)
+    slots = batch * kv_heads * n_splits * group_pad
+    partials = _workspace(q.device, slots * (dim + 2))  # each row's output, then its (max, sum)
+    acc, ml = partials[:slots * dim], partials[slots * dim:]
     dot = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32  # CPU tensors: the interpreter (tests)
-    merge_args = (lengths, out, acc, ml, kv_len, chunk, n_splits)
-    merge_kw = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, num_warps=4)
+    block_n = max(16, min(64, 16384 // (dim * q.element_size())))
+    merge_args = (lengths, out, acc, ml, batch, kv_len, n_splits)
+    merge_kw = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_N=block_n, QUERIES=queries,
+                    QUERIES_PAD=triton.next_power_of_2(queries), num_warps=4)
 
     def launch(kernel, grid):
         return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 
     try:
-        if q.is_cuda and (q.device, q.dtype, kv_heads, group, dim) not in _merges_compiled:
-            _merges_compiled.add((q.device, q.dtype, kv_heads, group, dim))
+        if q.is_cuda and (q.device, q.dtype, kv_heads, group, dim, queries) not in _merges_compiled:
+            _merges_compiled.add((q.device, q.dtype, kv_heads, group, dim, queries))
             for lanes in {_lanes(2 ** i, dim) for i in range(12)}:  # every lane count a length can ask for, now
                 _merge_kernel.warmup(*merge_args, LANES=lanes, grid=(batch * heads,), **merge_kw)
         launch(_split_kernel, (n_splits, tiles * kv_heads))(
-            q, k_cache, v_cache, lengths, lengths if row is None else row, acc, ml, q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), batch, kv_len, chunk, n_splits, math.log2(math.e) / math.sqrt(dim),
-            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim,
-            BLOCK_N=max(16, min(64, 16384 // (dim * q.element_size()))), DOT=dot,
-            PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=1 if row is not None else tokens, QUERIES=queries, ROWS=tile_rows,
-            ROW=row is not None, num_warps=8 if dim * q.element_size() * tile_rows >= 8192 else 4,
+            q, k_cache, v_cache, lengths, lengths if rows is None else rows, acc, ml, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), batch, kv_len, n_splits, math.log2(math.e) / math.sqrt(dim),
+            KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_N=block_n, DOT=dot,
+            PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=1 if rows is not None else tokens, QUERIES=queries,
+            ROWS=tile_rows, ROW=rows is not None, num_warps=8 if dim * q.element_size() * tile_rows >= 8192 else 4,
             num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
         launch(_merge_kernel, (batch * heads,))(*merge_args, LANES=_lanes(n_splits, dim), **merge_kw)
     except Exception as e:  # noqa: BLE001 - a Triton that cannot compile them falls back, once, saying so
@@ -272,5 +293,5 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         _failed = True
         warnings.warn(f"the decode-attention kernels did not compile ({type(e).__name__}: {e}); using the torch "
                       f"reference for them", stacklevel=2)
-        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens, row)
+        return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens, rows)
     return out

@@ -232,28 +232,29 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
 
 
 def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                          tokens: int = 1, row: Tensor | None = None) -> Tensor:
+                          tokens: int = 1, rows: Tensor | None = None) -> Tensor:
     """The reference decode attention: SDPA over each row's cache slice [:kv_len] with the positions past
-    each query's length masked; q [B, heads, head_dim] → [B, heads*head_dim], `tokens` queries per row
-    (of row `row` [1], a prompt chunk's, when given)."""
+    each query's length masked (a length of 0: zeros); q [B, heads, head_dim] → [B, heads*head_dim], `tokens`
+    queries per row, or each query its own row's, rows[b] (prompt tokens), given `rows` [B]."""
     batch, heads, dim = q.shape
-    rows = batch // tokens
-    keys, values = ((c[:rows, :, :kv_len] if row is None else c[:, :, :kv_len].index_select(0, row))
+    tokens = 1 if rows is not None else tokens
+    n = batch // tokens
+    keys, values = ((c[:n, :, :kv_len] if rows is None else c[:, :, :kv_len].index_select(0, rows))
                     for c in (k_cache, v_cache))
-    mask = (torch.arange(kv_len, device=q.device)[None] < lengths[:, None]).view(rows, 1, tokens, kv_len)
-    y = F.scaled_dot_product_attention(q.unflatten(0, (rows, tokens)).transpose(1, 2), keys, values, attn_mask=mask,
+    mask = (torch.arange(kv_len, device=q.device)[None] < lengths[:, None]).view(n, 1, tokens, kv_len)
+    y = F.scaled_dot_product_attention(q.unflatten(0, (n, tokens)).transpose(1, 2), keys, values, attn_mask=mask,
                                        enable_gqa=heads != k_cache.shape[1])
-    return y.transpose(1, 2).reshape(batch, heads * dim)
+    return y.transpose(1, 2).reshape(batch, heads * dim).nan_to_num(0.0)
 
 
 def decode_attention_fused(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                           tokens: int = 1, row: Tensor | None = None) -> Tensor:
+                           tokens: int = 1, rows: Tensor | None = None) -> Tensor:
     """Our Triton kernel where it runs (CUDA); elsewhere SDPA, not the kernel's fp32 einsum reference: on
     the CPU that copies the KV heads out to every query head and made SmolLM2's decode 0.93× transformers'
     (216 µs a layer against SDPA's 65 µs, `bench/real_model.py`)."""
     if q.is_cuda:
-        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens, row=row)
-    return decode_attention_sdpa(q, k_cache, v_cache, lengths, kv_len, tokens, row)
+        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens, rows=rows)
+    return decode_attention_sdpa(q, k_cache, v_cache, lengths, kv_len, tokens, rows)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,15 +75,15 @@ def distinct_shapes(weights: Iterable[LowBitWeight]) -> list[LowBitWeight]:
 def attention_calls(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                     verify: bool) -> list[Callable[[], object]]:
     """Calls that compile the decode-attention kernels a step launches (`plugins.decode_attention`: one
-    query per cache row, a prompt chunk's queries of one row, and `verify`: a verify step's VERIFY_ROWS per
+    query per cache row, prompt tokens (each query its row's), and `verify`: a verify step's VERIFY_ROWS per
     row, with every merge width), from stand-in tensors of a few bytes: those kernels compile for the
-    dtypes, the heads, head_dim and the queries per row (or a chunk's row) only."""
+    dtypes, the heads, head_dim and the queries per row (or prompt tokens' rows) only."""
     def call(tokens: int, chunk: bool = False) -> None:
         q = torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)
         cache = torch.empty(1, kv_heads, 16, head_dim, dtype=dtype, device=device)
         lengths = torch.ones(tokens, dtype=torch.long, device=device)
-        row = torch.zeros(1, dtype=torch.long, device=device) if chunk else None
-        decode_attention(q, cache, cache, lengths, 16, tokens=tokens, row=row, compile_only=True)
+        rows = torch.zeros(tokens, dtype=torch.long, device=device) if chunk else None
+        decode_attention(q, cache, cache, lengths, 16, tokens=tokens, rows=rows, compile_only=True)
 
     return [functools.partial(call, 1, chunk=True)] + \
         [functools.partial(call, tokens) for tokens in (1, *(VERIFY_ROWS if verify else ()))]

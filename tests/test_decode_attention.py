@@ -33,10 +33,12 @@ def test_reference_matches_sdpa_over_each_rows_valid_positions():
 
 
 @pytest.mark.skipif(da.triton is None, reason="Triton is not installed")
-@pytest.mark.parametrize(("kv_len", "batch_kv_heads", "chunk"), [(256, 4, 64), (4096, 4, 64), (32768, 4, 256),
-                                                                 (4096, 128, 1024), (256, 512, 256)])
-def test_split_choice_spreads_over_the_gpu(kv_len, batch_kv_heads, chunk):
-    assert da._chunk(kv_len, batch_kv_heads, torch.device("cpu")) == chunk  # about two programs per SM when it can
+@pytest.mark.parametrize(("kv_len", "batch_kv_heads", "splits"), [(256, 4, 4), (4096, 4, 64), (32768, 4, 66),
+                                                                  (4096, 128, 3), (256, 512, 1)])
+def test_split_choice_spreads_over_the_gpu(kv_len, batch_kv_heads, splits):
+    """About two programs per SM (132 SMs under the interpreter), each with 64 positions at least: by the cache's
+    size alone, so a graph serves every length."""
+    assert da._splits(kv_len, batch_kv_heads, torch.device("cpu")) == splits
 
 
 SCRIPT = r'''
@@ -76,7 +78,8 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
 check(torch.float32, 1e-5, 6, 2, 32, [100, 192, 63], 192)  # a group of 3 (padded to 16)
 da._MERGE_TILE = 0  # the merge takes one split at a time
 check(torch.float32, 1e-5, 8, 2, 16, [64, 1, 192], 192)
-da._chunk = lambda kv_len, programs, device: 128  # splits of two 64-position tiles each
+splits = da._splits
+da._splits = lambda kv_len, programs, device: 2  # two splits: a row of 256 positions in two spans of 128
 check(torch.float32, 1e-5, 8, 2, 16, [128, 129, 5], 256, stale=True)
 check(torch.bfloat16, 1e-2, 8, 2, 32, [256, 70], 256)
 
@@ -94,18 +97,31 @@ assert worst(da.decode_attention(q, k_cache, v_cache, lengths, 256, tokens=3), e
 # a prompt chunk: 40 queries of cache row 2 at positions 100..139, tiles of 16 queries (the last one short),
 # splits of 128 positions (queries up to 128 have none in the second); the reference equals SDPA's causal
 # attention aligned to the last key
-row, lengths = torch.tensor([2]), torch.arange(101, 141)
+rows, lengths = torch.full((40,), 2), torch.arange(101, 141)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
     q, k_cache, v_cache = (t.to(dtype) for t in (torch.randn(40, 8, 16), *(torch.randn(4, 2, 272, 16) for _ in range(2))))
     k_cache[2, :, 140:], v_cache[2, :, 140:] = 100.0, 1e4  # garbage past the chunk's end
-    expected = da.decode_attention_reference(q, k_cache, v_cache, lengths, 256, tokens=40, row=row)
+    expected = da.decode_attention_reference(q, k_cache, v_cache, lengths, 256, rows=rows)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], k_cache[2:3, :, :140].float(), v_cache[2:3, :, :140].float(),
         attn_mask=causal_lower_right(40, 140), enable_gqa=True)
     assert worst(expected, sdpa[0].transpose(0, 1).reshape(40, 128)) < tol
     out = torch.full((40, 128), float("nan"), dtype=dtype)
-    da.decode_attention(q, k_cache, v_cache, lengths, 256, out, tokens=40, row=row)
+    da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows)
     assert not out.isnan().any() and worst(out, expected) < tol, (dtype, worst(out, expected))
+
+# two prompts' tokens in one call, each run starting a tile (of 64 // 4 = 16 queries here), padding queries
+# (length 0: zeros) between and after them: each query as its own prompt's alone (the splits as chosen)
+da._splits = splits
+tile = da.tile_queries(8, 2)
+q, k_cache, v_cache = torch.randn(64, 8, 16), *(torch.randn(4, 2, 272, 16) for _ in range(2))
+rows = torch.tensor([1] * 20 + [1] * (tile - 4) + [3] * 7 + [0] * (64 - 2 * tile - 7))
+lengths = torch.tensor([*range(31, 51)] + [0] * (tile - 4) + [*range(200, 207)] + [0] * (64 - 2 * tile - 7))
+out = torch.full((64, 128), float("nan"))
+da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows)
+for b in range(64):
+    alone = da.decode_attention_reference(q[b:b + 1], k_cache, v_cache, lengths[b:b + 1], 256, rows=rows[b:b + 1])
+    assert worst(out[b:b + 1], alone) < 1e-5 if lengths[b] else not out[b].any(), b
 print("ok")
 '''
 

@@ -354,13 +354,13 @@ def test_a_prompt_chunks_attention_matches_the_reference_at_qwen_7b_heads():
     heads, kv_heads, dim = 28, 4, 128
     k_cache, v_cache = (torch.randn(3, kv_heads, 4096 + 9, dim, device="cuda", dtype=torch.bfloat16, generator=g)
                         for _ in range(2))
-    row = torch.tensor([1], device="cuda")
     for size, start in ((256, 0), (256, 3744), (100, 1000)):
+        rows = torch.ones(size, dtype=torch.long, device="cuda")
         q = torch.randn(size, heads, dim, device="cuda", dtype=torch.bfloat16, generator=g)
         lengths = torch.arange(start + 1, start + size + 1, device="cuda")
         kv_len = 1 << (start + size - 1).bit_length()
-        expected = decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, tokens=size, row=row)
-        got = decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=size, row=row)
+        expected = decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, rows=rows)
+        got = decode_attention(q, k_cache, v_cache, lengths, kv_len, rows=rows)
         assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() <= 4e-3, (size, start)
 
 
@@ -518,3 +518,34 @@ def test_qwen_vl_on_gpu_graphs_gives_transformers_greedy_reply_and_reuses_the_pi
         assert again[-1].stats.cached_tokens > encoded.expansion.slots[0][1]
     finally:
         chat.close()
+
+
+def test_the_graph_table_is_captured_before_ready_and_serves_a_mixed_run(studio_cache):
+    """On the GPU: the engine captures its table of step graphs as it starts (rows × tokens per row × prompt
+    tokens, verify steps included), then a mixed run (a prompt read alone, two joining while the first decodes,
+    their chunks beside its rows, drafts checked) captures nothing and runs no step eagerly for want of a
+    graph; the replies are an eager engine's (fp32)."""
+    from pipeline.llm.engine.speculation import GPU_FLOAT, PromptLookup, Speculation
+
+    llm = load_language_model(demo_model_dir("demo/qwen2-tiny", studio_cache), "demo/qwen2-tiny", device="cuda",
+                              dtype=torch.float32, max_context=1024)
+    model, vocab = llm.engine.model, llm.tokenizer.vocab_size
+    texts = ("the moon and " * 3, "ab cd " * 40, "one two three")
+    prompts = [llm.format.render([{"role": "user", "content": text}]) for text in texts]
+    params = SamplingParams(max_new_tokens=48, temperature=0, repetition_penalty=1.0)
+
+    def run(graphs: bool):
+        engine = TorchLLMEngine(model, 1024, vocab, max_batch=4, prefill_chunk=64, use_cuda_graphs=graphs,
+                                speculation=Speculation(PromptLookup(), GPU_FLOAT, measured=True))
+        first = engine.submit(prompts[0], params, set())
+        next(iter(first))
+        streams = [first, *(engine.submit(p, params, set()) for p in prompts[1:])]
+        replies = [list(s) for s in streams]
+        counts = (engine.runner.captures, len(engine.runner.table_keys(verify=True)), engine.runner.missed)
+        engine.close()
+        return replies, counts
+
+    graphed, (captures, table, missed) = run(True)
+    assert captures == table and missed == 0, (captures, table, missed)
+    assert graphed == run(False)[0]
+    llm.close()

@@ -199,7 +199,7 @@ def test_the_attention_calls_compile_the_split_kernels_a_steps_attention_launche
         for size, start in ((16, 0), (256, 3744)):  # prompt chunks of row 5
             q = torch.empty(size, (heads + 2 * kv_heads) * dim, dtype=dtype)[:, :heads * dim].view(size, heads, dim)
             attention.decode_attention(q, k_cache, v_cache, torch.arange(start + 1, start + size + 1), 4096,
-                                       tokens=size, row=torch.tensor([5]))
+                                       rows=torch.full((size,), 5))
         expected = {n for n in seen if n[0] == "_split_kernel"}
         seen.clear()
         assert issue(attention_calls(heads, kv_heads, dim, dtype, CPU, verify)) == []

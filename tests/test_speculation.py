@@ -420,3 +420,65 @@ def test_verify_costs_are_kept_for_the_next_launch_and_a_damaged_record_is_measu
     for damaged in ("", "{", "[]", '{"1": [0.1]}', '{"x": [0.1, 0.2]}', '{"1": "ab"}'):
         record.write_text(damaged)
         assert read_costs(record) is None, damaged
+
+
+class StandInGraph:
+    """What the runner needs of a captured CUDA graph, on the CPU: inputs copied into buffers of its own, and a
+    replay that runs the step on them (eagerly). Each capture is recorded."""
+
+    captured: list = []
+
+    def __init__(self, fn, *example, pool=None):
+        self.fn, self.inputs = fn, [x.clone() if x is not None else None for x in example]
+        StandInGraph.captured.append(tuple(x.shape if x is not None else None for x in example))
+
+    def replay(self):
+        return self.fn(*self.inputs)
+
+
+def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, monkeypatch):
+    """The CUDA graph table on a CPU stand-in (`StandInGraph`): an engine that speculates captures its table as
+    it starts, then serves a mixed run (a prompt read alone, a second joining while the first decodes, its
+    chunks beside the rows, drafts checked, three chats at once) without capturing a graph or running a step
+    eagerly for want of one: no capture mid-reply. The replies are those of an engine without graphs."""
+    import random
+
+    from pipeline.llm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "CapturedCall", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    rng = random.Random(5)
+    prompts = [Prompt(tuple(rng.randrange(5, model.config.vocab_size) for _ in range(n))) for n in (30, 90, 12)]
+
+    class Repeats(PerRequest):  # drafts the last token again: verify steps, some drafts kept
+        always, name = True, "repeats"
+
+        def index(self):
+            return self
+
+        def close(self) -> None:
+            """Nothing held."""
+
+        def draft(self, history, k: int, last=()) -> list[int]:
+            return [last[-1]] * k
+    params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
+
+    def run(graphs: bool) -> tuple[list[list[int]], TorchLLMEngine]:
+        engine = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=4, prefill_chunk=16,
+                                use_cuda_graphs=graphs, speculation=Speculation(Repeats(), CPU))
+        first = engine.submit(prompts[0], params, set())
+        next(iter(first))
+        streams = [first, *(engine.submit(p, params, set()) for p in prompts[1:])]
+        replies = [list(s) for s in streams]
+        engine.keys = sorted(engine.runner._graphs)
+        engine.close()
+        return replies, engine
+
+    StandInGraph.captured.clear()
+    graphed, engine = run(True)
+    table = len(engine.runner.table_keys(verify=True))
+    assert engine.runner.ready and engine.runner.captures == table == len(StandInGraph.captured), \
+        (engine.keys, engine.runner.table_keys(verify=True))  # all of them as it started, none since
+    assert engine.runner.missed == 0 and engine.status()["verify_steps"] > 0, engine.status()
+    eager, _ = run(False)
+    assert graphed == eager, (graphed, eager)

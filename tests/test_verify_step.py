@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.llm.model.kv_cache import KVCache
-from pipeline.llm.model.parts import Chunk, Prefill, Rows
+from pipeline.llm.model.parts import Prefill, Rows, Tokens
 from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.model.loading import load_decoder
 
@@ -47,11 +47,11 @@ def test_a_verify_step_gives_the_logits_and_cache_of_as_many_decode_steps(model,
         torch.testing.assert_close(cache.v[:, row, :, :n + 5], stepped.v[:, row, :, :n + 5], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["prefill", "chunk"])
+@pytest.mark.parametrize("kind", ["prefill", "tokens"])
 def test_decode_rows_and_a_prompt_chunk_in_one_forward_give_what_their_own_forwards_give(model, kind):
     """Rows 0 and 1 decode while row 2 reads the second chunk of its prompt: the one forward's logits and
-    cache equal a decode step's and the chunk's own forward's (a `Prefill` read eagerly, or a `Chunk` as a
-    CUDA graph replays it, padded, with a mask)."""
+    cache equal a decode step's and the chunk's own forward's (a `Prefill` read eagerly, or `Tokens` as a
+    CUDA graph replays them, each token's place a tensor, padded with tokens that read nothing)."""
     config, rope = model.config, RotaryTables(model.config, CONTEXT + 1, "cpu")
     cache = KVCache(config, 3, CONTEXT + 1, torch.float32, "cpu")
     prompts, reading = [ids(row, n) for row, n in enumerate((20, 290))], ids(7, 40)
@@ -68,9 +68,11 @@ def test_decode_rows_and_a_prompt_chunk_in_one_forward_give_what_their_own_forwa
         rows = Rows(starts, tables, CONTEXT)
         if kind == "prefill":
             part, fed, last = Prefill(2, 25, 0, 15), reading[25:], 2 + 14
-        else:  # padded to 16 positions, its last real one given as a tensor, keys read up to a power of two
-            one = torch.ones(1, dtype=torch.long)
-            part, fed, last = Chunk(2 * one, 25 * one, 0 * one, 64, 16), torch.cat([reading[25:], torch.zeros(1, dtype=torch.long)]), 2 + 14
+        else:  # padded to 16 tokens: the padding one writes the scratch position and reads nothing
+            positions = torch.tensor([*range(25, 40), CONTEXT])
+            lengths = torch.tensor([*range(26, 41), 0])
+            part = Tokens(torch.full((16,), 2), positions, torch.zeros(16, dtype=torch.long), lengths, CONTEXT + 1)
+            fed, last = torch.cat([reading[25:], torch.zeros(1, dtype=torch.long)]), 2 + 14
         both = model(cache, rope, (rows, part), tokens=torch.cat([next_ids, fed])[None],
                      outputs=torch.tensor([0, 1, last]))[0]
     torch.testing.assert_close(both[:2], decoded, rtol=1e-4, atol=1e-4)

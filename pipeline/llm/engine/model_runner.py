@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import time
 from collections.abc import Callable
 
@@ -26,18 +25,18 @@ from pipeline.cuda_graphs import CapturedCall
 from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT, VerifyCost
 from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.model.kv_cache import KVCache
-from pipeline.llm.model.parts import Chunk, Part, Prefill, Rows
+from pipeline.llm.model.parts import Part, Prefill, Rows, Tokens
 from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt
 from plugins import decode_attention, lowbit
 from plugins.cuda_streams import own_stream, release
 
-GRAPH_BUCKET = 256  # the rows' key count is rounded up to this for their graphs
+GRAPH_BUCKET = 256  # eagerly (the CPU), the rows' keys are read up to a multiple of this past the longest row's
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
 # turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 SCRATCH = MAX_DRAFT + 1  # positions past the context that padding rows write: a verify step's T at most
-MAX_GRAPHED_CHUNK = 512  # longer prompt reads (a lone prompt, read whole) run eagerly: a graph per length would not pay
+MAX_GRAPHED_TOKENS = 512  # steps with more prompt tokens (a lone prompt's) run eagerly: the launches are a small share
 
 
 def pow2_at_least(n: int) -> int:
@@ -87,13 +86,15 @@ class ModelRunner:
         positions as one-row launches, rounding as its decode steps do (low-bit weights; greedy replies the
         same as without speculation); else the batch kernels, faster, whose rounding may part a reply from
         the plain one where two tokens are nearly tied."""
-        self.model, self.vocab_size, self.exact_verify = model, vocab_size, exact_verify
+        self.model, self.vocab_size, self.exact_verify, self.max_batch = model, vocab_size, exact_verify, max_batch
+        self.tile = decode_attention.tile_queries(model.config.num_heads, model.config.num_kv_heads)
         self.device = model.norm.weight.device
         self.scratch, self.positions = context, context + SCRATCH
         self.rope = RotaryTables(model.config, self.positions, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[tuple, CapturedCall] = {}
-        self.captures = 0  # graphs captured so far
+        self.captures = self.missed = 0  # graphs captured so far; steps run eagerly for want of one, once ready
+        self.ready = False  # the graph table is captured: no capture from now on
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
         self._state = torch.zeros(max_batch, 3, dtype=torch.long, device=self.device)  # rows' token, position, rotary offset
@@ -121,30 +122,29 @@ class ModelRunner:
         if self._stream is not None:
             release(self._stream)
 
-    def graphable(self, chunk: ChunkRead) -> bool:
-        """A chunk that a captured graph can read: short, no image slot, its padding inside the row."""
-        size = chunk.end - chunk.start
-        return size <= MAX_GRAPHED_CHUNK and chunk.start + pow2_at_least(size) <= self.scratch + 1 \
-            and not chunk.has_slots()
-
     def step(self, cache: KVCache, rows: RowsFeed | None, chunks: list[ChunkRead] = (),
              graphed: bool = True) -> tuple[Tensor | None, list[Tensor]]:
         """One engine step: the rows' logits [n, T, vocab] (None without rows) and the logits [vocab] of each
-        chunk that asks for them. On a GPU, where `graphed` and every chunk is `graphable`, one captured graph
-        per (rows bucket, T, key length, chunk shapes) replays it; the ids go up from pinned memory without
-        waiting for the GPU. Else it runs eagerly, chunks as `Prefill`s (a lone prompt read whole, an image's)."""
-        graphed = graphed and self.use_cuda_graphs and all(map(self.graphable, chunks))
-        rows_in, shape = self._rows_input(rows) if rows is not None else (None, (0, 0, 0, 0))
-        bucket, per_row, need, kv_len = shape
-        specs = tuple(self._chunk_shape(c, graphed) for c in chunks)
-        begins = list(itertools.accumulate((size for size, _, _ in specs), initial=0))  # each chunk's ids in chunk_in
-        ids = [[*c.prompt.ids[c.start:c.end], *[0] * (size - c.end + c.start)] for c, (size, _, _) in zip(chunks, specs)]
-        meta = [[c.row, c.start, c.offset, c.end - c.start - 1] for c in chunks] if graphed else []
+        chunk that asks for them. On a GPU every prompt's text is read the same way, as `Tokens` (one attention
+        path, whatever else runs), and where `graphed` and no chunk holds a picture a graph keyed by the padded
+        rows, tokens per row and prompt tokens alone replays it (`table_keys`: all captured as the engine
+        starts); the ids go up from pinned memory without waiting for the GPU. Else it runs eagerly (a lone
+        prompt, a picture's chunk: a `Prefill`, as every chunk is on the CPU)."""
+        on_gpu = self.device.type == "cuda" or self.use_cuda_graphs
+        text = [c for c in chunks if not c.has_slots()] if on_gpu else []
+        prefills = [c for c in chunks if c not in text]
+        layout = self._layout(text)
+        graphed = graphed and self.use_cuda_graphs and not prefills and len(layout[0]) <= MAX_GRAPHED_TOKENS
+        if graphed and text:
+            layout = self._layout(text, pow2_at_least(max(len(layout[0]), 16)), self.max_batch)
+        ids, places, lasts = layout
+        rows_in, (bucket, per_row, need, kv_len) = self._rows_input(rows, full=on_gpu) if rows is not None \
+            else (None, (0, 0, 0, 0))
+        host = [*ids, *places, *lasts, *(v for c in prefills for v in c.prompt.ids[c.start:c.end])]
         chunk_in = None
-        if chunks:
-            host = torch.tensor([v for part in ids + meta for v in part], dtype=torch.long, pin_memory=self._pinned)
-            chunk_in = host.to(self.device, non_blocking=True)
-        embeds = self._embeds(chunks, rows_in, per_row, chunk_in) if any(c.has_slots() for c in chunks) else None
+        if host:
+            chunk_in = torch.tensor(host, dtype=torch.long, pin_memory=self._pinned).to(self.device, non_blocking=True)
+        size = len(ids)
 
         def forward(rows_in: Tensor | None, chunk_in: Tensor | None) -> Tensor | None:
             parts: list[Part] = []
@@ -153,52 +153,70 @@ class ModelRunner:
                 tokens.append(rows_in[:, :per_row].flatten())
                 parts.append(Rows(rows_in[:, per_row], rows_in[:, per_row + 1], kv_len, per_row))
                 outputs.append(torch.arange(bucket * per_row, device=self.device))
-            offset, at = bucket * per_row, begins[-1]  # the chunks' row, start, offset, last come after their ids
-            for i, (c, (size, chunk_kv, logits)) in enumerate(zip(chunks, specs)):
-                tokens.append(chunk_in[begins[i]:begins[i + 1]])
-                if graphed:
-                    m = chunk_in[at + 4 * i:at + 4 * i + 4]
-                    parts.append(Chunk(m[0:1], m[1:2], m[2:3], chunk_kv, size))
-                    last = offset + m[3:4]
-                else:
-                    parts.append(Prefill(c.row, c.start, c.offset, size, c.rope()))
-                    last = torch.arange(offset + size - 1, offset + size, device=self.device)
-                if logits:
-                    outputs.append(last)
+            offset = bucket * per_row
+            if size:
+                ids_in, places_in = chunk_in[:size], chunk_in[size:5 * size].view(4, size)
+                tokens.append(ids_in)
+                parts.append(Tokens(*places_in, kv_len=self.positions))
+                if lasts:
+                    outputs.append(offset + chunk_in[5 * size:5 * size + len(lasts)])
                 offset += size
+            at = 5 * size + len(lasts)
+            for c in prefills:
+                n = c.end - c.start
+                tokens.append(chunk_in[at:at + n])
+                parts.append(Prefill(c.row, c.start, c.offset, n, c.rope()))
+                if c.logits:
+                    outputs.append(torch.arange(offset + n - 1, offset + n, device=self.device))
+                offset, at = offset + n, at + n
             wanted = torch.cat(outputs) if outputs else None
+            embeds = self._embeds(prefills, torch.cat(tokens), offset - sum(c.end - c.start for c in prefills)) \
+                if any(c.has_slots() for c in prefills) else None
             with sdpa_kernel(PREFILL_ATTENTION), self.scratch_of_this_runner(), \
                     lowbit.rows_as_one_row(bucket == 1 and not chunks and (per_row == 1 or self.exact_verify)):
                 return self.model(cache, self.rope, tuple(parts), tokens=torch.cat(tokens)[None] if embeds is None
                                   else None, embeds=embeds, outputs=wanted)
 
-        key = ("step", bucket, per_row, kv_len, specs)
+        key = ("step", bucket, per_row, size)
         out = self._run(key, forward, rows_in, chunk_in) if graphed else forward(rows_in, chunk_in)
         if out is None:
             return None, []
         out = out[0, :, :self.vocab_size]
         rows_logits = out[:bucket * per_row].view(bucket, per_row, -1)[:rows.n, :need] if rows is not None else None
-        return rows_logits, list(out[bucket * per_row:])
+        firsts = [c for c in chunks if c.logits]
+        return rows_logits, list(out[bucket * per_row:bucket * per_row + len(firsts)])
 
-    def _chunk_shape(self, chunk: ChunkRead, graphed: bool) -> tuple[int, int, bool]:
-        """(tokens it feeds, key length it reads, its logits wanted): graphed, its ids are padded to a power
-        of two and its keys read up to one, so that a graph serves many chunks; eagerly, as they are."""
-        if not graphed:
-            return chunk.end - chunk.start, 0, chunk.logits
-        size = pow2_at_least(chunk.end - chunk.start)
-        return size, min(pow2_at_least(chunk.start + size), self.scratch + 1), chunk.logits
+    def _layout(self, chunks: list[ChunkRead], size: int = 0, lasts: int = 0) -> tuple[list[int], list[int], list[int]]:
+        """The prompt tokens of `chunks` as one `Tokens` part: (ids, then each token's row, position, rotary
+        offset and length, as flat lists, and the index of each chunk's last token where its logits are wanted).
+        Each chunk starts a run of `decode_attention.tile_queries` tokens (a run holds one row's); padding
+        tokens read nothing and write the scratch position; padded to `size` tokens and `lasts` indices
+        (a graph's shapes) where given."""
+        ids: list[int] = []
+        rows, positions, offsets, lengths, last = [], [], [], [], []
+        for c in chunks:
+            n = c.end - c.start
+            pad = -n % self.tile
+            if c.logits:
+                last.append(len(ids) + n - 1)
+            ids += [*c.prompt.ids[c.start:c.end], *[0] * pad]
+            rows += [c.row] * (n + pad)
+            positions += [*range(c.start, c.end), *[self.scratch] * pad]
+            offsets += [c.offset] * (n + pad)
+            lengths += [*range(c.start + 1, c.end + 1), *[0] * pad]
+        pad = max(size - len(ids), 0)
+        ids, rows, positions = ids + [0] * pad, rows + [0] * pad, positions + [self.scratch] * pad
+        offsets, lengths = offsets + [0] * pad, lengths + [0] * pad
+        return ids, [*rows, *positions, *offsets, *lengths], last + [0] * max(lasts - len(last), 0)
 
-    def _rows_input(self, rows: RowsFeed) -> tuple[Tensor, tuple[int, int, int, int]]:
+    def _rows_input(self, rows: RowsFeed, full: bool) -> tuple[Tensor, tuple[int, int, int, int]]:
         """The rows' inputs on the device [bucket, T + 2] (tokens, start, rotary offset; padding rows write the
-        scratch positions), and (bucket, T, the T asked for, key length). A verify step takes a longer
-        draft size whose graph exists rather than capture one (eager runs and a capture cost tens of ms,
-        more than the padding: the extra positions repeat the row's last token and are written again later)."""
+        scratch positions), and (bucket, T, the T asked for, key length: the cache's whole length where `full`,
+        on a GPU, so a step's sums never depend on whether it replays a graph; else rounded up from the longest
+        row's)."""
         n, bucket = rows.n, pow2_at_least(rows.n)
         need = 1 if rows.tokens is None else len(rows.tokens[0])
-
-        def kv_len_for(size: int) -> int:  # padding rows write (and read) scratch positions up to scratch + size - 1
-            return min(-(-(rows.kv_need + size - need) // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + size)
-
+        kv_len = self.positions if full else min(-(-rows.kv_need // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + need)
         if need == 1:
             if rows.chained is not None:
                 self._state[:n, 0].copy_(rows.chained)
@@ -210,24 +228,21 @@ class ModelRunner:
                 host = torch.tensor([[t[0], s, o] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
                                     + [[0, self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
                 self._state[:bucket].copy_(host, non_blocking=True)
-            return self._state[:bucket], (bucket, 1, 1, kv_len_for(1))
-        size = next((k + 1 for k in DRAFT_SIZES if k + 1 >= need and any(
-            key[:4] == ("step", bucket, k + 1, kv_len_for(k + 1)) for key in self._graphs)), need)
-        host = torch.tensor([[*t, *t[-1:] * (size - need), s, o] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
-                            + [[0] * size + [self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
-        return host.to(self.device, non_blocking=True), (bucket, size, need, kv_len_for(size))
+            return self._state[:bucket], (bucket, 1, 1, kv_len)
+        host = torch.tensor([[*t, s, o] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
+                            + [[0] * need + [self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
+        return host.to(self.device, non_blocking=True), (bucket, need, need, kv_len)
 
-    def _embeds(self, chunks: list[ChunkRead], rows_in: Tensor | None, per_row: int, chunk_in: Tensor) -> Tensor:
+    def _embeds(self, chunks: list[ChunkRead], ids: Tensor, offset: int) -> Tensor:
         """The step's input embeddings where a chunk holds an image's slots: the ids' embeddings with the
-        slots' positions replaced by the image's (made on another thread's stream)."""
+        slots' positions replaced by the image's (made on another thread's stream); `chunks` are read from
+        index `offset` of the step's tokens on."""
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.default_stream(self.device))
             for c in chunks:
                 for values in c.prompt.embeds:
                     values.record_stream(self._stream)
-        ids = [chunk_in] if rows_in is None else [rows_in[:, :per_row].flatten(), chunk_in]
-        embeds = self.model.embed(torch.cat(ids)[None])
-        offset = 0 if rows_in is None else rows_in.shape[0] * per_row
+        embeds = self.model.embed(ids[None])
         for c in chunks:
             for (slot, length), values in zip(c.prompt.slots, c.prompt.embeds):
                 lo, hi = max(slot, c.start), min(slot + length, c.end)
@@ -280,9 +295,14 @@ class ModelRunner:
         return VerifyCost(max(mean_e - slope * mean_k, 0.0) + wait, slope)
 
     def _run(self, key: tuple, forward: Callable[..., Tensor | None], *inputs: Tensor | None) -> Tensor | None:
-        """`forward(*inputs)` by replaying the graph captured for `key` (at its first use) with `inputs`
-        copied into its own; its output is the graph's own buffer, reused by the next replay."""
+        """`forward(*inputs)` by replaying the graph captured for `key` with `inputs` copied into its own; its
+        output is the graph's own buffer, reused by the next replay. Graphs are captured as the engine starts
+        (`capture_table`); a step whose key is not in the table after that runs eagerly (`missed` counts them:
+        a capture mid-reply costs tens of ms and the capture gate holds every other engine meanwhile)."""
         if key not in self._graphs:
+            if self.ready:
+                self.missed += 1
+                return forward(*inputs)
             try:
                 self._graphs[key] = CapturedCall(forward, *inputs, pool=self._pool)
             except Exception:
@@ -296,6 +316,35 @@ class ModelRunner:
             if buffer is not None:
                 buffer.copy_(value)
         return graph.replay()
+
+    def table_keys(self, verify: bool) -> list[tuple[int, int, int]]:
+        """(rows, tokens per row, prompt tokens) of every step a graph replays: 1..max_batch rows (powers of two)
+        decoding, with prompt tokens beside them (a joining prompt's chunks, padded to a power of two, up to
+        MAX_GRAPHED_TOKENS) or none, and, `verify`, each draft size's check of them (no prompt reads beside
+        those: the engine drafts only while no prompt is read)."""
+        batches = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch]
+        sizes = [0] + [1 << i for i in range(4, MAX_GRAPHED_TOKENS.bit_length()) if 1 << i >= self.tile]
+        return [(b, 1, c) for b in batches for c in sizes] + \
+            [(b, k + 1, 0) for b in batches for k in (DRAFT_SIZES if verify else ())]
+
+    def capture_table(self, cache: KVCache, verify: bool) -> None:
+        """Capture every step of `table_keys` before the engine serves (on stand-in inputs: the rows write their
+        scratch positions, the prompt tokens the rows' first ones, which hold nothing yet); from then on
+        nothing is captured (`ready`)."""
+        for rows, per_row, size in self.table_keys(verify):
+            feed = RowsFeed(rows, [[0] * per_row] * rows, [self.scratch] * rows, [0] * rows,
+                            kv_need=self.scratch + per_row)
+            self.step(cache, feed, self._stand_in_chunks(size))
+        self.ready = True
+
+    def _stand_in_chunks(self, size: int) -> list[ChunkRead]:
+        """Prompt chunks, each in a row of its own and inside its context, whose tokens lay out to more than half
+        of `size` (so they pad to it; 0: none)."""
+        chunks: list[ChunkRead] = []
+        while size and (laid := len(self._layout(chunks)[0])) <= size // 2 and len(chunks) < self.max_batch:
+            n = min(size // 2 + 1 - laid, self.scratch - 1)
+            chunks.append(ChunkRead(Prompt(tuple(range(1, n + 1))), len(chunks), 0, n, 0, logits=not chunks))
+        return chunks
 
     def one_step_ahead(self) -> None:
         """Mark the step just launched and wait until the one before it has run: the host stays at most one

@@ -143,6 +143,9 @@ class TorchLLMEngine:
         self.runner.enter_thread()
         scheduler = self.scheduler
         with torch.inference_mode():
+            if self.use_cuda_graphs:  # every step's graph before the first request: none is captured mid-reply
+                with launching():
+                    self.runner.capture_table(self.rows.kv, verify=self.speculation is not None)
             if self.speculation is not None and self.device.type == "cuda":
                 try:
                     self._measure()
@@ -217,7 +220,8 @@ class TorchLLMEngine:
             if pending is not None and (pending.plan.drafted or [s.request for s in pending.plan.rows] != running
                                         or not running):
                 self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
-        drafts = self._propose() if self.speculation is not None and self.scheduler.running else None
+        reading = any(r.position < len(r.sig) for r in self.scheduler.prefilling)  # a prompt's chunk rides along
+        drafts = self._propose() if self.speculation is not None and self.scheduler.running and not reading else None
         plan = self.scheduler.plan(drafts, chained=self._pending is not None)
         with launching():  # (the drafts outside: a draft model's engine may be waiting to capture a graph)
             if plan.rows or plan.chunks:

@@ -79,8 +79,8 @@ class Attention(nn.Module):
                 k_cache: Tensor, v_cache: Tensor, span: Span) -> Tensor:
         """One part's attention → [size, q_size]. `Rows`: the decode attention, each query reading its row
         in place up to its own position. `Prefill`: SDPA over the row's keys up to its end, causal aligned
-        to the last key (flash takes it as it is, grouped KV heads included). `Chunk`: the decode attention over
-        its row in place, each query up to its own position (positions given as tensors, so graphable)."""
+        to the last key (flash takes it as it is, grouped KV heads included). `Tokens`: the decode attention, each
+        query over its own row in place up to its own length (places given as tensors, so graphable)."""
         c, part = self.config, span.part
         if isinstance(part, Rows):
             rows, per_row = part.starts.shape[0], part.per_row
@@ -109,10 +109,9 @@ class Attention(nn.Module):
             keys, values = k_cache[part.row:part.row + 1, :, :end], v_cache[part.row:part.row + 1, :, :end]
             y = prefill_attention(q.transpose(1, 2), keys, values, part.start)
             return y[0].transpose(0, 1).reshape(size, c.q_size)
-        k_cache[part.row, :, span.positions] = k[0]
-        v_cache[part.row, :, span.positions] = v[0]
-        return self.kernels.decode_attention(q[0], k_cache, v_cache, span.positions + 1, part.kv_len, tokens=size,
-                                             row=part.row)
+        k_cache[part.rows, :, part.positions] = k[0]
+        v_cache[part.rows, :, part.positions] = v[0]
+        return self.kernels.decode_attention(q[0], k_cache, v_cache, part.lengths, part.kv_len, rows=part.rows)
 
 
 class FeedForward(nn.Module):

@@ -1,5 +1,6 @@
-"""The parts of one engine step, as the decoder reads them: `Rows` (decode and verify), prompt `Chunk`s and a
-`Prefill` (a prompt read eagerly), each placed in the step's flat token list (`spans_of`)."""
+"""The parts of one engine step, as the decoder reads them: `Rows` (decode and verify), prompt `Tokens` (on a GPU)
+and a `Prefill` (a prompt read with SDPA: on the CPU, or a picture's), each placed in the step's flat token list
+(`spans_of`)."""
 
 from __future__ import annotations
 
@@ -38,20 +39,26 @@ class Prefill:
 
 
 @dataclasses.dataclass(frozen=True)
-class Chunk:
-    """A prompt chunk of `size` tokens (padded to a fixed length) of cache row `row` [1] at positions
-    `start` [1].. with rotary offset `offset` [1], all tensors, attending to the row's first `kv_len`
-    positions (a mask hides those past each query): its shapes stay the same from chunk to chunk, so a
-    CUDA graph replays it."""
+class Tokens:
+    """Prompt tokens, of one request or several, each with its own place (tensors [size]): token i goes to
+    cache row `rows[i]` at `positions[i]` with rotary offset `offsets[i]` and attends to the row's first
+    `lengths[i]` positions (its position + 1; 0 for a padding token, which reads nothing and writes a scratch
+    position). Laid out in runs of `tile_queries` tokens of one row each (the attention scores a run
+    together), reading at most `kv_len` positions. Its shapes do not depend on which prompts it holds, so one
+    CUDA graph serves every step of so many tokens."""
 
-    row: Tensor
-    start: Tensor
-    offset: Tensor
+    rows: Tensor
+    positions: Tensor
+    offsets: Tensor
+    lengths: Tensor
     kv_len: int
-    size: int
+
+    @property
+    def size(self) -> int:
+        return self.rows.shape[0]
 
 
-Part = Rows | Prefill | Chunk
+Part = Rows | Prefill | Tokens
 ALL = slice(None)  # `Decoder.forward`'s outputs: logits at every position
 
 
@@ -74,6 +81,8 @@ def spans_of(parts: tuple[Part, ...], total: int, device: torch.device) -> list[
             size = part.starts.shape[0] * part.per_row
             positions = (part.starts[:, None] + torch.arange(part.per_row, device=device)).flatten()
             offsets = part.offsets[:, None].expand(-1, part.per_row).flatten()
+        elif isinstance(part, Tokens):
+            size, positions, offsets = part.size, part.positions, part.offsets
         else:
             size = part.size or total - begin
             positions = part.start + torch.arange(size, device=device)
