@@ -144,13 +144,26 @@ def measured(model, chunk: int | None) -> tuple[dict, list[list[int]]]:
     return numbers, numbers.pop("tokens")
 
 
+def alone(model, chunk: int | None, seed: int = 0) -> list[list[int]]:
+    """The scenario's 8 prompts each read and answered with no other chat running, one after another."""
+    with torch.inference_mode():
+        engine = TorchLLMEngine(model, 8192, model.config.vocab_size, max_batch=8, rows=8, prefill_chunk=chunk)
+        out = [list(engine.submit(Prompt(random_prompt(seed + i, CHAT_PROMPT)), RUNNING, set())) for i in range(CHATS)]
+        out.append(list(engine.submit(Prompt(random_prompt(seed + 100, LONG_PROMPT)), JOINING, set())))
+        engine.close()
+    return out
+
+
+def first_difference(x: list[int], y: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+
+
 def agreement(res: dict, tokens: dict, same: str, matching: str) -> None:
     """Per chunked mode: whether every chat's tokens equal the whole-prompt mode's, and how many do."""
     reference = tokens["whole prompt"]
     for name, _ in MODES[:-1]:
         res[name][same] = tokens[name] == reference
-        res[name][matching] = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
-                               for x, y in zip(tokens[name], reference)]
+        res[name][matching] = [first_difference(x, y) for x, y in zip(tokens[name], reference)]
 
 
 def main() -> None:
@@ -165,6 +178,11 @@ def main() -> None:
     for name, chunk in MODES:
         res[name], tokens[name] = measured(model, chunk)
     agreement(res, tokens, "greedy_tokens_identical_to_whole", "tokens_matching_whole_per_chat")
+    lone = alone(model, MODES[0][1])  # the same prompts with no other chat running: the same greedy replies?
+    res["alone_vs_together"] = {"greedy_identical": lone == tokens[MODES[0][0]],
+                                "tokens_matching_per_chat": [first_difference(x, y) for x, y in
+                                                             zip(lone, tokens[MODES[0][0]])],
+                                "tokens_per_chat": [len(x) for x in lone]}
     res["short_behind_long"] = {name: short_behind_long(model, chunk) for name, chunk in
                                 (("lone chunks of 1024", 128), ("lone chunks of 2048", 256), ("whole prompt", None))}
     report("chunked_prefill", res)
@@ -182,6 +200,9 @@ def main() -> None:
               f"{m['joining_ttft_ms']:8.1f}ms {m['chat_tokens_while_prompt_read']:17d} "
               f"{str(m.get('greedy_tokens_identical_to_whole', '-')):>21s} "
               f"{str(m.get('fp32_4_layers_greedy_identical_to_whole', '-')):>6s}")
+    together = res["alone_vs_together"]
+    print(f"\ngreedy bf16 replies alone = with the other chats ({MODES[0][0]}): {together['greedy_identical']} "
+          f"(tokens matching per chat {together['tokens_matching_per_chat']} of {together['tokens_per_chat']})")
     print(f"\na {SHORT}-token prompt sent while a {LONGEST}-token one is read, nothing else running")
     for name, m in res["short_behind_long"].items():
         print(f"{name:20s} short TTFT {m['short_ttft_ms']:8.1f}ms  long TTFT {m['long_ttft_ms']:8.1f}ms  "

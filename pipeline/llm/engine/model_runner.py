@@ -97,7 +97,7 @@ class ModelRunner:
         self.ready = False  # the graph table is captured: no capture from now on
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
-        self._state = torch.zeros(max_batch, 3, dtype=torch.long, device=self.device)  # rows' token, position, rotary offset
+        self._state = torch.zeros(max_batch, 4, dtype=torch.long, device=self.device)  # rows' token, position, rotary offset, live
         self._ahead: torch.cuda.Event | None = None  # marks the step launched last
         # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
         # benchmark's plain and speculating ones), or a step and a warm-up on two streams, never share them.
@@ -151,7 +151,7 @@ class ModelRunner:
             tokens, outputs = [], []
             if rows_in is not None:
                 tokens.append(rows_in[:, :per_row].flatten())
-                parts.append(Rows(rows_in[:, per_row], rows_in[:, per_row + 1], kv_len, per_row))
+                parts.append(Rows(rows_in[:, per_row], rows_in[:, per_row + 1], kv_len, per_row, rows_in[:, per_row + 2]))
                 outputs.append(torch.arange(bucket * per_row, device=self.device))
             offset = bucket * per_row
             if size:
@@ -210,8 +210,8 @@ class ModelRunner:
         return ids, [*rows, *positions, *offsets, *lengths], last + [0] * max(lasts - len(last), 0)
 
     def _rows_input(self, rows: RowsFeed, full: bool) -> tuple[Tensor, tuple[int, int, int, int]]:
-        """The rows' inputs on the device [bucket, T + 2] (tokens, start, rotary offset; padding rows write the
-        scratch positions), and (bucket, T, the T asked for, key length: the cache's whole length where `full`,
+        """The rows' inputs on the device [bucket, T + 3] (tokens, start, rotary offset, live: padding rows write
+        the scratch positions and read nothing), and (bucket, T, the T asked for, key length: the cache's whole length where `full`,
         on a GPU, so a step's sums never depend on whether it replays a graph; else rounded up from the longest
         row's)."""
         n, bucket = rows.n, pow2_at_least(rows.n)
@@ -225,12 +225,12 @@ class ModelRunner:
                 # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
                 # run): one buffer kept for every step was rewritten while an earlier step's copy still
                 # waited in the stream, and that step ran on the next one's tokens and positions.
-                host = torch.tensor([[t[0], s, o] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
-                                    + [[0, self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
+                host = torch.tensor([[t[0], s, o, 1] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
+                                    + [[0, self.scratch, 0, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
                 self._state[:bucket].copy_(host, non_blocking=True)
             return self._state[:bucket], (bucket, 1, 1, kv_len)
-        host = torch.tensor([[*t, s, o] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
-                            + [[0] * need + [self.scratch, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
+        host = torch.tensor([[*t, s, o, 1] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
+                            + [[0] * need + [self.scratch, 0, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
         return host.to(self.device, non_blocking=True), (bucket, need, need, kv_len)
 
     def _embeds(self, chunks: list[ChunkRead], ids: Tensor, offset: int) -> Tensor:

@@ -96,7 +96,10 @@ class Attention(nn.Module):
                 v_cache[at, :, positions] = v
             if logn is not None:
                 q = q * logn.view(rows, per_row, 1, 1).to(q.dtype)
-            return self.kernels.decode_attention(q.flatten(0, 1), k_cache, v_cache, span.positions + 1, part.kv_len,
+            lengths = span.positions + 1
+            if part.live is not None:  # padding rows read nothing (their scratch position is past the context)
+                lengths = lengths * part.live[:, None].expand(rows, per_row).flatten()
+            return self.kernels.decode_attention(q.flatten(0, 1), k_cache, v_cache, lengths, part.kv_len,
                                                  tokens=per_row)
         size = q.shape[1]
         q, k = self.kernels.rotary(q, cos[None], sin[None]), self.kernels.rotary(k, cos[None], sin[None])

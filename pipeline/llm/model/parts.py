@@ -16,12 +16,13 @@ class Rows:
     offsets[b] (`RotaryTables.offset`): one for a decode step, the last token and the tokens drafted after
     it for speculative decoding's check (a decode step is a check without drafts). Each query attends in
     place to its row up to its own position (the decode attention), reading at most the first `kv_len`
-    positions."""
+    positions; a row whose `live` is 0 (a padding row of a graph's bucket) reads nothing."""
 
     starts: Tensor
     offsets: Tensor
     kv_len: int
     per_row: int = 1
+    live: Tensor | None = None
 
 
 @dataclasses.dataclass(frozen=True)
