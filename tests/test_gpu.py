@@ -443,7 +443,7 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
         assert lookup == plain and status["drafted_tokens"] > 0, status
         assert timed == [True, True] and set(read_costs(record)) == {1, 4}, (timed, read_costs(record))
         assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
-        assert timed == [True, True, False, False], timed  # the second engine took the recorded costs
+        assert timed == [True, True], timed  # the second engine took the recorded costs, timing nothing
     finally:
         ModelRunner.verify_cost = measure
     drafter = TorchLLMEngine(model, 1024, vocab, max_batch=4)

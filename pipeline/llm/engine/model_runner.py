@@ -258,23 +258,20 @@ class ModelRunner:
         with lowbit.using_workspace(self._lowbit_scratch), decode_attention.using_workspaces(self._attention_scratch):
             yield
 
-    def verify_cost(self, cache: KVCache, rows: int = 1, repeats: int = 20, timed: bool = True) -> VerifyCost | None:
+    def verify_cost(self, cache: KVCache, rows: int = 1, repeats: int = 20) -> VerifyCost:
         """What a step of `rows` rows checking k drafted tokens each costs in one-token steps of those rows
-        for this model on this GPU, measured once (every draft size's step compiled and captured on the
-        way, before a reply needs it): steps replayed in the scratch positions, which hold nothing; host work
+        for this model on this GPU, measured once (on the steps of the graph table, where graphs are used):
+        steps replayed in the scratch positions, which hold nothing; host work
         included (a small model on a fast GPU is bound by it, not by its weights). Fixed from then on, so
         which steps verify follows from the tokens alone, never from the clock between steps. Fitted as
         `VerifyCost`, whose fixed part also holds the wait a verify step costs the host: its tokens are settled
         before the next step is launched, where plain steps run one ahead of the host (speculation measured
-        slower than none with 8 chats and on int4's open chat while this wait was left out, H200 2026-11-28).
-        `timed` False: the steps compiled and captured only (their costs were recorded by an earlier launch)."""
+        slower than none with 8 chats and on int4's open chat while this wait was left out, H200 2026-11-28)."""
         def seconds(k: int, settled: bool = False) -> float:
             feed = RowsFeed(rows, [[0] * (k + 1)] * rows, [self.scratch] * rows, [0] * rows,
                             kv_need=self.scratch + k + 1)
             for _ in range(3):  # the capture, and a replay
                 self.step(cache, feed)
-            if not timed:
-                return 1.0
             torch.cuda.synchronize(self.device)
             start = time.perf_counter()
             for _ in range(repeats):
@@ -285,10 +282,8 @@ class ModelRunner:
             return (time.perf_counter() - start) / repeats
 
         plain = seconds(0)
-        extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]  # each draft size's step captured on the way
-        if not timed:
-            return None
         wait = max(seconds(0, settled=True) / plain - 1.0, 0.0)
+        extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]
         mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
         slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
         slope = max(slope, 0.0)

@@ -52,16 +52,13 @@ LONE = 8  # a prompt read with no request running goes in chunks of LONE × pref
 class TorchLLMEngine:
     """Continuous batching over a static KV cache; see the module docstring.
 
-    `max_batch` (a power of two) requests decode together; `rows` cache rows (≥ max_batch) keep
-    idle sessions' turns for reuse. Decode steps replay a CUDA graph per (batch bucket, context
-    bucket) on a GPU and run eagerly on the CPU. `prefill_chunk`: each step's token budget while
-    requests run, shared by their decodes (and drafts) and the prompt chunks of joining ones (128: the
-    running chats' largest gap while an 8th reads 4,000 tokens is 1.65× their step at 7B on an H200, 2.33×
-    with 256, whose extra GEMM rows alone make 1.8×; `bench/chunked_prefill.py`); with none
-    running, prompts are read in chunks LONE times as long, so a prompt that joins then waits for one such
-    chunk, not for a long prompt's whole read (None or 0: a joining prompt is read whole at once, stalling
-    the running requests meanwhile; for comparison).
-    """
+    `max_batch` (a power of two) requests decode together; `rows` cache rows (≥ max_batch) keep idle sessions'
+    turns for reuse. On a GPU steps replay CUDA graphs, all captured as the engine starts (`ModelRunner.
+    table_keys`). `prefill_chunk`: each step's token budget while requests run, shared by their decodes and
+    the prompt chunks of joining ones (128: the running chats' largest gap while an 8th reads 4,000 tokens is
+    1.78× their step at 7B on an H200, 2.3× with 256; `bench/chunked_prefill.py`); with none running, prompts
+    are read in chunks LONE times as long, so a prompt that joins waits for one such chunk, not for a long
+    prompt's whole read (None or 0: a joining prompt is read whole, stalling the others; for comparison)."""
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
                  use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 128,
@@ -166,17 +163,16 @@ class TorchLLMEngine:
                 self.outputs.finish(request, FinishReason.CANCELLED)
 
     def _measure(self) -> None:
-        """Compile and capture every draft size's verify step of one row and of a full batch before a reply
-        needs it; where the speculation asks for its costs on this GPU, take those recorded by an earlier
-        launch, or measure them (`ModelRunner.verify_cost`) and record them."""
-        spec, counts = self.speculation, sorted({1, self.max_batch})
-        recorded = read_costs(spec.record) if spec.measured and spec.record is not None else None
-        with launching():
-            measured = {rows: self.runner.verify_cost(self.rows.kv, rows, timed=recorded is None) for rows in counts}
-        if spec.measured:
-            self.proposer.costs = recorded or measured
-            if recorded is None and spec.record is not None:
-                write_costs(spec.record, measured)
+        """Where the speculation asks for its verify costs on this GPU: those an earlier launch recorded, else
+        measured now (`ModelRunner.verify_cost`, on the steps the graph table holds) and recorded."""
+        spec = self.speculation
+        costs = read_costs(spec.record) if spec.measured and spec.record is not None else None
+        if spec.measured and costs is None:
+            with launching():
+                costs = {rows: self.runner.verify_cost(self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
+            if spec.record is not None:
+                write_costs(spec.record, costs)
+        self.proposer.costs = costs or self.proposer.costs
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
         """Run `fn`; if it fails, the requests involved end with the error and the engine carries on
