@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -33,6 +32,8 @@ def prefill_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Te
     if start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)
     if q.device.type != "cpu":
+        from torch.nn.attention.bias import causal_lower_right  # here: it imports torch._dynamo, 1.8 s of a launch
+
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(q.shape[2], keys.shape[2]),
                                               enable_gqa=gqa)
     seen, seen_lse = _flash_cpu(q, keys[:, :, :start], values[:, :, :start])

@@ -241,3 +241,15 @@ def test_the_engines_contract_and_the_remote_client_import_no_torch():
             "import pipeline.llm.engine.seam, pipeline.llm.engine.params, pipeline.llm.remote\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_launch_does_not_import_torchs_compiler():
+    """torch._dynamo (torch.compile's front end) takes about 1.8 s to import and no launch runs it: the app's
+    modules load without it (it came in through `torch.nn.attention.bias`, which a picture's prefill imports
+    when it first runs)."""
+    import subprocess
+    import sys
+
+    code = "import sys, launch\nprint(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-2000:])
