@@ -439,13 +439,16 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
         timed.append(kwargs.get("timed", True)) or measure(self, *args, **kwargs)
     try:
         record = tmp_path / "verify.json"
-        lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))
-        assert lookup == plain and status["drafted_tokens"] > 0, status
+        assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
         assert timed == [True, True] and set(read_costs(record)) == {1, 4}, (timed, read_costs(record))
         assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
         assert timed == [True, True], timed  # the second engine took the recorded costs, timing nothing
     finally:
         ModelRunner.verify_cost = measure
+    # whether drafts pay at costs measured by the clock depends on this machine's speed (a tiny model on a fast GPU
+    # is bound by its host); at the prior costs they do, and the replies stay plain decoding's
+    lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT))
+    assert lookup == plain and status["drafted_tokens"] > 0, status
     drafter = TorchLLMEngine(model, 1024, vocab, max_batch=4)
     drafted, status = replies(Speculation(DraftModel(drafter, "itself"), GPU_FLOAT))
     drafter.close()
