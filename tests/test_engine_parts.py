@@ -18,7 +18,8 @@ from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner, RowsFeed
 from pipeline.llm.engine.sampler import Sampler
 from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.engine.sampling import Draws
-from pipeline.llm.engine.scheduler import Request, Scheduler
+from pipeline.llm.engine.plan import Request
+from pipeline.llm.engine.scheduler import Scheduler
 from pipeline.llm.text.prompt import Prompt
 
 CONFIG = DecoderConfig("qwen2", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,

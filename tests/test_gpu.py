@@ -415,7 +415,7 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
     checked and kept. fp32, so that a verify step's GEMM and a decode step's GEMV round alike (in bf16 they need
     not: `bench/RESULTS.md`, issue 32)."""
     from pipeline.llm.engine.draft_model import DraftModel
-    from pipeline.llm.engine.model_runner import ModelRunner
+    from pipeline.llm.engine import torch_engine
     from pipeline.llm.engine.speculation import GPU_FLOAT, PromptLookup, Speculation, read_costs
 
     llm = load_language_model(demo_model_dir("demo/qwen2-tiny", studio_cache), "demo/qwen2-tiny", device="cuda",
@@ -434,9 +434,8 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
         return got, status
 
     plain, _ = replies(None)
-    timed, measure = [], ModelRunner.verify_cost
-    ModelRunner.verify_cost = lambda self, *args, **kwargs: \
-        timed.append(kwargs.get("timed", True)) or measure(self, *args, **kwargs)
+    timed, measure = [], torch_engine.verify_cost
+    torch_engine.verify_cost = lambda *args, **kwargs: timed.append(True) or measure(*args, **kwargs)
     try:
         record = tmp_path / "verify.json"
         assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
@@ -444,7 +443,7 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
         assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
         assert timed == [True, True], timed  # the second engine took the recorded costs, timing nothing
     finally:
-        ModelRunner.verify_cost = measure
+        torch_engine.verify_cost = measure
     # whether drafts pay at costs measured by the clock depends on this machine's speed (a tiny model on a fast GPU
     # is bound by its host); at the prior costs they do, and the replies stay plain decoding's
     lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT))
@@ -544,7 +543,7 @@ def test_the_graph_table_is_captured_before_ready_and_serves_a_mixed_run(studio_
         next(iter(first))
         streams = [first, *(engine.submit(p, params, set()) for p in prompts[1:])]
         replies = [list(s) for s in streams]
-        counts = (engine.runner.captures, len(engine.runner.table_keys(verify=True)), engine.runner.missed)
+        counts = (engine.runner.captures, len(engine.runner.table_keys()), engine.runner.missed)
         engine.close()
         return replies, counts
 

@@ -476,9 +476,9 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
 
     StandInGraph.captured.clear()
     graphed, engine = run(True)
-    table = len(engine.runner.table_keys(verify=True))
+    table = len(engine.runner.table_keys())
     assert engine.runner.ready and engine.runner.captures == table == len(StandInGraph.captured), \
-        (engine.keys, engine.runner.table_keys(verify=True))  # all of them as it started, none since
+        (engine.keys, engine.runner.table_keys())  # all of them as it started, none since
     assert engine.runner.missed == 0 and engine.status()["verify_steps"] > 0, engine.status()
     eager, _ = run(False)
     assert graphed == eager, (graphed, eager)

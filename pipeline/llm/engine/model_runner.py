@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeline.cuda_graphs import CapturedCall
-from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_DRAFT, VerifyCost
 from pipeline.llm.model.decoder import Decoder
 from pipeline.llm.model.kv_cache import KVCache
 from pipeline.llm.model.parts import Part, Prefill, Rows, Tokens
@@ -35,7 +33,6 @@ GRAPH_BUCKET = 256  # eagerly (the CPU), the rows' keys are read up to a multipl
 # Prefill attention without cuDNN's kernel: it plans once per shape (~60 ms on an H100), and every
 # turn of a conversation is a new shape (bench/sdpa_first_call.py); flash / memory-efficient plan nothing.
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-SCRATCH = MAX_DRAFT + 1  # positions past the context that padding rows write: a verify step's T at most
 MAX_GRAPHED_TOKENS = 512  # steps with more prompt tokens (a lone prompt's) run eagerly: the launches are a small share
 
 
@@ -80,16 +77,18 @@ class RowsFeed:
 
 class ModelRunner:
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int,
-                 use_cuda_graphs: bool | None = None, exact_verify: bool = True):
-        """`context` positions per row, plus SCRATCH positions that padding rows of a bucketed step write
-        (`positions` in all: the cache rows' length). `exact_verify`: one chat's verify step runs its
-        positions as one-row launches, rounding as its decode steps do (low-bit weights; greedy replies the
-        same as without speculation); else the batch kernels, faster, whose rounding may part a reply from
-        the plain one where two tokens are nearly tied."""
-        self.model, self.vocab_size, self.exact_verify, self.max_batch = model, vocab_size, exact_verify, max_batch
+                 use_cuda_graphs: bool | None = None, widths: Sequence[int] = (1,), exact_rows: bool = True):
+        """`widths`: how many tokens a row may feed in a step (1, and more where the engine checks drafts:
+        it pads to one of these); `context` positions per row, plus as many positions past it as the widest
+        (`positions` in all: the cache rows' length) that padding rows of a bucketed step write. `exact_rows`:
+        one row feeding several tokens runs them as one-row launches, rounding as its one-token steps do
+        (low-bit weights: greedy replies the same with drafts as without); else the batch kernels, faster,
+        whose rounding may part a reply from the plain one where two tokens are nearly tied."""
+        self.model, self.vocab_size, self.exact_rows, self.max_batch = model, vocab_size, exact_rows, max_batch
+        self.widths = tuple(sorted(set(widths) | {1}))
         self.tile = decode_attention.tile_queries(model.config.num_heads, model.config.num_kv_heads)
         self.device = model.norm.weight.device
-        self.scratch, self.positions = context, context + SCRATCH
+        self.scratch, self.positions = context, context + self.widths[-1]
         self.rope = RotaryTables(model.config, self.positions, self.device)
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[tuple, CapturedCall] = {}
@@ -173,7 +172,7 @@ class ModelRunner:
             embeds = self._embeds(prefills, torch.cat(tokens), offset - sum(c.end - c.start for c in prefills)) \
                 if any(c.has_slots() for c in prefills) else None
             with sdpa_kernel(PREFILL_ATTENTION), self.scratch_of_this_runner(), \
-                    lowbit.rows_as_one_row(bucket == 1 and not chunks and (per_row == 1 or self.exact_verify)):
+                    lowbit.rows_as_one_row(bucket == 1 and not chunks and (per_row == 1 or self.exact_rows)):
                 return self.model(cache, self.rope, tuple(parts), tokens=torch.cat(tokens)[None] if embeds is None
                                   else None, embeds=embeds, outputs=wanted)
 
@@ -258,37 +257,6 @@ class ModelRunner:
         with lowbit.using_workspace(self._lowbit_scratch), decode_attention.using_workspaces(self._attention_scratch):
             yield
 
-    def verify_cost(self, cache: KVCache, rows: int = 1, repeats: int = 20) -> VerifyCost:
-        """What a step of `rows` rows checking k drafted tokens each costs in one-token steps of those rows
-        for this model on this GPU, measured once (on the steps of the graph table, where graphs are used):
-        steps replayed in the scratch positions, which hold nothing; host work
-        included (a small model on a fast GPU is bound by it, not by its weights). Fixed from then on, so
-        which steps verify follows from the tokens alone, never from the clock between steps. Fitted as
-        `VerifyCost`, whose fixed part also holds the wait a verify step costs the host: its tokens are settled
-        before the next step is launched, where plain steps run one ahead of the host (speculation measured
-        slower than none with 8 chats and on int4's open chat while this wait was left out, H200 2026-11-28)."""
-        def seconds(k: int, settled: bool = False) -> float:
-            feed = RowsFeed(rows, [[0] * (k + 1)] * rows, [self.scratch] * rows, [0] * rows,
-                            kv_need=self.scratch + k + 1)
-            for _ in range(3):  # the capture, and a replay
-                self.step(cache, feed)
-            torch.cuda.synchronize(self.device)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                logits, _ = self.step(cache, feed)
-                if settled:  # as a verify step is: its tokens read before the next launch
-                    logits[:, 0, :1].cpu()
-            torch.cuda.synchronize(self.device)
-            return (time.perf_counter() - start) / repeats
-
-        plain = seconds(0)
-        wait = max(seconds(0, settled=True) / plain - 1.0, 0.0)
-        extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]
-        mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
-        slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
-        slope = max(slope, 0.0)
-        return VerifyCost(max(mean_e - slope * mean_k, 0.0) + wait, slope)
-
     def _run(self, key: tuple, forward: Callable[..., Tensor | None], *inputs: Tensor | None) -> Tensor | None:
         """`forward(*inputs)` by replaying the graph captured for `key` with `inputs` copied into its own; its
         output is the graph's own buffer, reused by the next replay. Graphs are captured as the engine starts
@@ -312,21 +280,21 @@ class ModelRunner:
                 buffer.copy_(value)
         return graph.replay()
 
-    def table_keys(self, verify: bool) -> list[tuple[int, int, int]]:
+    def table_keys(self) -> list[tuple[int, int, int]]:
         """(rows, tokens per row, prompt tokens) of every step a graph replays: 1..max_batch rows (powers of two)
-        decoding, with prompt tokens beside them (a joining prompt's chunks, padded to a power of two, up to
-        MAX_GRAPHED_TOKENS) or none, and, `verify`, each draft size's check of them (no prompt reads beside
-        those: the engine drafts only while no prompt is read)."""
+        feeding one token each, with prompt tokens beside them (a joining prompt's chunks, padded to a power of
+        two, up to MAX_GRAPHED_TOKENS) or none, and feeding each wider width alone (no prompt is read beside
+        those: the engine drafts only while none is)."""
         batches = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch]
         sizes = [0] + [1 << i for i in range(4, MAX_GRAPHED_TOKENS.bit_length()) if 1 << i >= self.tile]
         return [(b, 1, c) for b in batches for c in sizes] + \
-            [(b, k + 1, 0) for b in batches for k in (DRAFT_SIZES if verify else ())]
+            [(b, width, 0) for b in batches for width in self.widths[1:]]
 
-    def capture_table(self, cache: KVCache, verify: bool) -> None:
+    def capture_table(self, cache: KVCache) -> None:
         """Capture every step of `table_keys` before the engine serves (on stand-in inputs: the rows write their
         scratch positions, the prompt tokens the rows' first ones, which hold nothing yet); from then on
         nothing is captured (`ready`)."""
-        for rows, per_row, size in self.table_keys(verify):
+        for rows, per_row, size in self.table_keys():
             feed = RowsFeed(rows, [[0] * per_row] * rows, [self.scratch] * rows, [0] * rows,
                             kv_need=self.scratch + per_row)
             self.step(cache, feed, self._stand_in_chunks(size))

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.sampler import logprobs_of
-from pipeline.llm.engine.scheduler import Request, Scheduler, StepPlan
+from pipeline.llm.engine.plan import Request, StepPlan
+from pipeline.llm.engine.scheduler import Scheduler
 from pipeline.llm.engine.seam import FinishReason
 
 

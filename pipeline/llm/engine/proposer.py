@@ -5,11 +5,16 @@ for all of them, so a draft model's engine drafts them as one batch instead of o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+import torch
+
 from pipeline.llm.engine.cache_rows import CacheRows
-from pipeline.llm.engine.scheduler import Request
-from pipeline.llm.engine.speculation import Ask, Speculation, VerifyCost, batch_cap
+from pipeline.llm.engine.model_runner import ModelRunner, RowsFeed
+from pipeline.llm.engine.plan import Request
+from pipeline.llm.engine.speculation import DRAFT_SIZES, Ask, DraftState, Speculation, VerifyCost, batch_cap
+from pipeline.llm.model.kv_cache import KVCache
 
 
 class Proposer:
@@ -21,6 +26,15 @@ class Proposer:
     def __init__(self, speculation: Speculation, context: int):
         self.speculation, self.context = speculation, context
         self.costs: dict[int, VerifyCost] = {1: speculation.cost}
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """How many tokens a running request may feed in a step: its last token, and a draft of a draft size."""
+        return 1, *(k + 1 for k in DRAFT_SIZES)
+
+    def state(self) -> DraftState:
+        """A new request's drafting state (its drafter's own, and its acceptance so far)."""
+        return DraftState(self.speculation.drafter.index())
 
     def cost_for(self, rows: int) -> VerifyCost:
         """The cost measured for the fewest rows at least `rows` (the most measured, past them)."""
@@ -68,3 +82,35 @@ class Proposer:
             draft = draft[:ends[0] if ends else len(draft)]
             return draft[:r.grammar.allowed_prefix(draft)]
         return draft[:ends[0] + 1] if ends else draft
+
+
+def verify_cost(runner: ModelRunner, cache: KVCache, rows: int = 1, repeats: int = 20) -> VerifyCost:
+    """What a step of `rows` rows checking k drafted tokens each costs in one-token steps of those rows
+    for this model on this GPU, measured once (on the steps of the runner's graph table, where graphs are
+    used): steps replayed in the scratch positions, which hold nothing; host work included (a small model on
+    a fast GPU is bound by it, not by its weights). Fixed from then on, so which steps verify follows from the
+    tokens alone, never from the clock between steps. Fitted as `VerifyCost`, whose fixed part also holds the
+    wait a verify step costs the host: its tokens are settled before the next step is launched, where plain
+    steps run one ahead of the host (speculation measured slower than none with 8 chats and on int4's open
+    chat while this wait was left out, H200 2026-11-28)."""
+    def seconds(k: int, settled: bool = False) -> float:
+        feed = RowsFeed(rows, [[0] * (k + 1)] * rows, [runner.scratch] * rows, [0] * rows,
+                        kv_need=runner.scratch + k + 1)
+        for _ in range(3):  # a first run, and a replay
+            runner.step(cache, feed)
+        torch.cuda.synchronize(runner.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            logits, _ = runner.step(cache, feed)
+            if settled:  # as a verify step is: its tokens read before the next launch
+                logits[:, 0, :1].cpu()
+        torch.cuda.synchronize(runner.device)
+        return (time.perf_counter() - start) / repeats
+
+    plain = seconds(0)
+    wait = max(seconds(0, settled=True) / plain - 1.0, 0.0)
+    extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]
+    mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
+    slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
+    slope = max(slope, 0.0)
+    return VerifyCost(max(mean_e - slope * mean_k, 0.0) + wait, slope)

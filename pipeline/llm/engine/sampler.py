@@ -21,7 +21,7 @@ from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.grammar_masks import apply_masks, fill_masks
 from pipeline.llm.text.grammar import bitmask_words
 from pipeline.llm.engine.sampling import COLUMNS, counts_penalized, sample, sampling_columns
-from pipeline.llm.engine.scheduler import Request
+from pipeline.llm.engine.plan import Request
 from pipeline.llm.engine.speculation import MAX_DRAFT
 
 

@@ -14,87 +14,24 @@ thread may add a request.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-
-from torch import Tensor
+from collections.abc import Callable
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
-from pipeline.llm.engine.seam import TokenStream
-from pipeline.llm.text.prompt import Prompt
-from pipeline.llm.text.grammar import Grammar
-from pipeline.llm.engine.params import SamplingParams
-from pipeline.llm.engine.sampling import Draws
-from pipeline.llm.engine.speculation import DraftState
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """A request inside the engine: what was asked, where it runs, and its next input."""
-
-    prompt: Prompt
-    params: SamplingParams
-    stop_ids: set[int]
-    session: str | None
-    stream: TokenStream
-    draws: Draws
-    submitted: float
-    grammar: Grammar | None = None  # the tokens it may draw (structured output)
-    bias: Tensor | None = None  # its logit_bias as one row over the vocabulary, on the device (made at its start)
-    sig: list = dataclasses.field(default_factory=list)  # its prompt's signature (set when it is placed)
-    row: int = -1
-    position: int = 0  # where the next fed token (while reading its prompt: the next chunk) goes in the cache
-    table: int = 0  # rotary table (Qwen v1 dynamic NTK)
-    last_token: int = 0
-    first_token_at: float = 0.0
-    draft: DraftState | None = None  # its speculative drafting, where the engine speculates
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Scheduled:
-    """One request's part of a step: `size` tokens fed from cache position `start` on. A running request feeds
-    its last token and the tokens `draft`ed after it (`chained`: the last token is the one the step before drew,
-    still on the device); a request reading its prompt feeds a chunk of it, whose last position is drawn where
-    the chunk ends the prompt (`last`)."""
-
-    request: Request
-    start: int
-    size: int
-    draft: tuple[int, ...] = ()
-    chained: bool = False
-    last: bool = False
-
-    @property
-    def end(self) -> int:
-        return self.start + self.size
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class StepPlan:
-    """One engine step as data (vLLM v1's scheduler output): the running requests, in cache rows 0..n-1, each
-    feeding its last token and its draft, and the prompt chunks read beside them, all under one token budget.
-    Every running request's positions and every prompt's last position are drawn (`drawing`), in one draw."""
-
-    rows: tuple[Scheduled, ...]
-    chunks: tuple[Scheduled, ...]
-
-    @property
-    def drawing(self) -> tuple[Scheduled, ...]:
-        return self.rows + tuple(c for c in self.chunks if c.last)
-
-    @property
-    def drafted(self) -> bool:
-        return any(s.draft for s in self.rows)
+from pipeline.llm.engine.plan import Request, Scheduled, StepPlan
+from pipeline.llm.engine.proposer import Proposer
+from pipeline.llm.engine.speculation import DRAFT_SIZES
 
 
 class Scheduler:
     """`step_tokens`: each step's budget while requests run; `lone_tokens`: while none runs. None: no
-    budget, a prompt is read whole in one step."""
+    budget, a prompt is read whole in one step. `proposer`: where the running requests' drafts come from
+    (speculative decoding; None: no drafts)."""
 
     def __init__(self, max_batch: int, rows: CacheRows, step_tokens: int | None = None,
-                 lone_tokens: int | None = None):
-        self.max_batch, self.rows = max_batch, rows
+                 lone_tokens: int | None = None, proposer: Proposer | None = None):
+        self.max_batch, self.rows, self.proposer = max_batch, rows, proposer
         self.step_tokens, self.lone_tokens = step_tokens or None, lone_tokens or None
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # running[i] runs in cache row i
@@ -104,7 +41,9 @@ class Scheduler:
         self.most_held = 0  # the most requests that have held rows at once (a batch seen, whatever the polling)
 
     def add(self, request: Request) -> None:
-        """Queue a request (any thread)."""
+        """Queue a request (any thread); where drafts are proposed, it gets its drafting state."""
+        if self.proposer is not None:
+            request.draft = self.proposer.state()
         with self._wake:
             if self._closed:
                 raise UserError("the language model was unloaded; reload the page")
@@ -138,11 +77,23 @@ class Scheduler:
         self.most_held = max(self.most_held, len(self.running) + len(self.prefilling))
         return reused
 
-    def plan(self, drafts: list[list[int]] | None, chained: bool) -> StepPlan:
-        """This step: each running request's last token (`chained`: the step before drew it on the device) and
-        its draft (`drafts`, in row order; None: no drafts), and the prompt chunks the budget leaves room for."""
+    def plan(self, in_flight: bool, settle: Callable[[], None]) -> StepPlan:
+        """This step: each running request's last token (the step in flight drew it, on the device, where
+        `in_flight`) and its draft, padded to a draft size, and the prompt chunks the budget leaves room for.
+        Drafts continue the last tokens, so where one may come the step in flight is settled first (`settle`);
+        none is proposed while a prompt is read (its chunk rides along)."""
+        drafts = None
+        if self.proposer is not None and self.running and not any(r.position < len(r.sig) for r in self.prefilling):
+            wanted = self.proposer.wanted(self.running)
+            if any(wanted.values()) and (not in_flight or self.proposer.may_find(wanted, self.rows)):
+                if in_flight:
+                    settle()
+                    in_flight = False
+                drafts = self.proposer.drafts(self.running, wanted, self.rows)
         drafts = drafts or [[]] * len(self.running)
-        rows = tuple(Scheduled(r, r.position, 1 + len(d), tuple(d), chained) for r, d in zip(self.running, drafts))
+        width = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts), default=0))
+        rows = tuple(Scheduled(r, r.position, 1 + len(d), tuple(d), in_flight, width=1 + width)
+                     for r, d in zip(self.running, drafts))
         chunks = tuple(Scheduled(r, r.position, end - r.position, last=end == len(r.sig))
                        for r, end in self.chunks(sum(map(len, drafts))))
         return StepPlan(rows, chunks)

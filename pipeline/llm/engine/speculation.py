@@ -15,7 +15,7 @@ drafting and tries again with a short draft every `PROBE_EVERY` steps, so a chat
 pay runs as plain decode steps. With several chats the step's cost is the batch's: `batch_cap` cuts every
 row's draft to the length that pays for the batch as a whole, none where none does, so by the cost model a
 batch never runs slower for its drafts. The cost is fixed while the engine runs (on a GPU measured once by the
-first launch, `ModelRunner.verify_cost`, and kept for the next ones, `write_costs`), never read from the clock
+first launch, `proposer.verify_cost`, and kept for the next ones, `write_costs`), never read from the clock
 between steps: which steps verify follows
 from the tokens alone, the same in every run. A drafter is asked once per step for every row that drafts
 (`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Which token is kept is the sampler's business
@@ -214,9 +214,9 @@ class Speculation:
     drafter: Drafter
     cost: VerifyCost
     max_draft: int = MAX_DRAFT
-    measured: bool = False  # the engine measures the cost on its GPU (`ModelRunner.verify_cost`), once: kept in
+    measured: bool = False  # the engine measures the cost on its GPU (`proposer.verify_cost`), once: kept in
     record: Path | None = None  # this file, and read from it by later launches
-    exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_verify`)
+    exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_rows`)
 
     @property
     def description(self) -> str:

@@ -41,9 +41,10 @@ from pipeline.llm.engine.outputs import Launched, Outputs
 from pipeline.llm.engine.sampler import Sampler
 from pipeline.llm.engine.params import InvalidSampling, SamplingParams
 from pipeline.llm.engine.sampling import Draws
-from pipeline.llm.engine.scheduler import Request, Scheduler, StepPlan
-from pipeline.llm.engine.proposer import Proposer
-from pipeline.llm.engine.speculation import DRAFT_SIZES, DraftState, Speculation, read_costs, write_costs
+from pipeline.llm.engine.plan import Request, StepPlan
+from pipeline.llm.engine.scheduler import Scheduler
+from pipeline.llm.engine.proposer import Proposer, verify_cost
+from pipeline.llm.engine.speculation import Speculation, read_costs, write_costs
 from plugins.cuda_streams import launching
 
 LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
@@ -71,15 +72,17 @@ class TorchLLMEngine:
         self.context, self.vocab_size, self.max_batch = context, vocab_size, max_batch
         self.device, self.hidden_size = model.norm.weight.device, c.hidden_size
         rows = max(rows or 2 * max_batch, max_batch)
+        self.proposer = Proposer(speculation, context) if speculation is not None else None
         self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs,
-                                  exact_verify=speculation is None or speculation.exact)
+                                  self.proposer.widths if self.proposer else (1,),
+                                  exact_rows=speculation is None or speculation.exact)
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device)
-        self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk)
+        self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk,
+                                   self.proposer)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
         self.outputs = Outputs(self.scheduler, self.rows, context, self.runner.to_host)
         self._pending: Launched | None = None  # the step in flight, its tokens not yet settled
         self.speculation = speculation
-        self.proposer = Proposer(speculation, context) if speculation is not None else None
         self.steps = self.verify_steps = 0  # decode steps run, verify steps among them (for tests and benchmarks)
         self.prefilled_tokens = self.reused_tokens = 0  # prompt positions computed, and found in the cache
         self.description = (f"torch{' (CUDA graphs)' if self.use_cuda_graphs else ''} · batch up to {max_batch} · "
@@ -112,9 +115,8 @@ class TorchLLMEngine:
                                                 f"model's token ids run from 0 to {self.vocab_size - 1}")
         stream = TokenStream(cancel, keep_logits, params.logprobs is not None)
         stream.stats.prompt_tokens = len(prompt)
-        draft = DraftState(self.speculation.drafter.index()) if self.speculation is not None else None
         self.scheduler.add(Request(prompt, params, set(stop_ids), session, stream, Draws(params.seed),
-                                   time.perf_counter(), grammar, draft=draft))
+                                   time.perf_counter(), grammar))
         return stream
 
     def status(self) -> dict[str, int]:
@@ -142,7 +144,7 @@ class TorchLLMEngine:
         with torch.inference_mode():
             if self.use_cuda_graphs:  # every step's graph before the first request: none is captured mid-reply
                 with launching():
-                    self.runner.capture_table(self.rows.kv, verify=self.speculation is not None)
+                    self.runner.capture_table(self.rows.kv)
             if self.speculation is not None and self.device.type == "cuda":
                 try:
                     self._measure()
@@ -164,12 +166,12 @@ class TorchLLMEngine:
 
     def _measure(self) -> None:
         """Where the speculation asks for its verify costs on this GPU: those an earlier launch recorded, else
-        measured now (`ModelRunner.verify_cost`, on the steps the graph table holds) and recorded."""
+        measured now (`proposer.verify_cost`, on the steps the graph table holds) and recorded."""
         spec = self.speculation
         costs = read_costs(spec.record) if spec.measured and spec.record is not None else None
         if spec.measured and costs is None:
             with launching():
-                costs = {rows: self.runner.verify_cost(self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
+                costs = {rows: verify_cost(self.runner, self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
             if spec.record is not None:
                 write_costs(spec.record, costs)
         self.proposer.costs = costs or self.proposer.costs
@@ -207,19 +209,17 @@ class TorchLLMEngine:
         self.reused_tokens += reused
 
     def _step(self) -> None:
-        """One engine step: the drafts (where speculating), the plan (`Scheduler.plan`), one forward and one
-        draw over all of it; then the step before is settled while the GPU runs this one. The host stays at most
-        one step ahead of the GPU."""
+        """One engine step: the plan (`Scheduler.plan`, drafts included), one forward and one draw over all of
+        it; then the step before is settled while the GPU runs this one. The host stays at most one step ahead
+        of the GPU."""
         running = self.scheduler.running
         pending = self._pending
         with launching():  # a step chains on the one in flight where that was a plain step of the same rows
             if pending is not None and (pending.plan.drafted or [s.request for s in pending.plan.rows] != running
                                         or not running):
                 self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
-        reading = any(r.position < len(r.sig) for r in self.scheduler.prefilling)  # a prompt's chunk rides along
-        drafts = self._propose() if self.speculation is not None and self.scheduler.running and not reading else None
-        plan = self.scheduler.plan(drafts, chained=self._pending is not None)
-        with launching():  # (the drafts outside: a draft model's engine may be waiting to capture a graph)
+        plan = self.scheduler.plan(self._pending is not None, self._settle_now)
+        with launching():  # (the plan outside: a draft model's engine may be waiting to capture a graph)
             if plan.rows or plan.chunks:
                 try:
                     self._launch(plan)
@@ -244,7 +244,7 @@ class TorchLLMEngine:
         if rows and rows[0].chained:
             feed = RowsFeed(len(rows), chained=self._pending.chained, kv_need=max(s.end for s in rows))
         elif rows:
-            size = next(k for k in (0, *DRAFT_SIZES) if k >= max(len(s.draft) for s in rows)) + 1
+            size = rows[0].width
             fed = [[s.request.last_token, *s.draft, *[s.request.last_token] * (size - s.size)] for s in rows]
             feed = RowsFeed(len(rows), fed, [s.start for s in rows], [self._offset(s.request, s.start) for s in rows],
                             kv_need=max(s.start for s in rows) + size)
@@ -277,19 +277,9 @@ class TorchLLMEngine:
         if previous is not None:
             self.outputs.settle(previous)
 
-    def _propose(self) -> list[list[int]] | None:
-        """This step's drafts for the running requests (`Proposer`); None where none wants to draft or none
-        was found: the step is a plain one. The step in flight is read first where a draft may come (drafts
-        continue the last token)."""
-        wanted = self.proposer.wanted(self.scheduler.running)
-        if not any(wanted.values()):
-            return None
-        if self._pending is not None:
-            if not self.proposer.may_find(wanted, self.rows):
-                return None
-            with launching():
-                self._drain()
-        return self.proposer.drafts(self.scheduler.running, wanted, self.rows)
+    def _settle_now(self) -> None:
+        with launching():
+            self._drain()
 
     def _drain(self) -> None:
         """Settle the step in flight now (waiting for the GPU)."""
