@@ -209,3 +209,26 @@ def test_too_little_memory_for_one_conversation_is_said_in_words_with_what_to_ch
     assert cache_rows(CONFIG, 255, torch.float32, 4, None) == (8, 4)  # on the CPU: twice the batch
     with pytest.raises(UserError, match=r"not enough memory left to hold one 255-token conversation .*lower --context"):
         cache_rows(CONFIG, 255, torch.float32, 4, kv_cache_bytes=1024)
+
+
+def test_a_pictures_chunk_and_a_text_chunk_in_one_step_give_each_its_own_first_logits(qwen2_demo):
+    """Where steps read text as `Tokens` (a GPU, or graphs on), a picture's chunk is a `Prefill` read after them
+    in the forward: each chunk still gets its own last position's logits back, in the order it was asked in."""
+    model = load_decoder(qwen2_demo)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    runner = ModelRunner(model, 64, vocab, max_batch=2, use_cuda_graphs=False)
+    runner.use_cuda_graphs = True  # text as `Tokens`, as on a GPU (this step runs eagerly: it holds a picture)
+    torch.manual_seed(0)
+    picture = Prompt((5, 0, 0, 0, 9, 14), slots=((1, 3),), embeds=(torch.randn(3, hidden),))
+    text = Prompt((7, 22, 3, 8, 11))
+    with torch.inference_mode():
+        cache = rows_of_model(model)
+        _, both = runner.step(cache.kv, None, [ChunkRead(picture, 0, 0, 6, 0, logits=True),
+                                                ChunkRead(text, 1, 0, 5, 0, logits=True)], graphed=False)
+        alone = []
+        for row, prompt in enumerate((picture, text)):
+            cache = rows_of_model(model)
+            alone += runner.step(cache.kv, None, [ChunkRead(prompt, row, 0, len(prompt), 0, logits=True)],
+                                 graphed=False)[1]
+    for got, want in zip(both, alone):
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

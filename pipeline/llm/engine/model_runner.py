@@ -182,8 +182,11 @@ class ModelRunner:
             return None, []
         out = out[0, :, :self.vocab_size]
         rows_logits = out[:bucket * per_row].view(bucket, per_row, -1)[:rows.n, :need] if rows is not None else None
-        firsts = [c for c in chunks if c.logits]
-        return rows_logits, list(out[bucket * per_row:bucket * per_row + len(firsts)])
+        # the forward's order: the text chunks' last tokens (padded to `lasts` in a graph), then the prefills'
+        at = bucket * per_row + len(lasts)
+        firsts = dict(zip(map(id, [c for c in text if c.logits] + [c for c in prefills if c.logits]),
+                          [*out[bucket * per_row:bucket * per_row + len(lasts)], *out[at:]]))
+        return rows_logits, [firsts[id(c)] for c in chunks if c.logits]
 
     def _layout(self, chunks: list[ChunkRead], size: int = 0, lasts: int = 0) -> tuple[list[int], list[int], list[int]]:
         """The prompt tokens of `chunks` as one `Tokens` part: (ids, then each token's row, position, rotary
