@@ -143,9 +143,14 @@ class TreeDraft(PerRequest):
 
 
 def replies(model, speculation, seeds, **params) -> list[tuple[int, ...]]:
+    """Each seed's reply, asked a batch (8) at a time: a queue never empty would keep a prompt in every step, and
+    no step drafts while a prompt is read, so whether drafts come at all would hang on the machine's speed."""
     engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=8, rows=16, speculation=speculation)
-    streams = [engine.submit(PROMPT, SamplingParams(**{**PARAMS, **params}, seed=seed), set()) for seed in seeds]
-    out = [tuple(s) for s in streams]
+    seeds, out = list(seeds), []
+    for wave in range(0, len(seeds), 8):
+        streams = [engine.submit(PROMPT, SamplingParams(**{**PARAMS, **params}, seed=seed), set())
+                   for seed in seeds[wave:wave + 8]]
+        out += [tuple(s) for s in streams]
     status = engine.status()
     engine.close()
     return out, status

@@ -142,7 +142,8 @@ def test_a_long_recording_is_heard_in_pieces_with_its_progress(speech, tmp_path)
     assert len(told) >= 4 and [d for d, _ in told] == sorted(d for d, _ in told) and told[-1][0] == told[-1][1]
     assert abs(heard.duration - len(sound) / rate) < 0.5
     said = words(heard.text)
-    assert "keeper" in said[:6] and "july" in said[-3:], heard.text  # the first sentence's words, and the last's
+    # the first sentence's word, and the last's (Piper's random lengths can make "keeper climbs" "keep reclines")
+    assert "lighthouse" in said[:4] and "july" in said[-3:], heard.text
 
 
 def test_bad_audio_and_text_are_refused_in_words(speech, tmp_path):
