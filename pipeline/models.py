@@ -122,6 +122,18 @@ def gguf_files_for_tag(names: list[str], tag: str) -> list[str]:
     return chosen
 
 
+def folder_or_hub_id(value: str, flag: str, example: str) -> tuple[Path | None, str]:
+    """(the folder, the name) `flag VALUE` names: a folder here, or a hub id (its folder None: downloaded where
+    it is used); anything else is refused in one line before anything loads."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path, path.name
+    if value.count("/") != 1 or path.exists() or value.startswith((".", "/", "~")):
+        raise UserError(f"{flag} {value}: not a folder" + ("" if path.exists() else " (it does not exist)") +
+                        f" nor a hub id like {example}")
+    return None, value
+
+
 def _hub_gguf_cached(repo: str, tag: str) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

@@ -26,7 +26,7 @@ from pipeline.errors import UserError
 from pipeline.llm.remote import RemoteLanguageModel
 from pipeline.llm.engine.params import SamplingParams
 from pipeline.minigpt4.weights import load_vision_folder
-from pipeline.models import EMBEDDED, cache_dir, data_dir, draft_model_for, locate, resolve
+from pipeline.models import EMBEDDED, cache_dir, data_dir, draft_model_for, folder_or_hub_id, locate, resolve
 from pipeline.pipelines.chat import ChatPipeline
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment import SegmentPipeline
@@ -195,18 +195,6 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                      is_demo=plan.sam == SAM_DEMO)]
 
 
-def model_folder(value: str, flag: str) -> tuple[Path | None, str]:
-    """(the folder, the name) of `--embedder`/`--reranker` VALUE: a folder here, or a hub id (its folder None:
-    the cache's, downloaded if missing, `resolve`d when first used)."""
-    path = Path(value).expanduser()
-    if path.is_dir():
-        return path, path.name
-    if value.count("/") != 1 or path.exists():
-        raise UserError(f"{flag} {value}: not a folder" + ("" if path.exists() else " (it does not exist)") +
-                        " nor a hub id like BAAI/bge-small-en-v1.5")
-    return None, value
-
-
 def loaded_on_first_use(folder: Path | None, name: str, make: Callable[[Path], object],
                         tell: Callable[[str], None]) -> Callable[[], object]:
     """A loader for the embedder or reranker `name` (its hub files downloaded first where `folder` is None)."""
@@ -225,7 +213,7 @@ def embedder_slot(config: StudioConfig, device: str, tell: Callable[[str], None]
         if folder is None:
             return None
     else:
-        folder, name = model_folder(config.embedder, "--embedder")
+        folder, name = folder_or_hub_id(config.embedder, "--embedder", "BAAI/bge-small-en-v1.5")
     if folder is not None and not (folder / "modules.json").is_file():
         raise UserError(f"--embedder {folder}: not a sentence-transformers folder (it has no modules.json)")
 
@@ -249,7 +237,7 @@ def document_library(config: StudioConfig, device: str, tell: Callable[[str], No
         return None
     reranker = None
     if config.reranker != "none":
-        where, name = model_folder(config.reranker, "--reranker")
+        where, name = folder_or_hub_id(config.reranker, "--reranker", "BAAI/bge-reranker-base")
         reranker = loaded_on_first_use(where, name, lambda found: Reranker(found, name, device), tell)
     library = Library(folder, slot, say, reranker)
 

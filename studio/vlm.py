@@ -20,7 +20,7 @@ from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 from engine_builder.build import EngineOptions
 from pipeline.errors import UserError
 from pipeline.llm.weights.config import DecoderConfig
-from pipeline.models import download_failure, hub_reachable
+from pipeline.models import download_failure, folder_or_hub_id, hub_reachable
 from pipeline.pipelines.qwen_vl_chat import QwenVLChatPipeline
 from pipeline.pipelines.smolvlm_chat import SmolVLMChatPipeline
 from pipeline.pipelines.vlm_chat import VLMChatPipeline
@@ -66,9 +66,15 @@ def vlm_id(config: StudioConfig, device: str = "cpu") -> str | None:
     if config.minigpt4_ckpt or config.vlm == "minigpt4":
         return None
     if config.vlm != "auto":
-        return NAMES.get(config.vlm, config.vlm)
+        return NAMES.get(config.vlm) or _named(config.vlm)
     cached = [m for m in GPU_VLMS if local_folder(m) is not None] if device.startswith("cuda") else []
     return cached[0] if cached else SMOLVLM
+
+
+def _named(value: str) -> str:
+    """`--vlm VALUE` that is not one of `NAMES`: a folder or a hub id, else refused in one line."""
+    folder_or_hub_id(value, "--vlm", f"{SMOLVLM} (or one of {', '.join([*NAMES, 'minigpt4', 'auto'])})")
+    return value
 
 
 def model_name(model_id: str) -> str:

@@ -114,6 +114,7 @@ HOSTILE = {  # header value → what the one line says
     ("block_count", 1_000_000): r"llama\.block_count says 1000000 layers, but its tensors hold 8 \(blk\.0 … blk\.7\)",
     ("block_count", 3_000): r"llama\.block_count says 3000 layers",
     ("attention.head_count", 0): r"llama\.attention\.head_count 0 and head_count_kv 2 must be positive",
+    ("attention.head_count_kv", 0): r"llama\.attention\.head_count 6 and head_count_kv 0 must be positive",
     ("embedding_length", 320): r"llama\.embedding_length says 320, but token_embd\.weight is \[\d+, 384\]",
     ("attention.head_count_kv", 3):
         r"tensor blk\.0\.attn_k\.weight is \[128, 384\], but the header .* makes it \[192, 384\]",

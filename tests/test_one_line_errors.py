@@ -35,6 +35,18 @@ def test_a_bad_flag_or_value_is_one_error_line_naming_help(argv, says):
     assert lines[0].startswith("error: ") and says in lines[0] and "--help" in lines[0], lines[0]
 
 
+@pytest.mark.parametrize("argv, line", [
+    (["--sam", "/nonexistent.pth"], "error: /nonexistent.pth does not exist"),
+    (["--vlm", "nosuchvlm"], "error: --vlm nosuchvlm: not a folder (it does not exist) nor a hub id like "
+                             "HuggingFaceTB/SmolVLM-256M-Instruct (or one of smolvlm, smolvlm-500m, qwen2.5-vl-3b, "
+                             "qwen2.5-vl-7b, minigpt4, auto)"),
+])
+def test_a_model_that_is_not_there_is_one_line_naming_what_is_wrong_before_anything_loads(argv, line):
+    done = launch(*argv, "--no-browser", env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2
+    assert (done.stdout + done.stderr).strip().splitlines() == [line]
+
+
 def test_the_terminal_chats_help_lists_only_its_own_options():
     chat = launch("chat", "--help").stdout
     app = launch("--help").stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -44,6 +45,9 @@ def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:
         return path, "cache" if path.is_file() else "download"
     if Path(name).is_file():
         return Path(name), "local file"
+    if Path(name).suffix in (".pth", ".pt") or "/" in name or os.sep in name:
+        raise UserError(f"{name} does not exist" + (" (it is a folder: give the .pth file in it)"
+                                                   if Path(name).is_dir() else ""))
     raise UserError(f"unknown SAM model {name!r}: use {', '.join(CHECKPOINTS)}, {DEMO} or a .pth file")
 
 

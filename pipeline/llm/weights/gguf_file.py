@@ -256,7 +256,7 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
         "intermediate_size": int(model.require("feed_forward_length")),  # Qwen v1's too: llama.cpp halves it
         "num_hidden_layers": int(model.require("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(model.get("attention.head_count_kv") or heads),
+        "num_key_value_heads": _kv_heads(model, heads),
         "head_dim": int(model.get("attention.key_length") or hidden // heads),
         "max_position_embeddings": int(model.get("context_length") or 4096),
         "rms_norm_eps": float(model.get("attention.layer_norm_rms_epsilon") or 1e-6),
@@ -282,6 +282,13 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
     return cfg
 
 
+def _kv_heads(model: GGUFModel, heads: int) -> int:
+    """The key/value heads: as many as the query heads where the key is absent (a 0 written is a 0: the check
+    refuses it by its own value)."""
+    kv_heads = model.get("attention.head_count_kv")
+    return heads if kv_heads is None else int(kv_heads)
+
+
 def _check_against_tensors(model: GGUFModel, heads: int, hidden: int) -> None:
     """Every header value the decoder is built from, held to the tensor table before anything is built or
     read: a `UserError` naming the key and the tensor that disagree. (A `block_count` of 1,000,000 built
@@ -298,7 +305,7 @@ def _check_against_tensors(model: GGUFModel, heads: int, hidden: int) -> None:
     if count < 1 or blocks != set(range(count)):
         raise wrong(f"{key}block_count says {count} layers, but its tensors hold "
                     f"{len(blocks)} (blk.0 … blk.{max(blocks, default=-1)})")
-    kv_heads = int(model.get("attention.head_count_kv") or heads)
+    kv_heads = _kv_heads(model, heads)
     if heads < 1 or kv_heads < 1 or heads % kv_heads:
         raise wrong(f"{key}attention.head_count {heads} and head_count_kv {kv_heads} must be positive, the first a "
                     f"multiple of the second")
