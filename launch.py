@@ -14,12 +14,22 @@ from __future__ import annotations
 
 import sys
 
-from app.cli import main as terminal_chat
-from app.port import check_port_free
-from pipeline.service.tools import Tool
-from studio.compose import build, run
-from studio.config import StudioConfig
-from studio.plan import Plan
+STARTING = "[studio] starting: loading torch and the app's libraries…"
+SHOWN = __name__ == "__main__" and sys.stderr.isatty()
+if SHOWN:  # a line at once: the imports take seconds (the first time, on a cold disk, 15 or more)
+    sys.stderr.write(STARTING)
+    sys.stderr.flush()
+
+from app.cli import main as terminal_chat  # noqa: E402
+from app.port import check_port_free  # noqa: E402
+from pipeline.service.tools import Tool  # noqa: E402
+from studio.compose import build, run  # noqa: E402
+from studio.config import StudioConfig  # noqa: E402
+from studio.plan import Plan  # noqa: E402
+
+if SHOWN:  # wiped once they are in: a mistake on the command line stays one line
+    sys.stderr.write("\r" + " " * len(STARTING) + "\r")
+    sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 Gradio traceback after it), and the terminal chat's help lists only its own options."""
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -67,3 +68,48 @@ def test_a_taken_port_is_one_line_before_the_model_loads(studio_cache):
     lines = (done.stdout + done.stderr).strip().splitlines()
     assert lines == [f"error: port {port} on 127.0.0.1 is taken (another AI Studio, or another server): stop it, "
                      f"or choose a free port with --port {port + 1}"], lines  # nothing loaded before it
+
+
+def in_terminal(*argv: str) -> tuple[int, str]:
+    """`python *argv` in a pseudo-terminal: its exit code and all it wrote, as a terminal receives it."""
+    import pty
+
+    out = bytearray()
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, *argv])
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), out.decode()
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows for `text`: within a line, what a carriage return's rewrite leaves."""
+    shown = []
+    for line in text.split("\r\n"):
+        cells: list[str] = []
+        for part in line.split("\r"):
+            cells = list(part) + cells[len(part):]
+        if "".join(cells).strip():
+            shown.append("".join(cells).rstrip())
+    return shown
+
+
+def test_a_terminal_sees_a_line_before_torch_loads_and_a_mistake_still_ends_in_one_line():
+    """In a terminal the launcher says it is starting before the seconds of imports (`-X importtime` lists each
+    import as it ends), and wipes that line once they are in, so the mistake's line is alone on the screen."""
+    starting = "[studio] starting: loading torch and the app's libraries…"
+    code, text = in_terminal("-X", "importtime", "launch.py", "--sam", "/nonexistent.pth")
+    first_torch = re.search(r"\|\s+torch(\.|$)", text, re.M)
+    assert code == 2 and starting in text and first_torch and text.index(starting) < first_torch.start(), text[:2000]
+    code, text = in_terminal("launch.py", "--sam", "/nonexistent.pth")
+    assert code == 2 and starting in text
+    assert screen(text) == ["error: /nonexistent.pth does not exist"], text
