@@ -47,8 +47,8 @@ finally:
 """
 
 
-def _load_segment(hub_url: str, cache: Path, cwd: Path) -> dict:
-    env = {**os.environ, "HF_ENDPOINT": hub_url, "STUDIO_CACHE": str(cache), "PYTHONPATH": str(ROOT)}
+def _load_segment(hub_url: str, cache: Path, cwd: Path, **env: str) -> dict:
+    env = {**os.environ, "HF_ENDPOINT": hub_url, "STUDIO_CACHE": str(cache), "PYTHONPATH": str(ROOT), **env}
     done = subprocess.run([sys.executable, "-c", LOAD_SEGMENT], env=env, capture_output=True, text=True,
                           timeout=600, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,3 +85,23 @@ def test_offline_with_nothing_cached_segment_runs_the_demo_and_says_what_a_downl
     assert any("could not download mobile_sam" in line and "no connection" in line and "MobileSAM (40 MB, one download)"
                in line for line in got["report"]), got["report"]
     assert got["printed"][2] == "Segment: MobileSAM, 40 MB, downloads on first use, on the CPU (float32)", got["printed"]
+
+
+def test_mobile_sam_in_the_hugging_face_cache_is_used_offline(tmp_path):
+    """Fetched into the hub's cache as `huggingface-cli download dhkim2810/MobileSAM` fetches it (a child process
+    that reads HF_ENDPOINT), then the app offline: that file runs, nothing is downloaded, and the Models tab
+    lists it as cached."""
+    repo, hub_cache = tmp_path / "repo", tmp_path / "hf"
+    repo.mkdir()
+    torch.manual_seed(1)
+    torch.save(Sam(VARIANTS["mobile_sam"]).state_dict(), repo / "mobile_sam.pt")
+    fetch = "from huggingface_hub import hf_hub_download; print(hf_hub_download('dhkim2810/MobileSAM', 'mobile_sam.pt'))"
+    with serving({"dhkim2810/MobileSAM": repo}) as hub:
+        fetched = subprocess.run([sys.executable, "-c", fetch], capture_output=True, text=True, timeout=300,
+                                 env={**os.environ, "HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(hub_cache)})
+    assert fetched.returncode == 0 and Path(fetched.stdout.strip()).is_relative_to(hub_cache), fetched.stderr[-2000:]
+    got = _load_segment("http://127.0.0.1:9", tmp_path / "cache", tmp_path, HF_HUB_CACHE=str(hub_cache),
+                        HF_HUB_OFFLINE="1")
+    assert not got["demo"] and got["description"].startswith("MobileSAM (TinyViT)"), got
+    assert got["before"]["mobile_sam"] == "cache" and "downloading" not in " ".join(got["report"]), got
+    assert not (tmp_path / "cache" / "sam" / "mobile_sam.pt").exists()  # used where it is, not copied

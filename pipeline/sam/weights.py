@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
-from huggingface_hub import hf_hub_download
+from huggingface_hub import hf_hub_download, try_to_load_from_cache
 from huggingface_hub.errors import HfHubHTTPError
 from tqdm import tqdm
 
@@ -42,7 +42,11 @@ def locate_sam(name: str, cache_dir: Path) -> tuple[Path, str]:
         return Path(cache_dir) / "sam" / "sam_demo_tiny.pth", "built-in demo"
     if name in CHECKPOINTS:
         path = Path(cache_dir) / "sam" / CHECKPOINTS[name].rsplit("/", 1)[1]
-        return path, "cache" if path.is_file() else "download"
+        if path.is_file():
+            return path, "cache"
+        # where `huggingface-cli download dhkim2810/MobileSAM` (or another app) put it: found without the network
+        hub = try_to_load_from_cache(*HUB[name]) if name in HUB else None
+        return (Path(hub), "cache") if isinstance(hub, str) else (path, "download")
     if Path(name).is_file():
         return Path(name), "local file"
     if Path(name).suffix in (".pth", ".pt") or "/" in name or os.sep in name:
