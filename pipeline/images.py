@@ -108,6 +108,50 @@ def to_host(x: torch.Tensor) -> np.ndarray:
     return out.numpy()
 
 
+PIL_PRECISION_BITS = 22  # Pillow's fixed point for 8-bit resampling (32 - 8 - 2 bits, Resample.c)
+
+
+def _pil_bilinear_weights(n_in: int, n_out: int, device: torch.device) -> torch.Tensor:
+    """Pillow's bilinear resampling of one axis as a matrix [n_out, n_in] of its fixed-point coefficients: the
+    triangle filter widened by the scale where shrinking, each output's taps normalised to sum 1, then rounded
+    to `PIL_PRECISION_BITS` (the steps of Pillow's `precompute_coeffs` and `normalize_coeffs_8bpc`)."""
+    scale = n_in / n_out
+    widen = max(scale, 1.0)
+    support = widen  # the triangle's support, 1, widened
+    weights = np.zeros((n_out, n_in))
+    for out in range(n_out):
+        center = (out + 0.5) * scale
+        first, last = max(int(center - support + 0.5), 0), min(int(center + support + 0.5), n_in)
+        taps = np.maximum(0.0, 1.0 - np.abs((np.arange(first, last) - center + 0.5) * (1.0 / widen)))
+        total = sum(taps.tolist())  # added in order, as Pillow does
+        if total:
+            taps /= total
+        weights[out, first:last] = np.trunc(taps * (1 << PIL_PRECISION_BITS) + 0.5)
+    return torch.tensor(weights, dtype=torch.float64, device=device)
+
+
+def resize_like_pil(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """RGB uint8 [H, W, 3] → float [3, h, w] at `size`, equal to Pillow's bilinear resize (what SAM's reference
+    preprocessing does, through torchvision's `to_pil_image` and `resize`): Pillow itself on the CPU; elsewhere
+    its fixed-point passes (across, then down, each rounded and clipped to 8 bits) as float64 products, exact for
+    these integers, so a big photo is still resized on the GPU."""
+    if image.device.type == "cpu":
+        resized = Image.fromarray(image.numpy()).resize(size[::-1], Image.BILINEAR)
+        return torch.from_numpy(np.array(resized)).permute(2, 0, 1).float()
+    return pil_bilinear_passes(image, size)
+
+
+def pil_bilinear_passes(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """`resize_like_pil` off the CPU: Pillow's two fixed-point passes on the image's device."""
+    half, one = float(1 << (PIL_PRECISION_BITS - 1)), float(1 << PIL_PRECISION_BITS)
+    x = image.permute(2, 0, 1).double()  # [3, H, W]
+    if size[1] != x.shape[2]:
+        x = ((x @ _pil_bilinear_weights(x.shape[2], size[1], x.device).T + half) / one).floor_().clamp_(0, 255)
+    if size[0] != x.shape[1]:
+        x = ((_pil_bilinear_weights(x.shape[1], size[0], x.device) @ x + half) / one).floor_().clamp_(0, 255)
+    return x.float()
+
+
 def resize_image(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """RGB uint8 [H, W, 3] (on any device) → float [3, h, w] at `size`: bilinear with antialiasing,
     rounded to whole levels, within one level of PIL's 8-bit bilinear resize."""

@@ -281,3 +281,15 @@ def test_masked_crop_keeps_the_object_and_dims_its_surroundings():
         masked_crop(image, np.zeros_like(mask))
     with pytest.raises(UserError, match="same size"):
         masked_crop(image, mask[:50])
+
+
+@pytest.mark.parametrize("size, to", [((601, 899), (687, 1024)), ((3001, 4003), (768, 1024)), ((41, 29), (97, 70)),
+                                      ((1024, 333), (1024, 333)), ((500, 700), (500, 1024))])
+def test_sams_resize_off_the_cpu_is_pillows_bilinear_bit_for_bit(size, to):
+    """On a GPU the photo SAM encodes is resized there, by Pillow's own fixed-point passes (checked here on CPU
+    tensors): equal to Pillow's bilinear resize, which SAM's reference preprocessing uses, at every pixel."""
+    from pipeline.images import pil_bilinear_passes
+
+    image = np.random.default_rng(sum(size)).integers(0, 256, (*size, 3), dtype=np.uint8)
+    pil = np.array(Image.fromarray(image).resize(to[::-1], Image.BILINEAR)).transpose(2, 0, 1)
+    assert np.array_equal(pil_bilinear_passes(torch.from_numpy(image), to).numpy(), pil)

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.images import resize_image
+from pipeline.images import resize_like_pil
 from pipeline.sam.model import PIXEL_MEAN, PIXEL_STD
 
 
@@ -24,8 +24,8 @@ def input_size(size: tuple[int, int], target: int) -> tuple[int, int]:
 
 def resize_longest(image: Tensor, target: int) -> Tensor:
     """RGB uint8 [H, W, 3] (on the engine's device: a big photo is resized there, not on the CPU)
-    → float [3, h, w] with its longest side `target`."""
-    return resize_image(image, input_size(image.shape[:2], target))
+    → float [3, h, w] with its longest side `target`, resized exactly as SAM's reference code resizes it."""
+    return resize_like_pil(image, input_size(image.shape[:2], target))
 
 
 def preprocess(image: Tensor, img_size: int) -> Tensor:
