@@ -222,3 +222,52 @@ def test_a_grammar_that_cannot_be_built_is_a_clear_error(qwen2_demo):
     with pytest.raises(Exception, match="response_format"):
         list(lm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_new_tokens=4), structure=bad))
     lm.close()
+
+
+NUMBERS = {"type": "object", "properties": {
+    "price": {"type": "number"}, "count": {"type": "integer"},
+    "grid": {"type": "array", "items": {"type": "array", "items": {"type": "number"}}}},
+    "required": ["price", "count", "grid"], "additionalProperties": False}
+
+
+def test_numbers_are_bounded_where_the_schema_does_not_bound_them():
+    from pipeline.llm.text.grammar import LARGEST_NUMBER, bounded_numbers
+
+    schema = {"$defs": {"n": {"type": ["number", "null"]}}, "type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 3}, "b": {"anyOf": [{"type": "number", "multipleOf": 0.5}, {"$ref": "#/$defs/n"}]},
+        "c": {"not": {"type": "number"}}, "d": {"type": "array", "prefixItems": [{"type": "integer"}]}}}
+    got = bounded_numbers(schema)
+    assert got["properties"]["a"] == {"type": "integer", "minimum": 3, "maximum": LARGEST_NUMBER}  # its own bound kept
+    assert got["properties"]["b"]["anyOf"][0] == {"type": "number", "multipleOf": 0.5, "minimum": -LARGEST_NUMBER,
+                                                  "maximum": LARGEST_NUMBER}
+    assert got["$defs"]["n"]["multipleOf"] == 1e-10 and got["properties"]["c"] == {"not": {"type": "number"}}
+    assert got["properties"]["d"]["prefixItems"][0]["maximum"] == LARGEST_NUMBER and "maximum" not in schema["$defs"]["n"]
+
+
+def test_the_small_model_closes_every_schema_answer_with_numbers():
+    """The real SmolLM2, asked for numbers it would write forever (one third, pi to many digits, a hundred
+    trillion): without bounds a quarter of these replies wrote digits until max_tokens; bounded, each closes
+    well within the tokens given, valid for the schema."""
+    from pipeline.models import EMBEDDED, resolve
+
+    lm = load_language_model(resolve(EMBEDDED, None).path, EMBEDDED, max_context=2048)
+    structure = Structure.from_openai(response_format={"type": "json_schema", "json_schema": {"name": "numbers",
+                                                                                              "schema": NUMBERS}})
+    asks = [(seed, prompt) for prompt in ("What is 1/3 as a decimal? Answer as JSON.",
+                                          "Write the number one hundred trillion, and pi to many digits.")
+            for seed in range(8)]
+
+    def ask(seed_prompt):
+        seed, prompt = seed_prompt
+        params = SamplingParams(max_new_tokens=400, temperature=0.0 if seed == 0 else 1.0, seed=seed)
+        events = list(lm.chat([{"role": "user", "content": prompt}], params, structure=structure))
+        return "".join(e.text for e in events), events[-1].stats.finish_reason
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(ask, asks))
+    finally:
+        lm.close()
+    for text, finish in replies:
+        assert finish == "stop", text[:300]
+        jsonschema.validate(json.loads(text), NUMBERS)

@@ -85,12 +85,47 @@ class GrammarVocabulary:
         return Grammar(llguidance.LLMatcher(self._tokenizer, source, log_level=0), self._ends)
 
 
+# What a number may be where its schema does not say: JSON's interoperable integers (RFC 8259: IEEE doubles'
+# exact ones) and ten decimals. Unbounded, a small model can write "1111…" until it runs out of tokens.
+LARGEST_NUMBER = 2**53 - 1
+DECIMALS = 1e-10
+_SUBSCHEMAS = ("items", "additionalProperties", "then", "else", "contains")  # not "not" nor "if": a bound there widens
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf", "oneOf")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def bounded_numbers(schema: object) -> object:
+    """`schema` with a bound on every number and integer it allows that has none of its own (a copy; bounds the
+    schema gives are kept): what a schema-following reply may write stays finite, so it always closes."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    types = out.get("type")
+    if {"number", "integer"} & set([types] if isinstance(types, str) else types or []):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -LARGEST_NUMBER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = LARGEST_NUMBER
+        if "number" in ([types] if isinstance(types, str) else types) and "multipleOf" not in out:
+            out["multipleOf"] = DECIMALS
+    for key in _SUBSCHEMAS:
+        if key in out:
+            out[key] = bounded_numbers(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_numbers(s) for s in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_numbers(s) for name, s in out[key].items()}
+    return out
+
+
 def json_schema_grammar(schema: dict | bool) -> str:
-    """The grammar of JSON values valid for `schema` (`{"type": "object"}`: any object)."""
+    """The grammar of JSON values valid for `schema` (`{"type": "object"}`: any object), numbers bounded."""
     import llguidance
 
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+        return llguidance.LLMatcher.grammar_from_json_schema(bounded_numbers(schema), overrides=JSON_LAYOUT)
     except ValueError as e:
         raise UserError(f"response_format: the JSON schema cannot be used: {str(e).splitlines()[0][:300]}",
                         "response_format") from None
@@ -98,7 +133,7 @@ def json_schema_grammar(schema: dict | bool) -> str:
 
 def lark_json(schema: dict) -> str:
     """A JSON value valid for `schema`, as a term inside a Lark grammar (llguidance's `%json`)."""
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    return "%json " + json.dumps({**bounded_numbers(schema), "x-guidance": JSON_LAYOUT})
 
 
 class Grammar:
