@@ -20,6 +20,7 @@ from app.page_style import DARK_TOGGLE_JS
 from app.segment_tab import build_segment_tab
 from pipeline.files import atomic_write
 from pipeline.models import cache_dir
+from pipeline.sam.weights import CHECKPOINTS as SAM_CHECKPOINTS
 from pipeline.service.studio import StudioService
 from pipeline.service.tools import Tool
 
@@ -32,8 +33,9 @@ MINIGPT4_DEMO_WARNING = ("**Demo MiniGPT-4.** Tiny vision and language models wi
                          "the answers are meaningless text. Pass `--minigpt4-ckpt`, `--minigpt4-vision` and "
                          "`--minigpt4-llm` (see README) for the real MiniGPT-4.")
 SAM_DEMO_WARNING = ("**Demo SAM.** A tiny SAM with *random weights* is running: masks follow your clicks "
-                    "mechanically but mean nothing. Start with `--sam mobile_sam` (downloads 40 MB), "
-                    "`--sam sam_vit_h` (2.4 GB) or `--sam /path/to/checkpoint.pth` for real masks.")
+                    "mechanically but mean nothing. For real masks, start with `--sam mobile_sam` while online (40 MB, "
+                    f"downloaded once), or fetch [mobile_sam.pt]({SAM_CHECKPOINTS['mobile_sam']}) on any machine and "
+                    "start with `--sam /path/to/mobile_sam.pt` (`--sam sam_vit_h`: the largest SAM, 2.4 GB).")
 
 
 def example_images() -> list[str]:
@@ -68,7 +70,10 @@ def startup_lines(service: StudioService) -> str:
 
 
 def image_chat_demo_warning(service: StudioService) -> str:
-    """Why image chat's answers mean nothing: MiniGPT-4's demo asked for, or a VLM that could not come."""
+    """Why image chat's answers mean nothing: the hub out of reach at start-up, MiniGPT-4's demo asked for, or a
+    VLM that could not come."""
+    if service.notice(Tool.IMAGE_CHAT):
+        return service.notice(Tool.IMAGE_CHAT)
     planned = service.image_models()[-1]
     if planned == "minigpt4":
         return MINIGPT4_DEMO_WARNING
@@ -82,7 +87,12 @@ def header_lines(service: StudioService) -> tuple:
     warnings (shown once a tool runs random weights: a first-use download that failed leaves its demo)."""
     return (tools_line(service), startup_lines(service),
             gr.Markdown(image_chat_demo_warning(service), visible=service.is_demo(Tool.IMAGE_CHAT)),
-            gr.Markdown(visible=service.is_demo(Tool.SEGMENT)))
+            gr.Markdown(sam_demo_warning(service), visible=service.is_demo(Tool.SEGMENT)))
+
+
+def sam_demo_warning(service: StudioService) -> str:
+    """Why Segment's masks mean nothing, and what brings real ones."""
+    return service.notice(Tool.SEGMENT) or SAM_DEMO_WARNING
 
 
 def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Blocks:
@@ -113,7 +123,7 @@ def build_app(service: StudioService, keep_files_s: int = KEEP_FILES_S) -> gr.Bl
                                          elem_id="image-chat-demo")
                 image_chat = build_image_chat_tab(service, demo, example_images(), secret)
             with gr.Tab("Segment", id="segment"):
-                segment_demo = gr.Markdown(SAM_DEMO_WARNING, visible=service.is_demo(Tool.SEGMENT),
+                segment_demo = gr.Markdown(sam_demo_warning(service), visible=service.is_demo(Tool.SEGMENT),
                                            elem_id="segment-demo")
                 ask = build_segment_tab(service, example_images())
             with gr.Tab("Documents", id="documents") as documents_tab:

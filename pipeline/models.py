@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -292,6 +293,27 @@ def hub_reachable(timeout_s: float = 3.0) -> None:
 
     url = urllib.parse.urlsplit(hub_constants.ENDPOINT)
     socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+
+
+_OFFLINE: tuple[float, str] | None = None  # (when asked, the answer): a minute's answer serves every caller
+OFFLINE_FOR_S = 60.0
+
+
+def hub_offline() -> str:
+    """Why the hub cannot give a model now ("" where it can): `HF_HUB_OFFLINE`, or no connection (asked at most
+    once a minute: at start-up, for what the tools will run and what the Models tab says)."""
+    global _OFFLINE
+    from huggingface_hub import constants as hub_constants
+
+    if hub_constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    if _OFFLINE is None or time.monotonic() - _OFFLINE[0] > OFFLINE_FOR_S:
+        try:
+            hub_reachable()
+            _OFFLINE = (time.monotonic(), "")
+        except OSError:
+            _OFFLINE = (time.monotonic(), "no connection to the Hugging Face hub")
+    return _OFFLINE[1]
 
 
 def download_failure(e: Exception) -> str:

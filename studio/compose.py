@@ -31,6 +31,7 @@ from pipeline.pipelines.chat import ChatPipeline
 from pipeline.pipelines.image_chat import ImageChatPipeline
 from pipeline.pipelines.segment import SegmentPipeline
 from pipeline.sam.model import load_sam
+from pipeline.sam.weights import CHECKPOINTS as SAM_CHECKPOINTS
 from pipeline.sam.weights import DEMO as SAM_DEMO
 from pipeline.sam.weights import HUB as SAM_HUB
 from pipeline.sam.weights import SIZES as SAM_SIZES
@@ -50,7 +51,7 @@ from studio.sizes import llm_size, weights_size
 from studio.speech_models import speech_models
 from studio.startup_report import StartupReport, print_line
 from studio.vlm import SIZES as VLM_SIZES
-from studio.vlm import fetch, load_vlm, local_folder, model_name
+from studio.vlm import fetch, load_vlm, local_folder, model_name, vlm_id
 
 # The engine threads and the request threads hand the GIL around constantly; Python's default 5 ms
 # switch interval would let a busy engine thread hold up a click by several of them.
@@ -60,6 +61,14 @@ SMALL_MODEL_NOTICE = ("**Small model.** SmolLM2-135M-Instruct (135 M parameters,
                       "`--model Qwen/Qwen2.5-7B-Instruct`, a `.gguf` file you have, or `--weights FOLDER`.")
 IMAGE_QUERIES = 32  # MiniGPT-4's query embeddings per image (BLIP-2's Q-Former, every checkpoint)
 DRAFT_SHARE_OF_FREE = 8  # a draft model gets 1/8 of the chat tool's free memory (its weights and KV cache)
+# What the image tabs say before any upload where auto's model cannot be downloaded (`Plan.offline`)
+OFFLINE_IMAGE_CHAT = ("**Demo image chat: you are offline.** {name} ({size}) is not on this machine and the hub "
+                      "cannot be reached ({why}), so a tiny MiniGPT-4 with *random weights* answers: its replies "
+                      "mean nothing. Start the app once online and {name} downloads on first use.")
+OFFLINE_SEGMENT = ("**Demo SAM: you are offline.** MobileSAM is not on this machine and the hub cannot be reached "
+                   "({why}), so a tiny SAM with *random weights* draws masks that mean nothing. Start the app once "
+                   "online (MobileSAM, {size}, downloads on first use), or fetch [mobile_sam.pt]({url}) on any "
+                   "machine and start with `--sam /path/to/mobile_sam.pt`.")
 
 
 def configure_process() -> None:
@@ -184,15 +193,21 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
         engines.report.say(f"image chat: {image_chat.description}")
         return image_chat
 
+    wanted = vlm_id(config, plan.device) if config.vlm == "auto" else None
+    offline_image_chat = OFFLINE_IMAGE_CHAT.format(name=model_name(wanted), size=VLM_SIZES.get(wanted, "a download"),
+                                                   why=plan.offline) if plan.offline and vlm is None and wanted else ""
+    offline_segment = OFFLINE_SEGMENT.format(why=plan.offline, size=SAM_SIZES["mobile_sam"],
+                                             url=SAM_CHECKPOINTS["mobile_sam"]) \
+        if plan.offline and plan.sam == SAM_DEMO and config.sam == "auto" else ""
     image_size = weights_size(local_folder(vlm), dtype=dtype) if vlm is not None else \
         weights_size(image.ckpt, image.vision_dir, dtype=dtype) + (0 if shared else llm_size(image.llm_dir, config.quant, dtype))
     return [ToolSpec(Tool.CHAT, load_chat, 0 if plan.remote_chat else llm_size(chat_model.path, config.quant, dtype),
                      is_demo=chat_model is not None and chat_model.is_demo,
                      notice=SMALL_MODEL_NOTICE if plan.model_id == EMBEDDED else ""),
             ToolSpec(Tool.IMAGE_CHAT, load_image_chat, image_size, needs=(Tool.CHAT,) if shared else (),
-                     is_demo=vlm is None and image.is_demo),
+                     is_demo=vlm is None and image.is_demo, notice=offline_image_chat),
             ToolSpec(Tool.SEGMENT, load_segment, weights_size(locate_sam(plan.sam, cache_dir())[0], dtype=dtype),
-                     is_demo=plan.sam == SAM_DEMO)]
+                     is_demo=plan.sam == SAM_DEMO, notice=offline_segment)]
 
 
 def loaded_on_first_use(folder: Path | None, name: str, make: Callable[[Path], object],

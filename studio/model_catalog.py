@@ -23,6 +23,7 @@ from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.demo import demo_model_dir
 from pipeline.minigpt4.weights import projection_width
 from pipeline.models import ModelEntry, cache_dir
+from pipeline.sam.weights import DEMO as SAM_DEMO
 from pipeline.service.tools import Tool, ToolHost, ToolSpec
 from studio.config import StudioConfig
 from studio.hub_progress import FirstUseDownload
@@ -62,11 +63,12 @@ class ModelCatalog:
             return self._chosen[tool]
         if tool == Tool.CHAT:
             return self.plan.model_id
-        if tool == Tool.IMAGE_CHAT and self.plan.vlm is not None:
+        fell_back = getattr(self.host.loaded(tool), "is_demo", False)  # a first-use download failed: its demo runs
+        if tool == Tool.IMAGE_CHAT and self.plan.vlm is not None and not fell_back:
             return self.plan.vlm
         if tool == Tool.IMAGE_CHAT:
             return str(self.config.minigpt4_llm) if self.config.minigpt4_llm else image_chat_parts(self.config).llm_id
-        return self.plan.sam
+        return SAM_DEMO if fell_back else self.plan.sam
 
     def in_use(self) -> dict[str, str | None]:
         """What each part of the app runs now, by the names users read: the tools, and the models set at launch

@@ -5,6 +5,7 @@ chat and segment models — with one note per decision, which the terminal, `--c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,7 +13,7 @@ import torch
 from engine_builder import onnxruntime_backend
 from pipeline.errors import UserError
 from pipeline.minigpt4.weights import DEMO_LLM, demo_parts
-from pipeline.models import CHAT_MODELS, EMBEDDED, auto_model, cache_dir, locate
+from pipeline.models import CHAT_MODELS, EMBEDDED, auto_model, cache_dir, hub_offline, locate
 from pipeline.sam.weights import DEMO as SAM_DEMO
 from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.sam.weights import locate_sam
@@ -41,6 +42,7 @@ class Plan:
     notes: tuple[tuple[Tool | None, str], ...]  # (the tool it is about, None: all; the note)
     vlm: str | None = None  # Image chat's VLM (hub id or folder); None: MiniGPT-4
     chat_cpu_weights: str = ""  # what the chat's weights run as on the CPU, where not the dtype (a GGUF file's blocks)
+    offline: str = ""  # why the hub cannot give the models auto would download ("": it can, or none is needed)
 
     @property
     def remote_chat(self) -> bool:
@@ -116,16 +118,19 @@ def _chat_model(config: StudioConfig, device: str) -> tuple[str, list[str], str]
     return model_id, notes, ""
 
 
-def _sam(config: StudioConfig, device: str) -> tuple[str, list[str]]:
-    """auto: SAM ViT-H on a GPU where it is in the cache, else MobileSAM (downloaded on first use; the
-    demo if that fails, `compose.load_segment`)."""
+def _sam(config: StudioConfig, device: str, offline: Callable[[], str]) -> tuple[str, list[str]]:
+    """auto: SAM ViT-H on a GPU where it is in the cache, else MobileSAM, downloaded on first use; offline with
+    MobileSAM not here, the demo SAM (said before any click; a download that fails later falls back too,
+    `compose.load_segment`)."""
     sam, notes = config.sam, []
     if sam == "auto":
         vit_h = locate_sam("sam_vit_h", cache_dir())[1] == "cache"
         sam = "sam_vit_h" if device.startswith("cuda") and vit_h else "mobile_sam"
+        if locate_sam(sam, cache_dir())[1] == "download" and (why := offline()):
+            return SAM_DEMO, [f"segment model: the demo SAM (random weights): MobileSAM is not on this machine and "
+                              f"cannot be downloaded now ({why})"]
         notes.append(f"segment model {sam}: " + ("CUDA GPU and the checkpoint in the cache" if vit_h else
-                     f"MobileSAM ({SAM_SIZES['mobile_sam']}; offline and not in the cache: the demo SAM); "
-                     f"--sam sam_vit_h for the largest SAM"))
+                     f"MobileSAM ({SAM_SIZES['mobile_sam']}); --sam sam_vit_h for the largest SAM"))
     return sam, notes + [f"segment weights: {locate_sam(sam, cache_dir())[1]}"]
 
 
@@ -151,9 +156,14 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
         name = model_name(vlm)
         image = f"Image chat: {name}, {VLM_SIZES.get(vlm, 'a download')}, downloads on first use, " \
             if local_folder(vlm) is None else f"Image chat: {name} "
-    else:
+    elif config.minigpt4_ckpt:
         image = "Image chat: MiniGPT-4 "
-    segment = "Segment: " + _segment_model(plan.sam)
+    else:
+        wanted = vlm_id(config, plan.device) if config.vlm == "auto" else None
+        image = "Image chat: a demo MiniGPT-4 with random weights (its answers mean nothing" + (
+            f"; offline: {model_name(wanted)}, a {VLM_SIZES.get(wanted, 'download')} download, answers once online), "
+            if plan.offline and wanted else "), ")
+    segment = "Segment: " + _segment_model(plan.sam, plan.offline)
     # a SmolVLM's decoder on the CPU: 8-bit blocks on ONNX Runtime (`studio/vlm.load_vlm`; its widths are whole blocks)
     smolvlm_low_bit = vlm is not None and "smolvlm" in vlm.lower() and config.quant in ("auto", "int8") and \
         onnxruntime_backend.unavailable() is None
@@ -162,7 +172,10 @@ def headlines(config: StudioConfig, plan: Plan) -> list[tuple[Tool, str]]:
             (Tool.SEGMENT, segment + where(SEGMENT))]
 
 
-def _segment_model(sam: str) -> str:
+def _segment_model(sam: str, offline: str) -> str:
+    if sam == SAM_DEMO and offline:
+        return (f"a demo SAM with random weights (its masks mean nothing; offline: MobileSAM, a "
+                f"{SAM_SIZES['mobile_sam']} download, gives real masks once online, or --sam /path/to/mobile_sam.pt), ")
     if sam == SAM_DEMO:
         return f"a demo SAM with random weights (--sam mobile_sam for real masks: a {SAM_SIZES['mobile_sam']} download), "
     name = "MobileSAM" if sam == "mobile_sam" else f"SAM ({sam})"
@@ -176,16 +189,28 @@ def make_plan(config: StudioConfig) -> Plan:
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     backends = _backends(config, device)
     model_id, model_notes, chat_cpu_weights = _chat_model(config, device)
-    sam, sam_notes = _sam(config, device)
+    asked: list[str] = []  # the hub is asked at most once, and only where auto would download a model
+
+    def offline() -> str:
+        if not asked:
+            asked.append(hub_offline())
+        return asked[0]
+
+    sam, sam_notes = _sam(config, device, offline)
     quant = f"LLM weights: --quant {config.quant}" + (" (at load: float where the weights fit the free memory, "
                                                       "else int8, else int4)" if config.quant == "auto" else "")
     vlm = vlm_id(config, device)  # a VLM unless MiniGPT-4 is asked for: the MiniGPT-4 demo only where none can come
-    image = "image chat: MiniGPT-4 from the given files" if config.minigpt4_ckpt else \
-        "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one" if vlm is None \
-        else f"image chat model {vlm}" + (f" ({VLM_SIZES.get(vlm, 'a download')}; offline and not in the cache: the "
-                                          f"MiniGPT-4 demo)" if config.vlm == "auto" else "")
+    if vlm is not None and config.vlm == "auto" and local_folder(vlm) is None and offline():
+        image = (f"image chat: the demo MiniGPT-4 (random weights): {model_name(vlm)} is not on this machine and "
+                 f"cannot be downloaded now ({offline()})")
+        vlm = None
+    else:
+        image = "image chat: MiniGPT-4 from the given files" if config.minigpt4_ckpt else \
+            "image chat: the built-in demo MiniGPT-4 (random weights); pass --minigpt4-* for the real one" \
+            if vlm is None else f"image chat model {vlm}" + (f" ({VLM_SIZES.get(vlm, 'a download')})"
+                                                             if local_folder(vlm) is None else "")
     notes = [(None, device_note), *((PART_TOOLS[part], f"{part}: {choice.backend} ({choice.why})")
                                     for part, choice in backends.items()),
              (Tool.CHAT, quant), *((Tool.CHAT, n) for n in model_notes), *((Tool.SEGMENT, n) for n in sam_notes),
              (Tool.IMAGE_CHAT, image)]
-    return Plan(backends, device, dtype, model_id, sam, tuple(notes), vlm, chat_cpu_weights)
+    return Plan(backends, device, dtype, model_id, sam, tuple(notes), vlm, chat_cpu_weights, asked[0] if asked else "")

@@ -116,10 +116,14 @@ JARGON = ("cache rows", "--quant", "instead of TensorRT", "memory budget", "regi
 
 
 @pytest.mark.parametrize("verbose", [False, True])
-def test_start_up_says_what_runs_where_in_a_users_words(tmp_path, verbose):
+def test_start_up_says_what_runs_where_in_a_users_words(tmp_path, verbose, monkeypatch):
     """One line per tool in plain words, then loading and ready; the details (backends and why, the
-    engine's shape, the memory budget) only with --verbose, and always in the page's report."""
+    engine's shape, the memory budget) only with --verbose, and always in the page's report. (The hub
+    answers here: offline, the image tools' lines say their demos, `test_sam_download`, `test_vlm_download`.)"""
     from pipeline.service.tools import Tool
+    from studio import plan
+
+    monkeypatch.setattr(plan, "hub_offline", lambda: "")
 
     config = parse_config(["--model", TEST_MODEL, "--context", "1024", "--data-dir", str(tmp_path)]
                           + ["--verbose"] * verbose)

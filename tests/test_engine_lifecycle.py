@@ -141,3 +141,21 @@ def test_selftest_builds_and_checks_every_engine(tmp_path):
     done = subprocess.run([sys.executable, "-m", "studio.selftest"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "tensorrt cannot run here: no CUDA GPU" in done.stdout
+
+
+def test_offline_check_after_building_reports_the_engines_the_tools_will_run(tmp_path):
+    """Offline with nothing downloaded, `--build-engines` builds the demos' engines that Segment and Image chat
+    fall back to, and `--check` right after reports those engines and their verdicts, not "will be built"."""
+    env = {**os.environ, "STUDIO_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1",
+           "GRADIO_ANALYTICS_ENABLED": "False"}
+    argv = [sys.executable, "launch.py", "--model", TEST_MODEL, *ORT]
+    built = subprocess.run([*argv, "--build-engines"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    checked = subprocess.run([*argv, "--check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = checked.stdout.splitlines()
+    assert checked.returncode == 0 and not any("will be built" in line for line in lines), checked.stdout
+    for tool, component in (("segment engines", "sam_image_encoder"), ("segment engines", "sam_mask_decoder"),
+                            ("image chat engine", "minigpt4_vision")):
+        assert any(line.startswith(f"  - {tool}: {component}: cached in ") and ", verified (" in line
+                   for line in lines), (component, checked.stdout)
+    assert any("segment model: the demo SAM" in line and "HF_HUB_OFFLINE is set" in line for line in lines), lines

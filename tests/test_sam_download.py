@@ -40,7 +40,8 @@ try:
     segment = service.host.loaded(Tool.SEGMENT)
     segment.set_image(np.zeros((40, 60, 3), dtype=np.uint8))
     print(json.dumps({"demo": segment.is_demo, "description": segment.description, "before": before,
-                      "after": sam_entries(),
+                      "after": sam_entries(), "notice": service.notice(Tool.SEGMENT),
+                      "in_use": service.catalog.in_use()["segment"],
                       "report": list(service.startup), "printed": printed}))
 finally:
     service.close()
@@ -76,15 +77,30 @@ def test_mobile_sam_downloads_on_first_use_resumes_a_dropped_connection_and_is_c
     assert not again["demo"] and "downloading" not in " ".join(again["report"])
 
 
-def test_offline_with_nothing_cached_segment_runs_the_demo_and_says_what_a_download_gives(tmp_path):
+def test_offline_with_nothing_cached_segment_says_its_demo_before_any_click(tmp_path):
+    """The hub out of reach at start-up: the plan takes the demo SAM at once (no download tried), and the first
+    line, the tab's banner and the Models tab all say so, with advice that works offline."""
     with socket.socket() as s:  # a port nothing listens on: the hub unreachable
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     got = _load_segment(closed, tmp_path / "cache", tmp_path)
-    assert got["demo"], got
-    assert any("could not download mobile_sam" in line and "no connection" in line and "MobileSAM (40 MB, one download)"
-               in line for line in got["report"]), got["report"]
-    assert got["printed"][2] == "Segment: MobileSAM, 40 MB, downloads on first use, on the CPU (float32)", got["printed"]
+    assert got["demo"] and got["in_use"] == "demo/sam-tiny", got
+    assert got["printed"][2] == ("Segment: a demo SAM with random weights (its masks mean nothing; offline: MobileSAM, a "
+                                 "40 MB download, gives real masks once online, or --sam /path/to/mobile_sam.pt), on "
+                                 "the CPU (float32)"), got["printed"]
+    assert "you are offline" in got["notice"] and "--sam /path/to/mobile_sam.pt" in got["notice"] \
+        and "https://github.com/ChaoningZhang/MobileSAM/raw/master/weights/mobile_sam.pt" in got["notice"], got["notice"]
+    assert not any("downloading" in line or "could not download" in line for line in got["report"]), got["report"]
+
+
+def test_a_download_that_fails_after_start_up_runs_the_demo_and_the_models_tab_says_so(tmp_path):
+    """The hub answers but has no MobileSAM: the download fails on first use, the demo runs, and the Models tab
+    names the demo as what Segment uses, not the model that failed."""
+    with serving({}) as empty_hub:
+        got = _load_segment(empty_hub.url, tmp_path / "cache", tmp_path)
+    assert got["demo"] and got["in_use"] == "demo/sam-tiny", got
+    assert any("could not download mobile_sam" in line and "MobileSAM (40 MB, one download)" in line
+               for line in got["report"]), got["report"]
 
 
 def test_mobile_sam_in_the_hugging_face_cache_is_used_offline(tmp_path):

@@ -61,7 +61,8 @@ try:
                                                   {"type": "image_url", "image_url": {"url": url}}]}]}).json()
     print(json.dumps({"kind": type(chat).__name__, "demo": service.is_demo(Tool.IMAGE_CHAT) or chat.is_demo,
                       "reply": reply, "report": list(service.startup), "printed": printed, "listed": listed,
-                      "api": answer}))
+                      "api": answer, "notice": service.notice(Tool.IMAGE_CHAT),
+                      "in_use": service.catalog.in_use()["image chat"]}))
 finally:
     service.close()
 """
@@ -125,11 +126,23 @@ def test_qwen_vl_downloads_when_asked_for_answers_and_is_the_gpus_choice_once_ca
         assert _ask(empty_hub.url, tmp_path, script=CHOICE) == {"cuda": qwen, "cpu": REPO}
 
 
-def test_offline_with_nothing_cached_image_chat_runs_the_demo_and_says_what_a_download_gives(tmp_path):
+def test_offline_with_nothing_cached_image_chat_says_its_demo_before_any_upload(tmp_path):
+    """The hub out of reach at start-up: the MiniGPT-4 demo is planned at once (no download tried); the first line
+    and the tab's banner say so and what one download would bring, and the Models tab names the demo."""
     with socket.socket() as s:  # a port nothing listens on: the hub unreachable
         s.bind(("127.0.0.1", 0))
         closed = f"http://127.0.0.1:{s.getsockname()[1]}"
     got = _ask(closed, tmp_path)
     assert got["kind"] == "ImageChatPipeline" and got["demo"], got
-    assert any(f"could not download {REPO}" in line and "no connection" in line and "SmolVLM-256M-Instruct (0.5 GB)" in line
+    assert got["printed"][1].startswith("Image chat: a demo MiniGPT-4 with random weights (its answers mean nothing; "
+                                        "offline: SmolVLM-256M-Instruct, a 0.5 GB download, answers once online), "), got
+    assert "you are offline" in got["notice"] and "SmolVLM-256M-Instruct (0.5 GB)" in got["notice"], got["notice"]
+    assert got["in_use"] != REPO and not any("could not download" in line for line in got["report"]), got
+
+
+def test_a_download_that_fails_after_start_up_runs_the_demo_and_says_what_a_download_gives(tmp_path):
+    with serving({}) as empty_hub:  # the hub answers, but has no SmolVLM
+        got = _ask(empty_hub.url, tmp_path)
+    assert got["kind"] == "ImageChatPipeline" and got["demo"] and got["in_use"] != REPO, got
+    assert any(f"could not download {REPO}" in line and "SmolVLM-256M-Instruct (0.5 GB)" in line
                for line in got["report"]), got["report"]
