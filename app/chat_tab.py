@@ -7,7 +7,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from app.composer import Composer, reply_menu
-from app.page_style import CHAT_PANE_CLASS, LATEX
+from app.page_style import CHAT_PANE_CLASS, CHAT_PANE_HEIGHT, LATEX
 from app.conversation import client_of, continuable, turn, user_of
 from app.conversation_files import to_json, to_markdown
 from app.downloads import download_on_click, write_download
@@ -146,7 +146,7 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
     with gr.Row():
         sidebar = Sidebar(Tool.CHAT, "chat", storage_secret)
         with gr.Column(scale=4):
-            chatbot = gr.Chatbot(label="Chat", height=520, buttons=["copy", "copy_all"], elem_id="chat-history",
+            chatbot = gr.Chatbot(label="Chat", height=CHAT_PANE_HEIGHT, buttons=["copy", "copy_all"], elem_id="chat-history",
                                  latex_delimiters=LATEX, elem_classes=[CHAT_PANE_CLASS],
                                  feedback_options=reply_menu(service.speech), placeholder=GREETING,
                                  examples=[{"text": p} for p in EXAMPLE_PROMPTS])
@@ -156,14 +156,14 @@ def build_chat_tab(service: StudioService, app: gr.Blocks, storage_secret: str) 
                 newer = gr.Button("newer ›", size="sm", min_width=70, elem_id="chat-version-newer")
             composer = Composer(Tool.CHAT, "chat", "Type a message, Enter to send", service.speech)
             message = composer.message
-            with gr.Row():
-                regen = gr.Button("Regenerate", size="sm")
-                more = gr.Button("Continue", size="sm", visible=False, elem_id="chat-continue")
-                edit = gr.Button("Edit last", size="sm")
-                cancel = gr.Button("Cancel edit", size="sm", visible=False, elem_id="chat-cancel-edit")
-                export_json = gr.Button("Export JSON", size="sm")
-                export_md = gr.Button("Export Markdown", size="sm")
-            status = gr.Markdown("", elem_id="chat-status")
+            status = gr.Markdown("", elem_id="chat-status")  # right under the message box: in view on a laptop
+            with gr.Row():  # one row at a laptop's width
+                regen = gr.Button("Regenerate", size="sm", min_width=90, elem_id="chat-regenerate")
+                more = gr.Button("Continue", size="sm", visible=False, min_width=90, elem_id="chat-continue")
+                edit = gr.Button("Edit last", size="sm", min_width=90, elem_id="chat-edit")
+                cancel = gr.Button("Cancel edit", size="sm", visible=False, min_width=90, elem_id="chat-cancel-edit")
+                export_json = gr.Button("Export JSON", size="sm", min_width=90)
+                export_md = gr.Button("Export Markdown", size="sm", min_width=90)
             composer.voice_controls()
         with gr.Column(scale=2, min_width=240):
             documents = gr.Dropdown([(NO_DOCUMENTS, "")], value="", label="Answer from documents",

@@ -11,7 +11,7 @@ from pathlib import Path
 import gradio as gr
 
 from app.composer import BUSY_HINT, COMPOSERS, STOP_CLASS
-from app.sidebar import SIDEBAR_CLASS, TOGGLE_CLASS
+from app.sidebar import ACTIONS_CLASS, LIST_CLASS, SIDEBAR_CLASS, TOGGLE_CLASS
 
 PHONE_PX = 700  # narrower than this, the sidebar folds behind its button
 # Math in replies as chat users write it: $$…$$ and \[…\] on a line of their own, $…$ and \(…\) inline.
@@ -28,11 +28,16 @@ LIST_HEIGHT = "40vh"  # a long conversation list scrolls in its own box; the act
 # A chat pane's messages scroll below its label and icons (trash, copy all), never under them: Gradio lays
 # those over the top of the scrolling area, where the question it scrolls to the top would sit.
 CHAT_PANE_CLASS = "studio-chat-pane"
+# The chat pane takes the window's height less the header and the message box, status line, Regenerate and
+# Edit under it, so those stay in view on a laptop's screen (1440 × 900) without scrolling
+CHAT_PANE_HEIGHT = "max(280px, calc(100vh - 480px))"
 PANE_BAR = "30px"
 
 CSS = f"""
 .{TOGGLE_CLASS} {{ display: none !important; }}
-.{SIDEBAR_CLASS} .studio-conversation-list {{ max-height: {LIST_HEIGHT}; overflow-y: auto; flex-wrap: nowrap; }}
+.{SIDEBAR_CLASS} .{LIST_CLASS} {{ max-height: {LIST_HEIGHT}; overflow-y: auto; flex-wrap: nowrap; }}
+/* Rename and Delete only while a conversation is open: on a fresh page they would have nothing to act on */
+.{SIDEBAR_CLASS}:not(:has(.{LIST_CLASS} input:checked)) .{ACTIONS_CLASS} {{ display: none !important; }}
 .{CHAT_PANE_CLASS} .bubble-wrap {{ margin-top: {PANE_BAR}; height: calc(100% - {PANE_BAR}) !important; }}
 /* a reply's menu holds one entry, Read aloud (`composer.reply_menu`): its button shows a speaker, not a flag */
 .{CHAT_PANE_CLASS} button[aria-label="Feedback"] svg {{ display: none; }}
@@ -43,6 +48,7 @@ CSS = f"""
   .{TOGGLE_CLASS} {{ display: block !important; flex-grow: 0 !important; }}
   .{SIDEBAR_CLASS}:not(.open) {{ display: none !important; }}
   #heading h2 {{ font-size: 1.1em; margin: 0; }}
+  .studio-subtitle, .studio-more {{ display: none; }}  /* the heading's and the notices' first words only */
   #chat-model-notice, .studio-banner {{ font-size: 0.8em; }}
   #tools-status {{ display: none !important; }}  /* the engine details: in the start-up panel on a phone */
 }}

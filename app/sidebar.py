@@ -26,6 +26,7 @@ from pipeline.service.tools import Tool
 
 NEW_TITLE = "New conversation"
 SIDEBAR_CLASS, TOGGLE_CLASS = "studio-sidebar", "studio-sidebar-toggle"  # a phone shows the list behind a button
+ACTIONS_CLASS, LIST_CLASS = "studio-conversation-actions", "studio-conversation-list"
 TOGGLE_JS = f"() => document.querySelectorAll('.{SIDEBAR_CLASS}').forEach(e => e.classList.toggle('open'))"
 # On a phone, choosing a conversation folds the list away again, so the chat it opened is what shows.
 FOLD_JS = f"() => document.querySelectorAll('.{SIDEBAR_CLASS}').forEach(e => e.classList.remove('open'))"
@@ -85,16 +86,19 @@ class Sidebar:
                                 elem_id=f"{prefix}-sidebar-toggle")
         with gr.Column(scale=1, min_width=200, elem_classes=[SIDEBAR_CLASS], elem_id=f"{prefix}-sidebar"):
             self.new = gr.Button("New chat" if tool == Tool.CHAT else "New conversation", variant="secondary")
+            # the open conversation's actions above the list, in view however long it is (shown only while
+            # one is open: `page_style`), then the list
+            with gr.Group(elem_classes=[ACTIONS_CLASS]):
+                self.title = gr.Textbox(label="Title (Enter renames)", elem_id=f"{prefix}-title")
+                with gr.Row():
+                    self.rename = gr.Button("Rename", size="sm", elem_id=f"{prefix}-rename")
+                    self.delete = gr.Button("Delete", size="sm", variant="stop", elem_id=f"{prefix}-delete")
+                    self.export_one = gr.Button("Export", size="sm", elem_id=f"{prefix}-export-one")
+            self.undo = gr.Button("Undo delete", size="sm", visible=False, elem_id=f"{prefix}-undo")
             self.search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id=f"{prefix}-search")
             self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations",
-                                          elem_classes=["studio-conversation-list"])
-            self.title = gr.Textbox(label="Title (Enter renames)", elem_id=f"{prefix}-title")
+                                          elem_classes=[LIST_CLASS])
             with gr.Row():
-                self.rename = gr.Button("Rename", size="sm")
-                self.delete = gr.Button("Delete", size="sm", variant="stop")
-                self.undo = gr.Button("Undo delete", size="sm", visible=False, elem_id=f"{prefix}-undo")
-            with gr.Row():
-                self.export_one = gr.Button("Export this", size="sm")
                 self.export_all = gr.Button("Export all", size="sm")
                 self.importer = gr.UploadButton("Import conversation", file_types=[".json", ".md"], size="sm",
                                                 elem_id=f"{prefix}-import")

@@ -26,9 +26,9 @@ from pipeline.service.tools import Tool
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "assets" / "examples"
 
-DEMO_WARNING = ("**Demo model.** No real weights were found, so a tiny built-in model with *random weights* "
-                "is running: its replies are meaningless text. Start with `--model Qwen/Qwen2.5-7B-Instruct` "
-                "(or `--weights FOLDER`) on a GPU for real answers.")
+DEMO_WARNING = ("**Demo model:** its replies are meaningless text.<span class='studio-more'> No real weights were "
+                "found, so a tiny built-in model with *random weights* is running. Start with "
+                "`--model Qwen/Qwen2.5-7B-Instruct` (or `--weights FOLDER`) on a GPU for real answers.</span>")
 MINIGPT4_DEMO_WARNING = ("**Demo MiniGPT-4.** Tiny vision and language models with *random weights* are running: "
                          "the answers are meaningless text. Pass `--minigpt4-ckpt`, `--minigpt4-vision` and "
                          "`--minigpt4-llm` (see README) for the real MiniGPT-4.")
@@ -54,14 +54,15 @@ def browser_storage_secret() -> str:
 
 def heading(device: torch.device) -> str:
     """The page's title, saying where the tools run (a laptop user reads "GPU" as something missing)."""
-    return f"## AI Studio — chat, image chat and segmentation on this machine's {'GPU' if device.type == 'cuda' else 'CPU'}"
+    where = "GPU" if device.type == "cuda" else "CPU"
+    return f"## AI Studio<span class='studio-subtitle'> — chat, image chat and segmentation on this machine's {where}</span>"
 
 
 def tools_line(service: StudioService) -> str:
-    """One line per tool: the model it runs when loaded, else whether it is waiting for its first use
+    """One line for the tools: each one's model when loaded, else whether it is waiting for its first use
     (how it runs, in the engine's terms, is in the start-up panel, and here too with `--verbose`)."""
-    return "\n".join(f"- **{name}**: {state}" + (f" · {description if service.verbose else title}" if title else "")
-                     for name, (state, title, description) in service.tools().items())
+    return " · ".join(f"**{name}**: {state}" + (f" ({description if service.verbose else title})" if title else "")
+                      for name, (state, title, description) in service.tools().items())
 
 
 def startup_lines(service: StudioService) -> str:

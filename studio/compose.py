@@ -56,9 +56,10 @@ from studio.vlm import fetch, load_vlm, local_folder, model_name, vlm_id
 # The engine threads and the request threads hand the GIL around constantly; Python's default 5 ms
 # switch interval would let a busy engine thread hold up a click by several of them.
 GIL_SWITCH_S = 0.0005
-SMALL_MODEL_NOTICE = ("**Small model.** SmolLM2-135M-Instruct (135 M parameters, the model that comes with the app) "
-                      "is answering: real answers, fast on a laptop, but often wrong. For better ones start with "
-                      "`--model Qwen/Qwen2.5-7B-Instruct`, a `.gguf` file you have, or `--weights FOLDER`.")
+SMALL_MODEL_NOTICE = ("**Small model:** real answers, fast on a laptop, but often wrong.<span class='studio-more'> "
+                      "SmolLM2-135M-Instruct (135 M parameters, the model that comes with the app) is answering. "
+                      "For better ones start with `--model Qwen/Qwen2.5-7B-Instruct`, a `.gguf` file you have, or "
+                      "`--weights FOLDER`.</span>")
 IMAGE_QUERIES = 32  # MiniGPT-4's query embeddings per image (BLIP-2's Q-Former, every checkpoint)
 DRAFT_SHARE_OF_FREE = 8  # a draft model gets 1/8 of the chat tool's free memory (its weights and KV cache)
 # What the image tabs say before any upload where auto's model cannot be downloaded (`Plan.offline`)

@@ -208,7 +208,7 @@ def test_regenerate_keeps_every_reply_as_a_version_and_the_meter_shows_the_conte
     _version(page, "Reply 2 / 2")
     assert _chat_texts(page) == again
     with page.expect_download() as download:  # both replies are in the conversation's export
-        page.get_by_role("button", name="Export this").first.click()
+        page.locator("#chat-export-one").click()
     download.value.save_as(tmp_path / "versions.json")
     (exported,) = __import__("json").loads((tmp_path / "versions.json").read_text())["conversations"]
     replies = [m for m in exported["messages"] if m["role"] == "assistant"]

@@ -6,5 +6,5 @@ from app.ui import heading
 
 
 def test_the_heading_says_cpu_or_gpu():
-    assert heading(torch.device("cpu")).endswith("on this machine's CPU")
-    assert heading(torch.device("cuda", 0)).endswith("on this machine's GPU")
+    assert heading(torch.device("cpu")).endswith("on this machine's CPU</span>")
+    assert heading(torch.device("cuda", 0)).endswith("on this machine's GPU</span>")
