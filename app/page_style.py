@@ -39,6 +39,8 @@ CSS = f"""
 /* Rename and Delete only while a conversation is open: on a fresh page they would have nothing to act on */
 .{SIDEBAR_CLASS}:not(:has(.{LIST_CLASS} input:checked)) .{ACTIONS_CLASS} {{ display: none !important; }}
 .{CHAT_PANE_CLASS} .bubble-wrap {{ margin-top: {PANE_BAR}; height: calc(100% - {PANE_BAR}) !important; }}
+/* one way to delete a conversation, the sidebar's Delete (with Undo): not Gradio's own trash icon beside it */
+.{CHAT_PANE_CLASS} button[aria-label="Clear"] {{ display: none; }}
 /* a reply's menu holds one entry, Read aloud (`composer.reply_menu`): its button shows a speaker, not a flag */
 .{CHAT_PANE_CLASS} button[aria-label="Feedback"] svg {{ display: none; }}
 .{CHAT_PANE_CLASS} button[aria-label="Feedback"]::after {{ content: "🔊"; font-size: 0.9em; }}

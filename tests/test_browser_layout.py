@@ -1,7 +1,7 @@
 """The first screen as a new user sees it, on a laptop (1440 × 900) and a phone (390 × 844), without scrolling:
 the message box and the status line under it in view (Regenerate and Edit too on the laptop), the open
 conversation's Rename and Delete in view with 50 conversations in the list, and none of them on a fresh page,
-where they would have nothing to act on."""
+where they would have nothing to act on; one way to delete a conversation (not Gradio's trash icon too)."""
 
 import contextlib
 import json
@@ -69,6 +69,8 @@ def test_the_message_box_status_line_and_the_conversations_actions_stay_in_view(
             page.locator(PHONE_TOGGLE).click()
         send(page, "Hi")
         page.locator("#chat-status").get_by_text("tok/s").wait_for()
+        assert page.locator('#chat-history button[aria-label="Copy conversation"]').is_visible()
+        assert not page.locator('#chat-history button[aria-label="Clear"]').is_visible()  # Delete is the one way
         page.evaluate("window.scrollTo(0, 0)")
         shown = ["#chat-input textarea", "#chat-status"] + ([] if phone else ["#chat-regenerate", "#chat-edit"])
         assert [s for s in shown if not in_view(page, s)] == [], name
