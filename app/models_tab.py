@@ -16,8 +16,9 @@ from pipeline.service.studio import StudioService
 from pipeline.models import ModelEntry
 from pipeline.service.tools import Tool, size_text
 
-COLUMNS = ["Model", "Kind", "Family", "Parameters", "GGUF type", "On disk", "Runs as", "Memory", "Fits", "Where",
-           "In use by"]
+COLUMNS = ["Model", "Kind", "Parameters", "On disk", "Memory", "Fits", "Where", "In use by"]
+ENGINE_COLUMNS = ["Family", "Runs as"]  # engine terms: with --verbose only (then the table scrolls in its box)
+NOTHING_TO_DELETE = "Nothing to delete: every model here came with the app, is a demo, or is in use."
 NOTHING_TO_CANCEL = "No download is running: there is nothing to cancel."
 
 
@@ -38,20 +39,24 @@ def fits_text(entry: ModelEntry, room: tuple[int, str] | None, in_use: bool) -> 
     return "yes" if fits else f"no ({size_text(room[0])} {room[1]})" if fits is not None else ""
 
 
-def model_table(entries: list[ModelEntry], room: tuple[int, str] | None,
-                using: dict[str, str | None]) -> tuple[list, list]:
-    """(the columns, a row per model): the memory each model takes here (a GPU's, or the CPU's), and whether it
-    fits the `room` there is for it (no "Fits" column where there is no limit)."""
+def model_table(entries: list[ModelEntry], room: tuple[int, str] | None, using: dict[str, str | None],
+                verbose: bool = False) -> tuple[list, list]:
+    """(the columns, a row per model): its kind (a GGUF file's quantization with it), the memory it takes here (a
+    GPU's, or the CPU's), whether it fits the `room` there is for it (no "Fits" column where there is no limit)
+    and what uses it; `verbose` adds its family and what its weights run as."""
+    columns = COLUMNS + ENGINE_COLUMNS if verbose else list(COLUMNS)
+    if room is None:
+        columns.remove("Fits")
     rows = []
     for e in entries:
         users = [t for t, m in using.items() if m in (e.id, str(e.path))]
-        rows.append([e.id, e.kind, e.family, count_text(e.params), e.quant, size_text(e.disk_bytes) if e.path else "",
-                     e.precision, size_text(e.memory_bytes) if e.memory_bytes is not None else "",
-                     fits_text(e, room, bool(users)), e.source, ", ".join(users)])
-    if room is None:
-        keep = [i for i, column in enumerate(COLUMNS) if column != "Fits"]
-        return [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in rows]
-    return COLUMNS, rows
+        cells = {"Model": e.id, "Kind": e.kind + (f" · {e.quant}" if e.quant else ""), "Parameters": count_text(e.params),
+                 "On disk": size_text(e.disk_bytes) if e.path else "",
+                 "Memory": size_text(e.memory_bytes) if e.memory_bytes is not None else "",
+                 "Fits": fits_text(e, room, bool(users)), "Where": e.source, "In use by": ", ".join(users),
+                 "Family": e.family, "Runs as": e.precision}
+        rows.append([cells[c] for c in columns])
+    return columns, rows
 
 
 SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat model"), (Tool.SEGMENT, "Segment (SAM)"))
@@ -64,14 +69,16 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
     downloads: dict[str, threading.Event] = {}  # a session's download in progress, to cancel
 
     def table() -> gr.Dataframe:
-        headers, rows = model_table(catalog.models(), catalog.room(), catalog.in_use())
+        headers, rows = model_table(catalog.models(), catalog.room(), catalog.in_use(), service.verbose)
         return gr.Dataframe(rows, headers=headers)
 
     def refresh() -> tuple:
         entries = catalog.refresh()  # the tab opened, or a switch, download or delete ended: look again
         pickers = [gr.Dropdown(choices=[e.id for e in entries if tool in e.tools], value=catalog.current(tool))
                    for tool, _ in SWITCHES]
-        return table(), *pickers, gr.Dropdown(choices=[e.id for e in entries if e.deletable], value=None)
+        deletable = [e.id for e in entries if e.deletable]
+        return table(), *pickers, gr.Dropdown(choices=deletable, value=None, visible=bool(deletable)), \
+            gr.Button(visible=bool(deletable)), gr.Markdown(visible=not deletable)
 
     def switcher(tool: Tool) -> Callable:
         @shown_to_user
@@ -114,12 +121,10 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
     def delete(model_id: str) -> tuple:
         return catalog.delete(model_id), gr.Button(visible=False)
 
-    gr.Markdown("Models on this machine: the Hugging Face cache, `--models-dir`, our cache, the SmolLM2 that "
-                "comes with the app and the weights behind cached engines; a GGUF file is listed as "
-                "`owner/repo:TAG` (its quantization) or by its path. A switch loads the new model now; replies "
-                "already streaming finish on the old one. **Cancel download** stops your download from the box "
-                "below, or else a tool's first-use download (Image chat's or Segment's model); using the tool "
-                "again starts it again.")
+    gr.Markdown("The models on this machine, and what each tool uses. Switch a tool to another below (a reply "
+                "already streaming finishes first), download one from the Hugging Face hub, or delete one you "
+                "downloaded. **Cancel download** also stops a tool's own first download; using the tool starts it "
+                "again.", elem_id="models-intro")
     models = gr.Dataframe(interactive=False, elem_id="models-table", wrap=True)
     status = gr.Markdown("", elem_id="models-status")
     pickers, buttons = [], []
@@ -139,9 +144,10 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
                 cancel = gr.Button("Cancel download", size="sm")
         with gr.Column():
             doomed = gr.Dropdown([], label="Delete a downloaded model", elem_id="models-delete")
-            ask = gr.Button("Delete…", size="sm", variant="stop")
+            ask = gr.Button("Delete…", size="sm", variant="stop", elem_id="models-ask-delete")
+            nothing = gr.Markdown(NOTHING_TO_DELETE, visible=False, elem_id="models-nothing-to-delete")
             confirm = gr.Button("Yes, delete its files", size="sm", variant="stop", visible=False)
-    outputs = [models, *pickers, doomed]
+    outputs = [models, *pickers, doomed, ask, nothing]
     relist = dict(fn=refresh, inputs=None, outputs=outputs, api_visibility="private")
     for (tool, _), picker, button in zip(SWITCHES, pickers, buttons):
         button.click(switcher(tool), picker, status, api_visibility="private",

@@ -162,15 +162,17 @@ def quality(score: float) -> float:
 DEMO_STATUS = "**Demo SAM with random weights: these masks mean nothing** (MobileSAM downloads when online) · "
 
 
-def status_line(s: SegmentSession) -> str:
+def status_line(s: SegmentSession, verbose: bool = False) -> str:
     """What the user has prompted (and why there is nothing to download, where the chosen mask is
-    empty), and what their own session cost."""
+    empty), and what their own session cost: in a user's words, and with `verbose` in the engine's."""
     st, n = s.stats, len(s.prompts.points)
     empty = " · the chosen mask is empty: nothing to download or ask about" if s.mask is not None and \
         not s.mask.any() else ""
     demo = DEMO_STATUS if s.pipeline.is_demo else ""
     half_box = " · box: now click its opposite corner" if s.corner is not None else ""
     box = " + box" if s.prompts.box is not None else ""
-    return (f"{demo}{n} point{'' if n == 1 else 's'}{box}{half_box}{empty} · "
-            f"encoder runs {st.encoder_runs} (last {st.last_encoder_ms:.0f} ms), cached embeddings reused "
-            f"{st.cache_hits}× · decoder {st.last_decoder_ms:.1f} ms")
+    cost = (f"encoder runs {st.encoder_runs} (last {st.last_encoder_ms:.0f} ms), cached embeddings reused "
+            f"{st.cache_hits}× · decoder {st.last_decoder_ms:.1f} ms") if verbose else \
+        (f"picture read {st.encoder_runs}×" + (f" (last in {st.last_encoder_ms / 1e3:.1f} s)" if st.encoder_runs else "")
+         + (f", reused {st.cache_hits}×" if st.cache_hits else "") + f" · each click {st.last_decoder_ms:.0f} ms")
+    return f"{demo}{n} point{'' if n == 1 else 's'}{box}{half_box}{empty} · {cost}"

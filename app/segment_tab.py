@@ -33,6 +33,7 @@ class TabState:
     display: np.ndarray = dataclasses.field(repr=False)  # the image at browser size, drawn on every click
     scale: float  # displayed pixels per original pixel
     small: np.ndarray = dataclasses.field(repr=False)  # the candidates' thumbnail copy
+    verbose: bool = False  # the status line in the engine's terms too
 
 
 def _write_png(data: bytes) -> str:
@@ -48,7 +49,7 @@ def _render(t: TabState):
     full-size mask PNG is made only when the user downloads (a 12 MP one costs ~0.15 s, not per click)."""
     s = t.session
     return (render_session(s, s.display_copy(t.display), t.scale, s.device), t, render_candidates(s, t.small),
-            gr.Button(interactive=s.mask is not None and bool(s.mask.any())), status_line(s))
+            gr.Button(interactive=s.mask is not None and bool(s.mask.any())), status_line(s, t.verbose))
 
 
 @dataclasses.dataclass
@@ -88,7 +89,7 @@ def build_segment_tab(service: StudioService, examples: list[str]) -> SelectionQ
         session = service.segment_session(image)
         display, scale = fit_for_display(image, device=session.device)  # resized where SAM runs
         session.shown = display.shape[:2]  # masks come at the size the browser shows
-        yield _render(TabState(session, display, scale, thumbnail(display)))
+        yield _render(TabState(session, display, scale, thumbnail(display), service.verbose))
 
     def on_click(t: TabState | None, label: str, mode: str, multimask: bool, evt: gr.SelectData):
         def click(s: SegmentSession) -> None:

@@ -61,13 +61,18 @@ def heading(device: torch.device) -> str:
 def tools_line(service: StudioService) -> str:
     """One line for the tools: each one's model when loaded, else whether it is waiting for its first use
     (how it runs, in the engine's terms, is in the start-up panel, and here too with `--verbose`)."""
-    return " · ".join(f"**{name}**: {state}" + (f" ({description if service.verbose else title})" if title else "")
+    return " · ".join(f"**{name}**: {state}" + (f", {description if service.verbose else title}" if title else "")
                       for name, (state, title, description) in service.tools().items())
 
 
 def startup_lines(service: StudioService) -> str:
-    """The start-up panel: the start-up report (each tool's load says how it runs, in the engine's terms)."""
-    return "\n".join(f"- {line}" for line in service.startup)
+    """The start-up panel: what every user is told (what runs where, loads, fallbacks), then, folded, the
+    details in the engine's terms (backends and why, each tool's engine, memory)."""
+    told = set(service.startup_told)
+    details = [line for line in service.startup if line not in told]
+    return "\n".join(f"- {line}" for line in service.startup_told) + (
+        "\n\n<details><summary>Details: engines, backends and memory</summary>\n\n" +
+        "\n".join(f"- {line}" for line in details) + "\n\n</details>" if details else "")
 
 
 def image_chat_demo_warning(service: StudioService) -> str:

@@ -308,7 +308,7 @@ def build(config: StudioConfig, plan: Plan, out: Callable[[str], None] | None = 
     documents = document_library(config, plan.device, report.tell, out or (lambda line: None),
                                  config.data_dir or data_dir())
     speech = speech_models(config.stt, config.voice, plan.device, report.tell)
-    return StudioService(host, engines.report.lines, store=store, catalog=catalog, image_model=plan.vlm or "minigpt4",
+    return StudioService(host, engines.report.lines, startup_told=engines.report.told, store=store, catalog=catalog, image_model=plan.vlm or "minigpt4",
                          verbose=config.verbose, documents=documents, speech=speech)
 
 

@@ -21,6 +21,7 @@ class StartupReport:
 
     def __init__(self, out: Callable[[str], None] | None = print_line, verbose: bool = False):
         self.lines: list[str] = []
+        self.told: list[str] = []  # those every user gets (the page's panel puts the details under them)
         self.out, self.verbose = out, verbose
         self._listeners: list[Callable[[str], None]] = []
 
@@ -30,11 +31,13 @@ class StartupReport:
 
     def say(self, line: str) -> None:
         """A detail: printed with `--verbose`, always kept."""
-        self._add(line, self.verbose)
+        self._add(line, False)
 
-    def _add(self, line: str, printed: bool) -> None:
+    def _add(self, line: str, told: bool) -> None:
         self.lines.append(line)
-        if printed and self.out is not None:
+        if told:
+            self.told.append(line)
+        if (told or self.verbose) and self.out is not None:
             self.out(line)
         for listener in list(self._listeners):
             listener(line)

@@ -104,13 +104,13 @@ def test_segment_tab_clicks_undo_and_box(page):
     page.get_by_role("tab", name="Segment").click()
     page.locator("#segment-canvas input[type=file]").set_input_files("assets/examples/shapes.jpg")
     status = page.locator("#segment-status")
-    status.get_by_text("encoder runs").wait_for()
+    status.get_by_text("picture read").wait_for()
     image = page.locator("#segment-canvas img").first
     image.wait_for()
     box = image.bounding_box()
     image.click(position={"x": box["width"] * 0.25, "y": box["height"] * 0.4})
     status.get_by_text("1 point ").wait_for()
-    runs = status.inner_text().split("encoder runs ")[1].split(" ")[0]
+    runs = status.inner_text().split("picture read ")[1].split("×")[0]
     page.locator("#segment-candidates img").nth(2).wait_for()  # three candidates
     captions = re.findall(r"quality (-?[0-9.]+)", page.locator("#segment-candidates").inner_text())
     assert len(captions) >= 3 and all(0 <= float(q) <= 1 for q in captions), captions  # SAM's raw IoU, clamped
@@ -120,7 +120,7 @@ def test_segment_tab_clicks_undo_and_box(page):
     page.get_by_label("Background (−)").check()
     image.click(position={"x": box["width"] * 0.7, "y": box["height"] * 0.6})
     status.get_by_text("2 points").wait_for()
-    assert status.inner_text().split("encoder runs ")[1].split(" ")[0] == runs  # same image: no re-encode
+    assert status.inner_text().split("picture read ")[1].split("×")[0] == runs  # same image: no re-encode
     page.get_by_role("button", name="Undo").click()
     status.get_by_text("1 point ").wait_for()
     page.get_by_label("Box (two clicks: opposite corners)").check()
@@ -379,7 +379,7 @@ def test_ask_about_the_selected_object(page):
     page.get_by_role("tab", name="Segment").click()
     page.locator("#segment-canvas input[type=file]").set_input_files("assets/examples/shapes.jpg")
     status = page.locator("#segment-status")
-    status.get_by_text("encoder runs").wait_for()
+    status.get_by_text("picture read").wait_for()
     page.get_by_label("Points").check()
     page.get_by_role("button", name="Clear prompts").click()  # an earlier test may have left prompts
     status.get_by_text("0 points").wait_for()

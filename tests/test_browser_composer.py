@@ -253,7 +253,7 @@ def test_cancel_download_with_nothing_running_says_so(page):
 def test_the_header_names_each_tools_model_and_the_engine_terms_wait_in_the_start_up_panel(
         browser, running_app, tmp_path, studio_cache):  # noqa: F811
     """Words for people at the top (the model, its memory); batch, cache rows and chunks in the start-up
-    panel, and in the header too under `--verbose`."""
+    panel's folded details, and in the header too under `--verbose`."""
     from conftest import launched
 
     engine_terms = ("batch up to", "cache rows", "prefill in chunks")
@@ -263,6 +263,9 @@ def test_the_header_names_each_tools_model_and_the_engine_terms_wait_in_the_star
         assert "of memory" in tools.inner_text() and not [t for t in engine_terms if t in tools.inner_text()]
         page.get_by_text("Start-up: what runs where, and why").click()
         report = page.locator("#startup-report")
+        report.get_by_text("Chat:").first.wait_for()  # what runs where, in a user's words, first
+        assert not report.get_by_text("cache rows").first.is_visible()
+        report.get_by_text("Details: engines, backends and memory").click()
         report.get_by_text("cache rows").first.wait_for()  # how the chat model runs, in the engine's terms
         assert all(t in report.inner_text() for t in engine_terms), report.inner_text()
     with launched(tmp_path / "verbose.log", studio_cache, "--verbose") as app, browser_page(browser, app.url) as page:

@@ -130,7 +130,7 @@ def test_click_mask_ask_about_this_streams_from_the_downloaded_models(browser, t
             page.get_by_role("tab", name="Segment").click()
             page.locator("#segment-canvas input[type=file]").set_input_files("assets/examples/shapes.jpg")
             status = page.locator("#segment-status")
-            status.get_by_text("encoder runs 1").wait_for(timeout=SLOW)
+            status.get_by_text("picture read 1×").wait_for(timeout=SLOW)
             image = page.locator("#segment-canvas img").first
             image.wait_for()
             page.wait_for_function("() => document.querySelector('#segment-canvas img').complete")
@@ -189,7 +189,7 @@ def test_click_mask_ask_about_this_streams_from_the_downloaded_models(browser, t
             report.get_by_text("image chat ready in").wait_for()
             _no_demo_notice(page)
             tools = page.locator("#tools-status")
-            tools.get_by_text("MobileSAM (TinyViT)").wait_for()
+            tools.get_by_text("MobileSAM").wait_for()
             tools.get_by_text(f"SmolVLM over {SMOLVLM}").wait_for()
             assert "MiniGPT-4" not in tools.inner_text() and "demo/sam" not in tools.inner_text()
 

@@ -39,7 +39,7 @@ service = build(config, make_plan(config), out=None)
 catalog = service.catalog
 
 def table():
-    headers, rows = model_table(catalog.refresh(), catalog.room(), catalog.in_use())
+    headers, rows = model_table(catalog.refresh(), catalog.room(), catalog.in_use(), verbose=True)
     return {row[0]: dict(zip(headers, row)) for row in rows}
 
 def refusal(model_id):

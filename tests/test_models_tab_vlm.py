@@ -45,7 +45,7 @@ service = build(config, make_plan(config), out=None)
 catalog = service.catalog
 
 def table():
-    headers, rows = model_table(catalog.refresh(), catalog.room(), catalog.in_use())
+    headers, rows = model_table(catalog.refresh(), catalog.room(), catalog.in_use(), verbose=True)
     return {row[0]: dict(zip(headers, row)) for row in rows}
 
 try:
@@ -88,12 +88,12 @@ def test_vlms_are_listed_with_their_size_and_image_chat_switches_to_one(folder, 
     got = json.loads(done.stdout.strip().splitlines()[-1])
 
     qwen_row = {"Model": str(qwen), "Kind": "VLM", "Family": "Qwen2.5-VL", "Parameters": count_text(_params(qwen)),
-                "GGUF type": "", "On disk": size_text(sum(f.stat().st_size for f in qwen.iterdir())),
+                "On disk": size_text(sum(f.stat().st_size for f in qwen.iterdir())),
                 "Runs as": "float32", "Memory": size_text(weights_size(qwen, dtype=torch.float32)), "Fits": "yes",
                 "Where": "models folder", "In use by": ""}
     assert got["before"][str(qwen)] == qwen_row
     assert got["before"][SMOLVLM] == {"Model": SMOLVLM, "Kind": "VLM", "Family": "SmolVLM", "Parameters": "",
-                                      "GGUF type": "", "On disk": "", "Runs as": "float32", "Memory": "",
+                                      "On disk": "", "Runs as": "float32", "Memory": "",
                                       "Fits": "in use", "Where": "downloads on first use (0.5 GB)", "In use by": "image chat"}
     downloaded = got["after"][SMOLVLM]
     assert (downloaded["Kind"], downloaded["Where"], downloaded["In use by"]) == ("VLM", "Hugging Face cache",

@@ -35,3 +35,14 @@ def test_memory_against_the_gpu_budget_or_the_cpu_free_memory_and_no_size_for_wh
     assert [dict(zip(headers, row))["Fits"] for row in rows[1:]] == ["no (8.00 GiB budget)", "yes"]
     headers, rows = model_table(entries, (200 << 20, "free"), using)  # the CPU with 200 MiB free
     assert [dict(zip(headers, row))["Fits"] for row in rows[1:]] == ["no (200 MiB free)", "in use"]
+
+
+def test_engine_terms_only_with_verbose_and_a_gguf_files_blocks_beside_its_kind(tmp_path):
+    gguf = ModelEntry("owner/repo:Q4_K_M", "LLM", "qwen2", 7_615_616_512, 4 << 30, "Q4_K blocks as stored", 5 << 30,
+                      "Hugging Face cache", tmp_path, (Tool.CHAT,), quant="Q4_K_M")
+    headers, rows = model_table([gguf], (24 << 30, "budget"), {})
+    assert headers == ["Model", "Kind", "Parameters", "On disk", "Memory", "Fits", "Where", "In use by"]
+    assert dict(zip(headers, rows[0]))["Kind"] == "LLM · Q4_K_M"
+    headers, rows = model_table([gguf], (24 << 30, "budget"), {}, verbose=True)
+    assert dict(zip(headers, rows[0]))["Family"] == "qwen2" and dict(zip(headers, rows[0]))["Runs as"] == \
+        "Q4_K blocks as stored"

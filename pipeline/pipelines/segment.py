@@ -63,6 +63,9 @@ class SegmentStats:
     last_decoder_ms: float = 0.0
 
 
+SAM_SIZES_BY_WIDTH = {768: "ViT-B", 1024: "ViT-L", 1280: "ViT-H"}  # the official releases' encoder widths
+
+
 class SegmentPipeline:
     def __init__(self, engine: SamEngine, cache_bytes: int = 512 << 20, is_demo: bool = False):
         """`engine` runs SAM (see `studio.backends.sam_engine`); the pipeline does the rest."""
@@ -75,7 +78,10 @@ class SegmentPipeline:
         self.everything_grid = 32 if self.engine.device.type == "cuda" else 12
         c = self.engine.config
         encoder = "MobileSAM (TinyViT)" if c.tiny_vit is not None else f"SAM {c.encoder_embed_dim}-wide ViT ×{c.encoder_depth}"
-        self.title, self.description = encoder, f"{encoder} · {self.engine.name} · {self.engine.precision}"
+        # what a user calls it (the header); the engine's terms in the description (the start-up details)
+        self.title = "demo SAM (random weights)" if is_demo else "MobileSAM" if c.tiny_vit is not None else \
+            f"SAM {SAM_SIZES_BY_WIDTH.get(c.encoder_embed_dim, 'ViT')}"
+        self.description = f"{encoder} · {self.engine.name} · {self.engine.precision}"
 
     def close(self) -> None:
         """Free the SAM engine and the cached embeddings (the tool is being unloaded); a session that

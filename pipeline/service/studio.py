@@ -49,8 +49,9 @@ class StudioService:
     def __init__(self, host: ToolHost, startup: list[str] | None = None, max_in_flight: int = MAX_IN_FLIGHT,
                  store: ConversationStore | None = None, catalog: Catalog | None = None,
                  image_model: str = "minigpt4", verbose: bool = False, documents: Library | None = None,
-                 speech: Speech | None = None):
-        """`startup`: the start-up report's lines (it keeps growing as tools load); `store`: where
+                 speech: Speech | None = None, startup_told: list[str] | None = None):
+        """`startup`: the start-up report's lines (it keeps growing as tools load), `startup_told` those of them
+        every user gets (the rest are details: backends, engines, memory); `store`: where
         conversations are kept (replies given `saved` go there); `catalog`: the models that can be
         switched to (none: each tool keeps the model it started with); `image_model`: what image chat is
         planned to run, as API requests name it (a VLM's hub id or folder, or `minigpt4`); `verbose`: reply
@@ -62,6 +63,7 @@ class StudioService:
         self.speech = speech if speech is not None else Speech(None, None)
         self.verbose = verbose
         self.startup = startup if startup is not None else []
+        self.startup_told = startup_told if startup_told is not None else self.startup
         self._in_flight = InFlight(max_in_flight)
         self._switching = threading.Lock()  # one model switch at a time
 
