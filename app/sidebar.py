@@ -93,7 +93,7 @@ class Sidebar:
                 with gr.Row():
                     self.rename = gr.Button("Rename", size="sm", elem_id=f"{prefix}-rename")
                     self.delete = gr.Button("Delete", size="sm", variant="stop", elem_id=f"{prefix}-delete")
-                    self.export_one = gr.Button("Export", size="sm", elem_id=f"{prefix}-export-one")
+                    self.export_one = gr.Button("Export", size="sm", elem_id=f"{prefix}-export-this")
             self.undo = gr.Button("Undo delete", size="sm", visible=False, elem_id=f"{prefix}-undo")
             self.search = gr.Textbox(placeholder="Search conversations", show_label=False, elem_id=f"{prefix}-search")
             self.conversations = gr.Radio([], label="Conversations", elem_id=f"{prefix}-conversations",

@@ -90,7 +90,7 @@ def test_a_long_list_scrolls_in_its_own_box_and_the_actions_stay_in_view(page, t
     viewport = page.viewport_size["height"]
     rename = page.locator("#chat-sidebar").get_by_role("button", name="Rename").bounding_box()
     assert rename["y"] + rename["height"] <= viewport * 1.2, (rename, viewport)  # not 1,400 px down the page
-    assert page.locator("#chat-history").bounding_box()["height"] >= 400  # the chat pane keeps its height
+    assert page.locator("#chat-history").bounding_box()["height"] >= 280  # the pane keeps its height (its floor)
 
 
 def test_on_a_phone_choosing_a_conversation_folds_the_list_and_shows_the_chat(browser, running_app):  # noqa: F811
