@@ -59,6 +59,15 @@ def model_table(entries: list[ModelEntry], room: tuple[int, str] | None, using: 
     return columns, rows
 
 
+WIDTHS = {"Model": 24, "Kind": 10, "Parameters": 9, "On disk": 8, "Memory": 9, "Fits": 9, "Where": 18, "In use by": 13,
+          "Family": 9, "Runs as": 14}  # shares of the page's width: the cells wrap, no column pushes another out
+
+
+def column_widths(headers: list[str]) -> list[str]:
+    total = sum(WIDTHS[h] for h in headers)
+    return [f"{100 * WIDTHS[h] / total:.1f}%" for h in headers]
+
+
 SWITCHES = ((Tool.CHAT, "Chat model"), (Tool.IMAGE_CHAT, "Image-chat model"), (Tool.SEGMENT, "Segment (SAM)"))
 
 
@@ -70,7 +79,7 @@ def build_models_tab(service: StudioService, header: dict) -> dict:
 
     def table() -> gr.Dataframe:
         headers, rows = model_table(catalog.models(), catalog.room(), catalog.in_use(), service.verbose)
-        return gr.Dataframe(rows, headers=headers)
+        return gr.Dataframe(rows, headers=headers, column_widths=column_widths(headers))
 
     def refresh() -> tuple:
         entries = catalog.refresh()  # the tab opened, or a switch, download or delete ended: look again

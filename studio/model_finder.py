@@ -39,7 +39,8 @@ from pipeline.llm.demo import DEMO_MODELS
 from pipeline.llm.weights.gguf_file import SPLIT
 from pipeline.llm.weights.gguf_folder import gguf_model_dir
 from pipeline.llm.model.kv_cache import KVCache
-from pipeline.models import EMBEDDED, HUB_GGUF, ModelEntry, cache_dir, embedded_gguf, gguf_files_for_tag
+from pipeline.models import (EMBEDDED, HUB_GGUF, ModelEntry, cache_dir, embedded_gguf, gguf_files_for_tag,
+                             hub_offline)
 from pipeline.sam.weights import CHECKPOINTS, DEMO, locate_sam
 from pipeline.sam.weights import SIZES as SAM_SIZES
 from pipeline.service.tools import Tool
@@ -81,6 +82,11 @@ def gguf_parts(first: Path) -> list[Path]:
     found = first.parent.glob(f"{glob.escape(m['stem'])}-[0-9][0-9][0-9][0-9][0-9]-of-{m['count']}.gguf") if m \
         else [first]
     return sorted(p for p in found if p.is_file())
+
+
+def _first_use() -> str:
+    """Where a model not here yet is: a download on first use, or, with no hub to reach, one once online."""
+    return "not here: downloads once online" if hub_offline() else "downloads on first use"
 
 
 class ModelFinder:
@@ -144,16 +150,16 @@ class ModelFinder:
             if path.is_file() or name == DEMO:
                 add(self._sam(name, path if path.is_file() else None, source))
             elif name == "mobile_sam":  # Segment's default: what choosing it brings
-                add(self._sam(name, None, f"downloads on first use ({SAM_SIZES[name]})"))
+                add(self._sam(name, None, f"{_first_use()} ({SAM_SIZES[name]})"))
         vlm = vlm_id(self.config, self.device)  # Image chat's (None: MiniGPT-4's)
         if vlm is not None and local_folder(vlm) is None:
             family = next((f for f in VLM_FAMILIES.values() if model_name(vlm).startswith(f)), "")
-            add(self._vlm(vlm, None, family, f"downloads on first use ({VLM_SIZES.get(vlm, 'a download')})"))
+            add(self._vlm(vlm, None, family, f"{_first_use()} ({VLM_SIZES.get(vlm, 'a download')})"))
         for value, kind in ((self.config.embedder, EMBEDDER), (self.config.reranker, RERANKER)):
             if Path(value).expanduser().is_dir():
                 add(self._documents_model(value, Path(value).expanduser(), "local folder", kind))
             elif value not in ("auto", "none") and not any(e.id == value for e in found.values()):
-                add(self._documents_model(value, None, "downloads on first use", kind))
+                add(self._documents_model(value, None, _first_use(), kind))
         if (built_in := built_in_folder()) is not None:
             add(self._documents_model(BUILT_IN, built_in, "built in", EMBEDDER))
         for value, kind, speech in ((self.config.stt, HEARING, whisper_folder(self.config.stt)),
@@ -162,7 +168,7 @@ class ModelFinder:
                 add(self._speech_model(speech.name, speech.path, "built in" if value == "auto" else "given at launch",
                                        kind))
             elif speech is not None and not any(e.id == speech.name for e in found.values()):
-                add(self._speech_model(speech.name, None, "downloads on first use", kind))
+                add(self._speech_model(speech.name, None, _first_use(), kind))
         for source in self._engine_sources():
             if source.is_dir() and (source / "config.json").is_file():
                 add(self._folder(str(source), source, "behind a cached engine"))

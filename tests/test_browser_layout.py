@@ -139,6 +139,7 @@ def test_offline_the_image_tabs_say_their_demo_before_any_upload_in_a_users_word
         rows = rows_of(page)
         columns = " ".join(next(iter(rows.values())))
         assert rows["demo/sam-tiny"]["In use by"] == "segment" and rows["mobile_sam"]["In use by"] == "", rows
+        assert rows["mobile_sam"]["Where"] == "not here: downloads once online (40 MB)", rows["mobile_sam"]
         assert "image chat" in [r["In use by"] for model, r in rows.items() if model.startswith("demo/")], rows
         assert page.locator("#models-nothing-to-delete").is_visible()
         assert not page.locator("#models-ask-delete").is_visible()  # no red button beside an empty list
