@@ -131,7 +131,8 @@ config = StudioConfig(models_dir=job.get("models_dir") and Path(job["models_dir"
                       minigpt4_llm=Path("unused"))
 plan = Plan({"chat": BackendChoice("torch", "test")}, "cpu", "float32", job["model"], "demo/sam-tiny", ())
 finder = ModelFinder(config, "float32", "cpu", None, Path(job["engines"]))
-catalog = ModelCatalog(config, plan, types.SimpleNamespace(budget=None), finder, None, lambda line: None)
+catalog = ModelCatalog(config, plan, types.SimpleNamespace(budget=None, loaded=lambda tool: None), finder, None,
+                       lambda line: None)
 
 
 def entries():

@@ -88,15 +88,16 @@ def test_seeded_completions_repeat_and_max_completion_tokens_is_honoured(api):
 def test_an_image_question_goes_to_image_chat(api):
     client, url = api
     before = engine_status(url)["image_chat"].get("decode_steps", 0)
+    planned = client.models.list().data[-1].id  # offline (no hub here), the MiniGPT-4 demo is planned at start-up
+    assert planned == "minigpt4"
     stream = client.chat.completions.create(
-        model=SMOLVLM, stream=True, max_tokens=6,  # the planned model, named before image chat has loaded
+        model=planned, stream=True, max_tokens=6,  # the planned model, named before image chat has loaded
         messages=[{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"},
                                                {"type": "image_url", "image_url": {"url": image_url()}}]}])
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert engine_status(url)["image_chat"]["decode_steps"] > before
-    # offline, SmolVLM could not come: the MiniGPT-4 demo answered, and is what is listed and named now
-    assert client.models.list().data[-1].id == "minigpt4"
+    assert client.models.list().data[-1].id == "minigpt4"  # the demo answered, and is what is listed and named now
     again = client.chat.completions.create(model="minigpt4", max_tokens=2, messages=[{"role": "user", "content": [
         {"type": "text", "text": "And now?"}, {"type": "image_url", "image_url": {"url": image_url()}}]}])
     assert again.model == "minigpt4" and again.choices[0].message.content
