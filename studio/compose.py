@@ -92,9 +92,10 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
     first_use = first_use or FirstUseDownload()
     dtype = getattr(torch, plan.dtype)
 
-    def cancellable(line: str) -> None:
-        """A first-use download's line, saying how to stop it (each replaces the last in a tool's status)."""
-        engines.report.say(f"{line} — {CANCEL_HINT}")
+    def cancellable(line: str, told: bool = False) -> None:
+        """A first-use download's line, saying how to stop it (each replaces the last in a tool's status);
+        `told`: its start, which every user is told (the progress lines are details)."""
+        (engines.report.tell if told else engines.report.say)(f"{line} — {CANCEL_HINT}")
     chat_model = None if plan.remote_chat else locate(plan.model_id, config.weights)
     vlm = plan.vlm  # SmolVLM or Qwen2.5-VL (None: MiniGPT-4's); MiniGPT-4's demo where it cannot come
     image = image_chat_parts(config)
@@ -135,7 +136,11 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
             try:
                 say = cancellable if name in SAM_HUB else engines.report.say  # the others come by URL: no Cancel
                 if locate_sam(name, cache_dir())[1] == "download":
-                    say(f"segment: downloading {name} ({SAM_SIZES.get(name, 'its checkpoint')})")
+                    line = f"segment: downloading {name} ({SAM_SIZES.get(name, 'its checkpoint')})"
+                    if name in SAM_HUB:
+                        cancellable(line, told=True)
+                    else:  # the others come by URL: no Cancel
+                        engines.report.tell(line)
                 with first_use.running() as cancel:
                     sam_path = resolve_sam(name, cache_dir(), progress_class(say, cancel))
             except DownloadCancelled:
@@ -159,7 +164,7 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
             if vlm is not None:
                 try:
                     with first_use.running() as cancel:
-                        folder = fetch(vlm, cancellable, cancel)
+                        folder = fetch(vlm, cancellable, cancel, lambda line: cancellable(line, told=True))
                     # no warm-up encode: nothing is captured, and a picture costs seconds of its vision side on a CPU
                     image_chat = load_vlm(folder, vlm, plan.device, dtype, config.max_batch, config.quant, engines,
                                           engines.report.say)

@@ -116,13 +116,15 @@ def local_folder(model_id: str) -> Path | None:
         return None
 
 
-def fetch(model_id: str, say: Callable[[str], None], cancel: threading.Event) -> Path:
-    """The model's folder, downloaded into the hub cache if it is not there (progress to `say`); `cancel`
-    set, or Ctrl+C, stops the download with `DownloadCancelled` (or the KeyboardInterrupt)."""
+def fetch(model_id: str, say: Callable[[str], None], cancel: threading.Event,
+          tell: Callable[[str], None] | None = None) -> Path:
+    """The model's folder, downloaded into the hub cache if it is not there (that it is, to `tell`, else `say`;
+    progress to `say`); `cancel` set, or Ctrl+C, stops the download with `DownloadCancelled` (or the
+    KeyboardInterrupt)."""
     found = local_folder(model_id)
     if found is not None:
         return found
-    say(f"image chat: downloading {model_id} ({SIZES.get(model_id, 'its weights')})")
+    (tell or say)(f"image chat: downloading {model_id} ({SIZES.get(model_id, 'its weights')})")
     try:
         hub_reachable()
         folder = Path(interruptible(lambda: snapshot_download(model_id, allow_patterns=FILES,
