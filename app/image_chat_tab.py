@@ -81,10 +81,10 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
                                  feedback_options=reply_menu(service.speech), elem_id="image-chat-history")
             composer = Composer(Tool.IMAGE_CHAT, "image-chat", "Ask about the image, Enter to send", service.speech)
             message = composer.message
+            status = gr.Markdown("", elem_id="image-chat-status")  # right under the message box, as in Chat
             with gr.Row():
                 more = gr.Button("Continue", size="sm", visible=False, elem_id="image-chat-continue")
                 restart = gr.Button("Restart conversation", size="sm")
-            status = gr.Markdown("", elem_id="image-chat-status")
             composer.voice_controls()
             form = SamplingForm("image-chat", max_new_tokens=IMAGE_CHAT_MAX_NEW_TOKENS)
 

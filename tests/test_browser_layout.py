@@ -128,6 +128,7 @@ def test_offline_the_image_tabs_say_their_demo_before_any_upload_in_a_users_word
         notice = page.locator("#image-chat-demo")
         notice.get_by_text("you are offline").wait_for()
         assert "SmolVLM-256M-Instruct (0.5 GB)" in notice.inner_text()
+        assert name == "phone" or in_view(page, "#image-chat-input textarea")  # under the notice, still in view
         page.get_by_role("tab", name="Segment", exact=True).click()
         banner = page.locator("#segment-demo")
         banner.get_by_text("you are offline").wait_for()
