@@ -29,8 +29,9 @@ LIST_HEIGHT = "40vh"  # a long conversation list scrolls in its own box; the act
 # those over the top of the scrolling area, where the question it scrolls to the top would sit.
 CHAT_PANE_CLASS = "studio-chat-pane"
 # The chat pane takes the window's height less the header and the message box, status line, Regenerate and
-# Edit under it, so those stay in view on a laptop's screen (1440 × 900) without scrolling
-CHAT_PANE_HEIGHT = "max(280px, calc(100vh - 480px))"
+# Edit under it, so those stay in view on a laptop's screen (1440 × 900) without scrolling; on a narrow
+# screen less again, where the status line wraps to several lines (a phone: its floor, 280 px)
+CHAT_PANE_HEIGHT = "max(280px, calc(100vh - 480px - max(0px, 700px - 100vw) * 0.3))"
 PANE_BAR = "30px"
 
 CSS = f"""

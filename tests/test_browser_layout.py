@@ -9,19 +9,11 @@ import re
 
 import pytest
 
-from test_browser import CHROMIUM, FLAGS, _import, send, sync_api  # noqa: F401 - skips where Chromium is missing
+from test_browser import _import, browser, send  # noqa: F401 - the module's Chromium (it skips where there is none)
 
 pytestmark = pytest.mark.browser
 SCREENS = {"laptop": (1440, 900), "phone": (390, 844)}
 PHONE_TOGGLE = "#chat-sidebar-toggle"
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
-        yield chromium
-        chromium.close()
 
 
 @contextlib.contextmanager
