@@ -299,18 +299,27 @@ def test_a_mistake_is_a_toast_that_leaves_the_page_as_it_was(page, running_app):
     page.get_by_role("tab", name="Chat", exact=True).click()
 
 
+SCREENS = {"laptop": (1440, 900), "phone": (390, 844)}
+
+
 @contextlib.contextmanager
-def phone_page(browser, url: str):
-    """The app on a phone's screen (390 × 844, touch), its first screen loaded."""
-    context = browser.new_context(viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True)
+def screen(browser, url: str, name: str):
+    """The app on a laptop's screen (1440 × 900) or a phone's (390 × 844, touch), its first screen loaded."""
+    width, height = SCREENS[name]
+    phone = name == "phone"
+    context = browser.new_context(viewport={"width": width, "height": height}, is_mobile=phone, has_touch=phone)
     try:
-        phone = context.new_page()
-        phone.set_default_timeout(60_000)
-        phone.goto(url)
-        phone.get_by_text("What can I help with?").wait_for()
-        yield phone
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.get_by_text("What can I help with?").wait_for()
+        yield page
     finally:
         context.close()
+
+
+def phone_page(browser, url: str):
+    return screen(browser, url, "phone")
 
 
 def test_the_first_screen_at_phone_width_shows_the_tabs_and_folds_the_sidebar(browser, running_app):

@@ -3,32 +3,15 @@ the message box and the status line under it in view (Regenerate and Edit too on
 conversation's Rename and Delete in view with 50 conversations in the list, and none of them on a fresh page,
 where they would have nothing to act on; one way to delete a conversation (not Gradio's trash icon too)."""
 
-import contextlib
 import json
 import re
 
 import pytest
 
-from test_browser import _import, browser, send  # noqa: F401 - the module's Chromium (it skips where there is none)
+from test_browser import SCREENS, _import, browser, screen, send  # noqa: F401 - its Chromium (skips without one)
 
 pytestmark = pytest.mark.browser
-SCREENS = {"laptop": (1440, 900), "phone": (390, 844)}
 PHONE_TOGGLE = "#chat-sidebar-toggle"
-
-
-@contextlib.contextmanager
-def screen(browser, url: str, name: str):
-    width, height = SCREENS[name]
-    phone = name == "phone"
-    context = browser.new_context(viewport={"width": width, "height": height}, is_mobile=phone, has_touch=phone)
-    try:
-        page = context.new_page()
-        page.set_default_timeout(60_000)
-        page.goto(url)
-        page.get_by_text("What can I help with?").wait_for()
-        yield page
-    finally:
-        context.close()
 
 
 def in_view(page, selector: str) -> bool:
