@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from filelock import FileLock
 
-from pipeline.files import atomic_folder, atomic_write
+from pipeline.files import atomic_folder, atomic_write, file_sha256
 
 FORMAT = 1  # bump when the exported graphs change, so engines built from older graphs are rebuilt
 META = "meta.json"
@@ -91,11 +91,6 @@ class Verdict:
         return f"{'verified' if self.passed else 'refused'} ({self.check}: {self.numbers})"
 
 
-def _file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _stamp(path: Path) -> list[int]:
     stat = path.stat()
     return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
@@ -121,7 +116,7 @@ def _check(folder: Path, key: EngineKey) -> str | None:
         if not path.is_file() or path.stat().st_size != expected["bytes"]:
             return f"{name} is missing or truncated"
         if _stamp(path) != expected.get("stamp"):
-            if _file_sha256(path) != expected["sha256"]:
+            if file_sha256(path) != expected["sha256"]:
                 return f"{name} is damaged (checksum mismatch)"
             expected["stamp"], restamped = _stamp(path), True
     if restamped:
@@ -254,7 +249,7 @@ class EngineCache:
             with atomic_folder(folder) as tmp:
                 build(tmp)
                 # a rename keeps size, modification time and inode: the stamps hold for the final folder
-                files = {p.name: {"bytes": p.stat().st_size, "sha256": _file_sha256(p), "stamp": _stamp(p)}
+                files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p), "stamp": _stamp(p)}
                          for p in sorted(tmp.iterdir()) if p.is_file()}
                 meta: dict[str, Any] = {"key": dataclasses.asdict(key), "files": files,
                                         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

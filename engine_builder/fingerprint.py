@@ -1,6 +1,6 @@
 """Fingerprints of weight files: the part of an engine's key that says which weights it holds.
 
-A fingerprint is the SHA-256 of every weight file's bytes, so any change to the weights rebuilds
+A fingerprint is the SHA-256 of every weight file's digest (`pipeline.files.file_sha256`), so any change to the weights rebuilds
 their engines. Hashing a multi-gigabyte checkpoint costs seconds, so each file's digest is kept in
 `fingerprints.json` beside the engines, keyed by path, size, modification time and inode: a
 later launch hashes only files that changed since.
@@ -13,16 +13,14 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from pipeline.files import atomic_write
+from pipeline.files import atomic_write, file_sha256
 
 WEIGHT_SUFFIXES = (".pth", ".pt", ".bin", ".safetensors", ".gguf")  # a GGUF folder links its file
 MEMO = "fingerprints.json"
-READ_BYTES = 64 << 20  # per read while hashing: the bar moves every few tens of milliseconds
 
 
 def weight_files(sources: list[Path]) -> list[Path]:
@@ -41,15 +39,6 @@ def _stamp(path: Path) -> list[int]:
     return [stat.st_size, stat.st_mtime_ns, stat.st_ino]
 
 
-def _sha256(path: Path, progress: Callable[[int], object]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(READ_BYTES):
-            digest.update(block)
-            progress(len(block))
-    return digest.hexdigest()
-
-
 def fingerprint(sources: list[Path], memo_dir: Path) -> str:
     """One digest of all weight files behind `sources` (contents only: a moved copy matches)."""
     memo_path = Path(memo_dir) / MEMO
@@ -62,9 +51,8 @@ def fingerprint(sources: list[Path], memo_dir: Path) -> str:
     with tqdm(total=sum(stamps[p][0] for p in new), desc="fingerprinting weights (once per file)", unit="B",
               unit_scale=True, file=sys.stderr, disable=not new) as bar, \
             ThreadPoolExecutor(max(1, min(len(new), os.cpu_count() or 1))) as pool:
-        # the files side by side: hashlib and file reads release the GIL, and one SHA-256 stream runs at
-        # ~0.5 GB/s (29.5 s of a 15 GB checkpoint's first launch on an H200 machine, 2026-11-27)
-        for path, digest in zip(new, pool.map(lambda p: _sha256(p, bar.update), new)):
+        # the files side by side, as each file's segments are (hashlib and reads release the GIL)
+        for path, digest in zip(new, pool.map(lambda p: file_sha256(p, bar.update), new)):
             memo[str(path.resolve())] = {"stamp": stamps[path], "sha256": digest}
     total = hashlib.sha256()
     for path in stamps:

@@ -1,4 +1,5 @@
-"""Writing files and folders atomically: readers see the old version or the new one, never half of one.
+"""Writing files and folders atomically (readers see the old version or the new one, never half of one), and
+their digests, read side by side.
 
 Everything the app writes into its cache (demo checkpoints, converted weights, keys) is read back by
 later launches, possibly while another process builds it too; a crash mid-write must not leave a
@@ -8,10 +9,12 @@ truncated file behind that a later launch trusts.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -51,3 +54,34 @@ def atomic_folder(path: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+SEGMENT = 256 << 20  # a file's bytes are hashed in segments of this size, side by side
+READ = 16 << 20  # per read: a caller's progress bar moves every few milliseconds
+
+
+def file_sha256(path: Path, progress: Callable[[int], object] = lambda n: None) -> str:
+    """A file's digest, its segments hashed side by side: one SHA-256 stream runs at ~0.5 GB/s (29.5 s of
+    a 15 GB checkpoint's first launch on an H200 machine, 2026-11-27), and hashlib and reads release the GIL.
+    A file of one segment (under 256 MiB) gets its plain SHA-256, as `sha256sum` prints it; a larger one
+    the SHA-256 of its segments' digests (their hex, in order) and its size."""
+    path = Path(path)
+    size = path.stat().st_size
+    starts = range(0, max(size, 1), SEGMENT)
+
+    def segment(start: int) -> str:
+        digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            f.seek(start)
+            left = min(SEGMENT, size - start)
+            while left > 0 and (block := f.read(min(READ, left))):
+                digest.update(block)
+                progress(len(block))
+                left -= len(block)
+        return digest.hexdigest()
+
+    if len(starts) == 1:
+        return segment(0)
+    with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(segment, starts))
+    return hashlib.sha256(f"{size}:{','.join(digests)}".encode()).hexdigest()

@@ -132,7 +132,8 @@ def tamper(engine_dir, scale: float = 3.0) -> None:
     import onnx
     from onnx import numpy_helper
 
-    from engine_builder.cache import _file_sha256, _stamp
+    from engine_builder.cache import _stamp
+    from pipeline.files import file_sha256
 
     (folder,) = [p for p in engine_dir.glob("minigpt4_vision-*") if p.is_dir()]
     model = onnx.load(str(folder / "engine.onnx"))
@@ -141,7 +142,7 @@ def tamper(engine_dir, scale: float = 3.0) -> None:
     onnx.save(model, str(folder / "engine.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
               location="engine.onnx.data")
     meta = json.loads((folder / "meta.json").read_text())
-    meta["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": _file_sha256(p), "stamp": _stamp(p)}
+    meta["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p), "stamp": _stamp(p)}
                      for p in sorted(folder.iterdir()) if p.name != "meta.json"}
     (folder / "meta.json").write_text(json.dumps(meta))
 

@@ -189,7 +189,8 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
     with a notice naming the check, and the verdict holds until --rebuild."""
     import json
 
-    from engine_builder.cache import _file_sha256, _stamp
+    from engine_builder.cache import _stamp
+    from pipeline.files import file_sha256
     from studio.config import parse_config
     from studio.plan import make_plan
     from studio.check import check_engines
@@ -204,7 +205,7 @@ def test_quantized_weights_that_compute_wrong_are_refused_and_the_float_weights_
     tensors["layers.0.mlp.w_down.q"] = (q >> 4) | (q << 4)  # the two nibbles of every byte swapped
     safetensors.torch.save_file(tensors, folder / "decoder.safetensors", metadata={"format": "pt"})
     meta = json.loads((folder / "meta.json").read_text())
-    meta["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": _file_sha256(p), "stamp": _stamp(p)}
+    meta["files"] = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p), "stamp": _stamp(p)}
                      for p in sorted(folder.iterdir()) if p.name != "meta.json"}
     (folder / "meta.json").write_text(json.dumps(meta))
     for _ in range(2):  # the check refuses it; a restart keeps the verdict
