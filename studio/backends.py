@@ -26,7 +26,7 @@ from pipeline.files import atomic_write
 from pipeline.llm.model.loading import load_decoder, load_gguf_native
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.gguf_native import KINDS as GGUF_KINDS, GGUFLinear, unavailable as gguf_unavailable
-from pipeline.llm.engine.draft_model import DraftModel
+from pipeline.llm.draft_model import DraftModel
 from pipeline.llm.engine.speculation import prompt_lookup
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel

@@ -414,8 +414,8 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
     drafting for itself, through an engine of its own) give plain decoding's greedy tokens, and drafts were
     checked and kept. fp32, so that a verify step's GEMM and a decode step's GEMV round alike (in bf16 they need
     not: `bench/RESULTS.md`, issue 32)."""
-    from pipeline.llm.engine.draft_model import DraftModel
-    from pipeline.llm.engine import torch_engine
+    from pipeline.llm.draft_model import DraftModel
+    from pipeline.llm.engine import speculation as policy
     from pipeline.llm.engine.speculation import GPU_FLOAT, PromptLookup, Speculation, read_costs
 
     llm = load_language_model(demo_model_dir("demo/qwen2-tiny", studio_cache), "demo/qwen2-tiny", device="cuda",
@@ -434,8 +434,8 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
         return got, status
 
     plain, _ = replies(None)
-    timed, measure = [], torch_engine.verify_cost
-    torch_engine.verify_cost = lambda *args, **kwargs: timed.append(True) or measure(*args, **kwargs)
+    timed, measure = [], policy.fit_cost
+    policy.fit_cost = lambda *args, **kwargs: timed.append(True) or measure(*args, **kwargs)
     try:
         record = tmp_path / "verify.json"
         assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
@@ -443,7 +443,7 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
         assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
         assert timed == [True, True], timed  # the second engine took the recorded costs, timing nothing
     finally:
-        torch_engine.verify_cost = measure
+        policy.fit_cost = measure
     # whether drafts pay at costs measured by the clock depends on this machine's speed (a tiny model on a fast GPU
     # is bound by its host); at the prior costs they do, and the replies stay plain decoding's
     lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT))

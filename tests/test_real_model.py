@@ -270,7 +270,7 @@ def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):
 def test_a_draft_model_keeps_greedy_replies_token_for_token(ours):
     """Drafts from a small model's engine (here SmolLM2 drafting for itself: its own engine, cache rows and
     sessions): the same tokens as plain decoding, nearly every draft kept."""
-    from pipeline.llm.engine.draft_model import DraftModel
+    from pipeline.llm.draft_model import DraftModel
     from pipeline.llm.engine.speculation import CPU, Speculation
 
     params = SamplingParams(max_new_tokens=16, temperature=0, repetition_penalty=1.0)

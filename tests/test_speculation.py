@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.llm.engine.proposer import Proposer
+from pipeline.llm.engine.scheduler import Proposer
 from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PerRequest, PromptLookup, batch_cap,
                                              best_draft, expected_tokens, Speculation, VerifyCost)
@@ -57,10 +57,10 @@ def test_draft_length_follows_acceptance_and_pauses_where_drafts_do_not_pay():
 
 
 class Running:
-    """What the proposer reads of a running request: its drafting state and the room left to draft."""
+    """What the proposer reads of a running request: the room left to draft."""
 
-    def __init__(self, draft: DraftState):
-        self.draft, self.position = draft, 10
+    def __init__(self):
+        self.position = 10
         self.params = SimpleNamespace(max_new_tokens=100)
         self.stream = SimpleNamespace(stats=SimpleNamespace(new_tokens=0))
 
@@ -78,7 +78,8 @@ def test_a_batch_drafts_only_what_pays_for_all_of_its_rows():
     assert cap == 8
     proposer = Proposer(Speculation(PromptLookup(), eight), context=1000)  # the engine's side applies it
     keen, idle = DraftState(None, accepted=1.0, checked=2.0), DraftState(None, accepted=0.0, checked=9.0)
-    running = [Running(keen if i == 0 else idle) for i in range(8)]
+    running = [Running() for _ in range(8)]
+    proposer.states = {r: keen if i == 0 else idle for i, r in enumerate(running)}
     assert proposer.wanted(running[:1])[running[0]] > 0 and not any(proposer.wanted(running).values())
     for rows in (one_keen, all_keen, [(0.6, 4)] * 4 + [(0.1, 2)] * 4, [(0.3, 2)] * 8):
         cap = batch_cap(rows, eight)
@@ -223,7 +224,7 @@ def test_a_draft_model_is_asked_once_per_step_for_all_rows_and_drafts_them_as_on
     """Three chats speculate with a draft model (the model drafting for itself through an engine of its
     own): each engine step asks the drafter once, for every row that drafts, and the draft engine runs
     those drafts side by side. The replies are plain decoding's."""
-    from pipeline.llm.engine.draft_model import DraftModel
+    from pipeline.llm.draft_model import DraftModel
 
     params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
     prompts = [Prompt(tuple(range(5 + i, 25 + i))) for i in range(3)]
@@ -383,7 +384,7 @@ def test_one_plan_one_forward_one_draw_and_one_settlement_for_every_step_kind(mo
 
     def kinds(plan) -> set[str]:
         return {"chunk" for c in plan.chunks if not c.last} | \
-            {"prompt" if s.last else "verify" if s.draft else "decode" for s in plan.drawing}
+            {"prompt" if s.last else "verify" if s.proposed else "decode" for s in plan.drawing}
 
     def spy(owner, name: str, log):
         method = getattr(owner, name)
@@ -415,7 +416,7 @@ def test_one_plan_one_forward_one_draw_and_one_settlement_for_every_step_kind(mo
 
 
 def test_verify_costs_are_kept_for_the_next_launch_and_a_damaged_record_is_measured_again(tmp_path):
-    from pipeline.llm.engine.speculation import read_costs, write_costs
+    from pipeline.llm.engine.speculation import costs_on, read_costs, write_costs
 
     record = tmp_path / "kernels" / "verify.json"
     assert read_costs(record) is None  # a first launch: nothing recorded, measured
@@ -425,6 +426,22 @@ def test_verify_costs_are_kept_for_the_next_launch_and_a_damaged_record_is_measu
     for damaged in ("", "{", "[]", '{"1": [0.1]}', '{"x": [0.1, 0.2]}', '{"1": "ab"}'):
         record.write_text(damaged)
         assert read_costs(record) is None, damaged
+
+    timed = []
+
+    def seconds(rows: int, k: int, settled: bool) -> float:
+        """Steps of `rows` rows: 1 + 0.1 k plain steps, their host waiting for each adding 0.05 (0.1 at 8 rows)."""
+        timed.append(rows)
+        return rows * (1.0 + 0.1 * k + (0.05 * (1 + (rows == 8)) if settled else 0.0))
+
+    gpu = Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record)
+    measured = costs_on(gpu, seconds, (1, 8, 1))  # the damaged record: measured again, each row count once
+    assert set(timed) == {1, 8} and set(measured) == {1, 8}, (timed, measured)
+    fitted = [round(x, 9) for c in (measured[1], measured[8]) for x in (c.fixed, c.per_token)]
+    assert fitted == [0.05, 0.1, 0.1, 0.1], measured  # the host's wait in the fixed part
+    timed.clear()
+    assert costs_on(gpu, seconds, (1, 8)) == measured == read_costs(record) and not timed  # the next launch: recorded
+    assert costs_on(Speculation(PromptLookup(), CPU), seconds, (1, 8)) is None and not timed  # a CPU: the prior
 
 
 class StandInGraph:

@@ -1,7 +1,7 @@
 """ModelRunner: runs the decoder for the engine, one forward per engine step, replayed as CUDA graphs.
 
 A step is what the scheduler planned: the running rows' tokens (one each for a decode, the last token and
-its drafts for a verify: a decode is a verify without drafts) and the prompt chunks read beside them, all in
+the tokens proposed after it for a verify: a decode is a verify of none) and the prompt chunks read beside them, all in
 one forward (`Decoder.forward`: the GEMMs once over every token, the attention part by part), so a chunk
 costs the running chats little more than the weights they read anyway. The runner owns the model, the
 rotary tables, the captured graphs, the split-K scratch of its steps and the pinned buffers that carry a
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -63,7 +64,7 @@ class ChunkRead:
 
 @dataclasses.dataclass(frozen=True)
 class RowsFeed:
-    """What rows 0..n-1 feed in a step: `tokens[i]` (one token, or the last one and its drafts) at positions
+    """What rows 0..n-1 feed in a step: `tokens[i]` (one token, or the last one and those after it) at positions
     starts[i].. with rotary offsets[i]; or, `chained`, the tokens the previous step drew (on the device),
     each row one position further, so the host never stalls the GPU for them."""
 
@@ -78,11 +79,11 @@ class RowsFeed:
 class ModelRunner:
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int,
                  use_cuda_graphs: bool | None = None, widths: Sequence[int] = (1,), exact_rows: bool = True):
-        """`widths`: how many tokens a row may feed in a step (1, and more where the engine checks drafts:
+        """`widths`: how many tokens a row may feed in a step (1, and more where the engine verifies tokens:
         it pads to one of these); `context` positions per row, plus as many positions past it as the widest
         (`positions` in all: the cache rows' length) that padding rows of a bucketed step write. `exact_rows`:
         one row feeding several tokens runs them as one-row launches, rounding as its one-token steps do
-        (low-bit weights: greedy replies the same with drafts as without); else the batch kernels, faster,
+        (low-bit weights: greedy replies the same with verify steps as without); else the batch kernels, faster,
         whose rounding may part a reply from the plain one where two tokens are nearly tied."""
         self.model, self.vocab_size, self.exact_rows, self.max_batch = model, vocab_size, exact_rows, max_batch
         self.widths = tuple(sorted(set(widths) | {1}))
@@ -99,7 +100,7 @@ class ModelRunner:
         self._state = torch.zeros(max_batch, 4, dtype=torch.long, device=self.device)  # rows' token, position, rotary offset, live
         self._ahead: torch.cuda.Event | None = None  # marks the step launched last
         # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
-        # benchmark's plain and speculating ones), or a step and a warm-up on two streams, never share them.
+        # benchmark's two engines), or a step and a warm-up on two streams, never share them.
         self._lowbit_scratch = lowbit.Workspace(self.device)
         self._attention_scratch: dict = {}
         # Its own CUDA stream (one no other engine or capture holds): a SAM click or an image encode on the
@@ -287,7 +288,7 @@ class ModelRunner:
         """(rows, tokens per row, prompt tokens) of every step a graph replays: 1..max_batch rows (powers of two)
         feeding one token each, with prompt tokens beside them (a joining prompt's chunks, padded to a power of
         two, up to MAX_GRAPHED_TOKENS) or none, and feeding each wider width alone (no prompt is read beside
-        those: the engine drafts only while none is)."""
+        those: the engine feeds more than one token a row only while none is)."""
         batches = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch]
         sizes = [0] + [1 << i for i in range(4, MAX_GRAPHED_TOKENS.bit_length()) if 1 << i >= self.tile]
         return [(b, 1, c) for b in batches for c in sizes] + \
@@ -311,6 +312,22 @@ class ModelRunner:
             n = min(size // 2 + 1 - laid, self.scratch - 1)
             chunks.append(ChunkRead(Prompt(tuple(range(1, n + 1))), len(chunks), 0, n, 0, logits=not chunks))
         return chunks
+
+    def step_seconds(self, cache: KVCache, rows: int, width: int, settled: bool = False, repeats: int = 20) -> float:
+        """Seconds a step of `rows` rows feeding `width` tokens each takes on this GPU (the step the graph table
+        holds, in the scratch positions, which hold nothing), host work included; `settled`: each step's
+        tokens read before the next is launched, as where a step's tokens decide the next one's inputs."""
+        feed = RowsFeed(rows, [[0] * width] * rows, [self.scratch] * rows, [0] * rows, kv_need=self.scratch + width)
+        for _ in range(3):  # a first run, and a replay
+            self.step(cache, feed)
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            logits, _ = self.step(cache, feed)
+            if settled:
+                logits[:, 0, :1].cpu()
+        torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - start) / repeats
 
     def one_step_ahead(self) -> None:
         """Mark the step just launched and wait until the one before it has run: the host stays at most one

@@ -1,6 +1,6 @@
 """Handing a step's tokens to its requests (`Outputs.settle`, one routine for every step kind): each token read
-from the host (a step behind the GPU), the grammars advanced, drafts kept or rolled back, the stop, length and
-context checks, the stream's statistics, and a request's end.
+from the host (a step behind the GPU), the grammars advanced, proposed tokens kept or rolled back, the stop,
+length and context checks, the stream's statistics, and a request's end.
 """
 
 from __future__ import annotations
@@ -38,13 +38,11 @@ class Launched:
 
 
 class Outputs:
-    """`to_host` starts a tensor's copy to the host (`ModelRunner.to_host`). `drafted`, `accepted`: the drafted
-    tokens checked and kept, over every step settled."""
+    """`to_host` starts a tensor's copy to the host (`ModelRunner.to_host`)."""
 
     def __init__(self, scheduler: Scheduler, rows: CacheRows, context: int,
                  to_host: Callable[[Tensor], tuple[Tensor, "torch.cuda.Event | None"]]):
         self.scheduler, self.rows, self.context, self.to_host = scheduler, rows, context, to_host
-        self.drafted = self.accepted = 0
 
     def launched(self, plan: StepPlan, drawn: Tensor, kept: Tensor, logits: Tensor | None,
                  logprobs: Tensor | None) -> Launched:
@@ -76,22 +74,20 @@ class Outputs:
     def settle(self, step: Launched) -> None:
         """Hand out a finished step's tokens: the one settlement of every step kind. A prompt read to its end
         joins the running requests with its first token; a running request keeps its fed tokens in its row
-        and delivers each kept token, its draft kept up to the first token the model would not have drawn
-        (its cache is rolled back by position: the rejected positions are written again later)."""
+        and delivers each kept token, its proposed tokens kept up to the first the model would not have drawn
+        (its cache is rolled back by position: the rejected positions are written again later; the
+        scheduler, which proposed them, hears how many were kept)."""
         self.consume(step)
         tokens, kept = self._host(step)
         logits = step.logits if step.logits is not None else [None] * len(kept)
         logprobs = step.logprobs if step.logprobs is not None else [None] * len(kept)
         for s, drawn, k, row_logits, row_logprobs in zip(step.plan.drawing, tokens, kept, logits, logprobs):
             r = s.request
-            if s.draft:
+            if s.proposed:
                 r.draws.skip(k - 1)  # the first position's number was taken at the launch
-                r.draft.record(len(s.draft), k - 1)
-                r.stream.stats.drafted_tokens += len(s.draft)
-                r.stream.stats.accepted_tokens += k - 1
-                self.drafted, self.accepted = self.drafted + len(s.draft), self.accepted + k - 1
+                self.scheduler.kept(r, len(s.proposed), k - 1)
                 r.position = s.start + k
-            fed = [r.last_token, *s.draft]  # a chained row's last token: the one the step before delivered
+            fed = [r.last_token, *s.proposed]  # a chained row's last token: the one the step before delivered
             for j in range(k):
                 if r.row < 0:  # finished while this step ran, or by an earlier token of it
                     break

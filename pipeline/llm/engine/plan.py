@@ -11,7 +11,6 @@ from torch import Tensor
 from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.seam import TokenStream
-from pipeline.llm.engine.speculation import DraftState
 from pipeline.llm.text.grammar import Grammar
 from pipeline.llm.text.prompt import Prompt
 
@@ -35,23 +34,23 @@ class Request:
     table: int = 0  # rotary table (Qwen v1 dynamic NTK)
     last_token: int = 0
     first_token_at: float = 0.0
-    draft: DraftState | None = None  # its speculative drafting, where the engine speculates
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Scheduled:
     """One request's part of a step: `size` tokens fed from cache position `start` on. A running request feeds
-    its last token and the tokens `draft`ed after it (`chained`: the last token is the one the step before drew,
-    still on the device); a request reading its prompt feeds a chunk of it, whose last position is drawn where
-    the chunk ends the prompt (`last`)."""
+    its last token and the tokens `proposed` to follow it (`chained`: the last token is the one the step before
+    drew, still on the device), and keeps the proposed ones up to the first the model would not have drawn; a
+    request reading its prompt feeds a chunk of it, whose last position is drawn where the chunk ends the
+    prompt (`last`)."""
 
     request: Request
     start: int
     size: int
-    draft: tuple[int, ...] = ()
+    proposed: tuple[int, ...] = ()
     chained: bool = False
     last: bool = False
-    width: int = 1  # a running request's tokens fed, its draft padded to a draft size (the step's widest)
+    width: int = 1  # a running request's tokens fed, padded to the step's width (one the runner has graphs for)
 
     @property
     def end(self) -> int:
@@ -61,7 +60,8 @@ class Scheduled:
 @dataclasses.dataclass(frozen=True, eq=False)
 class StepPlan:
     """One engine step as data (vLLM v1's scheduler output): the running requests, in cache rows 0..n-1, each
-    feeding its last token and its draft, and the prompt chunks read beside them, all under one token budget.
+    feeding its last token and those proposed after it, and the prompt chunks read beside them, all under one
+    token budget.
     Every running request's positions and every prompt's last position are drawn (`drawing`), in one draw."""
 
     rows: tuple[Scheduled, ...]
@@ -72,5 +72,6 @@ class StepPlan:
         return self.rows + tuple(c for c in self.chunks if c.last)
 
     @property
-    def drafted(self) -> bool:
-        return any(s.draft for s in self.rows)
+    def verifies(self) -> bool:
+        """Some row feeds proposed tokens: the step checks them (its tokens are settled before the next launch)."""
+        return any(s.proposed for s in self.rows)

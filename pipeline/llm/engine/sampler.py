@@ -22,16 +22,18 @@ from pipeline.llm.engine.grammar_masks import apply_masks, fill_masks
 from pipeline.llm.text.grammar import bitmask_words
 from pipeline.llm.engine.sampling import COLUMNS, counts_penalized, sample, sampling_columns
 from pipeline.llm.engine.plan import Request
-from pipeline.llm.engine.speculation import MAX_DRAFT
 
 
 class Sampler:
-    def __init__(self, rows: CacheRows, vocab_size: int, max_batch: int, device: torch.device):
+    """`width`: the most tokens a row feeds in a step (its last one and those proposed after it)."""
+
+    def __init__(self, rows: CacheRows, vocab_size: int, max_batch: int, device: torch.device, width: int = 1):
         self.rows, self.vocab_size, self.max_batch, self.device = rows, vocab_size, max_batch, device
+        self.width = width
         pinned = device.type == "cuda"
         # Host buffers are flat and viewed per step: a copy from a strided view would go through pageable
         # memory, which waits for the GPU. Two, used in turn: a step may be queued while the next is prepared.
-        size = len(COLUMNS) * (MAX_DRAFT + 1) * max_batch
+        size = len(COLUMNS) * width * max_batch
         self._columns_host = torch.zeros(2, size, dtype=torch.float32, pin_memory=pinned)
         self._columns = torch.zeros(size, dtype=torch.float32, device=device)
         self._ones = torch.ones(max_batch, 1, dtype=torch.float32, device=device)
@@ -61,24 +63,24 @@ class Sampler:
         return host.to(self.device, non_blocking=True)
 
     def draw(self, requests: Sequence[Request], logits: Tensor,
-             drafts: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor, Tensor | None]:
+             proposed: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor, Tensor | None]:
         """Every position's token for a step's drawing requests (the running ones, in cache rows 0..n-1, and
         the prompts read to their end, in their rows): `logits` [n, T, vocab] score each request's fed tokens,
-        its last token and the tokens drafted after it (`drafts[i]`, up to T - 1; none in a decode step, T = 1;
-        a prompt's last position at 0). At each position a row draws its token
-        exactly as a decode step would there if the drafted tokens before it were kept (bias, grammar,
-        penalties counting those tokens, its own next uniform number), all positions in one batch; its
-        draft stays accepted while the drawn token equals the drafted one. That is the rejection-sampling
-        rule (Leviathan et al., Chen et al.) for a draft that proposes one token for certain, q = 1 at the
-        drafted token: the draft is kept with probability min(1, p/q) = p(drafted), and on rejection the
-        token comes from max(0, p - q) renormalised, p without the drafted token; one draw from p does
-        both. So the reply has plain decoding's distribution, and a seeded one its very tokens. Returns on
-        the device: the drawn tokens [n, T], how many each row keeps [n] (its accepted drafted tokens + 1)
+        its last token and the tokens proposed after it (`proposed[i]`, up to T - 1; none in a decode step,
+        T = 1; a prompt's last position at 0). At each position a row draws its token
+        exactly as a decode step would there if the proposed tokens before it were kept (bias, grammar,
+        penalties counting those tokens, its own next uniform number), all positions in one batch; a
+        proposed token is kept while the drawn token equals it. That is Leviathan et al.'s and Chen et al.'s
+        acceptance rule for a proposal of one token for certain, q = 1 at the proposed token: it is kept
+        with probability min(1, p/q) = p(proposed), and on rejection the token comes from max(0, p - q)
+        renormalised, p without the proposed token; one draw from p does both. So the reply has plain
+        decoding's distribution, and a seeded one its very tokens. Returns on the device: the drawn
+        tokens [n, T], how many each row keeps [n] (its kept proposed tokens + 1)
         and the log-probabilities [n, T, ...] where a request asks for them (see `logprobs_of`). The rows'
         penalty state takes the kept tokens; the uniform numbers are the caller's to `skip` (kept ones).
         The host never waits for the GPU here."""
         n, positions, vocab = logits.shape
-        drafts = drafts or [()] * n
+        proposed = proposed or [()] * n
         params = [r.params for r in requests for _ in range(positions)]  # row i's position j: entry i*T + j
         uniforms = [u for r in requests for u in r.draws.peek(positions)]
         columns = self._columns[:len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
@@ -88,12 +90,12 @@ class Sampler:
             host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
             columns.copy_(host, non_blocking=True)
         rows = self._rows([r.row for r in requests])
-        seen, counts = self._penalty_state(rows, drafts, positions, counts_penalized(params))
+        seen, counts = self._penalty_state(rows, proposed, positions, counts_penalized(params))
         flat = logits.reshape(n * positions, vocab)
         allowed = _biased([r for r in requests for _ in range(positions)], flat) \
             if any(r.bias is not None for r in requests) else flat
         if any(r.grammar is not None for r in requests):
-            allowed = apply_masks(allowed, self._masks(requests, drafts, positions))
+            allowed = apply_masks(allowed, self._masks(requests, proposed, positions))
         drawn = sample(allowed, params, seen, columns, counts).view(n, positions)  # greedy alone reads no columns
         if positions == 1:  # the state was the rows' own (or their copy)
             kept = self._ones_long[:n]
@@ -101,8 +103,8 @@ class Sampler:
             if counts is not None:
                 counts.scatter_add_(1, drawn, self._ones[:n])
         else:
-            drafted = self._upload([[*d, *[-1] * (positions - len(d))] for d in drafts], torch.long)
-            kept = (drawn == drafted).long().cumprod(1).sum(1) + 1
+            fed = self._upload([[*p, *[-1] * (positions - len(p))] for p in proposed], torch.long)
+            kept = (drawn == fed).long().cumprod(1).sum(1) + 1
             taken = torch.arange(positions, device=self.device)[None] < kept[:, None]
             seen, counts = self.rows.seen[rows], self.rows.counts[rows] if counts is not None else None
             seen.scatter_(1, torch.where(taken, drawn, drawn[:, :1]), True)  # every write True
@@ -124,10 +126,10 @@ class Sampler:
             return slice(rows[0], rows[0] + len(rows))
         return self._upload(rows, torch.long)
 
-    def _penalty_state(self, rows: slice | Tensor, drafts: Sequence[Sequence[int]], positions: int,
+    def _penalty_state(self, rows: slice | Tensor, proposed: Sequence[Sequence[int]], positions: int,
                        counted: bool) -> tuple[Tensor, Tensor | None]:
         """The repetition mask and reply counts each position draws with: the rows' own (one position), or
-        a copy per position (repeat_interleave waits for the GPU) with the drafted tokens before it added."""
+        a copy per position (repeat_interleave waits for the GPU) with the proposed tokens before it added."""
         seen, counts = self.rows.seen[rows], self.rows.counts[rows] if counted else None
         if positions == 1:
             return seen, counts
@@ -137,8 +139,8 @@ class Sampler:
             return state[:, None].expand(n, positions, vocab).contiguous().view(n * positions, vocab)
 
         seen, counts = each_position(seen), each_position(counts) if counted else None
-        before = [(i * positions + j) * vocab + t for i, d in enumerate(drafts) for j in range(1, len(d) + 1)
-                  for t in d[:j]]  # as flat indices
+        before = [(i * positions + j) * vocab + t for i, p in enumerate(proposed) for j in range(1, len(p) + 1)
+                  for t in p[:j]]  # as flat indices
         if before:  # index_fill_ and index_add_: an assigned Python value would come up from pageable memory
             at = self._upload(before, torch.long)
             seen.view(-1).index_fill_(0, at, True)
@@ -146,24 +148,24 @@ class Sampler:
                 counts.view(-1).index_add_(0, at, torch.ones(len(before), device=self.device))
         return seen, counts
 
-    def _masks(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]], positions: int) -> Tensor:
+    def _masks(self, requests: Sequence[Request], proposed: Sequence[Sequence[int]], positions: int) -> Tensor:
         """Each position's grammar masks [n * T, words] on the device: made on the host (while the GPU runs
         the forward pass), uploaded in one asynchronous copy from the buffer the step before did not use. A
-        row's grammar is stepped through its drafted tokens (all of which it allows: the engine drafts no
-        other) to make the masks of the positions after them, then rolled back; rows without a grammar,
-        and positions past a row's draft, allow everything."""
+        row's grammar is stepped through its proposed tokens (all of which it allows: none other is
+        proposed) to make the masks of the positions after them, then rolled back; rows without a grammar,
+        and positions past a row's proposed tokens, allow everything."""
         words = bitmask_words(self.vocab_size)
         if self._bitmask is None:
-            self._bitmask = torch.zeros(2, (MAX_DRAFT + 1) * self.max_batch * words, dtype=torch.int32,
+            self._bitmask = torch.zeros(2, self.width * self.max_batch * words, dtype=torch.int32,
                                         pin_memory=self.device.type == "cuda")
         self._flip_mask ^= 1
         host = self._bitmask[self._flip_mask, :positions * len(requests) * words].view(positions, len(requests), words)
         taken = [0] * len(requests)
         for j in range(positions):
-            fill_masks([r.grammar if j <= len(d) else None for r, d in zip(requests, drafts)], host[j])
-            for i, (r, d) in enumerate(zip(requests, drafts)):
-                if r.grammar is not None and j < len(d):
-                    taken[i] += r.grammar.consume(d[j])
+            fill_masks([r.grammar if j <= len(p) else None for r, p in zip(requests, proposed)], host[j])
+            for i, (r, p) in enumerate(zip(requests, proposed)):
+                if r.grammar is not None and j < len(p):
+                    taken[i] += r.grammar.consume(p[j])
         for r, n in zip(requests, taken):
             if r.grammar is not None:
                 r.grammar.rollback(n)

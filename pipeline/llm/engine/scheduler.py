@@ -5,7 +5,9 @@ ones join between decode steps, and finished or cancelled ones leave at once. A 
 first reads its prompt, in chunks (vLLM's chunked prefill): while requests run, each engine step has a
 budget of `step_tokens` positions, one for each running request's decode and the rest for prompt chunks
 of the requests reading theirs, shared fairly (`chunks`), so a long prompt stalls neither the running
-chats nor a short prompt that joins after it. Rows are kept in one order: running requests in rows 0..R-1 (so a
+chats nor a short prompt that joins after it. Where the engine speculates, the scheduler owns the drafts: it
+asks the `Proposer` for each running request's (by its acceptance so far, under what pays for the batch),
+puts them in the step's plan, and hears how many were kept. Rows are kept in one order: running requests in rows 0..R-1 (so a
 decode step reads the cache as a plain view), then the requests reading their prompts; a joining
 request's row is moved to the first free place, a request whose prompt is read moves to row R, and
 a leaving one's row is swapped out of the block. The engine thread alone changes the rows; any
@@ -15,13 +17,12 @@ thread may add a request.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.plan import Request, Scheduled, StepPlan
-from pipeline.llm.engine.proposer import Proposer
-from pipeline.llm.engine.speculation import DRAFT_SIZES
+from pipeline.llm.engine.speculation import DRAFT_SIZES, Ask, DraftState, Speculation, VerifyCost, batch_cap
 
 
 class Scheduler:
@@ -39,11 +40,12 @@ class Scheduler:
         self._wake = threading.Condition()
         self._closed = False
         self.most_held = 0  # the most requests that have held rows at once (a batch seen, whatever the polling)
+        self.drafted = self.accepted = 0  # drafted tokens checked and kept, over every step settled
 
     def add(self, request: Request) -> None:
         """Queue a request (any thread); where drafts are proposed, it gets its drafting state."""
         if self.proposer is not None:
-            request.draft = self.proposer.state()
+            self.proposer.join(request)
         with self._wake:
             if self._closed:
                 raise UserError("the language model was unloaded; reload the page")
@@ -91,7 +93,7 @@ class Scheduler:
                     in_flight = False
                 drafts = self.proposer.drafts(self.running, wanted, self.rows)
         drafts = drafts or [[]] * len(self.running)
-        width = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts), default=0))
+        width = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts), default=0))  # graphs hold these
         rows = tuple(Scheduled(r, r.position, 1 + len(d), tuple(d), in_flight, width=1 + width)
                      for r, d in zip(self.running, drafts))
         chunks = tuple(Scheduled(r, r.position, end - r.position, last=end == len(r.sig))
@@ -122,6 +124,13 @@ class Scheduler:
             room -= take
         return [(r, ends[r]) for r in self.prefilling if r in ends]
 
+    def kept(self, request: Request, drafted: int, accepted: int) -> None:
+        """A step checked `request`'s `drafted` tokens and kept the first `accepted`: its drafting hears it."""
+        self.proposer.states[request].record(drafted, accepted)
+        request.stream.stats.drafted_tokens += drafted
+        request.stream.stats.accepted_tokens += accepted
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
+
     def promote(self, request: Request) -> None:
         """`request` has read its prompt: it joins the running requests, in row len(running)."""
         j, first = self.prefilling.index(request), len(self.running)
@@ -131,6 +140,8 @@ class Scheduler:
     def leave(self, request: Request, error: bool) -> None:
         """`request` stops: its row keeps its tokens (what it read of its prompt, for one still reading it;
         forgotten after an `error`: unknown) and leaves the block of rows in use."""
+        if self.proposer is not None:
+            self.proposer.states.pop(request, None)
         if request in self.running:
             block, first = self.running, 0
         elif request in self.prefilling:
@@ -168,4 +179,75 @@ class Scheduler:
         """Requests holding a row (`running`, those reading their prompts included) and waiting for one."""
         return {"running": len(self.running) + len(self.prefilling), "prefilling": len(self.prefilling),
                 "queued": len(self.waiting), "max_batch": self.max_batch, "cache_rows": len(self.rows),
-                "most_running": self.most_held}
+                "most_running": self.most_held, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted}
+
+
+class Proposer:
+    """Which running requests draft in a step and how many tokens each (`speculation.py` has the policy and
+    the drafters), and their drafts, asked of the drafter once for all of them, so a draft model's engine
+    drafts them as one batch instead of one blocking call per row. `costs`: what a verify step of so many
+    rows costs, fixed while the engine runs (the prior, or measured once per GPU: `speculation.costs_on`), so
+    which steps verify follows from the tokens alone. Per row count: low-bit weights' batch kernels make a
+    step of 8 rows × 9 tokens cost several of 8 rows' decode steps, where one row's 9 tokens cost little more
+    than its one."""
+
+    def __init__(self, speculation: Speculation, context: int):
+        self.speculation, self.context = speculation, context
+        self.costs: dict[int, VerifyCost] = {1: speculation.cost}
+        self.states: dict[Request, DraftState] = {}  # each request's drafting, from `add` until it leaves
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """How many tokens a running request may feed in a step: its last token, and a draft of a draft size."""
+        return 1, *(k + 1 for k in DRAFT_SIZES)
+
+    def join(self, request: Request) -> None:
+        """A new request's drafting state (its drafter's own, and its acceptance so far)."""
+        self.states[request] = DraftState(self.speculation.drafter.index())
+
+    def cost_for(self, rows: int) -> VerifyCost:
+        """The cost measured for the fewest rows at least `rows` (the most measured, past them)."""
+        return self.costs[min((n for n in self.costs if n >= rows), default=max(self.costs))]
+
+    def wanted(self, running: Sequence[Request]) -> dict[Request, int]:
+        """How many tokens each running request would draft this step (0: none), by its acceptance so far, cut
+        for a batch of several to what pays for all of its rows (`speculation.batch_cap`)."""
+        most, cost = self.speculation.max_draft, self.cost_for(len(running))
+        asked = {r: self.states[r].wanted(cost, most, self.room(r)) for r in running}
+        if len(running) < 2 or not any(asked.values()):
+            return asked
+        cap = batch_cap([(self.states[r].expected_rate, k) for r, k in asked.items()], cost)
+        return {r: min(k, cap) for r, k in asked.items()}
+
+    def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
+        """Whether a draft may come, looked at with the tokens already known (without the step in flight's,
+        whose reading stalls the GPU): a drafter that always has one says yes without looking."""
+        drafter = self.speculation.drafter
+        return drafter.always or any(drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,), 1)
+                                                      for r, k in wanted.items() if k]))
+
+    def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows) -> list[list[int]] | None:
+        """Each running request's draft (in row order), asked of the drafter in one call; None where none was
+        found: the step is a plain one."""
+        asking = [r for r in running if wanted.get(r) and self.room(r) > 0]
+        if not asking:
+            return None
+        proposed = self.speculation.drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,),
+                                                         min(wanted[r], self.room(r))) for r in asking])
+        found = {r: self.cut(r, draft) for r, draft in zip(asking, proposed)}
+        drafts = [found.get(r, []) for r in running]
+        return drafts if any(drafts) else None
+
+    def room(self, r: Request) -> int:
+        """Tokens `r` may draft: what its reply's length and the context leave after this step's own token."""
+        return min(r.params.max_new_tokens - r.stream.stats.new_tokens, self.context - r.position) - 1
+
+    @staticmethod
+    def cut(r: Request, draft: list[int]) -> list[int]:
+        """`draft` cut after a stop id, and where `r` has a grammar, to what it allows before any stop id (its
+        masks are made through the draft)."""
+        ends = [i for i, t in enumerate(draft) if t in r.stop_ids]
+        if r.grammar is not None:
+            draft = draft[:ends[0] if ends else len(draft)]
+            return draft[:r.grammar.allowed_prefix(draft)]
+        return draft[:ends[0] + 1] if ends else draft

@@ -15,9 +15,10 @@ drafting and tries again with a short draft every `PROBE_EVERY` steps, so a chat
 pay runs as plain decode steps. With several chats the step's cost is the batch's: `batch_cap` cuts every
 row's draft to the length that pays for the batch as a whole, none where none does, so by the cost model a
 batch never runs slower for its drafts. The cost is fixed while the engine runs (on a GPU measured once by the
-first launch, `proposer.verify_cost`, and kept for the next ones, `write_costs`), never read from the clock
+first launch, `costs_on`, and kept for the next ones), never read from the clock
 between steps: which steps verify follows
-from the tokens alone, the same in every run. A drafter is asked once per step for every row that drafts
+from the tokens alone, the same in every run. The engine's scheduler owns the drafts (`scheduler.Proposer`:
+which rows draft in a step, and how many tokens). A drafter is asked once per step for every row that drafts
 (`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Which token is kept is the sampler's business
 (`Sampler.draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
 tokens, exactly those of plain decoding.
@@ -68,6 +69,37 @@ def read_costs(path: Path) -> dict[int, VerifyCost] | None:
 def write_costs(path: Path, costs: dict[int, VerifyCost]) -> None:
     """Keep costs measured on this GPU for the next launch, as the kernels' tuned configs are kept."""
     atomic_write(path, json.dumps({rows: [c.fixed, c.per_token] for rows, c in costs.items()}))
+
+
+def fit_cost(seconds: Callable[[int, bool], float]) -> VerifyCost:
+    """What a step checking k drafted tokens a row costs in plain steps of the same rows, from `seconds(k,
+    settled)`: such steps timed on the GPU (`ModelRunner.step_seconds`), host work included (a small model on
+    a fast GPU is bound by it, not by its weights). The fixed part also holds the wait a verify step costs
+    the host: its tokens are settled before the next step is launched, where plain steps run one ahead of
+    the host (speculation measured slower than none with 8 chats and on int4's open chat while this wait
+    was left out, H200 2026-11-28)."""
+    plain = seconds(0, False)
+    wait = max(seconds(0, True) / plain - 1.0, 0.0)
+    extra = [(k, seconds(k, False) / plain - 1.0) for k in DRAFT_SIZES]
+    mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
+    slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
+    slope = max(slope, 0.0)
+    return VerifyCost(max(mean_e - slope * mean_k, 0.0) + wait, slope)
+
+
+def costs_on(spec: Speculation, seconds: Callable[[int, int, bool], float],
+             row_counts: Sequence[int]) -> dict[int, VerifyCost] | None:
+    """The verify costs of `spec` on this GPU per row count: those an earlier launch recorded, else fitted now
+    from `seconds(rows, k, settled)` (`fit_cost`) and recorded, measured once per GPU as the kernels' tuning
+    is; None where the prior costs serve (a CPU's were measured once: its tests decide nothing by the clock)."""
+    if not spec.measured:
+        return None
+    if spec.record is not None and (costs := read_costs(spec.record)) is not None:
+        return costs
+    costs = {rows: fit_cost(lambda k, settled: seconds(rows, k, settled)) for rows in sorted(set(row_counts))}
+    if spec.record is not None:
+        write_costs(spec.record, costs)
+    return costs
 
 
 GPU_FLOAT = VerifyCost(0.06, 0.007)
@@ -214,7 +246,7 @@ class Speculation:
     drafter: Drafter
     cost: VerifyCost
     max_draft: int = MAX_DRAFT
-    measured: bool = False  # the engine measures the cost on its GPU (`proposer.verify_cost`), once: kept in
+    measured: bool = False  # the engine measures the cost on its GPU (`costs_on`), once: kept in
     record: Path | None = None  # this file, and read from it by later launches
     exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_rows`)
 

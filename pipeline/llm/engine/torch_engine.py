@@ -42,9 +42,8 @@ from pipeline.llm.engine.sampler import Sampler
 from pipeline.llm.engine.params import InvalidSampling, SamplingParams
 from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.plan import Request, StepPlan
-from pipeline.llm.engine.scheduler import Scheduler
-from pipeline.llm.engine.proposer import Proposer, verify_cost
-from pipeline.llm.engine.speculation import Speculation, read_costs, write_costs
+from pipeline.llm.engine.scheduler import Proposer, Scheduler
+from pipeline.llm.engine.speculation import Speculation, costs_on
 from plugins.cuda_streams import launching
 
 LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
@@ -79,7 +78,7 @@ class TorchLLMEngine:
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk,
                                    self.proposer)
-        self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device)
+        self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device, self.runner.widths[-1])
         self.outputs = Outputs(self.scheduler, self.rows, context, self.runner.to_host)
         self._pending: Launched | None = None  # the step in flight, its tokens not yet settled
         self.speculation = speculation
@@ -122,8 +121,7 @@ class TorchLLMEngine:
     def status(self) -> dict[str, int]:
         """What the engine is doing now (for the UI and tests): requests running and queued, and so on."""
         return {**self.scheduler.status(), "decode_steps": self.steps, "prefilled_tokens": self.prefilled_tokens,
-                "reused_tokens": self.reused_tokens, "verify_steps": self.verify_steps,
-                "drafted_tokens": self.outputs.drafted, "accepted_tokens": self.outputs.accepted}
+                "reused_tokens": self.reused_tokens, "verify_steps": self.verify_steps}
 
     def close(self) -> None:
         """Stop the engine thread (queued and running requests end "cancelled") and let go of the model,
@@ -165,15 +163,11 @@ class TorchLLMEngine:
                 self.outputs.finish(request, FinishReason.CANCELLED)
 
     def _measure(self) -> None:
-        """Where the speculation asks for its verify costs on this GPU: those an earlier launch recorded, else
-        measured now (`proposer.verify_cost`, on the steps the graph table holds) and recorded."""
-        spec = self.speculation
-        costs = read_costs(spec.record) if spec.measured and spec.record is not None else None
-        if spec.measured and costs is None:
-            with launching():
-                costs = {rows: verify_cost(self.runner, self.rows.kv, rows) for rows in sorted({1, self.max_batch})}
-            if spec.record is not None:
-                write_costs(spec.record, costs)
+        """The verify costs on this GPU (`speculation.costs_on`): those an earlier launch recorded, else measured
+        now on the steps the graph table holds, one row and a full batch."""
+        with launching():
+            costs = costs_on(self.speculation, lambda rows, k, settled: self.runner.step_seconds(
+                self.rows.kv, rows, k + 1, settled), (1, self.max_batch))
         self.proposer.costs = costs or self.proposer.costs
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
@@ -215,7 +209,7 @@ class TorchLLMEngine:
         running = self.scheduler.running
         pending = self._pending
         with launching():  # a step chains on the one in flight where that was a plain step of the same rows
-            if pending is not None and (pending.plan.drafted or [s.request for s in pending.plan.rows] != running
+            if pending is not None and (pending.plan.verifies or [s.request for s in pending.plan.rows] != running
                                         or not running):
                 self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
         plan = self.scheduler.plan(self._pending is not None, self._settle_now)
@@ -245,14 +239,14 @@ class TorchLLMEngine:
             feed = RowsFeed(len(rows), chained=self._pending.chained, kv_need=max(s.end for s in rows))
         elif rows:
             size = rows[0].width
-            fed = [[s.request.last_token, *s.draft, *[s.request.last_token] * (size - s.size)] for s in rows]
+            fed = [[s.request.last_token, *s.proposed, *[s.request.last_token] * (size - s.size)] for s in rows]
             feed = RowsFeed(len(rows), fed, [s.start for s in rows], [self._offset(s.request, s.start) for s in rows],
                             kv_need=max(s.start for s in rows) + size)
         reads = [ChunkRead(s.request.prompt, s.request.row, s.start, s.end, self._offset(s.request, s.start), s.last)
                  for s in chunks]
         logits, firsts = self.runner.step(self.rows.kv, feed, reads, graphed=bool(rows))
         self.steps += bool(rows)
-        self.verify_steps += plan.drafted
+        self.verify_steps += plan.verifies
         for s in rows + chunks:  # the positions fed are written (a row's rejected drafts are rolled back at settling)
             s.request.position = self.rows[s.request.row].written = s.end
         self.prefilled_tokens += sum(s.size for s in chunks)
@@ -270,7 +264,7 @@ class TorchLLMEngine:
         if self._pending is not None and any(s.request.grammar is not None for s in rows):
             self.outputs.consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
         kept_logits = logits.clone() if any(s.request.stream.logits is not None for s in drawing) else None  # graphs reuse theirs
-        drawn, kept, logprobs = self.sampler.draw([s.request for s in drawing], logits, [s.draft for s in drawing])
+        drawn, kept, logprobs = self.sampler.draw([s.request for s in drawing], logits, [s.proposed for s in drawing])
         for s in drawing:
             s.request.draws.skip(1)
         previous, self._pending = self._pending, self.outputs.launched(plan, drawn, kept, kept_logits, logprobs)
