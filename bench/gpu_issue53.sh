@@ -9,7 +9,7 @@ for part in "$@"; do
   case "$part" in
     launch) step 420 launch python3 bench/decode_limit.py --parts launch --out decode_limit_launch ;;
     tests) step 420 test_gpu python3 -m pytest tests/test_gpu.py -q -p no:cacheprovider -o faulthandler_timeout=120 \
-             -k "not segment and not minigpt4 and not overlay and not sampling_kernels and not lowbit_kernels and not fused_kernels and not rope_and_kv and not streams_of" ;;
+             -k "not segment and not minigpt4 and not overlay and not lowbit_kernels and not fused_kernels and not rope_and_kv and not streams_of" ;;
     chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
     spec7b) step 300 spec7b python3 bench/speculative.py --parts engine7b \
               --real-json bench/results/speculative_real_replies_cpu_2026-11-28.json --seed 0 --no-ceiling \

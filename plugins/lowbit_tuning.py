@@ -125,7 +125,7 @@ def compile_ahead(stand_ins: list[LowBitWeight], tuned: TunedConfigs, verify: bo
     layers of these shapes (`LowBitWeight.stand_in`, one per shape): where `tuned` has a shape's configs,
     every variant its steps can launch (`plugins.precompile.step_calls`; `verify`: the engine
     speculates); where it lacks them, the tuning candidates and the prefill tiles (which tuning does not
-    change); and `others` (the decode attention's, `plugins.precompile.attention_calls`). `tune_layers`
+    change); and `others` (the decode attention's and the sampler's: `plugins.precompile`). `tune_layers`
     and `compile_steps` wait for them (`settle`)."""
     cases: list[Case] = list(others)
     for w in stand_ins:

@@ -1,5 +1,5 @@
-"""Compiling the kernels a model's steps can use at load (the low-bit ones, the decode attention's), all at
-once on every CPU core.
+"""Compiling the kernels a model's steps can use at load (the low-bit ones, the decode attention's, the
+sampler's), all at once on every CPU core.
 
 Why: Triton compiles a kernel at its first launch, once for each distinct set of compile-time values:
 the constexprs (tile, loop step, rows per launch), and of the other arguments whether an integer is 1
@@ -33,6 +33,7 @@ import torch
 from tqdm.auto import tqdm
 
 from plugins.decode_attention import decode_attention
+from plugins.topk_sampling import sample_top_k
 from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
 
 # A speculative verify step of one chat: its last token and k drafted ones, as one-row launches
@@ -89,6 +90,17 @@ def attention_calls(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
         [functools.partial(call, tokens) for tokens in (1, *(VERIFY_ROWS if verify else ()))]
 
 
+def sampling_calls(vocab: int, dtype: torch.dtype, device: torch.device) -> list[Callable[[], object]]:
+    """Calls that compile the sampler's two kernels (`plugins.topk_sampling`) for logits in the model's dtype
+    and in float32 (after a frequency penalty), over `vocab` entries (its block count is a constant there)."""
+    def call(logits_dtype: torch.dtype) -> None:
+        sample_top_k(torch.empty(1, vocab, dtype=logits_dtype, device=device),
+                     torch.empty(1, vocab, dtype=torch.bool, device=device),
+                     torch.empty(5, 1, dtype=torch.float32, device=device), compile_only=True)
+
+    return [functools.partial(call, d) for d in dict.fromkeys((dtype, torch.float32))]
+
+
 def issue(cases: Iterable[Case]) -> list[str]:
     """Ask for each case's kernels with `compile_only` (in `AsyncCompileMode`: queued, not waited for);
     returns why any could not be asked for (left to compile at its first launch)."""
@@ -103,7 +115,7 @@ def issue(cases: Iterable[Case]) -> list[str]:
             with rows_as_one_row(as_one_row):
                 layer(x, config, compile_only=True)
         except Exception as e:  # noqa: BLE001 - compiling ahead is an optimisation: the launch compiles it
-            what = f"{case[0].shape_key()} {case[1]} rows" if isinstance(case, tuple) else "decode attention"
+            what = f"{case[0].shape_key()} {case[1]} rows" if isinstance(case, tuple) else "attention or sampling"
             failed.append(f"{what}: {type(e).__name__}: {e}")
     return failed
 

@@ -42,7 +42,10 @@ if triton is not None:
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed-int order = float order
         return (ordered.to(tl.int64) << 32) | (V - 1 - token).to(tl.int64)
 
-    @triton.jit
+    # Row strides and sizes are not specialised on (whether a value is 1 or a multiple of 16): one variant per
+    # dtype serves every step (1 row, several, a model's padded vocabulary or not), compiled ahead at load
+    # (`plugins.precompile.sampling_calls`), where each new shape had compiled the block kernel again (5.4 s).
+    @triton.jit(do_not_specialize=["V", "NB", "stride_l", "stride_s", "stride_c"])
     def _block_top_kernel(logits_ptr, seen_ptr, columns_ptr, cand_ptr, V, NB, stride_l, stride_s, stride_c,
                           BLOCK: tl.constexpr, K: tl.constexpr):
         row, block = tl.program_id(0), tl.program_id(1)
@@ -59,7 +62,7 @@ if triton is not None:
         rank = tl.arange(0, BLOCK)
         tl.store(cand_ptr + (row * NB + block) * K + rank, best, mask=rank < K)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["V", "NB", "stride_c"])
     def _pick_kernel(cand_ptr, columns_ptr, out_ptr, V, NB, stride_c, C: tl.constexpr, K: tl.constexpr):
         row = tl.program_id(0)
         rank = tl.arange(0, C)

@@ -23,7 +23,7 @@ from pipeline.models import resolve
 from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
 from pipeline.files import atomic_write
-from pipeline.llm.model.loading import load_decoder, load_gguf_native
+from pipeline.llm.model.loading import empty_decoder, load_decoder, load_gguf_native
 from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.gguf_native import KINDS as GGUF_KINDS, GGUFLinear, unavailable as gguf_unavailable
 from pipeline.llm.draft_model import DraftModel
@@ -45,7 +45,7 @@ from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
-from plugins.precompile import attention_calls, compile_steps, settle
+from plugins.precompile import attention_calls, compile_steps, sampling_calls, settle
 from plugins.lowbit_tuning import TunedConfigs, compile_ahead
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")
@@ -219,9 +219,10 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     if device.type == "cuda":
         config = read_config(model_dir)
         with torch.device("meta"):
-            shapes = empty_quantized(Decoder(config).to(dtype), mode)
-        attention = attention_calls(config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, verify)
-        compile_ahead(kernel_stand_ins(shapes, device), tuned, verify, attention)
+            shapes = empty_quantized(empty_decoder(config, dtype), mode)
+        others = attention_calls(config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, verify) + \
+            sampling_calls(config.vocab_size, dtype, device)
+        compile_ahead(kernel_stand_ins(shapes, device), tuned, verify, others)
     try:
         model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
     except EngineBuildError as e:  # refused by its check, or its making failed: never used

@@ -10,7 +10,7 @@ import psutil
 import torch
 
 from pipeline.errors import UserError
-from pipeline.llm.model.decoder import Decoder
+from pipeline.llm.model.loading import empty_decoder
 from pipeline.llm.model.kv_cache import KVCache
 from pipeline.llm.weights.gguf_file import split_parts
 from pipeline.llm.weights.quant import int4_group, quantized_layers
@@ -59,8 +59,7 @@ def weight_bytes(config, mode: str, dtype: torch.dtype, on_cpu: bool = False) ->
     CPU its ONNX Runtime engine's measured resident size (`ONNX_RESIDENT`)."""
     if mode == GGUF:
         return int(gguf_file_bytes(config) * (ONNX_RESIDENT if on_cpu else 1.03))
-    with torch.device("meta"):
-        model = Decoder(config)
+    model = empty_decoder(config)
     total = sum(p.numel() for p in model.parameters()) * dtype.itemsize
     if mode == "none":
         return total

@@ -253,3 +253,26 @@ def test_the_launch_does_not_import_torchs_compiler():
     code = "import sys, launch\nprint(sorted(m for m in sys.modules if m.startswith('torch._dynamo'))[:3])"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "[]", (done.stdout, done.stderr[-2000:])
+
+
+def test_a_decoders_structure_on_the_meta_device_imports_no_compiler_and_has_the_decoders_shapes():
+    """`empty_decoder`, the structure every load (and the memory estimate) starts from: `nn.init`'s fills on
+    the meta device imported torch._dynamo and sympy (4.6 s of a second launch on an H200 machine); it
+    skips them and keeps every parameter's shape and dtype."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from pipeline.llm.model.decoder import Decoder\n"
+            "from pipeline.llm.model.loading import empty_decoder\n"
+            "from pipeline.llm.weights.config import config_from_hf\n"
+            "c = config_from_hf(dict(architectures=['Qwen2ForCausalLM'], hidden_size=64, intermediate_size=128,"
+            " num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=2, vocab_size=300,"
+            " max_position_embeddings=256, model_type='qwen2'))\n"
+            "meta = {k: (v.shape, v.dtype, v.device.type) for k, v in empty_decoder(c, torch.bfloat16).state_dict().items()}\n"
+            "compiler = 'torch._dynamo' in sys.modules\n"
+            "real = {k: (v.shape, v.dtype, 'meta') for k, v in Decoder(c).to(torch.bfloat16).state_dict().items()}\n"
+            "print(compiler, meta == real, len(meta))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "True", done.stdout.split()[-1]] \
+        and int(done.stdout.split()[-1]) > 10, (done.stdout, done.stderr[-2000:])

@@ -239,3 +239,23 @@ def test_sampling_compile_only_asks_for_the_kernels_a_draw_launches(monkeypatch)
         topk_sampling.sample_top_k(*args, compile_only=True)
         assert seen == launched_notes and {n[0] for n in seen} == {"_block_top_kernel", "_pick_kernel"}
         seen.clear()
+
+
+def test_the_sampling_calls_compile_the_one_variant_every_draw_launches(monkeypatch):
+    """`sampling_calls` (compiled at load): every draw, of 1, 3, 16 or 40 rows, from a padded vocabulary's
+    logits or contiguous ones, in the model's dtype or in float32, launches a kernel they compiled (row
+    strides and sizes are not specialised on: before, each new row count compiled the block kernel again)."""
+    from plugins import topk_sampling
+    from plugins.precompile import sampling_calls
+
+    seen: set = set()
+    for name in ("_block_top_kernel", "_pick_kernel"):
+        monkeypatch.setattr(topk_sampling, name, Recorder(name, seen, getattr(topk_sampling, name)))
+    assert issue(sampling_calls(151665, torch.bfloat16, CPU)) == []
+    compiled = set(seen)
+    seen.clear()
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (1, 3, 16, 40):
+            for logits in (torch.empty(rows, 152064, dtype=dtype)[:, :151665], torch.empty(rows, 151665, dtype=dtype)):
+                topk_sampling.sample_top_k(logits, torch.zeros(rows, 151665, dtype=torch.bool), torch.empty(5, rows))
+    assert seen == compiled and len(compiled) == 3, (seen - compiled, compiled)  # the pick kernel reads no logits

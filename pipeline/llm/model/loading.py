@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from pipeline.errors import UserError
 from pipeline.llm.model.decoder import Decoder
@@ -22,13 +23,31 @@ from plugins.gguf_matmul import GGUFWeight
 from plugins.lowbit import Workspace
 
 
+class _Unfilled(TorchFunctionMode):
+    """`nn.init`'s fills skipped (this thread only: torch's modes are per thread). On the meta device they
+    fill nothing, yet their first call imported torch's compiler (torch._dynamo and sympy: 4.6 s of a second
+    launch's load on an H200 machine, 2026-11-29)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", "") == "torch.nn.init" or func in (torch.Tensor.uniform_, torch.Tensor.normal_):
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
+def empty_decoder(config: DecoderConfig, dtype: torch.dtype | None = None) -> Decoder:
+    """The decoder's structure on the meta device, in `dtype` (its own where None): shapes, no values."""
+    with torch.device("meta"), _Unfilled():
+        model = Decoder(config)
+        return model.to(dtype) if dtype is not None else model
+
+
 def build_decoder(config: DecoderConfig, sd: StateDict, dtype: torch.dtype, device: str | torch.device,
                   mode: str = "none") -> Decoder:
     """The decoder holding `sd` (its own names; under `mode` int8/int4 the quantized layers' buffers, as
     `quant.empty_quantized` lays them out; a tied LM head may be left out)."""
-    with torch.device("meta"):
-        model = Decoder(config).to(dtype)
-        if mode != "none":
+    model = empty_decoder(config, dtype)
+    if mode != "none":
+        with torch.device("meta"):
             empty_quantized(model, mode)
     if config.tie_word_embeddings:
         sd["lm_head.weight"] = sd["embed.weight"]
@@ -87,8 +106,7 @@ def load_gguf_native(folder: Path, dtype: torch.dtype, device: torch.device) -> 
     folder = Path(folder)
     config, sd, embed_kind, head_kind = gguf_as_stored(folder, dtype, KINDS)
     workspace = Workspace(device)
-    with torch.device("meta"):
-        model = Decoder(config).to(dtype)
+    model = empty_decoder(config, dtype)
     for i, block in enumerate(model.layers):
         for path in QUANTIZED:
             parent, attr = path.split(".")
