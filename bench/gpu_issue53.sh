@@ -4,6 +4,7 @@
 #   tests:   the engine's GPU tests that step plans, graph tables and speculation touch (the kernels' own and the
 #            low-bit verify step's, whose compiles take minutes, left out)
 #   chunked: bench/chunked_prefill.py (7 chats + a 4,000-token joiner; a 20-token prompt behind a 32k read)
+#   captures: the GPU tests of every CUDA graph capture (chat, the graph table, SAM, MiniGPT-4)
 #   decode:  bench/decode_limit.py --parts gemv,decode (the int4 decode step against its roofline)
 #   spec7b:  bench/speculative.py --parts engine7b on the real replies' draft patterns (recorded on the CPU)
 source "$(dirname "$0")/device_steps.sh"
@@ -12,6 +13,8 @@ for part in "$@"; do
     launch) step 240 launch python3 bench/decode_limit.py --parts launch --out decode_limit_launch ;;
     tests) step 300 test_gpu python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=200 \
              -k "speculation_on_gpu or graph_table or two_engines or sampling_kernels or chat_on_gpu_graphs or quantized_chat_graphs or draft_model_on_the_gpu" ;;
+    captures) step 150 test_gpu_captures python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \
+                -k "chat_on_gpu_graphs or graph_table or segment_on_gpu or minigpt4 or quantized_chat_graphs" ;;
     decode) step 240 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
     chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
     spec7b) step 300 spec7b python3 bench/speculative.py --parts engine7b \

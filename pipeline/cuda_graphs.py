@@ -26,9 +26,8 @@ class CapturedCall:
         with capturing():  # alone in the process, on a stream no engine holds (`plugins.cuda_streams`)
             stream = capture_stream()
             stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
-                for _ in range(2):
-                    fn(*self.inputs)
+            with torch.cuda.stream(stream):  # one run outside the graph: lazy set-up (a kernel's first load,
+                fn(*self.inputs)  # cuBLAS's workspace) must not happen inside a capture
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's engine may launch, synchronise or allocate on its own stream

@@ -78,16 +78,22 @@ class RowsFeed:
 
 class ModelRunner:
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int,
-                 use_cuda_graphs: bool | None = None, widths: Sequence[int] = (1,), exact_rows: bool = True):
+                 use_cuda_graphs: bool | None = None, widths: Sequence[int] = (1,), exact_rows: bool = True,
+                 step_tokens: int | None = None):
         """`widths`: how many tokens a row may feed in a step (1, and more where the engine verifies tokens:
         it pads to one of these); `context` positions per row, plus as many positions past it as the widest
         (`positions` in all: the cache rows' length) that padding rows of a bucketed step write. `exact_rows`:
         one row feeding several tokens runs them as one-row launches, rounding as its one-token steps do
         (low-bit weights: greedy replies the same with verify steps as without); else the batch kernels, faster,
-        whose rounding may part a reply from the plain one where two tokens are nearly tied."""
+        whose rounding may part a reply from the plain one where two tokens are nearly tied. `step_tokens`: the
+        scheduler's budget of a step's tokens while rows run (None: none), which bounds the prompt tokens a
+        graphed step lays out, so the graph table holds no larger step."""
         self.model, self.vocab_size, self.exact_rows, self.max_batch = model, vocab_size, exact_rows, max_batch
         self.widths = tuple(sorted(set(widths) | {1}))
         self.tile = decode_attention.tile_queries(model.config.num_heads, model.config.num_kv_heads)
+        # each chunk (one per other row at most) starts a run of `tile` tokens: up to tile - 1 of padding
+        laid_out = step_tokens + (max_batch - 1) * (self.tile - 1) if step_tokens else MAX_GRAPHED_TOKENS
+        self.graphed_tokens = min(pow2_at_least(laid_out), MAX_GRAPHED_TOKENS)
         self.device = model.norm.weight.device
         self.scratch, self.positions = context, context + self.widths[-1]
         self.rope = RotaryTables(model.config, self.positions, self.device)
@@ -287,10 +293,10 @@ class ModelRunner:
     def table_keys(self) -> list[tuple[int, int, int]]:
         """(rows, tokens per row, prompt tokens) of every step a graph replays: 1..max_batch rows (powers of two)
         feeding one token each, with prompt tokens beside them (a joining prompt's chunks, padded to a power of
-        two, up to MAX_GRAPHED_TOKENS) or none, and feeding each wider width alone (no prompt is read beside
+        two, up to `graphed_tokens`) or none, and feeding each wider width alone (no prompt is read beside
         those: the engine feeds more than one token a row only while none is)."""
         batches = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch]
-        sizes = [0] + [1 << i for i in range(4, MAX_GRAPHED_TOKENS.bit_length()) if 1 << i >= self.tile]
+        sizes = [0] + [1 << i for i in range(4, self.graphed_tokens.bit_length()) if 1 << i >= self.tile]
         return [(b, 1, c) for b in batches for c in sizes] + \
             [(b, width, 0) for b in batches for width in self.widths[1:]]
 

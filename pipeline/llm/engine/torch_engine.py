@@ -74,7 +74,7 @@ class TorchLLMEngine:
         self.proposer = Proposer(speculation, context) if speculation is not None else None
         self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs,
                                   self.proposer.widths if self.proposer else (1,),
-                                  exact_rows=speculation is None or speculation.exact)
+                                  exact_rows=speculation is None or speculation.exact, step_tokens=prefill_chunk)
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk,
                                    self.proposer)
