@@ -13,8 +13,8 @@ from torch import Tensor
 @dataclasses.dataclass(frozen=True)
 class Rows:
     """`per_row` tokens for each cache row 0..B-1, row b's at positions starts[b].. with rotary offset
-    offsets[b] (`RotaryTables.offset`): one for a decode step, the last token and the tokens drafted after
-    it for speculative decoding's check (a decode step is a check without drafts). Each query attends in
+    offsets[b] (`RotaryTables.offset`): one for a decode step, the last token and the tokens proposed after
+    it for a verify step (a decode step is a verify step of none). Each query attends in
     place to its row up to its own position (the decode attention), reading at most the first `kv_len`
     positions; a row whose `live` is 0 (a padding row of a graph's bucket) reads nothing."""
 
