@@ -246,7 +246,42 @@ def test_a_draft_model_is_asked_once_per_step_for_all_rows_and_drafts_them_as_on
     steps = [step for step, _ in calls]
     assert len(steps) == len(set(steps)), calls  # one call a step
     assert max(n for _, n in calls) == 3 and drafter_engine.status()["most_running"] == 3, calls  # one batch
-    assert status["accepted_tokens"] > 0
+    assert status["accepted_tokens"] > 0 and drafter.reused > 0  # drafts from the work asked a step ahead
+
+
+def test_a_draft_asked_a_step_ahead_serves_only_where_the_step_kept_its_whole_draft_and_drew_its_first(model):
+    """As a step's draft is handed out, the small model starts on the next one, as if the step keeps it all.
+    Where the step did, and drew the token the small model put first, the next draft is that work's; where it
+    kept less, or drew another token, that work is dropped and the draft asked again. Each draft is the small
+    model's greedy continuation of the text either way."""
+    from pipeline.llm.draft_model import DraftModel
+    from pipeline.llm.engine.speculation import Ask
+
+    vocab, text = model.config.vocab_size, tuple(range(5, 25))
+    plain = TorchLLMEngine(model, 64, vocab, max_batch=4)
+
+    def greedy(ids, n: int) -> list[int]:
+        return list(plain.submit(Prompt(tuple(ids)), SamplingParams(max_new_tokens=n, temperature=0,
+                                                                    repetition_penalty=1.0), set()))
+
+    cont = greedy(text, 12)
+    drafter = DraftModel(TorchLLMEngine(model, 64, vocab, max_batch=4), "itself")
+    state = drafter.index()
+    assert drafter.propose([Ask(state, text[:-1], text[-1:], 3)]) == [cont[:3]] and drafter.reused == 0
+    kept_all = [*text, *cont[:3]]  # the step kept the 3 and drew cont[3], the small model's first
+    assert drafter.propose([Ask(state, kept_all, (cont[3],), 3)]) == [cont[4:7]] and drafter.reused == 1
+    kept_one = [*kept_all, cont[3], cont[4]]  # kept 1 of cont[4:7], then drew the token the work ahead put first
+    assert cont[7] != cont[5]  # (so the step kept only one: what it drew is not the draft's second)
+    third = drafter.propose([Ask(state, kept_one, (cont[7],), 3)])[0]
+    assert third == greedy([*kept_one, cont[7]], 3) and drafter.reused == 1  # asked again, not taken from ahead
+    other = cont[7]
+    kept_whole_other = [*kept_one, other, *third]  # kept all 3, then drew another token than the small model's
+    other = (greedy([*kept_whole_other], 1)[0] + 1) % vocab
+    assert drafter.propose([Ask(state, kept_whole_other, (other,), 2)]) == [greedy([*kept_whole_other, other], 2)]
+    assert drafter.reused == 1
+    drafter.forget(state)
+    drafter.close()
+    plain.close()
 
 
 class FirstRight(PerRequest):

@@ -141,7 +141,7 @@ class Scheduler:
         """`request` stops: its row keeps its tokens (what it read of its prompt, for one still reading it;
         forgotten after an `error`: unknown) and leaves the block of rows in use."""
         if self.proposer is not None:
-            self.proposer.states.pop(request, None)
+            self.proposer.leave(request)
         if request in self.running:
             block, first = self.running, 0
         elif request in self.prefilling:
@@ -204,6 +204,11 @@ class Proposer:
     def join(self, request: Request) -> None:
         """A new request's drafting state (its drafter's own, and its acceptance so far)."""
         self.states[request] = DraftState(self.speculation.drafter.index())
+
+    def leave(self, request: Request) -> None:
+        """`request` ended: its drafting state goes, and its drafter forgets it."""
+        if (state := self.states.pop(request, None)) is not None:
+            self.speculation.drafter.forget(state.drafts)
 
     def cost_for(self, rows: int) -> VerifyCost:
         """The cost measured for the fewest rows at least `rows` (the most measured, past them)."""

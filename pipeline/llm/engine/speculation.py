@@ -145,6 +145,9 @@ class PerRequest:
     def propose(self, asks: Sequence[Ask]) -> list[list[int]]:
         return [a.state.draft(a.history, a.k, a.last) for a in asks]
 
+    def forget(self, state) -> None:
+        """A request ended: its state goes with it (nothing else holds it)."""
+
 
 class PromptLookup(PerRequest):
     """Drafts from the conversation itself: the tokens that followed the most recent earlier occurrence of
@@ -226,8 +229,9 @@ class Ask:
 
 class Drafter(Protocol):
     """Where drafts come from: `index()` makes a request's own state; `propose(asks)` drafts for every asking
-    request of a step at once (up to each one's k tokens after its text). `always`: it always has a draft
-    (else the engine looks with the tokens it already knows before it waits for the step in flight)."""
+    request of a step at once (up to each one's k tokens after its text); `forget(state)`: a request ended.
+    `always`: it always has a draft (else the engine looks with the tokens it already knows before it waits
+    for the step in flight)."""
 
     always: bool
     name: str
@@ -235,6 +239,8 @@ class Drafter(Protocol):
     def index(self) -> Any: ...
 
     def propose(self, asks: Sequence[Ask]) -> list[list[int]]: ...
+
+    def forget(self, state: Any) -> None: ...
 
     def close(self) -> None: ...
 
