@@ -125,8 +125,10 @@ class Scheduler:
         return [(r, ends[r]) for r in self.prefilling if r in ends]
 
     def kept(self, request: Request, drafted: int, accepted: int) -> None:
-        """A step checked `request`'s `drafted` tokens and kept the first `accepted`: its drafting hears it."""
-        self.proposer.states[request].record(drafted, accepted)
+        """A step checked `request`'s `drafted` tokens and kept the first `accepted`: its drafting hears it (while
+        it runs: one that ended meanwhile has no drafting left)."""
+        if (state := self.proposer.states.get(request)) is not None:
+            state.record(drafted, accepted)
         request.stream.stats.drafted_tokens += drafted
         request.stream.stats.accepted_tokens += accepted
         self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
