@@ -1,7 +1,7 @@
 """Fingerprints of weight files: the part of an engine's key that says which weights it holds.
 
-A fingerprint is the SHA-256 of every weight file's digest (`pipeline.files.file_sha256`), so any change to the weights rebuilds
-their engines. Hashing a multi-gigabyte checkpoint costs seconds, so each file's digest is kept in
+A fingerprint is the SHA-256 of every weight file's digest (`pipeline.files.file_sha256`), so any change
+to the weights rebuilds their engines. Hashing a multi-gigabyte checkpoint costs seconds, so each file's digest is kept in
 `fingerprints.json` beside the engines, keyed by path, size, modification time and inode: a
 later launch hashes only files that changed since.
 """

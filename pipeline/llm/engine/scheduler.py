@@ -7,8 +7,8 @@ budget of `step_tokens` positions, one for each running request's decode and the
 of the requests reading theirs, shared fairly (`chunks`), so a long prompt stalls neither the running
 chats nor a short prompt that joins after it. Where the engine speculates, the scheduler owns the drafts: it
 asks the `Proposer` for each running request's (by its acceptance so far, under what pays for the batch),
-puts them in the step's plan, and hears how many were kept. Rows are kept in one order: running requests in rows 0..R-1 (so a
-decode step reads the cache as a plain view), then the requests reading their prompts; a joining
+puts them in the step's plan, and hears how many were kept. Rows are kept in one order: running requests
+in rows 0..R-1 (so a decode step reads the cache as a plain view), then the requests reading their prompts; a joining
 request's row is moved to the first free place, a request whose prompt is read moves to row R, and
 a leaving one's row is swapped out of the block. The engine thread alone changes the rows; any
 thread may add a request.
