@@ -48,11 +48,13 @@ def fingerprint(sources: list[Path], memo_dir: Path) -> str:
         memo = {}
     stamps = {path: _stamp(path) for path in weight_files(sources)}
     new = [path for path, stamp in stamps.items() if memo.get(str(path.resolve()), {}).get("stamp") != stamp]
+    # the files side by side, as each file's segments are (hashlib and reads release the GIL), the cores shared
+    # out between them: no more threads than cores
+    files = max(1, min(len(new), os.cpu_count() or 1))
+    per_file = max(1, (os.cpu_count() or 1) // files)
     with tqdm(total=sum(stamps[p][0] for p in new), desc="fingerprinting weights (once per file)", unit="B",
-              unit_scale=True, file=sys.stderr, disable=not new) as bar, \
-            ThreadPoolExecutor(max(1, min(len(new), os.cpu_count() or 1))) as pool:
-        # the files side by side, as each file's segments are (hashlib and reads release the GIL)
-        for path, digest in zip(new, pool.map(lambda p: file_sha256(p, bar.update), new)):
+              unit_scale=True, file=sys.stderr, disable=not new) as bar, ThreadPoolExecutor(files) as pool:
+        for path, digest in zip(new, pool.map(lambda p: file_sha256(p, bar.update, per_file), new)):
             memo[str(path.resolve())] = {"stamp": stamps[path], "sha256": digest}
     total = hashlib.sha256()
     for path in stamps:
