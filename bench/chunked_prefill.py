@@ -25,7 +25,10 @@ chunk step (target ≤ 3), and the long prompt's own first token, chunked agains
 Tokens are stamped on the engine thread as it hands them over (the stream's `deliver` wrapped), so no
 consumer thread's scheduling is in the numbers.
 
-    python bench/chunked_prefill.py [--layers 28]
+With `--invariant-only`: the scenario in chunks of 128 with the default kernels and in batch-invariant mode
+(`--batch-invariant`), their steps' times, and whether each mode's greedy bf16 replies alone = with the others.
+
+    python bench/chunked_prefill.py [--layers 28] [--invariant-only]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
 from timing import report  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
+from pipeline.llm.model.invariant import make_batch_invariant  # noqa: E402
 from pipeline.llm.engine.seam import TokenStream  # noqa: E402
 from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
@@ -132,14 +136,14 @@ def short_behind_long(model, chunk: int | None) -> dict:
             "wall_s": round(time.perf_counter() - started, 2)}
 
 
-def measured(model, chunk: int | None) -> tuple[dict, list[list[int]]]:
+def measured(model, chunk: int | None, seed: int = 0) -> tuple[dict, list[list[int]]]:
     """The scenario's numbers and every chat's tokens on a fresh engine, after one run that captures the
     graphs of every batch and context bucket."""
     with torch.inference_mode():
         engine = TorchLLMEngine(model, 8192, model.config.vocab_size, max_batch=8, rows=8, prefill_chunk=chunk)
-        scenario(engine, seed=1000)
+        scenario(engine, seed=seed + 1000)
         gc.collect()
-        numbers = scenario(engine, seed=0)
+        numbers = scenario(engine, seed=seed)
         engine.close()
     return numbers, numbers.pop("tokens")
 
@@ -166,14 +170,47 @@ def agreement(res: dict, tokens: dict, same: str, matching: str) -> None:
         res[name][matching] = [first_difference(x, y) for x, y in zip(tokens[name], reference)]
 
 
+def invariant(model, seed: int) -> dict:
+    """The scenario in chunks of 128 with the default kernels, then in batch-invariant mode (the model switched in
+    place): its numbers beside the default's, and whether each mode's greedy replies alone = with the others."""
+    out = {}
+    for name in ("default", "batch-invariant"):
+        if name == "batch-invariant":
+            assert make_batch_invariant(model) is None
+        numbers, tokens = measured(model, MODES[0][1], seed)
+        lone = alone(model, MODES[0][1], seed)
+        out[name] = {**{k: v for k, v in numbers.items() if not k.startswith("chat0")},
+                     "greedy_identical_alone_vs_together": lone == tokens,
+                     "tokens_matching_per_chat": [first_difference(x, y) for x, y in zip(lone, tokens)]}
+    out["median_step_ratio"] = round(out["batch-invariant"]["median_step_ms"] / out["default"]["median_step_ms"], 3)
+    out["joining_ttft_ratio"] = round(out["batch-invariant"]["joining_ttft_ms"] / out["default"]["joining_ttft_ms"], 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--invariant-only", action="store_true",
+                    help="only the batch-invariant comparison (chunks of 128, default kernels against invariant ones)")
+    ap.add_argument("--seed", type=int, default=0, help="the prompts' seed (--invariant-only)")
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                  "shapes": f"Qwen2.5-7B ({args.layers} layers), bf16, random weights", "chats": CHATS,
                  "joining_prompt_tokens": LONG_PROMPT}
     model = random_qwen25_7b(args.layers)
+    if args.invariant_only:
+        res["seed"] = args.seed
+        res["invariant"] = inv = invariant(model, args.seed)
+        report("chunked_prefill_invariant", res)
+        print(f"\n{res['device']} · {res['shapes']} · {CHATS} chats decoding, an 8th joins with {LONG_PROMPT} tokens "
+              f"(chunks of {MODES[0][1]})")
+        for name in ("default", "batch-invariant"):
+            m = inv[name]
+            print(f"{name:16s} median step {m['median_step_ms']:6.2f} ms  largest gap {m['largest_gap_while_joining_ms']:6.2f} ms"
+                  f"  8th TTFT {m['joining_ttft_ms']:7.1f} ms  greedy alone = together: "
+                  f"{m['greedy_identical_alone_vs_together']} {m['tokens_matching_per_chat']}")
+        print(f"batch-invariant / default: median step {inv['median_step_ratio']}×, 8th TTFT {inv['joining_ttft_ratio']}×")
+        return
     tokens = {}
     for name, chunk in MODES:
         res[name], tokens[name] = measured(model, chunk)

@@ -7,6 +7,8 @@
 #   captures: the GPU tests of every CUDA graph capture (chat, the graph table, SAM, MiniGPT-4)
 #   decode:  bench/decode_limit.py --parts gemv,decode (the int4 decode step against its roofline)
 #   spec7b:  bench/speculative.py --parts engine7b on the real replies' draft patterns (recorded on the CPU)
+#   invariant: batch-invariant mode: its kernels (bench/invariant_kernels.py), its GPU test beside the engine tests
+#            that share the attention's workspaces, and chunked prefill alone = together (--invariant-only)
 source "$(dirname "$0")/device_steps.sh"
 for part in "$@"; do
   case "$part" in
@@ -17,6 +19,10 @@ for part in "$@"; do
                 -k "chat_on_gpu_graphs or graph_table or segment_on_gpu or minigpt4 or quantized_chat_graphs" ;;
     decode) step 240 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
     chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
+    invariant) step 100 invariant_kernels python3 bench/invariant_kernels.py
+               step 200 test_gpu_invariant python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \
+                 -k "batch_invariant or graph_table or two_engines or speculation_on_gpu"
+               step 250 chunked_invariant python3 bench/chunked_prefill.py --invariant-only --seed "${SEED:-0}" ;;
     spec7b) step 300 spec7b python3 bench/speculative.py --parts engine7b \
               --real-json bench/results/speculative_real_replies_cpu_2026-11-28.json --seed 0 --no-ceiling \
               --modes "${MODES:-none,int4,int4:fast}" --out "$OUT/speculative_engine7b.json" ;;

@@ -33,15 +33,14 @@ On the CPU, or without Triton, `decode_attention` runs `decode_attention_referen
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 import warnings
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+
+from plugins.workspaces import workspace
 
 try:
     import triton
@@ -87,13 +86,14 @@ if triton is not None:
                       batch, kv_len, n_splits, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                       GROUP_PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr,
                       PRECISION: tl.constexpr, TOKENS: tl.constexpr, QUERIES: tl.constexpr, ROWS: tl.constexpr,
-                      ROW: tl.constexpr):
+                      ROW: tl.constexpr, SPLIT_SIZE: tl.constexpr):
         # DOT: the dtype of tl.dot's operands (the cache's, or float32 under the interpreter, whose dot
         # multiplies bf16 bit patterns as integers; bf16 products are exact in fp32, so the numbers agree).
         # A program scores QUERIES consecutive queries of one cache row (ROWS >= QUERIES x GROUP rows, query
         # qi's head g at row qi * GROUP + g; one query: its group padded to GROUP_PAD rows); ROW: the cache
         # row is read from row_ptr (prompt tokens: each query's row, the same for a tile's), else it is the first
-        # query's // TOKENS. The splits share out the tile's own positions (`_span`), so the grid depends on no length.
+        # query's // TOKENS. The splits share out the tile's own positions (`_span`), so the grid depends on no length;
+        # SPLIT_SIZE > 0: each split is that many positions (batch-invariant sums).
         split, tile_kh = tl.program_id(0), tl.program_id(1)
         tile, kh = tile_kh // KV_HEADS, tile_kh % KV_HEADS
         r, d = tl.arange(0, ROWS), tl.arange(0, DIM)
@@ -102,7 +102,7 @@ if triton is not None:
         real = (qi < QUERIES) & (b < batch)  # rows past the tile's queries pad it for tl.dot: q = 0, never stored
         lengths = tl.minimum(tl.load(len_ptr + b, mask=real, other=0).to(tl.int32), kv_len)
         length = tl.max(lengths, 0)
-        span = _span(length, n_splits, BLOCK_N)
+        span = SPLIT_SIZE if SPLIT_SIZE > 0 else _span(length, n_splits, BLOCK_N)
         start = split * span
         if start < length:  # splits past the queries' lengths read nothing
             q = tl.load(q_ptr + b.to(tl.int64)[:, None] * stride_qb + (kh * GROUP + g)[:, None] * stride_qh + d[None, :],
@@ -137,7 +137,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["batch", "kv_len", "n_splits"])
     def _merge_kernel(len_ptr, out_ptr, acc_ptr, ml_ptr, batch, kv_len, n_splits, KV_HEADS: tl.constexpr,
                       GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr, LANES: tl.constexpr,
-                      BLOCK_N: tl.constexpr, QUERIES: tl.constexpr, QUERIES_PAD: tl.constexpr):
+                      BLOCK_N: tl.constexpr, QUERIES: tl.constexpr, QUERIES_PAD: tl.constexpr, SPLIT_SIZE: tl.constexpr):
         # One program per (row, q head): its splits' partials, rows first + s*GROUP_PAD, by log-sum-exp.
         # Lane j keeps its own running state over splits j, j+LANES, .. (independent loads, no reduction
         # in the loop); -1e30 stands for -inf so that an idle lane makes no NaN.
@@ -148,7 +148,7 @@ if triton is not None:
         tile_q = b // QUERIES * QUERIES + qi
         tile_length = tl.max(tl.minimum(tl.load(len_ptr + tile_q, mask=(qi < QUERIES) & (tile_q < batch), other=0)
                                         .to(tl.int32), kv_len), 0)
-        span = _span(tile_length, n_splits, BLOCK_N)
+        span = SPLIT_SIZE if SPLIT_SIZE > 0 else _span(tile_length, n_splits, BLOCK_N)
         n_valid = tl.cdiv(tl.minimum(tl.load(len_ptr + b).to(tl.int32), kv_len), tl.maximum(span, 1))
         first = (b * KV_HEADS + h // GROUP) * n_splits * GROUP_PAD + h % GROUP
         lane, d = tl.arange(0, LANES), tl.arange(0, DIM)
@@ -175,30 +175,10 @@ if triton is not None:
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 _MERGE_TILE = 4096  # fp32 partial outputs a merge program loads at once (LANES x head_dim)
 _TILE_ROWS = 64  # a prompt chunk's program: its queries x group rows (one load of each key for all of them)
-_workspaces: contextvars.ContextVar[dict[tuple, Tensor]] = contextvars.ContextVar("decode_attention_workspaces",
-                                                                                 default={})
+INVARIANT_SPLIT = 256  # positions per split in batch-invariant mode (`split_size`)
+_INVARIANT_LANES = 16  # the merge's lanes then: a fixed number, so every row's splits are added in one order
 _sm_counts: dict[int, int] = {}
 _failed = False  # set when a kernel failed to compile (the first call is outside any CUDA graph)
-
-
-@contextlib.contextmanager
-def using_workspaces(buffers: dict[tuple, Tensor]) -> Iterator[None]:
-    """Within it, the partials come from `buffers` (an engine's own dict): two engines' steps, on two
-    streams at once, must not write each other's partials (outside it: one dict shared by all callers)."""
-    token = _workspaces.set(buffers)
-    try:
-        yield
-    finally:
-        _workspaces.reset(token)
-
-
-def _workspace(device: torch.device, numel: int) -> Tensor:
-    """An fp32 buffer of at least `numel` elements, one per (device, power-of-two size), kept forever (a
-    captured graph keeps its address)."""
-    key, buffers = (str(device), triton.next_power_of_2(numel)), _workspaces.get()
-    if key not in buffers:
-        buffers[key] = torch.empty(key[1], dtype=torch.float32, device=device)
-    return buffers[key]
 
 
 def _lanes(n_splits: int, dim: int) -> int:
@@ -206,7 +186,7 @@ def _lanes(n_splits: int, dim: int) -> int:
     return min(triton.next_power_of_2(n_splits), max(1, _MERGE_TILE // dim))
 
 
-_merges_compiled: set[tuple] = set()  # (device, dtype, kv heads, group, dim) whose merge kernels are compiled
+_merges_compiled: set[tuple] = set()  # (device, dtype, kv heads, group, dim, ..) whose merge kernels are compiled
 
 
 def _splits(kv_len: int, programs_per_split: int, device: torch.device) -> int:
@@ -229,7 +209,7 @@ def tile_queries(heads: int, kv_heads: int) -> int:
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
                      out: Tensor | None = None, tokens: int = 1, rows: Tensor | None = None,
-                     compile_only: bool = False) -> Tensor:
+                     compile_only: bool = False, split_size: int | None = None) -> Tensor:
     """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
     the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
     valid positions of each row, <= kv_len; 0: a padding query, whose output is zeros). Returns [B, heads*head_dim]
@@ -242,7 +222,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     compile the kernels this call needs (in Triton's `AsyncCompileMode`: in the background) and launch
     nothing; what they compile for depends on the dtypes, heads, head_dim, and `tokens` or else `rows` only
     (prompt tokens' kernel is the same for any count; every stride is a multiple of 16), so small stand-in
-    tensors compile a model's (`plugins.precompile.attention_calls`)."""
+    tensors compile a model's (`plugins.precompile.attention_calls`). `split_size` (a multiple of 64): batch-invariant
+    sums: each split is that many positions from a row's start, and the merge adds them in one order, so a query's
+    output is the same bits in any batch, tile or cache size (the default shares each row's length out over about
+    two programs per SM, so the sums follow the batch)."""
     global _failed
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -261,32 +244,36 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     tile_rows = max(16, triton.next_power_of_2(queries * group))
     tiles = triton.cdiv(batch, queries)
     # a verify step splits as a decode step of its rows: the same sums
-    n_splits = _splits(kv_len, (tiles if rows is not None else batch // tokens) * kv_heads, q.device)
+    n_splits = triton.cdiv(kv_len, split_size) if split_size else \
+        _splits(kv_len, (tiles if rows is not None else batch // tokens) * kv_heads, q.device)
     slots = batch * kv_heads * n_splits * group_pad
-    partials = _workspace(q.device, slots * (dim + 2))  # each row's output, then its (max, sum)
+    partials = workspace(q.device, slots * (dim + 2))  # each row's output, then its (max, sum)
     acc, ml = partials[:slots * dim], partials[slots * dim:]
     dot = _TL_DTYPES[q.dtype] if q.is_cuda else tl.float32  # CPU tensors: the interpreter (tests)
     block_n = max(16, min(64, 16384 // (dim * q.element_size())))
     merge_args = (lengths, out, acc, ml, batch, kv_len, n_splits)
     merge_kw = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_N=block_n, QUERIES=queries,
-                    QUERIES_PAD=triton.next_power_of_2(queries), num_warps=4)
+                    QUERIES_PAD=triton.next_power_of_2(queries), SPLIT_SIZE=split_size or 0, num_warps=4)
+    lanes = _INVARIANT_LANES if split_size else _lanes(n_splits, dim)
 
     def launch(kernel, grid):
         return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 
     try:
-        if q.is_cuda and (q.device, q.dtype, kv_heads, group, dim, queries) not in _merges_compiled:
-            _merges_compiled.add((q.device, q.dtype, kv_heads, group, dim, queries))
-            for lanes in {_lanes(2 ** i, dim) for i in range(12)}:  # every lane count a length can ask for, now
-                _merge_kernel.warmup(*merge_args, LANES=lanes, grid=(batch * heads,), **merge_kw)
+        compiled = (q.device, q.dtype, kv_heads, group, dim, queries, split_size)
+        if q.is_cuda and compiled not in _merges_compiled:
+            _merges_compiled.add(compiled)
+            for each in {_lanes(2 ** i, dim) for i in range(12)} if not split_size else {lanes}:  # every lane count
+                _merge_kernel.warmup(*merge_args, LANES=each, grid=(batch * heads,), **merge_kw)  # a length can ask for
         launch(_split_kernel, (n_splits, tiles * kv_heads))(
             q, k_cache, v_cache, lengths, lengths if rows is None else rows, acc, ml, q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), batch, kv_len, n_splits, math.log2(math.e) / math.sqrt(dim),
             KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad, DIM=dim, BLOCK_N=block_n, DOT=dot,
             PRECISION="ieee" if dot == tl.float32 else "tf32", TOKENS=1 if rows is not None else tokens, QUERIES=queries,
-            ROWS=tile_rows, ROW=rows is not None, num_warps=8 if dim * q.element_size() * tile_rows >= 8192 else 4,
+            ROWS=tile_rows, ROW=rows is not None, SPLIT_SIZE=split_size or 0,
+            num_warps=8 if dim * q.element_size() * tile_rows >= 8192 else 4,
             num_stages=2)  # tile and warps: no register spills up to bf16 x 256 and fp32 x 256
-        launch(_merge_kernel, (batch * heads,))(*merge_args, LANES=_lanes(n_splits, dim), **merge_kw)
+        launch(_merge_kernel, (batch * heads,))(*merge_args, LANES=lanes, **merge_kw)
     except Exception as e:  # noqa: BLE001 - a Triton that cannot compile them falls back, once, saying so
         if compile_only:  # compiled ahead: the step's own call decides
             raise

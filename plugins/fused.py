@@ -18,6 +18,7 @@ process-wide switch, so a benchmark can run fused and reference models side by s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plugins.decode_attention import decode_attention
+from plugins.decode_attention import INVARIANT_SPLIT, decode_attention
 
 try:
     import triton
@@ -248,12 +249,12 @@ def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: 
 
 
 def decode_attention_fused(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                           tokens: int = 1, rows: Tensor | None = None) -> Tensor:
+                           tokens: int = 1, rows: Tensor | None = None, split_size: int | None = None) -> Tensor:
     """Our Triton kernel where it runs (CUDA); elsewhere SDPA, not the kernel's fp32 einsum reference: on
     the CPU that copies the KV heads out to every query head and made SmolLM2's decode 0.93× transformers'
-    (216 µs a layer against SDPA's 65 µs, `bench/real_model.py`)."""
+    (216 µs a layer against SDPA's 65 µs, `bench/real_model.py`). `split_size`: the kernel's batch-invariant sums."""
     if q.is_cuda:
-        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens, rows=rows)
+        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens, rows=rows, split_size=split_size)
     return decode_attention_sdpa(q, k_cache, v_cache, lengths, kv_len, tokens, rows)
 
 
@@ -274,3 +275,7 @@ REFERENCE = Kernels(rms_norm_reference, add_rms_norm_reference, rotary_reference
                     silu_mul_reference, decode_attention_sdpa)
 FUSED = Kernels(rms_norm_fused, add_rms_norm_fused, rotary_fused, rope_cache_write_fused, silu_mul_fused,
                 decode_attention_fused)  # each falls back to the reference wherever Triton cannot run
+# batch-invariant mode (`pipeline.llm.model.invariant`): the same, with the attention's splits of a fixed size (the
+# norms, RoPE and SiLU·up compute each row alone already)
+INVARIANT = dataclasses.replace(FUSED, decode_attention=functools.partial(decode_attention_fused,
+                                                                          split_size=INVARIANT_SPLIT))

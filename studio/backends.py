@@ -28,6 +28,7 @@ from pipeline.llm.weights.checkpoint import read_config
 from pipeline.llm.weights.gguf_native import KINDS as GGUF_KINDS, GGUFLinear, unavailable as gguf_unavailable
 from pipeline.llm.draft_model import DraftModel
 from pipeline.llm.engine.speculation import prompt_lookup
+from pipeline.llm.model.invariant import make_batch_invariant
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.model.decoder import Decoder
@@ -35,12 +36,12 @@ from pipeline.llm.model.kv_cache import KVCache
 from pipeline.llm.text.prompt import Prompt
 from pipeline.llm.weights.quant import (MODES, QuantLinear, empty_quantized, kernel_stand_ins, kernel_unavailable,
                                         use_kernels)
-from studio.draft_choice import draft_modes, fastest_draft, record_name
+from studio.draft_choice import draft_modes, fastest_draft, record_name, same_vocabulary
 from studio.onnx_llm import onnx_gguf_decoder, unavailable as onnx_unavailable
 from studio.memory_fit import GGUF, available_memory, check_memory, weight_bytes
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.engine.params import SamplingParams, checkpoint_defaults
-from pipeline.llm.text.tokenizer import Tokenizer, load_tokenizer
+from pipeline.llm.text.tokenizer import load_tokenizer
 from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
@@ -253,12 +254,6 @@ def warm_up(engine: TorchLLMEngine, model_id: str, say) -> None:
     say(f"{model_id}: decode step ready in {time.perf_counter() - start:.1f} s")
 
 
-def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
-    """Whether two tokenizers give the same ids (a draft model's tokens must mean the target's)."""
-    probe = "Speculative decoding: 12 drafts, ünïcode ✓, code `x += 1`\n"
-    return a.vocab_size == b.vocab_size and a.encode(probe) == b.encode(probe) and a.eos_ids == b.eos_ids
-
-
 def load_draft(draft_id: str, target_dir: Path, device: str, dtype: torch.dtype, max_context: int, max_batch: int,
                engines: EngineOptions | None, quant: str, free_bytes: int | None) -> LanguageModel | None:
     """The draft model for speculative decoding, loaded (on a GPU in float or int4, whichever decodes
@@ -292,7 +287,8 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                         dtype: torch.dtype = torch.float32, max_context: int = 8192, max_batch: int = 8,
                         kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
                         quant: str = "none", image_queries: int = 0, free_bytes: int | None = None,
-                        speculate: str = "exact", draft: LanguageModel | None = None) -> LanguageModel:
+                        speculate: str = "exact", draft: LanguageModel | None = None,
+                        batch_invariant: bool = False) -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
     `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`; on the CPU the model must fit
     the memory the machine has free: `check_memory`). Under `tensorrt`
@@ -300,7 +296,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     built once into the engine cache; a failed build falls back to torch. `speculate`: exact, fast or off
     (the torch engine's speculative decoding, `pipeline.llm.engine.speculation`); with a `draft` model (loaded,
     sharing the tokenizer: `load_draft`) drafts come from it instead of prompt lookup, and closing this model
-    closes it."""
+    closes it. `batch_invariant`: `pipeline.llm.model.invariant` (where it cannot be, the start-up report says why)."""
     tokenizer = load_tokenizer(model_dir)
     config = read_config(model_dir)
     context = min(max_context, config.max_position_embeddings)
@@ -312,9 +308,9 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
         check_memory(model_id, config, quant, dtype, context, available_memory())
     if engines is not None and quant_why != "asked for":
         engines.report.say(f"{model_id}: --quant {quant} ({quant_why})")
-    if backend == "tensorrt" and config.quantization:
-        engines.report.say(f"{model_id}: runs on torch: the TensorRT-LLM path here builds from float checkpoints, "
-                           f"not {config.quantization.upper()} ones")
+    if backend == "tensorrt" and (config.quantization or batch_invariant):
+        engines.report.say(f"{model_id}: runs on torch: " + ("batch-invariant replies need its kernels" if batch_invariant
+                           else f"the TensorRT-LLM path builds from float checkpoints, not {config.quantization.upper()} ones"))
         backend = "torch"
     if backend == "tensorrt":
         try:
@@ -329,6 +325,12 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
         except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
             engines.report.tell(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
     model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines, speculate != "off")
+    if batch_invariant:
+        why = make_batch_invariant(model)
+        weights += ", batch-invariant" if why is None else ""
+        if engines is not None:
+            engines.report.say(f"{model_id}: " + (f"--batch-invariant is off: {why}" if why else
+                                                  "batch-invariant: a reply is the same whatever other chats run"))
     if kv_cache_bytes is None and free_bytes is not None:
         kv_cache_bytes = int((free_bytes - weight_bytes(config, quant, dtype)) * KV_SHARE_OF_FREE_MEMORY)
     rows, batch = cache_rows(config, context, dtype, max_batch, kv_cache_bytes)

@@ -120,7 +120,8 @@ def tool_specs(config: StudioConfig, plan: Plan, engines: EngineOptions, host: T
                                                     plan.device, dtype, config.context, config.max_batch,
                                                     engines=engines, quant=config.quant, free_bytes=room,
                                                     image_queries=IMAGE_QUERIES if shared else 0,
-                                                    speculate=config.speculate, draft=draft),
+                                                    speculate=config.speculate, draft=draft,
+                                                    batch_invariant=config.batch_invariant),
                                 is_demo=model.is_demo)
             warm_up = [{"role": "user", "content": "Hi"}]
             for turn in range(2):  # first kernels, graph capture and a follow-up turn's prefill happen now

@@ -22,10 +22,17 @@ from pipeline.files import atomic_write
 from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.language_model import LanguageModel
 from pipeline.llm.text.prompt import Prompt
+from pipeline.llm.text.tokenizer import Tokenizer
 
 GPU_MODES = ("none", "int4")
 PROBE = Prompt(tuple(range(1, 33)))  # a fixed prompt: the speed of a step does not depend on the words
 PROBE_TOKENS = 48
+
+
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers give the same ids (a draft model's tokens must mean the target's)."""
+    probe = "Speculative decoding: 12 drafts, ünïcode ✓, code `x += 1`\n"
+    return a.vocab_size == b.vocab_size and a.encode(probe) == b.encode(probe) and a.eos_ids == b.eos_ids
 
 
 def draft_modes(device: str, quant: str) -> tuple[str, ...]:

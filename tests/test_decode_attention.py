@@ -1,7 +1,8 @@
 """`plugins/decode_attention.py`: the reference against per-row SDPA, the split choice, and the Triton kernels
 under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors) against the reference: rows of different
 lengths (1, a split boundary, kv_len), garbage past each row's length and in unused cache rows, q as a
-strided view of a fused q/k/v row, every output element written, a second call on the reused workspace.
+strided view of a fused q/k/v row, every output element written, a second call on the reused workspace; with
+fixed-size splits (batch-invariant mode) a decode query's bits alone, in a batch, under a larger cache bucket.
 On a GPU the compiled kernels were checked the same way (bf16/fp16/fp32, head_dim 16-256, CUDA graphs)."""
 
 import math
@@ -122,6 +123,23 @@ da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows)
 for b in range(64):
     alone = da.decode_attention_reference(q[b:b + 1], k_cache, v_cache, lengths[b:b + 1], 256, rows=rows[b:b + 1])
     assert worst(out[b:b + 1], alone) < 1e-5 if lengths[b] else not out[b].any(), b
+
+# fixed-size splits (batch-invariant mode): a decode query's output is the same bits alone, in a batch and under
+# a larger cache bucket (the grid follows them, the sums do not); a prompt's queries as the reference's. (Bit for
+# bit in any tile only on a GPU: the interpreter's dot is numpy's, whose sums follow a row's place in the tile;
+# `bench/invariant_kernels.py` and `tests/test_gpu.py` check that there.)
+q, k_cache, v_cache = torch.randn(3, 8, 16), *(torch.randn(4, 2, 704, 16) for _ in range(2))
+lengths = torch.tensor([300, 1, 513])
+batch = da.decode_attention(q, k_cache, v_cache, lengths, 576, split_size=128)
+assert worst(batch, da.decode_attention_reference(q, k_cache, v_cache, lengths, 576)) < 1e-5
+assert torch.equal(batch, da.decode_attention(q, k_cache, v_cache, lengths, 704, split_size=128))
+for b in range(3):
+    alone = da.decode_attention(q[b:b + 1], k_cache[b:b + 1], v_cache[b:b + 1], lengths[b:b + 1], 576, split_size=128)
+    assert torch.equal(alone, batch[b:b + 1]), b
+rows, lengths = torch.full((40,), 2), torch.arange(101, 141)
+q = torch.randn(40, 8, 16)
+whole = da.decode_attention(q, k_cache, v_cache, lengths, 256, rows=rows, split_size=64)
+assert worst(whole, da.decode_attention_reference(q, k_cache, v_cache, lengths, 256, rows=rows)) < 1e-5
 print("ok")
 '''
 

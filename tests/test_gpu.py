@@ -551,3 +551,45 @@ def test_the_graph_table_is_captured_before_ready_and_serves_a_mixed_run(studio_
     assert captures == table and missed == 0, (captures, table, missed)
     assert graphed == run(False)[0]
     llm.close()
+
+
+def test_batch_invariant_mode_gives_a_chat_the_same_logits_alone_and_beside_others_in_any_chunks():
+    """bf16, CUDA graphs: six prompts (40–400 tokens) read and answered together, in chunks of 32 beside the
+    others' decode rows, give every token's logits bit for bit as each read alone (in chunks of 256, one row
+    decoding); without the mode they do not (the decode attention's splits follow the batch)."""
+    from pipeline.llm.weights.config import DecoderConfig
+    from pipeline.llm.model.decoder import Decoder
+    from pipeline.llm.model.invariant import make_batch_invariant
+
+    config = DecoderConfig(family="qwen2", vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_layers=3,
+                           num_heads=16, num_kv_heads=2, head_dim=64, max_position_embeddings=2048, qkv_bias=True)
+    params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [Prompt(tuple(torch.randint(1, 2048, (n,), generator=generator).tolist()))
+               for n in (40, 400, 130, 257, 75, 333)]
+
+    def logits(invariant: bool) -> tuple[list, list]:
+        torch.manual_seed(0)
+        model = Decoder(config).to(torch.bfloat16).cuda().eval()
+        if invariant:
+            assert make_batch_invariant(model) is None
+        engine = TorchLLMEngine(model, 2048, config.vocab_size, max_batch=8, prefill_chunk=32)
+        alone = []
+        for p in prompts:
+            stream = engine.submit(p, params, set(), keep_logits=True)
+            alone.append((list(stream), stream.logits))
+        engine.close()  # a fresh engine: the first one's rows hold these prompts (it would read none of them again)
+        engine = TorchLLMEngine(model, 2048, config.vocab_size, max_batch=8, prefill_chunk=32)
+        streams = [engine.submit(p, params, set(), keep_logits=True) for p in prompts]
+        together = [(list(s), s.logits) for s in streams]
+        engine.close()
+        return alone, together
+
+    def same(a, b) -> bool:
+        return a[0] == b[0] and len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+    alone, together = logits(invariant=True)
+    assert all(len(tokens) == 24 for tokens, _ in alone)
+    assert [same(a, b) for a, b in zip(alone, together)] == [True] * 6
+    alone, together = logits(invariant=False)
+    assert not all(same(a, b) for a, b in zip(alone, together)), "the default kernels became batch-invariant"

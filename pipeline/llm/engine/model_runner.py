@@ -28,6 +28,7 @@ from pipeline.llm.model.parts import Part, Prefill, Rows, Tokens
 from pipeline.llm.model.rotary import RotaryTables
 from pipeline.llm.text.prompt import Prompt
 from plugins import decode_attention, lowbit
+from plugins.workspaces import using_workspaces
 from plugins.cuda_streams import own_stream, release
 
 GRAPH_BUCKET = 256  # eagerly (the CPU), the rows' keys are read up to a multiple of this past the longest row's
@@ -108,7 +109,7 @@ class ModelRunner:
         # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
         # benchmark's two engines), or a step and a warm-up on two streams, never share them.
         self._lowbit_scratch = lowbit.Workspace(self.device)
-        self._attention_scratch: dict = {}
+        self._partials_scratch: dict = {}
         # Its own CUDA stream (one no other engine or capture holds): a SAM click or an image encode on the
         # default stream does not queue behind decode steps already launched.
         self._stream = own_stream(self.device) if self.device.type == "cuda" else None
@@ -264,7 +265,7 @@ class ModelRunner:
     @contextlib.contextmanager
     def scratch_of_this_runner(self):
         """The low-bit kernels' split-K scratch and the decode attention's partials: this runner's own."""
-        with lowbit.using_workspace(self._lowbit_scratch), decode_attention.using_workspaces(self._attention_scratch):
+        with lowbit.using_workspace(self._lowbit_scratch), using_workspaces(self._partials_scratch):
             yield
 
     def _run(self, key: tuple, forward: Callable[..., Tensor | None], *inputs: Tensor | None) -> Tensor | None:
