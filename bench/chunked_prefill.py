@@ -28,7 +28,10 @@ consumer thread's scheduling is in the numbers.
 With `--invariant-only`: the scenario in chunks of 128 with the default kernels and in batch-invariant mode
 (`--batch-invariant`), their steps' times, and whether each mode's greedy bf16 replies alone = with the others.
 
-    python bench/chunked_prefill.py [--layers 28] [--invariant-only]
+With `--short-only`: only that 32k read, in the engine's attention tiles (`plugins.decode_attention.
+prompt_tile_rows`) and, in the same run, in tiles of 64 rows (as before 2026-11-29).
+
+    python bench/chunked_prefill.py [--layers 28] [--invariant-only | --short-only]
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from llm_engine import random_prompt, random_qwen25_7b  # noqa: E402
 from timing import report  # noqa: E402
+from plugins import decode_attention  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.model.invariant import make_batch_invariant  # noqa: E402
 from pipeline.llm.engine.seam import TokenStream  # noqa: E402
@@ -116,13 +120,18 @@ def short_behind_long(model, chunk: int | None) -> dict:
             steps.append(time.perf_counter())
             return out
 
-        list(engine.submit(Prompt(random_prompt(7, 3000)), JOINING, set()))  # warm-up: other tokens
         engine.runner.step = timed
+        warm = engine.submit(Prompt(random_prompt(7, 3000)), JOINING, set())  # warm-up, other tokens: a short one
+        while len(steps) < 2 and not warm.stats.time_to_first_token_s:  # joins too (both tiles' kernels compile)
+            time.sleep(0.001)
+        list(engine.submit(Prompt(random_prompt(6, SHORT)), JOINING, set()))
+        list(warm)
         steps.clear()
         started = time.perf_counter()
         long = engine.submit(Prompt(random_prompt(8, LONGEST)), JOINING, set())
         while len(steps) < (4 if chunk else 0) and not long.stats.time_to_first_token_s:
             time.sleep(0.001)
+        joined = time.perf_counter()
         short = engine.submit(Prompt(random_prompt(9, SHORT)), JOINING, set())
         list(short)
         list(long)
@@ -130,6 +139,11 @@ def short_behind_long(model, chunk: int | None) -> dict:
     chunk_steps = [b - a for a, b in zip(steps[2:], steps[3:6])]  # the steps around the short one's joining
     one_step = statistics.median(chunk_steps) if chunk_steps else None
     return {"short_ttft_ms": round(short.stats.time_to_first_token_s * 1e3, 1),
+            "step_ms_median_max_and_all": [round(statistics.median(gaps) * 1e3, 1), round(max(gaps) * 1e3, 1),
+                                           [round(g * 1e3, 1) for g in gaps]] if (gaps := [
+                                               b - a for a, b in zip(steps, steps[1:])]) else None,
+            "steps_returned_ms_from_short_submission": [round((t - joined) * 1e3, 1) for t in steps
+                                                        if -0.1 < t - joined < short.stats.time_to_first_token_s + 0.1],
             "long_ttft_ms": round(long.stats.time_to_first_token_s * 1e3, 1),
             "chunk_step_ms": round(one_step * 1e3, 1) if one_step else None,
             "short_ttft_in_chunk_steps": round(short.stats.time_to_first_token_s / one_step, 2) if one_step else None,
@@ -193,6 +207,9 @@ def main() -> None:
     ap.add_argument("--invariant-only", action="store_true",
                     help="only the batch-invariant comparison (chunks of 128, default kernels against invariant ones)")
     ap.add_argument("--seed", type=int, default=0, help="the prompts' seed (--invariant-only)")
+    ap.add_argument("--short-only", action="store_true",
+                    help="only the 20-token prompt behind a 32k read, the engine's attention tiles and, in the same "
+                         "run, tiles of 64 rows (as before 2026-11-29)")
     args = ap.parse_args()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
                  "shapes": f"Qwen2.5-7B ({args.layers} layers), bf16, random weights", "chats": CHATS,
@@ -210,6 +227,18 @@ def main() -> None:
                   f"  8th TTFT {m['joining_ttft_ms']:7.1f} ms  greedy alone = together: "
                   f"{m['greedy_identical_alone_vs_together']} {m['tokens_matching_per_chat']}")
         print(f"batch-invariant / default: median step {inv['median_step_ratio']}×, 8th TTFT {inv['joining_ttft_ratio']}×")
+        return
+    if args.short_only:
+        res["short_behind_long"] = {}
+        kept = decode_attention.TILE_ROWS, decode_attention.prompt_tile_rows
+        for tiles in ("the engine's tiles", "tiles of 64 rows (before 2026-11-29)"):
+            if tiles.startswith("tiles of 64"):  # the runner lays chunks out in runs of 18 queries: two tiles of 9
+                decode_attention.TILE_ROWS, decode_attention.prompt_tile_rows = 64, lambda tokens, start: 64
+            for name, chunk in (("lone chunks of 1024", 128), ("lone chunks of 2048", 256), ("whole prompt", None)):
+                res["short_behind_long"][f"{name}, {tiles}"] = short_behind_long(model, chunk)
+        decode_attention.TILE_ROWS, decode_attention.prompt_tile_rows = kept
+        report("chunked_prefill_short", res)
+        print_short(res)
         return
     tokens = {}
     for name, chunk in MODES:
@@ -240,9 +269,13 @@ def main() -> None:
     together = res["alone_vs_together"]
     print(f"\ngreedy bf16 replies alone = with the other chats ({MODES[0][0]}): {together['greedy_identical']} "
           f"(tokens matching per chat {together['tokens_matching_per_chat']} of {together['tokens_per_chat']})")
+    print_short(res)
+
+
+def print_short(res: dict) -> None:
     print(f"\na {SHORT}-token prompt sent while a {LONGEST}-token one is read, nothing else running")
     for name, m in res["short_behind_long"].items():
-        print(f"{name:20s} short TTFT {m['short_ttft_ms']:8.1f}ms  long TTFT {m['long_ttft_ms']:8.1f}ms  "
+        print(f"{name:36s} short TTFT {m['short_ttft_ms']:8.1f}ms  long TTFT {m['long_ttft_ms']:8.1f}ms  "
               f"chunk step {m['chunk_step_ms']}ms  short TTFT in chunk steps {m['short_ttft_in_chunk_steps']}")
 
 

@@ -4,6 +4,10 @@
 #   tests:   the engine's GPU tests that step plans, graph tables and speculation touch (the kernels' own and the
 #            low-bit verify step's, whose compiles take minutes, left out)
 #   chunked: bench/chunked_prefill.py (7 chats + a 4,000-token joiner; a 20-token prompt behind a 32k read)
+#   tiles:   the GPU tests of prompt chunks' attention tiles (the graph table, batch-invariance, graphs = eager)
+#   short:   the 32k read alone (part of `long`)
+#   long:    a prompt chunk's attention per tile (bench/chunk_attention.py) and the 32k read in the long tile and
+#            the short one (bench/chunked_prefill.py --short-only)
 #   captures: the GPU tests of every CUDA graph capture (chat, the graph table, SAM, MiniGPT-4)
 #   decode:  bench/decode_limit.py --parts gemv,decode (the int4 decode step against its roofline)
 #   spec7b:  bench/speculative.py --parts engine7b on the real replies' draft patterns (recorded on the CPU)
@@ -19,6 +23,11 @@ for part in "$@"; do
                 -k "chat_on_gpu_graphs or graph_table or segment_on_gpu or minigpt4 or quantized_chat_graphs" ;;
     decode) step 240 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
     chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
+    long) step 150 chunk_attention python3 bench/chunk_attention.py
+          step 200 chunked_short python3 bench/chunked_prefill.py --short-only ;;
+    short) step 200 chunked_short python3 bench/chunked_prefill.py --short-only ;;
+    tiles) step 150 test_gpu_tiles python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \
+             -k "batch_invariant or graph_table or chunk or chat_on_gpu_graphs" ;;
     invariant) step 100 invariant_kernels python3 bench/invariant_kernels.py
                step 200 test_gpu_invariant python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \
                  -k "batch_invariant or graph_table or two_engines or speculation_on_gpu"

@@ -174,7 +174,13 @@ if triton is not None:
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton else {}
 _MERGE_TILE = 4096  # fp32 partial outputs a merge program loads at once (LANES x head_dim)
-_TILE_ROWS = 64  # a prompt chunk's program: its queries x group rows (one load of each key for all of them)
+# A prompt chunk's program: its queries x group rows, one load of each key for all of them. Per layer at 28/4 heads
+# (H200, `results/chunk_attention_h200_2026-11-29_tiles.json`), 128 rows against 64: a 256-token chunk 3,744 deep
+# 108 against 147 µs, 16,000 deep 341 against 544, a 1,024-token one 30,000 deep 1,900 against 3,799; 256 rows:
+# 1,583 there, but 155 against 90 µs for 1,024 tokens at the start (`prompt_tile_rows`)
+TILE_ROWS = 128
+LONG_TILE_ROWS = 256
+LONG_CHUNK, DEEP = 512, 8192  # a chunk alone of so many tokens, so deep into its row, takes LONG_TILE_ROWS
 INVARIANT_SPLIT = 256  # positions per split in batch-invariant mode (`split_size`)
 _INVARIANT_LANES = 16  # the merge's lanes then: a fixed number, so every row's splits are added in one order
 _sm_counts: dict[int, int] = {}
@@ -202,14 +208,21 @@ def _splits(kv_len: int, programs_per_split: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(target, programs_per_split), triton.cdiv(kv_len, 64)))
 
 
-def tile_queries(heads: int, kv_heads: int) -> int:
-    """Prompt tokens a program scores together (`rows`): a caller lays each row's tokens out in runs of this many."""
-    return max(1, _TILE_ROWS // (heads // kv_heads))
+def prompt_tile_rows(tokens: int, start: int) -> int:
+    """The tile for a chunk of `tokens` from position `start` alone in its call (one row: no runs to lay out, so
+    any tile fits): long and deep, `LONG_TILE_ROWS` (each key loaded half as often), else `TILE_ROWS`."""
+    return LONG_TILE_ROWS if tokens >= LONG_CHUNK and start >= DEEP else TILE_ROWS
+
+
+def tile_queries(heads: int, kv_heads: int, tile_rows: int = TILE_ROWS) -> int:
+    """Prompt tokens a program scores together (`rows`): a caller lays each row's tokens out in runs of this many
+    (`tile_rows`: head rows a program holds, `TILE_ROWS` unless the call names more: `LONG_TILE_ROWS`)."""
+    return max(1, tile_rows // (heads // kv_heads))
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
                      out: Tensor | None = None, tokens: int = 1, rows: Tensor | None = None,
-                     compile_only: bool = False, split_size: int | None = None) -> Tensor:
+                     compile_only: bool = False, split_size: int | None = None, tile_rows: int = TILE_ROWS) -> Tensor:
     """Attention of one new token per row: q [B, heads, head_dim] (rows may be strided, e.g. a view of
     the fused q/k/v output), caches [rows >= B, kv_heads, max_seq, head_dim], lengths int64 [B] (the
     valid positions of each row, <= kv_len; 0: a padding query, whose output is zeros). Returns [B, heads*head_dim]
@@ -225,7 +238,8 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     tensors compile a model's (`plugins.precompile.attention_calls`). `split_size` (a multiple of 64): batch-invariant
     sums: each split is that many positions from a row's start, and the merge adds them in one order, so a query's
     output is the same bits in any batch, tile or cache size (the default shares each row's length out over about
-    two programs per SM, so the sums follow the batch)."""
+    two programs per SM, so the sums follow the batch). `tile_rows`: prompt tokens' head rows a program holds
+    (queries laid out in runs of `tile_queries(heads, kv_heads, tile_rows)`)."""
     global _failed
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -235,12 +249,14 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
         return decode_attention_reference(q, k_cache, v_cache, lengths, kv_len, out, tokens, rows)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    if rows is not None and rows.stride(0) != 1:  # the kernel reads it by offset (an expanded row: one element)
+        rows = rows.contiguous()
     if out is None:
         out = torch.empty(batch, heads * dim, dtype=q.dtype, device=q.device)
     assert out.shape == (batch, heads * dim) and out.dtype == q.dtype and out.is_contiguous(), "bad `out`"
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
-    queries = tile_queries(heads, kv_heads) if rows is not None else 1
+    queries = tile_queries(heads, kv_heads, tile_rows) if rows is not None else 1
     tile_rows = max(16, triton.next_power_of_2(queries * group))
     tiles = triton.cdiv(batch, queries)
     # a verify step splits as a decode step of its rows: the same sums

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from plugins.decode_attention import INVARIANT_SPLIT, decode_attention
+from plugins.decode_attention import TILE_ROWS, INVARIANT_SPLIT, decode_attention
 
 try:
     import triton
@@ -233,10 +233,11 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
 
 
 def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                          tokens: int = 1, rows: Tensor | None = None) -> Tensor:
+                          tokens: int = 1, rows: Tensor | None = None, tile_rows: int = TILE_ROWS) -> Tensor:
     """The reference decode attention: SDPA over each row's cache slice [:kv_len] with the positions past
     each query's length masked (a length of 0: zeros); q [B, heads, head_dim] → [B, heads*head_dim], `tokens`
-    queries per row, or each query its own row's, rows[b] (prompt tokens), given `rows` [B]."""
+    queries per row, or each query its own row's, rows[b] (prompt tokens), given `rows` [B] (`tile_rows`, the
+    kernel's tiling, changes nothing here)."""
     batch, heads, dim = q.shape
     tokens = 1 if rows is not None else tokens
     n = batch // tokens
@@ -249,12 +250,14 @@ def decode_attention_sdpa(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: 
 
 
 def decode_attention_fused(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, kv_len: int,
-                           tokens: int = 1, rows: Tensor | None = None, split_size: int | None = None) -> Tensor:
+                           tokens: int = 1, rows: Tensor | None = None, split_size: int | None = None,
+                           tile_rows: int = TILE_ROWS) -> Tensor:
     """Our Triton kernel where it runs (CUDA); elsewhere SDPA, not the kernel's fp32 einsum reference: on
     the CPU that copies the KV heads out to every query head and made SmolLM2's decode 0.93× transformers'
     (216 µs a layer against SDPA's 65 µs, `bench/real_model.py`). `split_size`: the kernel's batch-invariant sums."""
     if q.is_cuda:
-        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens, rows=rows, split_size=split_size)
+        return decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens, rows=rows, split_size=split_size,
+                                tile_rows=tile_rows)
     return decode_attention_sdpa(q, k_cache, v_cache, lengths, kv_len, tokens, rows)
 
 

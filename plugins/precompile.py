@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 import torch
 from tqdm.auto import tqdm
 
-from plugins.decode_attention import decode_attention
+from plugins.decode_attention import LONG_TILE_ROWS, TILE_ROWS, decode_attention
 from plugins.topk_sampling import sample_top_k
 from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
 
@@ -76,17 +76,18 @@ def distinct_shapes(weights: Iterable[LowBitWeight]) -> list[LowBitWeight]:
 def attention_calls(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                     verify: bool) -> list[Callable[[], object]]:
     """Calls that compile the decode-attention kernels a step launches (`plugins.decode_attention`: one
-    query per cache row, prompt tokens (each query its row's), and `verify`: a verify step's VERIFY_ROWS per
-    row, with every merge width), from stand-in tensors of a few bytes: those kernels compile for the
-    dtypes, the heads, head_dim and the queries per row (or prompt tokens' rows) only."""
-    def call(tokens: int, chunk: bool = False) -> None:
+    query per cache row, prompt tokens (each query its row's; in both tiles), and `verify`: a verify step's
+    VERIFY_ROWS per row, with every merge width), from stand-in tensors of a few bytes: those kernels compile
+    for the dtypes, the heads, head_dim and the queries per row (or prompt tokens' tile) only."""
+    def call(tokens: int, chunk: int = 0) -> None:
         q = torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)
         cache = torch.empty(1, kv_heads, 16, head_dim, dtype=dtype, device=device)
         lengths = torch.ones(tokens, dtype=torch.long, device=device)
         rows = torch.zeros(tokens, dtype=torch.long, device=device) if chunk else None
-        decode_attention(q, cache, cache, lengths, 16, tokens=tokens, rows=rows, compile_only=True)
+        decode_attention(q, cache, cache, lengths, 16, tokens=tokens, rows=rows, compile_only=True,
+                         tile_rows=chunk or TILE_ROWS)
 
-    return [functools.partial(call, 1, chunk=True)] + \
+    return [functools.partial(call, 1, chunk=tile) for tile in (TILE_ROWS, LONG_TILE_ROWS)] + \
         [functools.partial(call, tokens) for tokens in (1, *(VERIFY_ROWS if verify else ()))]
 
 

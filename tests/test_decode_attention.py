@@ -95,9 +95,9 @@ for b in range(6):  # query b: row b // 3, as a lone decode query of that length
     assert worst(expected[b:b + 1], alone) < 1e-6, b
 assert worst(da.decode_attention(q, k_cache, v_cache, lengths, 256, tokens=3), expected) < 1e-5
 
-# a prompt chunk: 40 queries of cache row 2 at positions 100..139, tiles of 16 queries (the last one short),
-# splits of 128 positions (queries up to 128 have none in the second); the reference equals SDPA's causal
-# attention aligned to the last key
+# a prompt chunk: 40 queries of cache row 2 at positions 100..139, tiles of 16, 32 and 64 queries (64, 128 and
+# 256 head rows; the last tile short), splits of 128 positions (queries up to 128 have none in the second); the
+# reference equals SDPA's causal attention aligned to the last key
 rows, lengths = torch.full((40,), 2), torch.arange(101, 141)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
     q, k_cache, v_cache = (t.to(dtype) for t in (torch.randn(40, 8, 16), *(torch.randn(4, 2, 272, 16) for _ in range(2))))
@@ -107,19 +107,23 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         q.float().transpose(0, 1)[None], k_cache[2:3, :, :140].float(), v_cache[2:3, :, :140].float(),
         attn_mask=causal_lower_right(40, 140), enable_gqa=True)
     assert worst(expected, sdpa[0].transpose(0, 1).reshape(40, 128)) < tol
-    out = torch.full((40, 128), float("nan"), dtype=dtype)
-    da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows)
-    assert not out.isnan().any() and worst(out, expected) < tol, (dtype, worst(out, expected))
+    for tile_rows in (64, da.TILE_ROWS, da.LONG_TILE_ROWS):
+        out = torch.full((40, 128), float("nan"), dtype=dtype)
+        da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows, tile_rows=tile_rows)
+        assert not out.isnan().any() and worst(out, expected) < tol, (dtype, tile_rows, worst(out, expected))
 
 # two prompts' tokens in one call, each run starting a tile (of 64 // 4 = 16 queries here), padding queries
 # (length 0: zeros) between and after them: each query as its own prompt's alone (the splits as chosen)
 da._splits = splits
-tile = da.tile_queries(8, 2)
+tile = da.tile_queries(8, 2, 64)
 q, k_cache, v_cache = torch.randn(64, 8, 16), *(torch.randn(4, 2, 272, 16) for _ in range(2))
 rows = torch.tensor([1] * 20 + [1] * (tile - 4) + [3] * 7 + [0] * (64 - 2 * tile - 7))
 lengths = torch.tensor([*range(31, 51)] + [0] * (tile - 4) + [*range(200, 207)] + [0] * (64 - 2 * tile - 7))
 out = torch.full((64, 128), float("nan"))
-da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows)
+da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows, tile_rows=64)
+# one prompt's row given as an expanded tensor (a stride of 0): read as its values, not past its one element
+one = da.decode_attention(q[:20], k_cache, v_cache, lengths[:20], 256, rows=torch.tensor([1]).expand(20))
+assert torch.equal(one, da.decode_attention(q[:20], k_cache, v_cache, lengths[:20], 256, rows=torch.full((20,), 1)))
 for b in range(64):
     alone = da.decode_attention_reference(q[b:b + 1], k_cache, v_cache, lengths[b:b + 1], 256, rows=rows[b:b + 1])
     assert worst(out[b:b + 1], alone) < 1e-5 if lengths[b] else not out[b].any(), b

@@ -196,16 +196,17 @@ def test_the_attention_calls_compile_the_split_kernels_a_steps_attention_launche
                 for kv_len in (256, 4096):
                     lengths = torch.arange(batch * tokens) % kv_len + 1
                     attention.decode_attention(q, k_cache, v_cache, lengths, kv_len, tokens=tokens)
-        for size, start in ((16, 0), (256, 3744)):  # prompt chunks of row 5
+        for size, start, tile in ((16, 0, None), (256, 3744, None), (1024, 3000, attention.LONG_TILE_ROWS)):
+            # prompt chunks of row 5 (a long one alone: the long tile)
             q = torch.empty(size, (heads + 2 * kv_heads) * dim, dtype=dtype)[:, :heads * dim].view(size, heads, dim)
             attention.decode_attention(q, k_cache, v_cache, torch.arange(start + 1, start + size + 1), 4096,
-                                       rows=torch.full((size,), 5))
+                                       rows=torch.full((size,), 5), tile_rows=tile or attention.TILE_ROWS)
         expected = {n for n in seen if n[0] == "_split_kernel"}
         seen.clear()
         assert issue(attention_calls(heads, kv_heads, dim, dtype, CPU, verify)) == []
         got = {n for n in seen if n[0] == "_split_kernel"}
         seen.clear()
-        assert got == expected and len(got) == (6 if verify else 2)
+        assert got == expected and len(got) == (7 if verify else 3)
 
 
 def test_the_compile_pool_holds_what_it_is_given_until_started():

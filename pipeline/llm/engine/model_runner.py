@@ -152,6 +152,9 @@ class ModelRunner:
         if host:
             chunk_in = torch.tensor(host, dtype=torch.long, pin_memory=self._pinned).to(self.device, non_blocking=True)
         size = len(ids)
+        # one chunk alone (a prompt read with nothing running; eager): its tile by its length and depth
+        tile_rows = decode_attention.prompt_tile_rows(size, text[0].start) if len(text) == 1 and not graphed \
+            else decode_attention.TILE_ROWS
 
         def forward(rows_in: Tensor | None, chunk_in: Tensor | None) -> Tensor | None:
             parts: list[Part] = []
@@ -164,7 +167,7 @@ class ModelRunner:
             if size:
                 ids_in, places_in = chunk_in[:size], chunk_in[size:5 * size].view(4, size)
                 tokens.append(ids_in)
-                parts.append(Tokens(*places_in, kv_len=self.positions))
+                parts.append(Tokens(*places_in, kv_len=self.positions, tile_rows=tile_rows))
                 if lasts:
                     outputs.append(offset + chunk_in[5 * size:5 * size + len(lasts)])
                 offset += size

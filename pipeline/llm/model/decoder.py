@@ -114,7 +114,8 @@ class Attention(nn.Module):
             return y[0].transpose(0, 1).reshape(size, c.q_size)
         k_cache[part.rows, :, part.positions] = k[0]
         v_cache[part.rows, :, part.positions] = v[0]
-        return self.kernels.decode_attention(q[0], k_cache, v_cache, part.lengths, part.kv_len, rows=part.rows)
+        return self.kernels.decode_attention(q[0], k_cache, v_cache, part.lengths, part.kv_len, rows=part.rows,
+                                             tile_rows=part.tile_rows)
 
 
 class FeedForward(nn.Module):

@@ -9,6 +9,8 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from plugins.decode_attention import TILE_ROWS
+
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
@@ -46,13 +48,15 @@ class Tokens:
     `lengths[i]` positions (its position + 1; 0 for a padding token, which reads nothing and writes a scratch
     position). Laid out in runs of `tile_queries` tokens of one row each (the attention scores a run
     together), reading at most `kv_len` positions. Its shapes do not depend on which prompts it holds, so one
-    CUDA graph serves every step of so many tokens."""
+    CUDA graph serves every step of so many tokens. `tile_rows`: the head rows the attention scores at once
+    (`plugins.decode_attention`; more for one long chunk alone, which needs no runs)."""
 
     rows: Tensor
     positions: Tensor
     offsets: Tensor
     lengths: Tensor
     kv_len: int
+    tile_rows: int = TILE_ROWS
 
     @property
     def size(self) -> int:
