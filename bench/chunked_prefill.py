@@ -121,8 +121,10 @@ def short_behind_long(model, chunk: int | None) -> dict:
             return out
 
         engine.runner.step = timed
-        warm = engine.submit(Prompt(random_prompt(7, 3000)), JOINING, set())  # warm-up, other tokens: a short one
-        while len(steps) < 2 and not warm.stats.time_to_first_token_s:  # joins too (both tiles' kernels compile)
+        # warm-up, other tokens, as deep as the long tile starts (`decode_attention.DEEP`), a short one joining: every
+        # attention tile's kernels compile now (the app compiles them as it starts: `plugins.precompile`)
+        warm = engine.submit(Prompt(random_prompt(7, decode_attention.DEEP + 2048)), JOINING, set())
+        while len(steps) < 2 and not warm.stats.time_to_first_token_s:
             time.sleep(0.001)
         list(engine.submit(Prompt(random_prompt(6, SHORT)), JOINING, set()))
         list(warm)
