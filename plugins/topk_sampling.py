@@ -42,10 +42,12 @@ if triton is not None:
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed-int order = float order
         return (ordered.to(tl.int64) << 32) | (V - 1 - token).to(tl.int64)
 
-    # Row strides and sizes are not specialised on (whether a value is 1 or a multiple of 16): one variant per
-    # dtype serves every step (1 row, several, a model's padded vocabulary or not), compiled ahead at load
-    # (`plugins.precompile.sampling_calls`), where each new shape had compiled the block kernel again (5.4 s).
-    @triton.jit(do_not_specialize=["V", "NB", "stride_l", "stride_s", "stride_c"])
+    # Sizes and the columns' stride are not specialised on (whether a value is 1 or a multiple of 16): one
+    # variant per dtype serves every step (1 row, several, a model's padded vocabulary or not), compiled ahead
+    # at load (`plugins.precompile.sampling_calls`), where each new shape had compiled the block kernel again
+    # (5.4 s). The rows' strides are, always a multiple of 16 (`_rows_of_16`): aligned, wide loads. Unspecialised
+    # they made a draw 121 µs at one row, 265 at eight, against 83 and 155 (H200, `bench/sampling_kernels.py`).
+    @triton.jit(do_not_specialize=["V", "NB", "stride_c"])
     def _block_top_kernel(logits_ptr, seen_ptr, columns_ptr, cand_ptr, V, NB, stride_l, stride_s, stride_c,
                           BLOCK: tl.constexpr, K: tl.constexpr):
         row, block = tl.program_id(0), tl.program_id(1)
@@ -85,6 +87,15 @@ if triton is not None:
         tl.store(out_ptr + row, tl.sum(tl.where(rank == pick, token, 0), 0))
 
 
+def _rows_of_16(x: Tensor) -> Tensor:
+    """`x` [B, V] with rows a multiple of 16 elements apart (copied where they are not): the kernel's row
+    strides are always of that class, so one compiled variant serves every caller."""
+    if x.stride(-1) == 1 and x.stride(0) % 16 == 0:
+        return x
+    padded = torch.empty(x.shape[0], -(-x.shape[1] // 16) * 16, dtype=x.dtype, device=x.device)
+    return padded[:, :x.shape[1]].copy_(x)
+
+
 def applies(top_ks: list[int], temperatures: list[float], device: torch.device) -> bool:
     """Whether the kernels can sample these rows (each greedy, or with a top-k of 1..K_MAX)."""
     return triton is not None and device.type == "cuda" and all(
@@ -103,9 +114,7 @@ def sample_top_k(logits: Tensor, seen: Tensor, columns: Tensor, block: int = BLO
     blocks = triton.cdiv(vocab, block)
     candidates = torch.empty(rows, blocks * K_MAX, dtype=torch.int64, device=logits.device)
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()
-    seen = seen.view(torch.int8)
+    logits, seen = _rows_of_16(logits), _rows_of_16(seen.view(torch.int8))
     def launch(kernel, grid):
         return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 

@@ -245,7 +245,8 @@ def test_sampling_compile_only_asks_for_the_kernels_a_draw_launches(monkeypatch)
 def test_the_sampling_calls_compile_the_one_variant_every_draw_launches(monkeypatch):
     """`sampling_calls` (compiled at load): every draw, of 1, 3, 16 or 40 rows, from a padded vocabulary's
     logits or contiguous ones, in the model's dtype or in float32, launches a kernel they compiled (row
-    strides and sizes are not specialised on: before, each new row count compiled the block kernel again)."""
+    sizes are not specialised on and row strides are always a multiple of 16: before, each new row count compiled
+    the block kernel again)."""
     from plugins import topk_sampling
     from plugins.precompile import sampling_calls
 

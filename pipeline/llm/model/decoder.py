@@ -96,10 +96,7 @@ class Attention(nn.Module):
                 v_cache[at, :, positions] = v
             if logn is not None:
                 q = q * logn.view(rows, per_row, 1, 1).to(q.dtype)
-            lengths = span.positions + 1
-            if part.live is not None:  # padding rows read nothing (their scratch position is past the context)
-                lengths = lengths * part.live[:, None].expand(rows, per_row).flatten()
-            return self.kernels.decode_attention(q.flatten(0, 1), k_cache, v_cache, lengths, part.kv_len,
+            return self.kernels.decode_attention(q.flatten(0, 1), k_cache, v_cache, span.lengths, part.kv_len,
                                                  tokens=per_row)
         size = q.shape[1]
         q, k = self.kernels.rotary(q, cos[None], sin[None]), self.kernels.rotary(k, cos[None], sin[None])
@@ -114,7 +111,7 @@ class Attention(nn.Module):
             return y[0].transpose(0, 1).reshape(size, c.q_size)
         k_cache[part.rows, :, part.positions] = k[0]
         v_cache[part.rows, :, part.positions] = v[0]
-        return self.kernels.decode_attention(q[0], k_cache, v_cache, part.lengths, part.kv_len, rows=part.rows,
+        return self.kernels.decode_attention(q[0], k_cache, v_cache, span.lengths, part.kv_len, rows=part.rows,
                                              tile_rows=part.tile_rows)
 
 

@@ -70,29 +70,35 @@ ALL = slice(None)  # `Decoder.forward`'s outputs: logits at every position
 @dataclasses.dataclass(frozen=True)
 class Span:
     """A part's place in the step's flat token list, its tokens' positions in the cache and rows of the
-    rotary tables [size]."""
+    rotary tables [size], and (rows and prompt tokens) how many positions each token's query reads: made
+    once a step, not in every layer (two launches a layer, 67 µs of a 7B decode step on an H200)."""
 
     part: Part
     begin: int
     end: int
     positions: Tensor
     rotary: Tensor
+    lengths: Tensor | None = None
 
 
 def spans_of(parts: tuple[Part, ...], total: int, device: torch.device) -> list[Span]:
     spans, begin = [], 0
     for part in parts:
+        lengths = None
         if isinstance(part, Rows):
             size = part.starts.shape[0] * part.per_row
             positions = (part.starts[:, None] + torch.arange(part.per_row, device=device)).flatten()
             offsets = part.offsets[:, None].expand(-1, part.per_row).flatten()
+            lengths = positions + 1  # each query up to its own position
+            if part.live is not None:  # padding rows read nothing (their scratch position is past the context)
+                lengths = lengths * part.live[:, None].expand(-1, part.per_row).flatten()
         elif isinstance(part, Tokens):
-            size, positions, offsets = part.size, part.positions, part.offsets
+            size, positions, offsets, lengths = part.size, part.positions, part.offsets, part.lengths
         else:
             size = part.size or total - begin
             positions = part.start + torch.arange(size, device=device)
             offsets = part.offset
-        spans.append(Span(part, begin, begin + size, positions, positions + offsets))
+        spans.append(Span(part, begin, begin + size, positions, positions + offsets, lengths))
         begin += size
     assert begin == total, f"the parts cover {begin} tokens of {total}"
     return spans
