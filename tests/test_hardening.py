@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_user_errors_leave_no_traceback_in_the_server_log(running_app, client):
 def test_uploads_over_the_limit_are_refused_and_files_are_deleted_after_keep_files(tmp_path, studio_cache,
                                                                                    monkeypatch):
     """`--max-upload 1mb --keep-files 2`: a 3 MB upload is refused; a mask PNG made for a download and the
-    upload it came from are gone a few seconds later."""
+    upload it came from are gone a few seconds later (gradio's own sweep, `delete_cache`)."""
     import numpy as np
     from PIL import Image
 
@@ -191,14 +192,20 @@ def test_uploads_over_the_limit_are_refused_and_files_are_deleted_after_keep_fil
         photo = tmp_path / "my_photo.png"  # not one of the app's examples, which stay cached
         Image.fromarray(np.random.default_rng(1).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(photo)
         client.predict(handle_file(str(photo)), "[[10, 10, 1]]", "", True, api_name="/segment")
-        made = [p for p in gradio_files.rglob("*.png") if p.name.startswith(("mask-", "my_photo"))]
-        assert {p.name.split("-")[0].split(".")[0] for p in made} >= {"mask", "my_photo"}, made
+        # the mask was made as the request ended; the upload may be gone already (the request can outlast
+        # --keep-files on a slow machine), so it is looked for by name at the end, not here
+        made = [p for p in gradio_files.rglob("*.png") if p.name.startswith("mask-")]
+        assert made, sorted(gradio_files.rglob("*"))
+
+        def left() -> list[Path]:
+            return [p for p in made if p.exists()] + list(gradio_files.rglob("my_photo*"))
+
         deadline = time.time() + 20
-        while any(p.exists() for p in made) and time.time() < deadline:
+        while left() and time.time() < deadline:
             time.sleep(0.5)
             client.predict(handle_file(str(ROOT / "assets/examples/shapes.jpg")), "[[12, 12, 1]]", "", True,
                            api_name="/segment")  # each new file sweeps the expired ones
-        assert not any(p.exists() for p in made), [p for p in made if p.exists()]
+        assert not left(), left()
 
 
 def test_a_long_history_streams_in_a_bounded_number_of_updates(client):

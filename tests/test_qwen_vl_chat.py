@@ -197,8 +197,8 @@ def test_a_replys_greedy_tokens_equal_transformers(processor, reference, pipelin
 
 
 def test_given_their_picture_embeddings_the_decoder_is_exact(processor, reference, folder):
-    """With transformers' own picture embeddings in the slot, every log-probability is bit for bit theirs:
-    the M-RoPE positions of the picture, of the text after it and of the reply are theirs."""
+    """With transformers' own picture embeddings in the slot, every log-probability is theirs to 1e-5: the M-RoPE
+    positions of the picture, of the text after it and of the reply are theirs."""
     image = IMAGES["tall_200x90"]
     inputs = hf_inputs(processor, image, TURNS)
     with torch.inference_mode():
@@ -212,7 +212,9 @@ def test_given_their_picture_embeddings_the_decoder_is_exact(processor, referenc
     finally:
         chat.close()
     assert text == processor.tokenizer.decode(tokens, skip_special_tokens=True)
-    assert ours[:len(tokens)] == theirs
+    # to float32's last bits (a step's sums may run in another order than theirs: its decode attention reads the
+    # cache, masked past the row's length); a position off by one moves them by far more
+    assert np.allclose(ours[:len(tokens)], theirs, rtol=0, atol=1e-5), (ours, theirs)
 
 
 def test_the_hubs_flat_config_loads_the_same_decoder(folder, hub_folder, processor):
