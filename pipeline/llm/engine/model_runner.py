@@ -267,7 +267,8 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def scratch_of_this_runner(self):
-        """The low-bit kernels' split-K scratch and the decode attention's partials: this runner's own."""
+        """The low-bit kernels' split-K scratch and the fp32 partials of the decode attention and the batch-invariant
+        GEMMs (`plugins.workspaces`): this runner's own."""
         with lowbit.using_workspace(self._lowbit_scratch), using_workspaces(self._partials_scratch):
             yield
 
