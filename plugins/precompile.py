@@ -79,15 +79,15 @@ def attention_calls(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
     query per cache row, prompt tokens (each query its row's; in both tiles), and `verify`: a verify step's
     VERIFY_ROWS per row, with every merge width), from stand-in tensors of a few bytes: those kernels compile
     for the dtypes, the heads, head_dim and the queries per row (or prompt tokens' tile) only."""
-    def call(tokens: int, chunk: int = 0) -> None:
+    def call(tokens: int, tile_rows: int = 0) -> None:  # tile_rows: prompt tokens in tiles of so many rows
         q = torch.empty(tokens, heads, head_dim, dtype=dtype, device=device)
         cache = torch.empty(1, kv_heads, 16, head_dim, dtype=dtype, device=device)
         lengths = torch.ones(tokens, dtype=torch.long, device=device)
-        rows = torch.zeros(tokens, dtype=torch.long, device=device) if chunk else None
+        rows = torch.zeros(tokens, dtype=torch.long, device=device) if tile_rows else None
         decode_attention(q, cache, cache, lengths, 16, tokens=tokens, rows=rows, compile_only=True,
-                         tile_rows=chunk or TILE_ROWS)
+                         tile_rows=tile_rows or TILE_ROWS)
 
-    return [functools.partial(call, 1, chunk=tile) for tile in (TILE_ROWS, LONG_TILE_ROWS)] + \
+    return [functools.partial(call, 1, tile_rows=tile) for tile in (TILE_ROWS, LONG_TILE_ROWS)] + \
         [functools.partial(call, tokens) for tokens in (1, *(VERIFY_ROWS if verify else ()))]
 
 
