@@ -13,8 +13,9 @@ Parts (`--parts`, comma-separated; all by default):
   real     a real-format Qwen2 checkpoint (transformers' save_pretrained) in each mode against transformers
   launch   a 7B int4 chat's first launch from a float checkpoint on disk (quantize, compile, tune, capture)
            with an empty Triton cache, its second launch from the caches, and a launch from the quantized
-           weights with no tuned configs and an empty Triton cache; each in its own process, through the
-           app's own loader
+           weights with no tuned configs on this machine and an empty Triton cache (with the release's
+           configs for this GPU, `plugins/tuned`, where it has them, and without); each in its own process,
+           through the app's own loader
 
     python bench/decode_limit.py [--parts gemv,decode,real,launch] [--layers 28]
 Writes decode_limit.json to $OUT after every part (a cut-short run keeps what it measured); prints a
@@ -50,7 +51,7 @@ from pipeline.llm.model.decoder import Decoder  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.llm.weights.quant import MODES, QuantLinear, dequantize, quantize, quantize_decoder, use_kernels  # noqa: E402
 from pipeline.llm.engine.params import SamplingParams  # noqa: E402
-from plugins import lowbit  # noqa: E402
+from plugins import lowbit, lowbit_tuning  # noqa: E402
 from plugins.fused import FUSED, REFERENCE  # noqa: E402
 from plugins.lowbit_tuning import TunedConfigs, fastest, graphed_us  # noqa: E402
 
@@ -315,14 +316,18 @@ def launch_part(res: dict, layers: int) -> None:
                         "import decode_limit, studio.backends, pipeline.llm.text.chat_template, tokenizers"],
                        env={**os.environ, **pycache}, timeout=300)
         times = {}
-        for attempt in ("first", "second", "quantized_on_disk"):
-            if attempt == "quantized_on_disk":
-                (EngineCache(engines).root / "kernels" / TunedConfigs.file_name(torch.device("cuda"))).unlink()
-                triton_cache = Path(tmp) / "triton-empty"
+        tuned = EngineCache(engines).root / "kernels" / TunedConfigs.file_name(torch.device("cuda"))
+        for attempt in ("first", "second", "quantized_on_disk", "quantized_on_disk_no_shipped_configs"):
+            if attempt.startswith("quantized_on_disk"):
+                tuned.unlink(missing_ok=True)
+                triton_cache = Path(tmp) / f"triton-empty-{attempt}"
             env = {**os.environ, **pycache, "TRITON_CACHE_DIR": str(triton_cache)}
             done = subprocess.run([sys.executable, __file__, "--parts", "one_launch", "--folder", str(folder),
-                                   "--engines", str(engines), "--spawned", str(time.time())],
+                                   "--engines", str(engines), "--spawned", str(time.time())] +
+                                  (["--no-shipped"] if attempt.endswith("no_shipped_configs") else []),
                                   env=env, capture_output=True, text=True, timeout=300)
+            if tuned.is_file():  # what this GPU's tuning chose: the release ships it (`plugins/tuned`)
+                res["tuned_configs"] = json.loads(tuned.read_text())
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode or not lines:
                 times[attempt] = {"failed": done.stderr[-2000:]}
@@ -372,8 +377,11 @@ def main() -> None:
     ap.add_argument("--folder", type=Path, help="one_launch: the checkpoint (launch's own subprocesses)")
     ap.add_argument("--engines", type=Path, help="one_launch: the engine cache")
     ap.add_argument("--spawned", type=float, help="one_launch: when its process was started (time.time())")
+    ap.add_argument("--no-shipped", action="store_true", help="one_launch: without the release's tuned configs")
     args = ap.parse_args()
     if args.parts == "one_launch":
+        if args.no_shipped:  # as on a GPU model the release has no tuned configs for
+            lowbit_tuning.SHIPPED = Path("/nonexistent")
         return one_launch(args.folder, args.engines, args.spawned)
     OUT_NAME = args.out
     parts = args.parts.split(",")

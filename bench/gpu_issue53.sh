@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 53's GPU work in device calls of under 10 minutes each; logs and JSON land in $OUT.
-#   launch:  bench/decode_limit.py --parts launch (a 7B int4 chat's first launch from float, from int4 on disk, second)
+#   launch:  bench/decode_limit.py --parts launch (a 7B int4 chat's first launch from float, from int4 on disk with
+#            and without the release's tuned configs, second)
+#   workers: the GPU test of kernels compiled in worker processes (plugins/compile_workers.py)
 #   tests:   the engine's GPU tests that step plans, graph tables and speculation touch (the kernels' own and the
 #            low-bit verify step's, whose compiles take minutes, left out)
 #   chunked: bench/chunked_prefill.py (7 chats + a 4,000-token joiner; a 20-token prompt behind a 32k read)
@@ -16,7 +18,8 @@
 source "$(dirname "$0")/device_steps.sh"
 for part in "$@"; do
   case "$part" in
-    launch) step 240 launch python3 bench/decode_limit.py --parts launch --out decode_limit_launch ;;
+    launch) step 330 launch python3 bench/decode_limit.py --parts launch --out decode_limit_launch ;;
+    workers) step 200 test_gpu_workers python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -k "worker_processes" ;;
     tests) step 300 test_gpu python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=200 \
              -k "speculation_on_gpu or graph_table or two_engines or sampling_kernels or chat_on_gpu_graphs or quantized_chat_graphs or draft_model_on_the_gpu" ;;
     captures) step 150 test_gpu_captures python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \

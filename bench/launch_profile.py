@@ -18,7 +18,7 @@ from pathlib import Path
 from triton.runtime import _async_compile
 
 ROOT = str(Path(__file__).resolve().parents[1])
-CONSTEXPRS = ("ROWS", "BLOCK_M", "BLOCK_N", "STEPS", "TOKENS", "LANES", "BITS", "GATED")
+CONSTEXPRS = ("ROWS", "BLOCK_M", "BLOCK_N", "STEPS", "TOKENS", "LANES", "BITS", "GATED", "C", "K")
 
 
 class LaunchProfile:
@@ -37,7 +37,8 @@ class LaunchProfile:
         name = fn.name + "".join(f" {c}={consts[c]}" for c in CONSTEXPRS if c in consts)
         self.compiles[(fn.name, str(key))] = {"kernel": name, "thread": threading.current_thread().name,
                                               "asked_s": round(time.perf_counter() - self.t0, 2),
-                                              "async": _async_compile.active_mode.get() is not None}
+                                              "async": _async_compile.active_mode.get() is not None,
+                                              "key": str(key)[:400]}
         return None
 
     def _done(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):
@@ -93,9 +94,9 @@ class LaunchProfile:
             if not c["async"] and "done_s" in c:
                 took = c["done_s"] - c["asked_s"]
                 by_kernel[base][1] = round(by_kernel[base][1] + took, 2)
-                waited.append((round(took, 2), c["asked_s"], c["thread"], c["kernel"]))
+                waited.append((round(took, 2), c["asked_s"], c["thread"], c["kernel"], c["key"]))
         return {"compiles": len(self.compiles),
                 "compiles_by_kernel (count, s compiled one at a time)": dict(by_kernel),
-                "slowest_one_at_a_time_compiles (s, at_s, thread, kernel)": sorted(waited, reverse=True)[:top],
+                "slowest_one_at_a_time_compiles (s, at_s, thread, kernel, key)": sorted(waited, reverse=True)[:top],
                 "sampled_s": {k: round(v * self.interval, 2) for k, v in self.samples.most_common(top)},
                 "main_thread_timeline": self.timeline[:200]}

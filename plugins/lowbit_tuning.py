@@ -17,6 +17,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -35,6 +36,9 @@ CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (
     8: tuple(Config(64, st, sk) for st in (1, 2) for sk in SPLITS[:4]),  # 16 splits: 16 rows of partials each
 }
 CALLS = 24
+# Configs tuned on the GPUs we measured on, by GPU model (`TunedConfigs.shipped_name`): a first launch there
+# times nothing for the shapes they hold (as vLLM ships its MoE kernels' configs per GPU).
+SHIPPED = Path(__file__).with_name("tuned")
 
 
 def graphed_us(calls: list[Callable[[], object]], repeats: int = 10) -> float:
@@ -78,12 +82,27 @@ class TunedConfigs:
         gpu = torch.cuda.get_device_name(device).replace(" ", "_")
         return f"lowbit-{gpu}-triton{triton.__version__}-v{KERNEL_VERSION}.json"
 
+    @staticmethod
+    def shipped_name(gpu: str) -> str:
+        """The shipped file for GPUs named `gpu` (any Triton: its versions rank these candidates alike)."""
+        return f"lowbit-{gpu.replace(' ', '_')}-v{KERNEL_VERSION}.json"
+
     def from_json(self, text: str) -> None:
-        """Adopt stored configs; a damaged file is tuned again, not trusted."""
+        """Adopt stored configs for the shapes not known yet; a damaged file is tuned again, not trusted."""
         try:
-            self.configs = {k: Config(**v) for k, v in json.loads(text).items()}
+            self.configs = {k: Config(**v) for k, v in json.loads(text).items()} | self.configs
         except (ValueError, TypeError) as e:
             self.say(f"stored low-bit kernel configs unreadable ({type(e).__name__}); tuning again")
+
+    def adopt_shipped(self, gpu: str) -> None:
+        """Adopt the configs tuned for this GPU model in the release (`SHIPPED`) for shapes not known yet."""
+        path = SHIPPED / self.shipped_name(gpu)
+        if path.is_file():
+            known = len(self.configs)
+            self.from_json(path.read_text())
+            if len(self.configs) > known:
+                self.say(f"low-bit kernel configs tuned for the {gpu} in this release: "
+                         f"{len(self.configs) - known} taken, not timed again")
 
     def to_json(self) -> str:
         return json.dumps({k: dataclasses.asdict(v) for k, v in self.configs.items()}, indent=1)

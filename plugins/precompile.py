@@ -6,9 +6,10 @@ the constexprs (tile, loop step, rows per launch), and of the other arguments wh
 or a multiple of 16 and whether a pointer is 16-byte aligned. One after another that took a first
 launch of a 7B int4 chat tens of seconds, most of it in the speculative verify step's several-row
 GEMVs ("decode step ready in 37–43 s", H100, 2026-11-27). Here every variant a step can launch is
-listed per distinct layer shape (`step_calls`) and compiled in Triton's `AsyncCompileMode` on a pool
-of all cores, with progress in the terminal and through the loader's `say`; later steps (and their
-CUDA graph captures) find them compiled. Variants no step launches are not compiled
+listed per distinct layer shape (`step_calls`) and compiled all at once (`ask`): those not compiled
+before in worker processes (`plugins.compile_workers`), then every one asked for in Triton's
+`AsyncCompileMode` here (read from the cache the workers wrote), with progress in the terminal and
+through the loader's `say`; later steps (and their CUDA graph captures) find them compiled. Variants no step launches are not compiled
 (`tests/test_precompile.py`). With it no low-bit or attention kernel compiled one at a time in a first
 launch any more (H200, 2026-11-27, `bench/RESULTS.md`, "Quick to start").
 
@@ -32,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 import torch
 from tqdm.auto import tqdm
 
+from plugins.compile_workers import Manifest, compile_in_workers, noting, worker_count
 from plugins.decode_attention import LONG_TILE_ROWS, TILE_ROWS, decode_attention
 from plugins.topk_sampling import sample_top_k
 from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
@@ -121,8 +123,23 @@ def issue(cases: Iterable[Case]) -> list[str]:
     return failed
 
 
-def workers() -> int:
-    return os.cpu_count() or 4
+def ask(cases: list[Case], device: torch.device, noted: Callable[[int], None] = lambda count: None,
+        done: Callable[[], None] = lambda: None) -> list[str]:
+    """`issue` the cases in this process, their kernels not compiled yet first compiled in worker processes
+    (`plugins.compile_workers`: `noted` is told how many, `done` after each), so that here each is a read
+    from Triton's cache; returns why any could not be asked for, or compiled in a worker (then here)."""
+    failed: list[str] = []
+    if device.type == "cuda":
+        with noting() as specs:
+            issue(cases)
+        manifest = Manifest()
+        todo = manifest.missing(specs)
+        if todo:
+            noted(len(todo))
+            compiled, failed = compile_in_workers(todo, torch.cuda.current_device() if device.index is None
+                                                  else device.index, done)
+            manifest.add(compiled)
+    return failed + issue(cases)
 
 
 class _Pool(ThreadPoolExecutor):
@@ -132,7 +149,7 @@ class _Pool(ThreadPoolExecutor):
     loader's own work beside them (repacking the weights: 12 s, 0.02 s alone; H200, 2026-11-27)."""
 
     def __init__(self):
-        super().__init__(max_workers=workers(), thread_name_prefix="triton-compile")
+        super().__init__(max_workers=os.cpu_count() or 4, thread_name_prefix="triton-compile")
         self.futures: list[Future] = []
         self._held: list[tuple] | None = []
 
@@ -165,28 +182,39 @@ def _mode():
 
 
 def compile_now(cases: list[Case], say: Callable[[str], None], what: str) -> int:
-    """Compile every kernel `cases` launch that is not compiled (or under way) yet, all at once; returns how
-    many were. Where this Triton lacks `AsyncCompileMode` each compiles at its first launch."""
+    """Compile every kernel `cases` launch that is not compiled (or under way) yet, all at once (`ask`);
+    returns how many were asked for. Where this Triton lacks `AsyncCompileMode` each compiles at its first
+    launch."""
     settle(say)
     mode = _mode()
     if mode is None or not cases:
         return 0
     start, pool = time.perf_counter(), _Pool()
-    with pool, mode(pool, ignore_errors=True):  # leaving it waits for every compile and keeps the kernels
+    with pool, mode(pool, ignore_errors=True), \
+            tqdm(total=0, desc=f"compiling {what}", unit="kernel", file=sys.stderr) as bar:
+        def noted(count: int) -> None:
+            say(f"compiling {count} {what} in {worker_count(count)} worker processes")
+            bar.total = count
+            bar.refresh()
+
         try:
-            failed = issue(cases)
+            failed = ask(cases, _device_of(cases), noted, bar.update)
         finally:
             pool.start()
-        if pool.futures:
-            say(f"compiling {len(pool.futures)} {what} on {workers()} CPU cores")
-        for _ in tqdm(as_completed(pool.futures), total=len(pool.futures), desc=f"compiling {what}", unit="kernel",
-                      file=sys.stderr, disable=not pool.futures):
-            pass
+        bar.total += len(pool.futures)
+        for _ in as_completed(pool.futures):
+            bar.update()
     if failed:
-        say(f"{len(failed)} {what} left to compile at first use ({failed[0]})")
+        say(f"{len(failed)} {what} compiled in this process or at first use ({failed[0]})")
     if pool.futures:
         say(f"compiled {len(pool.futures)} {what} in {time.perf_counter() - start:.1f} s")
     return len(pool.futures)
+
+
+def _device_of(cases: list[Case]) -> torch.device:
+    layer = next((case[0] for case in cases if isinstance(case, tuple)), None)
+    return layer.data.device if layer is not None else \
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def compile_steps(weights: Iterable[LowBitWeight], verify: bool, say: Callable[[str], None] = lambda line: None) -> int:
@@ -204,6 +232,7 @@ class Background:
     def __init__(self, cases: list[Case], device: torch.device, what: str):
         self.what, self.started, self.finished, self.failed = what, time.perf_counter(), None, []
         self.pool = _Pool()
+        self.in_workers, self.worked = 0, 0  # kernels given to worker processes, and compiled there
         self.thread = threading.Thread(target=self._run, args=(cases, device), daemon=True, name="kernel compiles")
         _running.append(self)
         self.thread.start()
@@ -214,27 +243,37 @@ class Background:
         try:
             with self.pool, _mode()(self.pool, ignore_errors=True):
                 try:
-                    self.failed = issue(cases)
+                    self.failed = ask(cases, device, self._noted, self._done)
                 finally:
                     self.pool.start()
         except Exception as e:  # noqa: BLE001 - as in `issue`: what did not compile compiles at its launch
             self.failed.append(f"{type(e).__name__}: {e}")
         self.finished = time.perf_counter()
 
+    def _noted(self, count: int) -> None:
+        self.in_workers = count
+
+    def _done(self) -> None:
+        self.worked += 1
+
+    def _progress(self) -> tuple[int, int]:
+        return self.worked + sum(f.done() for f in self.pool.futures), self.in_workers + len(self.pool.futures)
+
     def wait(self, say: Callable[[str], None]) -> None:
         """Until every compile has finished, with a bar of those left."""
         if self.thread.is_alive():
-            with tqdm(total=len(self.pool.futures), desc=f"compiling {self.what}", unit="kernel", file=sys.stderr) as bar:
+            with tqdm(total=self._progress()[1], desc=f"compiling {self.what}", unit="kernel", file=sys.stderr) as bar:
                 while self.thread.is_alive():
-                    bar.total = len(self.pool.futures)
-                    bar.update(sum(f.done() for f in self.pool.futures) - bar.n)
+                    bar.total, n = self._progress()[1], self._progress()[0]
+                    bar.update(n - bar.n)
                     self.thread.join(0.1)
-                bar.total = len(self.pool.futures)
+                bar.total = self._progress()[1]
                 bar.update(bar.total - bar.n)
         if self.failed:
-            say(f"{len(self.failed)} {self.what} left to compile at first use ({self.failed[0]})")
+            say(f"{len(self.failed)} {self.what} compiled in this process or at first use ({self.failed[0]})")
         took = (self.finished or time.perf_counter()) - self.started
-        say(f"compiled {len(self.pool.futures)} {self.what} while the weights loaded ({took:.1f} s)")
+        workers = f"; {self.in_workers} compiled in worker processes" if self.in_workers else ""
+        say(f"compiled {len(self.pool.futures)} {self.what} while the weights loaded ({took:.1f} s{workers})")
 
 
 _running: list[Background] = []

@@ -18,7 +18,7 @@ from engine_builder.build import RUNTIMES, EngineOptions, build_engines
 from engine_builder.cache import EngineBuildError
 from engine_builder.onnx_export import minigpt4_graph, sam_graphs
 from engine_builder.trtllm.engine import load_trtllm_engine
-from pipeline.minigpt4.engine import SessionVisionEncoder
+from pipeline.minigpt4.engine import SessionVisionEncoder, TorchVisionEncoder, VisionEncoder
 from pipeline.models import resolve
 from pipeline.sam.engine import SessionSamEngine
 from pipeline.errors import UserError
@@ -42,7 +42,6 @@ from studio.memory_fit import GGUF, available_memory, check_memory, weight_bytes
 from studio.quantized_weights import quantized_decoder
 from pipeline.llm.engine.params import SamplingParams, checkpoint_defaults
 from pipeline.llm.text.tokenizer import load_tokenizer
-from pipeline.minigpt4.engine import TorchVisionEncoder, VisionEncoder
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
@@ -215,9 +214,10 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
     tuned = TunedConfigs(say)
     path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) \
         if engines is not None and device.type == "cuda" else None
-    if path is not None and path.is_file():
+    if path is not None and path.is_file():  # this machine's own first, then the release's for this GPU model
         tuned.from_json(path.read_text())
     if device.type == "cuda":
+        tuned.adopt_shipped(torch.cuda.get_device_name(device))
         config = read_config(model_dir)
         with torch.device("meta"):
             shapes = empty_quantized(empty_decoder(config, dtype), mode)

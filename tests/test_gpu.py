@@ -593,3 +593,42 @@ def test_batch_invariant_mode_gives_a_chat_the_same_logits_alone_and_beside_othe
     assert [same(a, b) for a, b in zip(alone, together)] == [True] * 6
     alone, together = logits(invariant=False)
     assert not all(same(a, b) for a, b in zip(alone, together)), "the default kernels became batch-invariant"
+
+
+WORKER_CASES = """
+import torch
+from plugins.precompile import attention_calls, sampling_calls
+device = torch.device("cuda", torch.cuda.current_device())
+cases = sampling_calls(4099, torch.float16, device) + attention_calls(6, 2, 64, torch.float16, device, verify=True)
+"""
+
+
+def test_kernels_compiled_in_worker_processes_are_read_from_the_cache_here(tmp_path, monkeypatch):
+    """A launch's kernels (here the sampler's and the attention's for a shape no other test uses) are
+    compiled by worker processes into an empty Triton cache: this process reads every one of them from
+    it and compiles none itself; a second launch (a process of its own) starts no worker."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from triton import knobs
+    from plugins.precompile import compile_now
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    scope: dict = {}
+    exec(WORKER_CASES, scope)
+    hits, said = [], []
+    monkeypatch.setattr(knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    asked = compile_now(scope["cases"], said.append, "test kernels")
+    assert asked >= 6 and len(hits) == asked, said
+    assert all(hits), f"{hits.count(False)} of {asked} compiled in this process: {said}"
+    assert any(f"compiling {asked} test kernels in" in line and "worker processes" in line for line in said), said
+
+    again = WORKER_CASES + "said = []\nfrom plugins.precompile import compile_now\n" \
+        "compile_now(cases, said.append, 'test kernels')\nimport json; print(json.dumps(said))"
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", again], cwd=root, capture_output=True, text=True, timeout=300)
+    said_again = json.loads(run.stdout.strip().splitlines()[-1])
+    assert not any("worker processes" in line for line in said_again), said_again
+    assert any(line.startswith(f"compiled {asked} test kernels in") for line in said_again), said_again

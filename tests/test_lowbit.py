@@ -144,6 +144,42 @@ def test_a_quantized_mlp_applies_silu_mul_in_the_gate_up_kernel_once():
     run_interpreted(MLP_SCRIPT)
 
 
+def test_configs_shipped_for_a_gpu_model_fill_only_the_shapes_not_tuned_on_this_machine(tmp_path, monkeypatch):
+    """A first launch on a GPU model we tuned on takes the release's configs (`plugins/tuned`) and times
+    nothing for those shapes; this machine's own configs win; another GPU model takes none."""
+    import dataclasses
+    import json
+    from plugins import lowbit_tuning
+    from plugins.lowbit import Config
+    from plugins.lowbit_tuning import TunedConfigs
+
+    monkeypatch.setattr(lowbit_tuning, "SHIPPED", tmp_path)
+    shipped = {"int4 a b1": Config(64, 2, 8), "int4 b b1": Config(128, 1, 2)}
+    (tmp_path / TunedConfigs.shipped_name("NVIDIA H200")).write_text(
+        json.dumps({k: dataclasses.asdict(v) for k, v in shipped.items()}))
+    said: list[str] = []
+    tuned = TunedConfigs(said.append)
+    tuned.from_json(json.dumps({"int4 a b1": dataclasses.asdict(Config(256, 1, 1))}))  # tuned here before
+    tuned.adopt_shipped("NVIDIA H200")
+    assert tuned.configs == {"int4 a b1": Config(256, 1, 1), "int4 b b1": Config(128, 1, 2)} and not tuned.changed
+    assert said == ["low-bit kernel configs tuned for the NVIDIA H200 in this release: 1 taken, not timed again"]
+    other = TunedConfigs()
+    other.adopt_shipped("NVIDIA H100 80GB HBM3")
+    assert other.configs == {}
+
+
+def test_the_shipped_configs_read_as_configs_of_both_batch_buckets():
+    from plugins.lowbit_tuning import CANDIDATES, KERNEL_VERSION, SHIPPED, TunedConfigs
+
+    files = sorted(SHIPPED.glob("lowbit-*.json"))
+    assert files and all(f.name.endswith(f"-v{KERNEL_VERSION}.json") for f in files)
+    for f in files:
+        tuned = TunedConfigs()
+        tuned.from_json(f.read_text())
+        shapes = {k.rsplit(" b", 1)[0] for k in tuned.configs}
+        assert shapes and set(tuned.configs) == {f"{s} b{rows}" for s in shapes for rows in CANDIDATES}, f.name
+
+
 def test_tuned_configs_round_trip_and_a_damaged_file_is_tuned_again():
     """What the app stores beside the engine cache comes back the same; a damaged file is not trusted:
     it is said, and every shape is tuned again (no configs kept)."""

@@ -1,0 +1,62 @@
+"""Compile worker processes (`plugins/compile_workers.py`): what a launch is told when a worker cannot
+compile, and the list of kernels the workers compiled into Triton's cache. The workers compiling real
+kernels that this process then reads from the cache is the GPU test
+`test_kernels_compiled_in_worker_processes_are_read_from_the_cache_here` (tests/test_gpu.py)."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed")
+
+from plugins.compile_workers import Manifest, Spec, compile_in_workers, worker_count  # noqa: E402
+
+A, B = Spec("plugins.lowbit", "_gemv_kernel", '{"a": 1}'), Spec("plugins.lowbit", "_gemv_kernel", '{"a": 2}')
+
+
+@pytest.fixture
+def triton_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_the_manifest_lists_what_workers_compiled_for_this_triton_only(triton_cache):
+    manifest = Manifest()
+    assert manifest.path.parent == triton_cache  # cleared with the cache it describes
+    assert manifest.missing([A, B, A]) == [A, B]
+    manifest.add([A])
+    assert Manifest().missing([A, B]) == [B]
+    other_triton = Manifest()
+    other_triton.version = "0.0.0"
+    assert other_triton.missing([A, B]) == [A, B]
+
+
+def test_a_damaged_manifest_means_compile_again(triton_cache):
+    Manifest().add([A])
+    Manifest().path.write_text("{not json")
+    assert Manifest().missing([A]) == [A]
+    Manifest().add([B])  # and is replaced by a good one
+    assert json.loads(Manifest().path.read_text()) and Manifest().missing([A, B]) == [A]
+
+
+def test_a_kernel_a_worker_cannot_compile_is_told_with_its_reason(triton_cache):
+    done = []
+    missing = Spec("plugins.lowbit", "no_such_kernel", "{}")
+    not_a_kernel = Spec("plugins.lowbit", "LowBitWeight", "{}")
+    compiled, failed = compile_in_workers([missing, not_a_kernel], -1, lambda: done.append(1), workers=1)
+    assert compiled == [] and len(done) == 2
+    assert failed == ["no_such_kernel: LookupError: no Triton kernel plugins.lowbit.no_such_kernel",
+                      "LowBitWeight: LookupError: no Triton kernel plugins.lowbit.LowBitWeight"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine where a worker cannot start on a GPU")
+def test_a_worker_that_dies_is_told_and_its_kernels_left_to_this_process(triton_cache):
+    compiled, failed = compile_in_workers([A, B], 0, workers=1)  # no GPU 0 here: the worker exits at start
+    assert compiled == [] and len(failed) == 1
+    assert failed[0].startswith("_gemv_kernel: a compile worker exited (") and "Error" in failed[0]
+
+
+def test_workers_are_one_per_spare_core_at_most():
+    assert worker_count(1) == 1
+    assert 1 <= worker_count(1000) <= 16
