@@ -9,7 +9,7 @@ cache they share with this process, and then asked for again here, where each is
 list goes when that cache goes): a later launch reads them here and starts no worker. A kernel a worker
 could not compile is compiled here, as before.
 
-    python -m plugins.compile_workers DEVICE_INDEX   # a worker: JSON lines in (specs), JSON lines out
+    python -m plugins.compile_workers   # a worker: JSON lines in (specs), JSON lines out
 """
 
 from __future__ import annotations
@@ -119,44 +119,88 @@ def worker_count(specs: int) -> int:
     return max(1, min(specs, cores - 1, MAX_WORKERS))
 
 
-def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], None] = lambda: None,
-                       workers: int | None = None) -> tuple[list[Spec], list[str]]:
-    """Compile `specs` in worker processes (one after another in each, every worker taking the next);
-    `done` is called after each. Returns those compiled and why others were not (their first lines)."""
-    todo: queue.Queue[Spec] = queue.Queue()
-    for spec in specs:
-        todo.put(spec)
-    compiled: list[Spec] = []
-    failed: list[str] = []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), *sys.path] if p))
+class _Batch:
+    """One call's specs: what was compiled, why others were not, and when every one has an answer."""
 
-    def serve() -> None:
+    def __init__(self, count: int, done: Callable[[], None]):
+        self.left, self.done = count, done
+        self.compiled: list[Spec] = []
+        self.failed: list[str] = []
+        self.lock, self.finished = threading.Lock(), threading.Event()
+        if not count:
+            self.finished.set()
+
+    def answer(self, spec: Spec, why: str | None) -> None:
+        with self.lock:
+            if why is None:
+                self.compiled.append(spec)
+            else:
+                self.failed.append(f"{spec.name}: {why}")
+            self.left -= 1
+            if not self.left:
+                self.finished.set()
+        self.done()
+
+
+class WorkerPool:
+    """Worker processes for one GPU, each fed by a thread of its own from one queue. They start once (a
+    worker imports torch and Triton: seconds) and serve every compile of a launch (the kernels compiled while
+    the weights load, the tuning candidates, the tuned step variants); each leaves after IDLE_S without work."""
+
+    IDLE_S = 60.0
+
+    def __init__(self, device_index: int, count: int):
+        self.todo: queue.Queue[tuple[Spec, _Batch]] = queue.Queue()
+        self.serving, self.lock, self.why_gone = count, threading.Lock(), "no compile worker left"
+        # the worker sees this GPU alone, as device 0: it compiles for its architecture and never makes a CUDA
+        # context on it (that would hold GPU memory while the KV cache is sized)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpu = visible.split(",")[device_index] if visible else str(device_index)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), *sys.path] if p),
+                   CUDA_VISIBLE_DEVICES=gpu)
+        for _ in range(count):
+            threading.Thread(target=self._serve, args=(env,), daemon=True, name="compile-worker").start()
+
+    def compile(self, specs: list[Spec], done: Callable[[], None]) -> tuple[list[Spec], list[str]]:
+        batch = _Batch(len(specs), done)
+        for spec in specs:
+            self.todo.put((spec, batch))
+        while not batch.finished.wait(1.0):
+            if not self.alive():  # every worker gone: what is left is this process's to compile
+                self._drain()
+        return batch.compiled, batch.failed
+
+    def alive(self) -> bool:
+        with self.lock:
+            return self.serving > 0
+
+    def _serve(self, env: dict) -> None:
+        item = None
         with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen([sys.executable, "-m", "plugins.compile_workers", str(device_index)],
-                                    cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                    text=True)
+            proc = subprocess.Popen([sys.executable, "-m", "plugins.compile_workers"], cwd=ROOT, env=env,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
             try:
+                if proc.stdout.readline().strip() != "ready":
+                    raise EOFError
                 while True:
                     try:
-                        spec = todo.get_nowait()
+                        item = self.todo.get(timeout=self.IDLE_S)
                     except queue.Empty:
                         return
+                    spec, batch = item
                     proc.stdin.write(json.dumps([spec.module, spec.name, spec.data]) + "\n")
                     proc.stdin.flush()
                     answer = proc.stdout.readline()
-                    if not answer:  # the worker died: its spec (and its share) go to the others or here
-                        err.seek(0)
-                        tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
-                        failed.append(f"{spec.name}: a compile worker exited ({tail[0][:200]})")
-                        return
-                    why = json.loads(answer)
-                    if why is None:
-                        compiled.append(spec)
-                    else:
-                        failed.append(f"{spec.name}: {why}")
-                    done()
-            except OSError as e:  # a broken pipe: as a worker that died
-                failed.append(f"a compile worker failed: {type(e).__name__}: {e}")
+                    if not answer:
+                        raise EOFError
+                    item = None
+                    batch.answer(spec, json.loads(answer))
+            except (EOFError, OSError, ValueError):  # it died, or its pipe broke: the rest go to the others
+                err.seek(0)
+                tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
+                self.why_gone = f"a compile worker exited ({tail[0][:200]})"
+                if item is not None:
+                    item[1].answer(item[0], self.why_gone)
             finally:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()  # its loop ends
@@ -164,22 +208,44 @@ def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], 
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+                with self.lock:
+                    self.serving -= 1
+                if not self.alive():
+                    self._drain()
 
-    threads = [threading.Thread(target=serve, daemon=True, name="compile-worker")
-               for _ in range(workers or worker_count(len(specs)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return compiled, failed
+    def _drain(self) -> None:
+        while True:
+            try:
+                spec, batch = self.todo.get_nowait()
+            except queue.Empty:
+                return
+            batch.answer(spec, self.why_gone)
 
 
-def _work(device_index: int) -> None:
-    """A worker's loop: a JSON line [module, name, specialization data] in, null or why not out."""
-    import torch  # Triton's CUDA driver asks torch for the current device
+_pools: dict[int, WorkerPool] = {}
+_pools_lock = threading.Lock()
 
-    if device_index >= 0:
-        torch.cuda.set_device(device_index)
+
+def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], None] = lambda: None,
+                       workers: int | None = None) -> tuple[list[Spec], list[str]]:
+    """Compile `specs` in this GPU's worker processes (started on first use, `WorkerPool`); `done` is called
+    after each. Returns those compiled and why others were not (their first lines)."""
+    with _pools_lock:
+        pool = _pools.get(device_index)
+        if pool is None or not pool.alive():
+            pool = _pools[device_index] = WorkerPool(device_index, workers or worker_count(len(specs)))
+    return pool.compile(specs, done)
+
+
+def _work() -> None:
+    """A worker's loop: "ready" once its imports are in, then a JSON line [module, name, specialization
+    data] in, null or why not out (on its own copy of stdout: anything printed goes to stderr)."""
+    importlib.import_module("torch")  # Triton's CUDA driver asks torch for the device: imported first, once
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    out.write("ready\n")
+    out.flush()
     for line in sys.stdin:
         try:
             module, name, data = json.loads(line)
@@ -190,9 +256,9 @@ def _work(device_index: int) -> None:
             why = None
         except Exception as e:  # noqa: BLE001 - told to the launch, which compiles it itself
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-        sys.stdout.write(json.dumps(why) + "\n")
-        sys.stdout.flush()
+        out.write(json.dumps(why) + "\n")
+        out.flush()
 
 
 if __name__ == "__main__":
-    _work(int(sys.argv[1]))
+    _work()

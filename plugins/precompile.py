@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 import torch
 from tqdm.auto import tqdm
 
-from plugins.compile_workers import Manifest, compile_in_workers, noting, worker_count
+from plugins.compile_workers import Manifest, compile_in_workers, noting
 from plugins.decode_attention import LONG_TILE_ROWS, TILE_ROWS, decode_attention
 from plugins.topk_sampling import sample_top_k
 from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
@@ -193,7 +193,7 @@ def compile_now(cases: list[Case], say: Callable[[str], None], what: str) -> int
     with pool, mode(pool, ignore_errors=True), \
             tqdm(total=0, desc=f"compiling {what}", unit="kernel", file=sys.stderr) as bar:
         def noted(count: int) -> None:
-            say(f"compiling {count} {what} in {worker_count(count)} worker processes")
+            say(f"compiling {count} {what} in worker processes")
             bar.total = count
             bar.refresh()
 
