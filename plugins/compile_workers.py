@@ -4,8 +4,8 @@ Why: Triton runs a compile's passes holding the GIL, so the threads of its `Asyn
 little more than one at a time: 88 kernels took 21 s on 16 cores (H200, 2026-11-29). Here the kernels a
 launch asks for are first only noted (Triton's `jit_cache_hook`, which hands over each kernel's
 `specialization_data`), compiled by worker processes with Triton's own `JITFunction.preload` into the file
-cache they share with this process, and then asked for again here, where each is a read from that cache
-(about 16 ms). Kernels the workers compiled once are listed (`Manifest`, in Triton's cache folder, so the
+cache they share with this process (with the C launch stub Triton builds for each signature), and then
+asked for again here, where each is a read from that cache (about 16 ms). Kernels the workers compiled once are listed (`Manifest`, in Triton's cache folder, so the
 list goes when that cache goes): a later launch reads them here and starts no worker. A kernel a worker
 could not compile is compiled here, as before.
 
@@ -252,8 +252,11 @@ def _work() -> None:
             fn = jit_function(module, name)
             if fn is None:
                 raise LookupError(f"no Triton kernel {module}.{name}")
-            fn.preload(data)
+            kernel = fn.preload(data)
             why = None
+            with contextlib.suppress(Exception):  # the launch stub too (a C file; about 0.3 s): else at first launch
+                from triton.runtime.driver import driver
+                driver.active.launcher_cls(kernel.src, kernel.metadata)
         except Exception as e:  # noqa: BLE001 - told to the launch, which compiles it itself
             why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
         out.write(json.dumps(why) + "\n")

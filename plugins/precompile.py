@@ -93,15 +93,16 @@ def attention_calls(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype
         [functools.partial(call, tokens) for tokens in (1, *(VERIFY_ROWS if verify else ()))]
 
 
-def sampling_calls(vocab: int, dtype: torch.dtype, device: torch.device) -> list[Callable[[], object]]:
+def sampling_calls(vocabs: Iterable[int], dtype: torch.dtype, device: torch.device) -> list[Callable[[], object]]:
     """Calls that compile the sampler's two kernels (`plugins.topk_sampling`) for logits in the model's dtype
-    and in float32 (after a frequency penalty), over `vocab` entries (its block count is a constant there)."""
-    def call(logits_dtype: torch.dtype) -> None:
+    and in float32 (after a frequency penalty), over each of `vocabs` entries (the pick kernel's block count
+    is a constant there): the model's logits, and the tokenizer's vocabulary where the engine cuts them to it."""
+    def call(vocab: int, logits_dtype: torch.dtype) -> None:
         sample_top_k(torch.empty(1, vocab, dtype=logits_dtype, device=device),
                      torch.empty(1, vocab, dtype=torch.bool, device=device),
                      torch.empty(5, 1, dtype=torch.float32, device=device), compile_only=True)
 
-    return [functools.partial(call, d) for d in dict.fromkeys((dtype, torch.float32))]
+    return [functools.partial(call, v, d) for v in dict.fromkeys(vocabs) for d in dict.fromkeys((dtype, torch.float32))]
 
 
 def issue(cases: Iterable[Case]) -> list[str]:

@@ -189,10 +189,10 @@ def choose_quant(requested: str, config, dtype: torch.dtype, device: torch.devic
 
 
 def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype, device: torch.device,
-                  engines: EngineOptions | None, verify: bool = False) -> tuple[Decoder, str]:
-    """The decoder with `mode` weights on `device`, and how its layers run. On a GPU the low-bit kernels
-    its steps can launch (`verify`: speculative verify steps too) compile on all CPU cores, those that need
-    no weights while the weights load (`plugins.precompile`)."""
+                  engines: EngineOptions | None, verify: bool = False, vocab: int = 0) -> tuple[Decoder, str]:
+    """The decoder with `mode` weights on `device`, and how its layers run. On a GPU the kernels its steps
+    can launch (`verify`: speculative verify steps too; `vocab`: the tokenizer's, which the engine samples
+    over) compile on all CPU cores, those that need no weights while the weights load (`plugins.precompile`)."""
     say = engines.report.tell if engines is not None else (lambda line: None)  # long work and fallbacks
     if mode == GGUF and device.type == "cpu":
         return onnx_gguf_decoder(model_dir, model_id, engines)
@@ -222,7 +222,7 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
         with torch.device("meta"):
             shapes = empty_quantized(empty_decoder(config, dtype), mode)
         others = attention_calls(config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, verify) + \
-            sampling_calls(config.vocab_size, dtype, device)
+            sampling_calls((config.vocab_size, vocab or config.vocab_size), dtype, device)
         compile_ahead(kernel_stand_ins(shapes, device), tuned, verify, others)
     try:
         model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
@@ -324,7 +324,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                                  checkpoint_defaults(model_dir))
         except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
             engines.report.tell(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
-    model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines, speculate != "off")
+    model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines, speculate != "off", tokenizer.vocab_size)
     if batch_invariant:
         why = make_batch_invariant(model)
         weights += ", batch-invariant" if why is None else ""

@@ -599,7 +599,7 @@ WORKER_CASES = """
 import torch
 from plugins.precompile import attention_calls, sampling_calls
 device = torch.device("cuda", torch.cuda.current_device())
-cases = sampling_calls(4099, torch.float16, device) + attention_calls(6, 2, 64, torch.float16, device, verify=True)
+cases = sampling_calls((4099,), torch.float16, device) + attention_calls(6, 2, 64, torch.float16, device, verify=True)
 """
 
 
