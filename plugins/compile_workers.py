@@ -237,6 +237,35 @@ def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], 
     return pool.compile(specs, done)
 
 
+def compile_spec(spec: Spec) -> str | None:
+    """Compile one spec here (a worker's work; this process's where it helps, `help_workers`): Triton's
+    `preload`, and the C launch stub Triton builds for each signature (about 0.3 s; else at first launch).
+    None, or why not (its first line)."""
+    try:
+        fn = jit_function(spec.module, spec.name)
+        if fn is None:
+            raise LookupError(f"no Triton kernel {spec.module}.{spec.name}")
+        kernel = fn.preload(spec.data)
+    except Exception as e:  # noqa: BLE001 - told to the launch, which compiles it itself
+        return f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    with contextlib.suppress(Exception):  # a stub not built here is built at the kernel's first launch
+        from triton.runtime.driver import driver
+        driver.active.launcher_cls(kernel.src, kernel.metadata)
+    return None
+
+
+def help_workers(until: Callable[[], bool]) -> None:
+    """Take queued specs and compile them in this thread until `until()`: for a launch with nothing else to
+    do (waiting for its compiles) while the workers are still starting (their imports take seconds)."""
+    while not until():
+        for pool in list(_pools.values()):
+            try:
+                spec, batch = pool.todo.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            batch.answer(spec, compile_spec(spec))
+
+
 def _work() -> None:
     """A worker's loop: "ready" once its imports are in, then a JSON line [module, name, specialization
     data] in, null or why not out (on its own copy of stdout: anything printed goes to stderr)."""
@@ -247,19 +276,8 @@ def _work() -> None:
     out.write("ready\n")
     out.flush()
     for line in sys.stdin:
-        try:
-            module, name, data = json.loads(line)
-            fn = jit_function(module, name)
-            if fn is None:
-                raise LookupError(f"no Triton kernel {module}.{name}")
-            kernel = fn.preload(data)
-            why = None
-            with contextlib.suppress(Exception):  # the launch stub too (a C file; about 0.3 s): else at first launch
-                from triton.runtime.driver import driver
-                driver.active.launcher_cls(kernel.src, kernel.metadata)
-        except Exception as e:  # noqa: BLE001 - told to the launch, which compiles it itself
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-        out.write(json.dumps(why) + "\n")
+        module, name, data = json.loads(line)
+        out.write(json.dumps(compile_spec(Spec(module, name, data))) + "\n")
         out.flush()
 
 

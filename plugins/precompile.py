@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 import torch
 from tqdm.auto import tqdm
 
-from plugins.compile_workers import Manifest, compile_in_workers, noting
+from plugins.compile_workers import Manifest, compile_in_workers, help_workers, noting
 from plugins.decode_attention import LONG_TILE_ROWS, TILE_ROWS, decode_attention
 from plugins.topk_sampling import sample_top_k
 from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
@@ -261,7 +261,13 @@ class Background:
         return self.worked + sum(f.done() for f in self.pool.futures), self.in_workers + len(self.pool.futures)
 
     def wait(self, say: Callable[[str], None]) -> None:
-        """Until every compile has finished, with a bar of those left."""
+        """Until every compile has finished, with a bar of those left; meanwhile threads of this process
+        compile too, while the worker processes start (`help_workers`; not before: beside the loader's own
+        work they slow it)."""
+        helpers = [threading.Thread(target=help_workers, args=(lambda: not self.thread.is_alive(),), daemon=True,
+                                    name="triton-compile") for _ in range(os.cpu_count() or 4)]
+        for helper in helpers:
+            helper.start()
         if self.thread.is_alive():
             with tqdm(total=self._progress()[1], desc=f"compiling {self.what}", unit="kernel", file=sys.stderr) as bar:
                 while self.thread.is_alive():

@@ -68,6 +68,37 @@ def test_the_workers_serve_call_after_call_until_idle(triton_cache):
     assert compile_workers._pools[-1] is pool and failed[0].startswith("nor_this: LookupError")
 
 
+def test_this_process_compiles_queued_kernels_while_the_workers_start(triton_cache, monkeypatch, tmp_path):
+    """`help_workers`: a launch waiting for its compiles takes queued kernels itself while the workers are
+    still importing (here: never ready). Its kernel, importable here only, shows who compiled it."""
+    import threading
+    import types
+
+    import triton
+    from plugins.compile_workers import help_workers
+
+    @triton.jit
+    def kernel(x):
+        pass
+
+    monkeypatch.setitem(sys.modules, "helped_kernels", types.ModuleType("helped_kernels"))
+    sys.modules["helped_kernels"].kernel = kernel
+    slow = tmp_path / "slow-worker"
+    slow.write_text("#!/bin/sh\nsleep 5\n")
+    slow.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(slow))
+    result = []
+    asking = threading.Thread(target=lambda: result.append(compile_in_workers(
+        [Spec("helped_kernels", "kernel", "{}")], 9, workers=1)))
+    asking.start()
+    help_workers(lambda: not asking.is_alive())
+    asking.join()
+    (compiled, failed), = result
+    # Triton's preload here failed on this data (no GPU, or no name in it): not a worker, which could not import it
+    assert compiled == [] and len(failed) == 1 and failed[0].startswith("kernel: "), failed
+    assert "helped_kernels" not in failed[0] and "exited" not in failed[0], failed
+
+
 def test_workers_are_one_per_spare_core_at_most():
     assert worker_count(1) == 1
     assert 1 <= worker_count(1000) <= 16
