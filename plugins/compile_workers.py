@@ -254,16 +254,17 @@ def compile_spec(spec: Spec) -> str | None:
     return None
 
 
-def help_workers(until: Callable[[], bool]) -> None:
-    """Take queued specs and compile them in this thread until `until()`: for a launch with nothing else to
-    do (waiting for its compiles) while the workers are still starting (their imports take seconds)."""
-    while not until():
-        for pool in list(_pools.values()):
-            try:
-                spec, batch = pool.todo.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            batch.answer(spec, compile_spec(spec))
+def help_workers(device_index: int, until: Callable[[], bool]) -> None:
+    """Take this GPU's queued specs and compile them in this thread until `until()` (checked at least every
+    half second): for a launch with nothing else to do (waiting for its compiles) while the workers are still
+    starting (their imports take seconds)."""
+    pool = _pools.get(device_index)
+    while pool is not None and not until():
+        try:
+            spec, batch = pool.todo.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        batch.answer(spec, compile_spec(spec))
 
 
 def _work() -> None:

@@ -17,8 +17,10 @@ process-wide switch, so a benchmark can run fused and reference models side by s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -152,6 +154,24 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_ahead = threading.local()
+
+
+@contextlib.contextmanager
+def compiling_ahead():
+    """Inside (this thread), the fused kernels compile for the arguments they are given and launch nothing:
+    stand-in tensors of a model's widths compile what its steps launch (`plugins.precompile.fused_calls`)."""
+    _ahead.on = True
+    try:
+        yield
+    finally:
+        _ahead.on = False
+
+
+def _launch(kernel, grid: tuple):
+    return functools.partial(kernel.warmup, grid=grid) if getattr(_ahead, "on", False) else kernel[grid]
+
+
 def rms_norm_fused(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = None) -> Tensor:
     """RMSNorm over the last dimension, into `out` when given (TensorRT's plugin hands its output buffer)."""
     if not _use_triton(x) or not x.is_contiguous():
@@ -159,7 +179,7 @@ def rms_norm_fused(x: Tensor, weight: Tensor, eps: float, out: Tensor | None = N
         return y if out is None else out.copy_(y)
     n = x.shape[-1]
     out = torch.empty_like(x) if out is None else out
-    _rms_norm_kernel[(x.numel() // n,)](x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    _launch(_rms_norm_kernel, (x.numel() // n,))(x, weight, out, n, eps, BLOCK=triton.next_power_of_2(n))
     return out
 
 
@@ -169,7 +189,7 @@ def add_rms_norm_fused(x: Tensor, delta: Tensor, weight: Tensor, eps: float) -> 
         return add_rms_norm_reference(x, delta, weight, eps)
     n = x.shape[-1]
     total, out = torch.empty_like(x), torch.empty_like(x)
-    _add_rms_norm_kernel[(x.numel() // n,)](x, delta, weight, total, out, n, eps, BLOCK=triton.next_power_of_2(n))
+    _launch(_add_rms_norm_kernel, (x.numel() // n,))(x, delta, weight, total, out, n, eps, BLOCK=triton.next_power_of_2(n))
     return total, out
 
 
@@ -183,7 +203,7 @@ def rotary_fused(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
             or (batch > 1 and tokens > 1 and x.stride(0) != tokens * x.stride(1))):
         return rotary_reference(x, cos, sin)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _rotary_kernel[(batch * tokens * heads,)](x, cos, sin, heads, dim // 2, step,
+    _launch(_rotary_kernel, (batch * tokens * heads,))(x, cos, sin, heads, dim // 2, step,
                                               BLOCK=triton.next_power_of_2(dim // 2))
     return x
 
@@ -206,7 +226,7 @@ def rope_cache_write_fused(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Te
         return rope_cache_write_reference(q, k, v, cos, sin, k_cache, v_cache, positions)
     cos, sin = cos.contiguous(), sin.contiguous()
     try:
-        _rope_cache_write_kernel[(batch, heads + kv_heads)](
+        _launch(_rope_cache_write_kernel, (batch, heads + kv_heads))(
             q, k, v, cos, sin, k_cache, v_cache, positions.contiguous(), heads, row_stride, k_cache.stride(0),
             k_cache.stride(1), dim // 2, BLOCK=triton.next_power_of_2(dim // 2))
     except Exception as e:  # noqa: BLE001 - newest kernel here: a Triton that cannot compile it falls back, once, saying so
@@ -228,7 +248,7 @@ def silu_mul_fused(gate_up: Tensor) -> Tensor:
     rows = gate_up.numel() // (2 * n)
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    _launch(_silu_mul_kernel, (rows, triton.cdiv(n, block)))(gate_up, out, n, BLOCK=block)
     return out
 
 

@@ -139,13 +139,14 @@ def candidate_cases(cases: list[tuple[LowBitWeight, int]]) -> list[Case]:
     return [(layer, rows, False, config) for layer, rows in cases for config in candidates(layer, rows)]
 
 
-def compile_ahead(stand_ins: list[LowBitWeight], tuned: TunedConfigs, verify: bool, others: list[Case] = ()) -> None:
+def compile_ahead(stand_ins: list[LowBitWeight], tuned: TunedConfigs, verify: bool, device: torch.device,
+                  others: list[Case] = ()) -> None:
     """Start compiling, in the background, the kernels a load will need that depend on no weights, for
-    layers of these shapes (`LowBitWeight.stand_in`, one per shape): where `tuned` has a shape's configs,
-    every variant its steps can launch (`plugins.precompile.step_calls`; `verify`: the engine
-    speculates); where it lacks them, the tuning candidates and the prefill tiles (which tuning does not
-    change); and `others` (the decode attention's and the sampler's: `plugins.precompile`). `tune_layers`
-    and `compile_steps` wait for them (`settle`)."""
+    layers of these shapes (`LowBitWeight.stand_in`, one per shape; none for float weights): where `tuned`
+    has a shape's configs, every variant its steps can launch (`plugins.precompile.step_calls`; `verify`:
+    the engine speculates); where it lacks them, the tuning candidates and the prefill tiles (which tuning
+    does not change); and `others` (the decode attention's, the sampler's, the fused ones:
+    `plugins.precompile.model_calls`). `tune_layers`, `compile_steps` and `settle` wait for them."""
     cases: list[Case] = list(others)
     for w in stand_ins:
         key = w.shape_key()
@@ -155,8 +156,8 @@ def compile_ahead(stand_ins: list[LowBitWeight], tuned: TunedConfigs, verify: bo
         else:
             missing = [(w, rows) for rows in CANDIDATES if f"{key} b{rows}" not in tuned.configs]
             cases += candidate_cases(missing) + [(w, *call) for call in prefill_calls(w)]
-    if stand_ins:
-        compile_in_background(cases, stand_ins[0].data.device, "kernels")
+    if cases:
+        compile_in_background(cases, device, "kernels")
 
 
 def candidates(layer: LowBitWeight, rows: int) -> list[Config]:

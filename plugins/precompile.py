@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import torch
@@ -35,6 +36,8 @@ from tqdm.auto import tqdm
 
 from plugins.compile_workers import Manifest, compile_in_workers, help_workers, noting
 from plugins.decode_attention import LONG_TILE_ROWS, TILE_ROWS, decode_attention
+from plugins.fused import (add_rms_norm_fused, compiling_ahead, rms_norm_fused, rope_cache_write_fused, rotary_fused,
+                           silu_mul_fused)
 from plugins.topk_sampling import sample_top_k
 from plugins.lowbit import BLOCK_M, Config, LowBitWeight, rows_as_one_row, triton
 
@@ -103,6 +106,46 @@ def sampling_calls(vocabs: Iterable[int], dtype: torch.dtype, device: torch.devi
                      torch.empty(5, 1, dtype=torch.float32, device=device), compile_only=True)
 
     return [functools.partial(call, v, d) for v in dict.fromkeys(vocabs) for d in dict.fromkeys((dtype, torch.float32))]
+
+
+def fused_calls(config: Any, dtype: torch.dtype, device: torch.device) -> list[Callable[[], object]]:
+    """Calls that compile the fused kernels a step launches (`plugins.fused`: the two norms, SiLU·up, RoPE of
+    prompt tokens, and RoPE with the KV-cache write of decode rows, their positions at a 16-byte boundary or
+    not), from stand-ins of a step's tensors (a row of the fused q/k/v output's views): they compile for the
+    dtypes, the alignments and the model's widths (`config`: a `DecoderConfig`); the first step compiled them
+    one at a time (1–2 s with their launch stubs, H200 2026-11-30)."""
+    h, kv, d, n = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size
+
+    def empty(*shape: int, of: torch.dtype = dtype) -> torch.Tensor:
+        return torch.empty(*shape, dtype=of, device=device)
+
+    def qkv(rows: int, tokens: int) -> tuple[torch.Tensor, ...]:
+        fused = empty(rows, tokens, (h + 2 * kv) * d)
+        return fused[..., :h * d].view(rows, tokens, h, d), fused[..., h * d:(h + kv) * d].view(rows, tokens, kv, d), \
+            fused[..., (h + kv) * d:].view(rows, tokens, kv, d)
+
+    def call() -> None:
+        with compiling_ahead():
+            x, weight, cos = empty(2, n), empty(n), empty(2, 1, d, of=torch.float32)
+            rms_norm_fused(x, weight, 1e-6)
+            add_rms_norm_fused(x, empty(2, n), weight, 1e-6)
+            silu_mul_fused(empty(2, 2 * config.intermediate_size))
+            q, k, _ = qkv(1, 2)
+            rotary_fused(q, cos, cos)
+            rotary_fused(k, cos, cos)
+            cache = empty(2, kv, 16, d)
+            for positions in (empty(2, of=torch.long), empty(3, of=torch.long)[1:]):
+                rope_cache_write_fused(*qkv(2, 1), cos, cos, cache, cache, positions)
+
+    return [call]
+
+
+def model_calls(config: Any, dtype: torch.dtype, device: torch.device, verify: bool,
+                vocab: int) -> list[Callable[[], object]]:
+    """Every call above for one model (`config`: a `DecoderConfig`; `vocab`: the tokenizer's)."""
+    return attention_calls(config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, verify) + \
+        sampling_calls((config.vocab_size, vocab or config.vocab_size), dtype, device) + \
+        fused_calls(config, dtype, device)
 
 
 def issue(cases: Iterable[Case]) -> list[str]:
@@ -234,6 +277,7 @@ class Background:
         self.what, self.started, self.finished, self.failed = what, time.perf_counter(), None, []
         self.pool = _Pool()
         self.in_workers, self.worked = 0, 0  # kernels given to worker processes, and compiled there
+        self.device_index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
         self.thread = threading.Thread(target=self._run, args=(cases, device), daemon=True, name="kernel compiles")
         _running.append(self)
         self.thread.start()
@@ -264,8 +308,8 @@ class Background:
         """Until every compile has finished, with a bar of those left; meanwhile threads of this process
         compile too, while the worker processes start (`help_workers`; not before: beside the loader's own
         work they slow it)."""
-        helpers = [threading.Thread(target=help_workers, args=(lambda: not self.thread.is_alive(),), daemon=True,
-                                    name="triton-compile") for _ in range(os.cpu_count() or 4)]
+        helpers = [threading.Thread(target=help_workers, args=(self.device_index, lambda: not self.thread.is_alive()),
+                                    daemon=True, name="triton-compile") for _ in range(os.cpu_count() or 4)]
         for helper in helpers:
             helper.start()
         if self.thread.is_alive():

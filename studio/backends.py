@@ -45,7 +45,7 @@ from pipeline.llm.text.tokenizer import load_tokenizer
 from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
-from plugins.precompile import attention_calls, compile_steps, sampling_calls, settle
+from plugins.precompile import compile_steps, model_calls, settle
 from plugins.lowbit_tuning import TunedConfigs, compile_ahead
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")
@@ -205,25 +205,25 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
         say(f"{model_id}: {gguf_type} blocks read in {time.perf_counter() - start:.1f} s "
             f"({held / 2**30:.2f} GiB of GPU memory)")
         return model, f"{gguf_type} blocks as stored (Triton GGUF kernels)"
-    if mode == "none":
-        gguf_type = read_config(model_dir).gguf_type
-        if gguf_type:  # read anew each launch (seconds for a 7B): say so, in the terminal and the UI
-            say(f"{model_id}: unpacking its compressed weights (a {gguf_type} GGUF file) to run them in "
-                f"{str(dtype).removeprefix('torch.')}, as each start does")
-        return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     tuned = TunedConfigs(say)
-    path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) \
-        if engines is not None and device.type == "cuda" else None
+    path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) if engines and device.type == "cuda" else None
     if path is not None and path.is_file():  # this machine's own first, then the release's for this GPU model
         tuned.from_json(path.read_text())
     if device.type == "cuda":
         tuned.adopt_shipped(torch.cuda.get_device_name(device))
         config = read_config(model_dir)
         with torch.device("meta"):
-            shapes = empty_quantized(empty_decoder(config, dtype), mode)
-        others = attention_calls(config.num_heads, config.num_kv_heads, config.head_dim, dtype, device, verify) + \
-            sampling_calls((config.vocab_size, vocab or config.vocab_size), dtype, device)
-        compile_ahead(kernel_stand_ins(shapes, device), tuned, verify, others)
+            shapes = empty_quantized(empty_decoder(config, dtype), mode) if mode != "none" else None
+        compile_ahead(kernel_stand_ins(shapes, device) if shapes else [], tuned, verify, device,
+                      model_calls(config, dtype, device, verify, vocab))
+    if mode == "none":
+        gguf_type = read_config(model_dir).gguf_type
+        if gguf_type:  # read anew each launch (seconds for a 7B): say so, in the terminal and the UI
+            say(f"{model_id}: unpacking its compressed weights (a {gguf_type} GGUF file) to run them in "
+                f"{str(dtype).removeprefix('torch.')}, as each start does")
+        model = load_decoder(model_dir, dtype=dtype, device=device)
+        settle(say)
+        return model, str(dtype).removeprefix("torch.")
     try:
         model = quantized_decoder(model_dir, mode, dtype, device, engines.cache if engines else None, say)
     except EngineBuildError as e:  # refused by its check, or its making failed: never used

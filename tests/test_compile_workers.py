@@ -75,6 +75,7 @@ def test_this_process_compiles_queued_kernels_while_the_workers_start(triton_cac
     import types
 
     import triton
+    from plugins import compile_workers
     from plugins.compile_workers import help_workers
 
     @triton.jit
@@ -91,7 +92,9 @@ def test_this_process_compiles_queued_kernels_while_the_workers_start(triton_cac
     asking = threading.Thread(target=lambda: result.append(compile_in_workers(
         [Spec("helped_kernels", "kernel", "{}")], 9, workers=1)))
     asking.start()
-    help_workers(lambda: not asking.is_alive())
+    while not compile_workers._pools.get(9):
+        asking.join(0.1)
+    help_workers(9, lambda: not asking.is_alive())
     asking.join()
     (compiled, failed), = result
     # Triton's preload here failed on this data (no GPU, or no name in it): not a worker, which could not import it

@@ -637,3 +637,38 @@ def test_kernels_compiled_in_worker_processes_are_read_from_the_cache_here(tmp_p
     said_again = json.loads(run.stdout.strip().splitlines()[-1])
     assert not any("worker processes" in line for line in said_again), said_again
     assert any(line.startswith(f"compiled {asked} test kernels in") for line in said_again), said_again
+
+
+FIRST_REPLY = """
+import json, sys, threading, torch
+from triton import knobs
+from pipeline.llm.demo import demo_model_dir
+from studio.backends import load_language_model
+
+asked = []
+def note(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+    asked.append([threading.current_thread().name, fn.module, fn.name])
+knobs.runtime.jit_cache_hook = note
+name = "demo/qwen2-tiny"
+for quant in ("none", "int4"):
+    load_language_model(demo_model_dir(name, sys.argv[1]), name, device="cuda", dtype=torch.bfloat16, max_context=512,
+                        quant=quant).engine.close()
+print(json.dumps(asked))
+"""
+
+
+def test_the_fused_kernels_compile_ahead_not_in_the_first_steps(studio_cache):
+    """A load on a fresh process, float and int4 weights: the norms, RoPE and SiLU kernels of `plugins.fused`
+    compile before the engine runs (`plugins.precompile.fused_calls`); the warm-up reply's steps on the
+    engine's thread ask for none of them (they took 1–2 s there, one at a time, H200 2026-11-30)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    demo_model_dir("demo/qwen2-tiny", studio_cache)
+    run = subprocess.run([sys.executable, "-c", FIRST_REPLY, str(studio_cache)], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=600)
+    asked = json.loads(run.stdout.strip().splitlines()[-1])
+    fused = [(thread, name) for thread, module, name in asked if module == "plugins.fused"]
+    assert fused and not [f for f in fused if f[0] == "llm-engine"], fused

@@ -144,7 +144,7 @@ def test_compiling_ahead_covers_the_steps_where_tuned_and_the_candidates_where_n
     expected |= compiled(lowbit_tuning.candidate_cases([(layers[1], 1), (layers[1], 8)]))
     expected |= compiled([(layers[1], *c) for c in precompile.prefill_calls(layers[1])])
     said: list[str] = []
-    lowbit_tuning.compile_ahead(stand_ins, tuned, verify=True)
+    lowbit_tuning.compile_ahead(stand_ins, tuned, True, CPU)
     precompile.settle(said.append)
     assert set(notes) == expected
     assert not precompile._running and "while the weights loaded" in said[-1]
