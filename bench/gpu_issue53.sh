@@ -19,7 +19,7 @@ source "$(dirname "$0")/device_steps.sh"
 for part in "$@"; do
   case "$part" in
     launch) step 330 launch python3 bench/decode_limit.py --parts launch --out decode_limit_launch ;;
-    workers) step 200 test_gpu_workers python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -k "worker_processes" ;;
+    workers) step 200 test_gpu_workers python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -k "worker_processes or compile_ahead_not_in" ;;
     tests) step 300 test_gpu python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=200 \
              -k "speculation_on_gpu or graph_table or two_engines or sampling_kernels or chat_on_gpu_graphs or quantized_chat_graphs or draft_model_on_the_gpu" ;;
     captures) step 150 test_gpu_captures python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \
