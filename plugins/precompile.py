@@ -283,9 +283,9 @@ class Background:
         self.thread.start()
 
     def _run(self, cases: list[Case], device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)  # Triton compiles for the thread's current device
         try:
+            if self.device_index is not None:
+                torch.cuda.set_device(self.device_index)  # Triton compiles for the thread's current device
             with self.pool, _mode()(self.pool, ignore_errors=True):
                 try:
                     self.failed = ask(cases, device, self._noted, self._done)
