@@ -84,7 +84,8 @@ class TunedConfigs:
 
     @staticmethod
     def shipped_name(gpu: str) -> str:
-        """The shipped file for GPUs named `gpu` (any Triton: its versions rank these candidates alike)."""
+        """The shipped file for GPUs named `gpu`, whatever the Triton (a config runs on every version; the
+        H200's were timed on Triton 3.6.0); this machine's own tuned file, where there is one, wins."""
         return f"lowbit-{gpu.replace(' ', '_')}-v{KERNEL_VERSION}.json"
 
     def from_json(self, text: str) -> None:
