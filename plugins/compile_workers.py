@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +37,16 @@ MAX_WORKERS = 16  # each holds torch and Triton (about 0.5 GB of RAM)
 
 @dataclass(frozen=True)
 class Spec:
-    """One kernel variant to compile: the jit function by module and name, and Triton's specialization data."""
+    """One kernel variant to compile: the jit function by module and name, and Triton's specialization data
+    (`source`: the function's own cache key, which its source changes: an edited kernel is compiled anew)."""
     module: str
     name: str
     data: str
+    source: str = ""
 
     def digest(self, version: str) -> str:
-        return hashlib.sha256(f"{version}\n{self.module}.{self.name}\n{self.data}".encode()).hexdigest()[:32]
+        text = f"{version}\n{self.module}.{self.name}\n{self.source}\n{self.data}"
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def jit_function(module: str, name: str):
@@ -81,7 +85,7 @@ def noting() -> Iterator[list[Spec]]:
                 by_name = False
             if not by_name:
                 return None
-            specs.append(Spec(fn.module, fn.name, compile["specialization_data"]))
+            specs.append(Spec(fn.module, fn.name, compile["specialization_data"], fn.jit_function.cache_key))
             return True
 
         knobs.runtime.jit_cache_hook = hook
@@ -115,7 +119,7 @@ class Manifest:
         known = self._read() | {s.digest(self.version) for s in specs}
         with contextlib.suppress(OSError):  # a list not written costs the next launch workers, nothing else
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             tmp.write_text(json.dumps(sorted(known)))
             os.replace(tmp, self.path)
 
@@ -154,26 +158,36 @@ class WorkerPool:
     the weights load, the tuning candidates, the tuned step variants); each leaves after IDLE_S without work."""
 
     IDLE_S = 60.0
+    STALL_S = 300.0
 
     def __init__(self, device_index: int, count: int):
         self.todo: queue.Queue[tuple[Spec, _Batch]] = queue.Queue()
         self.serving, self.lock, self.why_gone = count, threading.Lock(), "no compile worker left"
         # the worker sees this GPU alone, as device 0: it compiles for its architecture and never makes a CUDA
         # context on it (that would hold GPU memory while the KV cache is sized)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpu = visible.split(",")[device_index] if visible else str(device_index)
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        gpu = visible[device_index] if 0 <= device_index < len(visible) else str(device_index)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), *sys.path] if p),
                    CUDA_VISIBLE_DEVICES=gpu)
         for _ in range(count):
             threading.Thread(target=self._serve, args=(env,), daemon=True, name="compile-worker").start()
 
     def compile(self, specs: list[Spec], done: Callable[[], None]) -> tuple[list[Spec], list[str]]:
+        """Queue `specs` and wait for their answers: until every one has one, or until none came for
+        STALL_S (a worker stuck: what is left is compiled by the launch itself, which asks for them all)."""
         batch = _Batch(len(specs), done)
         for spec in specs:
             self.todo.put((spec, batch))
+        left, since = batch.left, time.monotonic()
         while not batch.finished.wait(1.0):
             if not self.alive():  # every worker gone: what is left is this process's to compile
                 self._drain()
+            if batch.left != left:
+                left, since = batch.left, time.monotonic()
+            elif time.monotonic() - since > self.STALL_S:
+                with batch.lock:
+                    return list(batch.compiled), [*batch.failed, f"{batch.left} kernels: no compile worker "
+                                                                 f"answered in {self.STALL_S:.0f} s"]
         return batch.compiled, batch.failed
 
     def alive(self) -> bool:
@@ -181,43 +195,50 @@ class WorkerPool:
             return self.serving > 0
 
     def _serve(self, env: dict) -> None:
-        item = None
-        with tempfile.TemporaryFile() as err:
+        item, proc, err = None, None, None
+        try:
+            err = tempfile.TemporaryFile()
             proc = subprocess.Popen([sys.executable, "-m", "plugins.compile_workers"], cwd=ROOT, env=env,
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
-            try:
-                if proc.stdout.readline().strip() != "ready":
+            if proc.stdout.readline().strip() != "ready":
+                raise EOFError
+            while True:
+                try:
+                    item = self.todo.get(timeout=self.IDLE_S)
+                except queue.Empty:
+                    return
+                spec, batch = item
+                proc.stdin.write(json.dumps([spec.module, spec.name, spec.data]) + "\n")
+                proc.stdin.flush()
+                why = json.loads(proc.stdout.readline() or "{}")  # nothing: it died
+                if not isinstance(why, (str, type(None))):
                     raise EOFError
-                while True:
-                    try:
-                        item = self.todo.get(timeout=self.IDLE_S)
-                    except queue.Empty:
-                        return
-                    spec, batch = item
-                    proc.stdin.write(json.dumps([spec.module, spec.name, spec.data]) + "\n")
-                    proc.stdin.flush()
-                    answer = proc.stdout.readline()
-                    if not answer:
-                        raise EOFError
-                    item = None
-                    batch.answer(spec, json.loads(answer))
-            except (EOFError, OSError, ValueError):  # it died, or its pipe broke: the rest go to the others
+                item = None
+                batch.answer(spec, why)
+        except Exception:  # noqa: BLE001 - it died, could not start, or spoke garbage: the rest go to the others
+            tail = ["no message"]
+            with contextlib.suppress(Exception):
                 err.seek(0)
-                tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
-                self.why_gone = f"a compile worker exited ({tail[0][:200]})"
-                if item is not None:
-                    item[1].answer(item[0], self.why_gone)
-            finally:
-                with contextlib.suppress(OSError):
-                    proc.stdin.close()  # its loop ends
+                tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or tail
+            self.why_gone = f"a compile worker exited ({tail[0][:200]})"
+            if item is not None:
+                item[1].answer(item[0], self.why_gone)
+        finally:
+            if proc is not None:
+                for pipe in (proc.stdin, proc.stdout):
+                    with contextlib.suppress(OSError):
+                        pipe.close()  # its loop ends
                 try:
                     proc.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     proc.kill()
-                with self.lock:
-                    self.serving -= 1
-                if not self.alive():
-                    self._drain()
+                    proc.wait()
+            if err is not None:
+                err.close()
+            with self.lock:
+                self.serving -= 1
+            if not self.alive():
+                self._drain()
 
     def _drain(self) -> None:
         while True:
@@ -264,8 +285,14 @@ def help_workers(device_index: int, until: Callable[[], bool]) -> None:
     """Take this GPU's queued specs and compile them in this thread until `until()` (checked at least every
     half second): for a launch with nothing else to do (waiting for its compiles) while the workers are still
     starting (their imports take seconds)."""
-    pool = _pools.get(device_index)
-    while pool is not None and not until():
+    cuda = importlib.import_module("torch").cuda
+    if cuda.is_available() and device_index < cuda.device_count():
+        cuda.set_device(device_index)  # Triton compiles for the thread's current device
+    while not until():
+        pool = _pools.get(device_index)
+        if pool is None:  # the launch is still noting its kernels
+            time.sleep(0.5)
+            continue
         try:
             spec, batch = pool.todo.get(timeout=0.5)
         except queue.Empty:

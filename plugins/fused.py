@@ -161,11 +161,11 @@ _ahead = threading.local()
 def compiling_ahead():
     """Inside (this thread), the fused kernels compile for the arguments they are given and launch nothing:
     stand-in tensors of a model's widths compile what its steps launch (`plugins.precompile.fused_calls`)."""
-    _ahead.on = True
+    before, _ahead.on = getattr(_ahead, "on", False), True
     try:
         yield
     finally:
-        _ahead.on = False
+        _ahead.on = before
 
 
 def _launch(kernel, grid: tuple):
@@ -230,6 +230,8 @@ def rope_cache_write_fused(q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Te
             q, k, v, cos, sin, k_cache, v_cache, positions.contiguous(), heads, row_stride, k_cache.stride(0),
             k_cache.stride(1), dim // 2, BLOCK=triton.next_power_of_2(dim // 2))
     except Exception as e:  # noqa: BLE001 - newest kernel here: a Triton that cannot compile it falls back, once, saying so
+        if getattr(_ahead, "on", False):  # compiled ahead: the step's own call decides
+            raise
         _rope_cache_write_failed = True
         warnings.warn(f"the fused RoPE + KV-cache kernel did not compile ({type(e).__name__}); using the torch "
                       f"reference for it", stacklevel=2)

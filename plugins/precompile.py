@@ -173,16 +173,19 @@ def ask(cases: list[Case], device: torch.device, noted: Callable[[int], None] = 
     (`plugins.compile_workers`: `noted` is told how many, `done` after each), so that here each is a read
     from Triton's cache; returns why any could not be asked for, or compiled in a worker (then here)."""
     failed: list[str] = []
-    if device.type == "cuda":
-        with noting() as specs:
-            issue(cases)
-        manifest = Manifest()
-        todo = manifest.missing(specs)
-        if todo:
-            noted(len(todo))
-            compiled, failed = compile_in_workers(todo, torch.cuda.current_device() if device.index is None
-                                                  else device.index, done)
-            manifest.add(compiled)
+    try:
+        if device.type == "cuda":
+            with noting() as specs:
+                issue(cases)
+            manifest = Manifest()
+            todo = manifest.missing(specs)
+            if todo:
+                noted(len(todo))
+                compiled, failed = compile_in_workers(todo, torch.cuda.current_device() if device.index is None
+                                                      else device.index, done)
+                manifest.add(compiled)
+    except Exception as e:  # noqa: BLE001 - the workers are a speed-up: every kernel is asked for here anyway
+        failed.append(f"compile workers: {type(e).__name__}: {e}")
     return failed + issue(cases)
 
 

@@ -58,6 +58,30 @@ def test_a_worker_that_dies_is_told_and_its_kernels_left_to_this_process(triton_
     assert failed == ["_gemv_kernel: a compile worker exited (no message)"] * 2
 
 
+def _within(seconds: float, fn):
+    """fn()'s result, or a failure where it has not returned in `seconds` (a hang is the bug tested for)."""
+    import threading
+
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "the launch was left waiting for its compile workers"
+    return result[0]
+
+
+def test_a_worker_that_cannot_start_or_answers_garbage_does_not_hold_the_launch(triton_cache, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    compiled, failed = _within(60, lambda: compile_in_workers([A], 11, workers=1))
+    assert compiled == [] and failed == ["_gemv_kernel: a compile worker exited (no message)"]
+    garbage = tmp_path / "garbage-worker"
+    garbage.write_text("#!/bin/sh\necho ready\nread line\necho 'not json'\n")
+    garbage.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(garbage))
+    compiled, failed = _within(60, lambda: compile_in_workers([A, B], 12, workers=1))
+    assert compiled == [] and failed == ["_gemv_kernel: a compile worker exited (no message)"] * 2
+
+
 def test_the_workers_serve_call_after_call_until_idle(triton_cache):
     from plugins import compile_workers
 
