@@ -9,8 +9,8 @@ GEMVs ("decode step ready in 37–43 s", H100, 2026-11-27). Here every variant a
 listed per distinct layer shape (`step_calls`) and compiled all at once (`ask`): those not compiled
 before in worker processes (`plugins.compile_workers`), then every one asked for in Triton's
 `AsyncCompileMode` here (read from the cache the workers wrote), with progress in the terminal and
-through the loader's `say`; later steps (and their CUDA graph captures) find them compiled. Variants no step launches are not compiled
-(`tests/test_precompile.py`). With it no low-bit or attention kernel compiled one at a time in a first
+through the loader's `say`; later steps (and their CUDA graph captures) find them compiled. Variants no
+step launches are not compiled (`tests/test_precompile.py`). With it no low-bit or attention kernel compiled one at a time in a first
 launch any more (H200, 2026-11-27, `bench/RESULTS.md`, "Quick to start").
 
 Two moments (`studio.backends.torch_decoder`): while the weights are still being read or quantized,
@@ -181,12 +181,15 @@ def ask(cases: list[Case], device: torch.device, noted: Callable[[int], None] = 
             todo = manifest.missing(specs)
             if todo:
                 noted(len(todo))
-                compiled, failed = compile_in_workers(todo, torch.cuda.current_device() if device.index is None
-                                                      else device.index, done)
+                compiled, failed = compile_in_workers(todo, _gpu_index(device), done)
                 manifest.add(compiled)
     except Exception as e:  # noqa: BLE001 - the workers are a speed-up: every kernel is asked for here anyway
         failed.append(f"compile workers: {type(e).__name__}: {e}")
     return failed + issue(cases)
+
+
+def _gpu_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
 
 
 class _Pool(ThreadPoolExecutor):
@@ -280,7 +283,7 @@ class Background:
         self.what, self.started, self.finished, self.failed = what, time.perf_counter(), None, []
         self.pool = _Pool()
         self.in_workers, self.worked = 0, 0  # kernels given to worker processes, and compiled there
-        self.device_index = torch.cuda.current_device() if device.type == "cuda" and device.index is None else device.index
+        self.device_index = _gpu_index(device) if device.type == "cuda" else None
         self.thread = threading.Thread(target=self._run, args=(cases, device), daemon=True, name="kernel compiles")
         _running.append(self)
         self.thread.start()
