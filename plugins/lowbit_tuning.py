@@ -147,7 +147,11 @@ def compile_ahead(stand_ins: list[LowBitWeight], tuned: TunedConfigs, verify: bo
     has a shape's configs, every variant its steps can launch (`plugins.precompile.step_calls`; `verify`:
     the engine speculates); where it lacks them, the tuning candidates and the prefill tiles (which tuning
     does not change); and `others` (the decode attention's, the sampler's, the fused ones:
-    `plugins.precompile.model_calls`). `tune_layers`, `compile_steps` and `settle` wait for them."""
+    `plugins.precompile.model_calls`). `tune_layers`, `compile_steps` and `settle` wait for them. Low-bit
+    layers on a GPU first take the configs the release has for this GPU model (`adopt_shipped`) for shapes
+    `tuned` lacks; float weights take none (nor say so)."""
+    if stand_ins and device.type == "cuda":
+        tuned.adopt_shipped(torch.cuda.get_device_name(device))
     cases: list[Case] = list(others)
     for w in stand_ins:
         key = w.shape_key()

@@ -207,10 +207,9 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
         return model, f"{gguf_type} blocks as stored (Triton GGUF kernels)"
     tuned = TunedConfigs(say)
     path = engines.cache.root / "kernels" / TunedConfigs.file_name(device) if engines and device.type == "cuda" else None
-    if path is not None and path.is_file():  # this machine's own first, then the release's for this GPU model
+    if path is not None and path.is_file():  # this machine's own first (the release's for this GPU: `compile_ahead`)
         tuned.from_json(path.read_text())
     if device.type == "cuda":
-        tuned.adopt_shipped(torch.cuda.get_device_name(device))
         config = read_config(model_dir)
         with torch.device("meta"):
             shapes = empty_quantized(empty_decoder(config, dtype), mode) if mode != "none" else None
