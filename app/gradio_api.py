@@ -32,8 +32,8 @@ def add_gradio_api(service: StudioService) -> None:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
                         max_new_tokens=max_new_tokens, seed=seed)
         updates = service.send(client_of(request), history, message, sampling, system=system_prompt)
-        for _, shown, status, _ in streamed(updates, NO_CONVERSATION):
-            yield "", shown, status
+        for frame in streamed(updates, NO_CONVERSATION):
+            yield "", *frame.outputs[1:3]
 
     @raised_to_client
     def image_chat(image: FileData | None, message: str, history: list[dict], temperature: float | None = None,
@@ -47,8 +47,8 @@ def add_gradio_api(service: StudioService) -> None:
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
                         max_new_tokens=max_new_tokens or IMAGE_CHAT_MAX_NEW_TOKENS, seed=seed)
         updates = service.send(client_of(request), history, message, sampling, tool=Tool.IMAGE_CHAT, image=path)
-        for _, shown, status, _ in streamed(updates, NO_CONVERSATION):
-            yield shown, status
+        for frame in streamed(updates, NO_CONVERSATION):
+            yield frame.outputs[1:3]
 
     def engine_status() -> str:
         """API: JSON with what each LLM engine is doing now ("chat", "image_chat": requests running and

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from app.composer import Composer, reply_menu
-from app.conversation import client_of, continuable, turn, user_of
+from app.conversation import Shown, client_of, continuable, turn, user_of
 from app.errors import shown_to_user
 from app.page_style import CHAT_PANE_CLASS, LATEX
 from app.sampling_form import SamplingForm
@@ -63,7 +63,7 @@ def build_image_chat_tab(service: StudioService, page: gr.Blocks, examples: list
 
     def ask(picture: str, question: str, data: dict, request: gr.Request, fed: Callable):
         """`question` about `picture` answered, in a new conversation (the one this page shows now)."""
-        sidebar.viewing.show(request.session_hash, NO_CONVERSATION)
+        sidebar.viewing.show(request.session_hash, Shown(NO_CONVERSATION))
         updates = service.send(client_of(request), [], question, form.values(data), tool=Tool.IMAGE_CHAT,
                                image=picture, saved=Saved(user_of(request)))
         for shown_now in turn(fed(updates), NO_CONVERSATION, (sidebar.viewing, request.session_hash)):

@@ -13,7 +13,7 @@ from pathlib import Path
 import gradio as gr
 from PIL import Image
 
-from app.conversation import NO_CONVERSATION, Viewing, user_of
+from app.conversation import NO_CONVERSATION, Shown, Viewing, continuable, user_of
 from app.conversation_files import read_conversations, to_archive
 from app.downloads import download_on_click, write_download
 from app.errors import shown_to_user
@@ -132,7 +132,7 @@ class Sidebar:
 
         def opened(conversation: int, request: gr.Request) -> tuple:
             found = store.open(user_of(request), conversation)
-            self.viewing.show(request.session_hash, conversation)
+            self.viewing.show(request.session_hash, Shown(conversation, history_of(found), continuable(found)))
             return *show(found), conversation, found["title"]
 
         @shown_to_user
@@ -148,11 +148,11 @@ class Sidebar:
                     return opened(conversation, request)
                 except UserError:
                     pass
-            self.viewing.show(request.session_hash, NO_CONVERSATION)
+            self.viewing.show(request.session_hash, Shown(NO_CONVERSATION))
             return *empty(), NO_CONVERSATION, ""
 
         def new(request: gr.Request) -> tuple:
-            self.viewing.show(request.session_hash, NO_CONVERSATION)
+            self.viewing.show(request.session_hash, Shown(NO_CONVERSATION))
             return *empty(), NO_CONVERSATION, "", ""
 
         @shown_to_user
@@ -165,7 +165,7 @@ class Sidebar:
             """Deleted, with Undo offered for `UNDO_S` seconds."""
             needs_one(conversation, "delete")
             title = store.delete(user_of(request), conversation) or NEW_TITLE
-            self.viewing.show(request.session_hash, NO_CONVERSATION)
+            self.viewing.show(request.session_hash, Shown(NO_CONVERSATION))
             return (*empty(), NO_CONVERSATION, "", f"Deleted “{title}”. Undo brings it back for {UNDO_S} s.",
                     conversation, gr.Button(visible=True), gr.Timer(active=True))
 
