@@ -20,6 +20,11 @@ if SHOWN:  # a line at once: the imports take seconds (the first time, on a cold
     sys.stderr.write(STARTING)
     sys.stderr.flush()
 
+from studio import early_start  # noqa: E402
+
+if __name__ == "__main__":
+    early_start.start(sys.argv[1:])
+
 from app.cli import main as terminal_chat  # noqa: E402
 from app.port import check_port_free  # noqa: E402
 from pipeline.service.tools import Tool  # noqa: E402

@@ -343,6 +343,9 @@ def one_launch(folder: Path, engines: Path, spawned: float) -> None:
     from the start of the load (`ready_s`), from the process's start (`process_ready_s`: Python, torch and
     the app's imports too), and from the moment the quantized weights are on disk, with each log line's
     time."""
+    from studio import early_start
+
+    early_start.start([])  # as launch.py does before its imports (here torch is in already: a later start)
     from engine_builder.build import EngineOptions
     from studio.startup_report import StartupReport
     from engine_builder.cache import EngineCache

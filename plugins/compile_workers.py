@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import queue
@@ -253,15 +254,43 @@ _pools: dict[int, WorkerPool] = {}
 _pools_lock = threading.Lock()
 
 
+def _pool(device_index: int, workers: int) -> WorkerPool:
+    """This GPU's pool: the one serving, else a new one of `workers`."""
+    with _pools_lock:
+        pool = _pools.get(device_index)
+        if pool is None or not pool.alive():
+            pool = _pools[device_index] = WorkerPool(device_index, workers)
+        return pool
+
+
 def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], None] = lambda: None,
                        workers: int | None = None) -> tuple[list[Spec], list[str]]:
     """Compile `specs` in this GPU's worker processes (started on first use, `WorkerPool`); `done` is called
     after each. Returns those compiled and why others were not (their first lines)."""
-    with _pools_lock:
-        pool = _pools.get(device_index)
-        if pool is None or not pool.alive():
-            pool = _pools[device_index] = WorkerPool(device_index, workers or worker_count(len(specs)))
-    return pool.compile(specs, done)
+    return _pool(device_index, workers or worker_count(len(specs))).compile(specs, done)
+
+
+def has_gpu() -> bool:
+    """An NVIDIA GPU's driver is here (without importing torch, which takes seconds)."""
+    return Path("/dev/nvidiactl").exists()
+
+
+def start_early(device_index: int = 0) -> threading.Thread | None:
+    """Start this GPU's workers now, from a thread, where this looks like the first launch on it (a GPU,
+    Triton, and no list of kernels compiled by workers in Triton's cache): their imports (about 6 s on an
+    H200 machine) then run beside the app's own, not after the load has noted its first kernels. A later
+    launch starts none; workers a launch does not use leave after `WorkerPool.IDLE_S`."""
+    if not has_gpu() or importlib.util.find_spec("triton") is None:
+        return None
+
+    def start() -> None:
+        with contextlib.suppress(Exception):  # nothing started: the load starts its workers as before
+            if not Manifest().path.exists():
+                _pool(device_index, worker_count(MAX_WORKERS))
+
+    thread = threading.Thread(target=start, daemon=True, name="compile-workers-early")
+    thread.start()
+    return thread
 
 
 def compile_spec(spec: Spec) -> str | None:

@@ -129,3 +129,32 @@ def test_this_process_compiles_queued_kernels_while_the_workers_start(triton_cac
 def test_workers_are_one_per_spare_core_at_most():
     assert worker_count(1) == 1
     assert 1 <= worker_count(1000) <= 16
+
+
+def test_a_first_launch_on_a_gpu_starts_its_workers_as_the_process_starts(triton_cache, monkeypatch):
+    """`start_early` (launch.py, before the app's imports): on a GPU with nothing compiled by workers yet,
+    the pool starts at once and the load's kernels go to it; a later launch, or one on the CPU, starts none."""
+    from plugins import compile_workers
+    from plugins.compile_workers import start_early
+
+    monkeypatch.setattr(compile_workers, "worker_count", lambda specs: 1)
+    monkeypatch.setattr(compile_workers, "has_gpu", lambda: False)
+    assert start_early(21) is None and 21 not in compile_workers._pools
+    monkeypatch.setattr(compile_workers, "has_gpu", lambda: True)
+    start_early(21).join()
+    pool = compile_workers._pools[21]
+    assert pool.alive()
+    _, failed = compile_in_workers([Spec("plugins.lowbit", "no_such_kernel", "{}")], 21)
+    assert compile_workers._pools[21] is pool and failed[0].startswith("no_such_kernel: LookupError")
+    Manifest().add([A])  # a later launch: its kernels were compiled by workers
+    start_early(22).join()
+    assert 22 not in compile_workers._pools
+
+
+def test_the_launch_starts_compile_workers_for_the_gpu_its_model_loads_on():
+    from studio.early_start import gpu_index
+
+    assert gpu_index([]) == 0 and gpu_index(["chat"]) == 0
+    assert gpu_index(["--device", "cuda:1", "--port", "8080"]) == 1 and gpu_index(["--device=cuda:2"]) == 2
+    assert gpu_index(["--device", "cpu"]) is None and gpu_index(["--check"]) is None
+    assert gpu_index(["--device", "cuda:x"]) == 0  # a wrong name: the app itself says what is wrong
