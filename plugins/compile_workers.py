@@ -272,7 +272,7 @@ def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], 
 
 def has_gpu() -> bool:
     """An NVIDIA GPU's driver is here (without importing torch, which takes seconds)."""
-    return Path("/dev/nvidiactl").exists()
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
 
 
 def start_early(device_index: int = 0) -> threading.Thread | None:
