@@ -52,7 +52,8 @@ for (mode, bits, group, cases) in RUNS:
                 expected = torch.nn.functional.silu(expected[:, :n // 2]) * expected[:, n // 2:]
             layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")),
                                                    gated)
-            kernels = ("mma", "gemv", "packed") if rows == 1 else ("mma",)
+            kernels = [k for k in ("mma", "gemv", "packed") if lowbit.kernel_for(lowbit.Config(kernel=k), bits, dtype,
+                                                                                   rows) == k]  # each one once
             for kernel, call in itertools.product(kernels, range(2)):  # call 2: the split-K counters were reset
                 got = layer(x, lowbit.Config(*shape, kernel=kernel))
                 tol = 6e-3 if dtype == torch.bfloat16 else 5e-4  # the output's rounding (gated, 2+ rows: twice)
@@ -76,6 +77,8 @@ for (mode, bits, group), dtype, kernel, (n, k, shape, gated) in itertools.produc
         (("int4", 4, 128), ("int4", 4, 32), ("int8", 8, 128)), (torch.bfloat16, torch.float16),
         ("packed", "gemv", "mma"), ((96, 256, (32, 1, 1), True), (80, 512, (32, 2, 4), False),
                                     (64, 576, (32, 1, 2), False))):
+    if lowbit.kernel_for(lowbit.Config(kernel=kernel), bits, dtype, 1) != kernel:
+        continue  # "packed" is "gemv" here: checked once
     parts = quantize(torch.randn(n, k) * 0.05, mode, dtype, group)
     bias = torch.randn(n).to(dtype) if gated else None
     layer = lowbit.LowBitWeight.from_parts(parts, bits, dtype, bias, lowbit.Workspace(torch.device("cpu")), gated)
