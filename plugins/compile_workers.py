@@ -270,8 +270,17 @@ def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], 
     return _pool(device_index, workers or worker_count(len(specs))).compile(specs, done)
 
 
-def has_gpu() -> bool:
-    """An NVIDIA GPU's driver is here (without importing torch, which takes seconds)."""
+def has_gpu(device_index: int = 0) -> bool:
+    """An NVIDIA GPU's driver is here and this process may see GPU `device_index` (without importing torch,
+    which takes seconds)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and device_index >= len([d for d in visible.split(",") if d.strip() not in ("", "-1")]):
+        return False  # hidden from this process: it runs on the CPU
+    return nvidia_driver()
+
+
+def nvidia_driver() -> bool:
+    """The NVIDIA driver's control device, or its /proc entry (a container may show only one of them)."""
     return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
 
 
@@ -280,7 +289,7 @@ def start_early(device_index: int = 0) -> threading.Thread | None:
     Triton, and no list of kernels compiled by workers in Triton's cache): their imports (about 6 s on an
     H200 machine) then run beside the app's own, not after the load has noted its first kernels. A later
     launch starts none; workers a launch does not use leave after `WorkerPool.IDLE_S`."""
-    if not has_gpu() or importlib.util.find_spec("triton") is None:
+    if not has_gpu(device_index) or importlib.util.find_spec("triton") is None:
         return None
 
     def start() -> None:

@@ -138,9 +138,9 @@ def test_a_first_launch_on_a_gpu_starts_its_workers_as_the_process_starts(triton
     from plugins.compile_workers import start_early
 
     monkeypatch.setattr(compile_workers, "worker_count", lambda specs: 1)
-    monkeypatch.setattr(compile_workers, "has_gpu", lambda: False)
+    monkeypatch.setattr(compile_workers, "has_gpu", lambda index: False)
     assert start_early(21) is None and 21 not in compile_workers._pools
-    monkeypatch.setattr(compile_workers, "has_gpu", lambda: True)
+    monkeypatch.setattr(compile_workers, "has_gpu", lambda index: True)
     start_early(21).join()
     pool = compile_workers._pools[21]
     assert pool.alive()
@@ -158,3 +158,17 @@ def test_the_launch_starts_compile_workers_for_the_gpu_its_model_loads_on():
     assert gpu_index(["--device", "cuda:1", "--port", "8080"]) == 1 and gpu_index(["--device=cuda:2"]) == 2
     assert gpu_index(["--device", "cpu"]) is None and gpu_index(["--check"]) is None
     assert gpu_index(["--device", "cuda:x"]) == 0  # a wrong name: the app itself says what is wrong
+
+
+def test_a_gpu_hidden_from_the_process_starts_no_compile_worker(monkeypatch):
+    from plugins import compile_workers
+    from plugins.compile_workers import has_gpu
+
+    monkeypatch.setattr(compile_workers, "nvidia_driver", lambda: True)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert has_gpu(0)
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not has_gpu(0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert has_gpu(0) and not has_gpu(1)  # the process sees one GPU, as its device 0

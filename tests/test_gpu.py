@@ -638,7 +638,7 @@ def test_kernels_compiled_in_worker_processes_are_read_from_the_cache_here(tmp_p
     assert not any("worker processes" in line for line in said_again), said_again
     assert any(line.startswith(f"compiled {asked} test kernels in") for line in said_again), said_again
     from plugins.compile_workers import has_gpu
-    assert has_gpu(), "a launch here would not start its compile workers early (`start_early`)"
+    assert has_gpu(0), "a launch here would not start its compile workers early (`start_early`)"
 
 
 FIRST_REPLY = """
