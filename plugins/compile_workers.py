@@ -166,7 +166,7 @@ class WorkerPool:
         self.serving, self.lock, self.why_gone = count, threading.Lock(), "no compile worker left"
         # the worker sees this GPU alone, as device 0: it compiles for its architecture and never makes a CUDA
         # context on it (that would hold GPU memory while the KV cache is sized)
-        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        visible = visible_gpus() or []
         gpu = visible[device_index] if 0 <= device_index < len(visible) else str(device_index)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), *sys.path] if p),
                    CUDA_VISIBLE_DEVICES=gpu)
@@ -273,10 +273,16 @@ def compile_in_workers(specs: list[Spec], device_index: int, done: Callable[[], 
 def has_gpu(device_index: int = 0) -> bool:
     """An NVIDIA GPU's driver is here and this process may see GPU `device_index` (without importing torch,
     which takes seconds)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and device_index >= len([d for d in visible.split(",") if d.strip() not in ("", "-1")]):
+    visible = visible_gpus()
+    if visible is not None and device_index >= len(visible):
         return False  # hidden from this process: it runs on the CPU
     return nvidia_driver()
+
+
+def visible_gpus() -> list[str] | None:
+    """The GPUs `CUDA_VISIBLE_DEVICES` lets this process see, or None where it is not set (all of them)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return None if visible is None else [d.strip() for d in visible.split(",") if d.strip() not in ("", "-1")]
 
 
 def nvidia_driver() -> bool:

@@ -10,8 +10,8 @@ listed per distinct layer shape (`step_calls`) and compiled all at once (`ask`):
 before in worker processes (`plugins.compile_workers`), then every one asked for in Triton's
 `AsyncCompileMode` here (read from the cache the workers wrote), with progress in the terminal and
 through the loader's `say`; later steps (and their CUDA graph captures) find them compiled. Variants no
-step launches are not compiled (`tests/test_precompile.py`). With it no low-bit or attention kernel compiled one at a time in a first
-launch any more (H200, 2026-11-27, `bench/RESULTS.md`, "Quick to start").
+step launches are not compiled (`tests/test_precompile.py`). With it no low-bit or attention kernel
+compiled one at a time in a first launch any more (H200, 2026-11-27, `bench/RESULTS.md`, "Quick to start").
 
 Two moments (`studio.backends.torch_decoder`): while the weights are still being read or quantized,
 a thread of its own (`Background`) compiles what needs no weights (layer stand-ins,
