@@ -8,11 +8,14 @@ refused, never run.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import pickle
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,9 +33,70 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else 'no details'}"[:200]
 
 
-def _read_safetensors(path: Path, keep: Callable[[str], bool]) -> dict[str, Tensor]:
-    with safe_open(str(path), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+SAFETENSORS_TYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+PIECE = 64 << 20  # bytes per read into a pinned buffer; PIECES of them in flight
+PIECES = 4
+
+
+def _read_safetensors(path: Path, keep: Callable[[str], bool], device: torch.device | None) -> dict[str, Tensor]:
+    with safe_open(str(path), framework="pt") as f:  # (also checks the index against the file's size)
+        if device is None or device.type != "cuda":
+            return {k: f.get_tensor(k) for k in f.keys() if keep(k)}
+    return _read_pieces(path, keep, device)
+
+
+def _read_pieces(path: Path, keep: Callable[[str], bool], device: torch.device) -> dict[str, Tensor]:
+    """The kept tensors of a safetensors file, on `device`, read in large pieces through pinned buffers (by
+    `PIECES` threads) rather than through the file's memory map: there each 4 KB page faulted in as the copy
+    to the GPU touched it (a 7B chat's 5.5 GB of int4 weights: 1.1 s; H200, 2026-11-30)."""
+    with path.open("rb", buffering=0) as f:
+        size = int.from_bytes(f.read(8), "little")
+        index = json.loads(f.read(size))
+        base, fd = 8 + size, f.fileno()
+        spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in index.items()
+                       if name != "__metadata__" and keep(name))
+        out = {name: torch.empty(index[name]["shape"], dtype=SAFETENSORS_TYPES[index[name]["dtype"]], device=device)
+               for _, _, name in spans}
+        if not spans:
+            return out
+        first, end = spans[0][0], max(stop for _, stop, _ in spans)
+        pinned = device.type == "cuda"
+        buffers = [torch.empty(min(PIECE, end - first), dtype=torch.uint8, pin_memory=pinned) for _ in range(PIECES)]
+        copied: list[torch.cuda.Event | None] = [None] * PIECES  # the copies out of each buffer
+        stream = torch.cuda.Stream(device) if pinned else None
+
+        def read(piece: int) -> int:
+            at, buffer = first + piece * PIECE, buffers[piece % PIECES]
+            if copied[piece % PIECES] is not None:
+                copied[piece % PIECES].synchronize()
+            view, got = memoryview(buffer.numpy())[:min(PIECE, end - at)], 0
+            while got < len(view):
+                n = os.preadv(fd, [view[got:]], base + at + got)
+                if n <= 0:
+                    raise UserError("it is truncated (shorter than its index says); re-download it")
+                got += n
+            return at
+
+        count = -(-(end - first) // PIECE)
+        with ThreadPoolExecutor(PIECES) as pool, torch.cuda.stream(stream) if pinned else contextlib.nullcontext():
+            reads = [pool.submit(read, piece) for piece in range(min(PIECES, count))]
+            for piece in range(count):
+                at, buffer = reads[piece].result(), buffers[piece % PIECES]
+                for start, stop, name in spans:  # each tensor's bytes within this piece
+                    lo, hi = max(start, at), min(stop, at + PIECE)
+                    if lo < hi:
+                        out[name].view(-1).view(torch.uint8)[lo - start:hi - start].copy_(
+                            buffer[lo - at:hi - at], non_blocking=pinned)
+                if pinned:
+                    copied[piece % PIECES] = torch.cuda.Event()
+                    copied[piece % PIECES].record(stream)
+                if piece + PIECES < count:
+                    reads.append(pool.submit(read, piece + PIECES))
+        if pinned:
+            stream.synchronize()
+        return out
 
 
 def _read_torch(path: Path, mmap: bool) -> dict[str, Tensor]:
@@ -49,7 +113,7 @@ def _read_torch(path: Path, mmap: bool) -> dict[str, Tensor]:
     return data
 
 
-def _read(path: Path, keep: Callable[[str], bool]) -> dict[str, Tensor]:
+def _read(path: Path, keep: Callable[[str], bool], device: torch.device | None) -> dict[str, Tensor]:
     """The tensors of an existing file; raises `UserError` (reason and advice, without the file name)."""
     safetensors = path.suffix == ".safetensors"
     with path.open("rb") as f:
@@ -63,7 +127,7 @@ def _read(path: Path, keep: Callable[[str], bool]) -> dict[str, Tensor]:
                         f"(it starts with {head[:4].hex(' ')}); check that this is the right file")
     try:
         if safetensors:
-            return _read_safetensors(path, keep)
+            return _read_safetensors(path, keep, device)
         return {k: v for k, v in _read_torch(path, mmap=head.startswith(ZIP_MAGIC)).items() if keep(k)}
     except UserError:
         raise
@@ -77,17 +141,18 @@ def _read(path: Path, keep: Callable[[str], bool]) -> dict[str, Tensor]:
         raise UserError(f"it is truncated or corrupt ({_first_line(cause)}); re-download it") from None
 
 
-def read_weight_file(path: Path, what: str = "weights file", keep: Callable[[str], bool] = lambda k: True
-                     ) -> dict[str, Tensor]:
+def read_weight_file(path: Path, what: str = "weights file", keep: Callable[[str], bool] = lambda k: True,
+                     device: torch.device | None = None) -> dict[str, Tensor]:
     """The tensors (named as in the file, those whose names `keep` accepts) of a `.safetensors` file or a
-    `.bin`/`.pth` state dict; `what` names the file's role in error messages ("SAM checkpoint")."""
+    `.bin`/`.pth` state dict; `what` names the file's role in error messages ("SAM checkpoint"). A GPU
+    `device`: a safetensors file's tensors are read onto it (others' stay on the CPU)."""
     path = Path(path)
     try:
         if path.is_dir():
             raise UserError("it is a folder; give the weights file in it")
         if not path.exists():
             raise UserError("it does not exist; check the path")
-        return _read(path, keep)
+        return _read(path, keep, device)
     except (UserError, OSError) as e:  # OSError: opening it (permissions, a failing disk)
         reason = e if isinstance(e, UserError) else _first_line(e)
         raise UserError(f"cannot read {what} {path}: {reason}") from None

@@ -113,7 +113,8 @@ def save_quantized(model: Decoder, path: Path) -> None:
 
 def load_quantized(folder: Path, path: Path, mode: str, dtype: torch.dtype, device: torch.device) -> Decoder:
     """A quantized decoder from a file `save_quantized` wrote."""
-    return build_decoder(read_config(folder), read_weight_file(path, "quantized weights"), dtype, device, mode)
+    return build_decoder(read_config(folder), read_weight_file(path, "quantized weights", device=device), dtype, device,
+                         mode)
 
 
 def quantized_decoder(folder: Path, mode: str, dtype: torch.dtype, device: torch.device,

@@ -553,6 +553,69 @@ def test_the_graph_table_is_captured_before_ready_and_serves_a_mixed_run(studio_
     llm.close()
 
 
+@pytest.mark.parametrize("piece", [999, 64 << 20])
+def test_a_safetensors_file_read_onto_the_gpu_in_pieces_holds_what_safetensors_reads(tmp_path, monkeypatch, piece):
+    """Read through pinned buffers by several threads, copies in flight on their own stream, buffers reused
+    once their copies are done (999-byte pieces: thousands of reuses): every tensor as on the CPU."""
+    from safetensors.torch import save_file
+    from pipeline import weights_io
+    from test_weight_reading import tensors
+
+    many = tensors() | {f"layer{i}": torch.randn(37, 53 + i) for i in range(40)}
+    save_file(many, str(tmp_path / "w.safetensors"))
+    monkeypatch.setattr(weights_io, "PIECE", piece)
+    on_gpu = weights_io.read_weight_file(tmp_path / "w.safetensors", device=torch.device("cuda"))
+    on_cpu = weights_io.read_weight_file(tmp_path / "w.safetensors")
+    assert on_gpu.keys() == on_cpu.keys() and all(t.is_cuda for t in on_gpu.values())
+    for name, value in on_cpu.items():
+        assert torch.equal(on_gpu[name].cpu().view(torch.uint8), value.view(torch.uint8)) if value.numel() and \
+            value.dim() else torch.equal(on_gpu[name].cpu(), value), name
+
+
+def test_a_step_capture_that_fails_is_retried_after_a_warm_up_and_a_failed_table_leaves_eager_steps(studio_cache):
+    """Only the graph table's first step runs once outside its graph before capture (the others' runs cost as
+    much as their captures); a later capture that meets lazy set-up (here a synchronize, refused while
+    capturing) is captured again after a warm-up run, and the table completes. Where the first capture
+    fails, the engine warns and runs its steps eagerly. The replies are an eager engine's (fp32)."""
+    llm = load_language_model(demo_model_dir("demo/qwen2-tiny", studio_cache), "demo/qwen2-tiny", device="cuda",
+                              dtype=torch.float32, max_context=1024)
+    model, vocab = llm.engine.model, llm.tokenizer.vocab_size
+    prompt = llm.format.render([{"role": "user", "content": "the moon and " * 5}])
+    params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
+    failing_at: list[int] = []
+
+    def lazy_set_up(module, args):  # a first call that must not happen inside a capture
+        engine = engines[-1]
+        if torch.cuda.is_current_stream_capturing() and engine.runner.captures in failing_at:
+            failing_at.remove(engine.runner.captures)
+            torch.cuda.synchronize()
+
+    hook = model.register_forward_pre_hook(lazy_set_up)
+    engines: list[TorchLLMEngine] = []
+
+    def run(graphs: bool, fail_at: int | None = None):
+        failing_at[:] = [] if fail_at is None else [fail_at]
+        engines.append(TorchLLMEngine(model, 1024, vocab, max_batch=4, prefill_chunk=64, use_cuda_graphs=graphs))
+        engine = engines[-1]
+        reply = list(engine.submit(prompt, params, set()))
+        counts = (engine.runner.captures, len(engine.runner.table_keys()), engine.runner.missed, list(failing_at))
+        engine.close()
+        return reply, counts
+
+    try:
+        eager, _ = run(False)
+        retried, (captures, table, missed, left) = run(True, fail_at=3)
+        assert left == [] and captures == table and missed == 0, (captures, table, missed, left)
+        assert retried == eager
+        with pytest.warns(UserWarning, match="capturing the step graphs failed"):
+            unwarmed, (captures, table, missed, left) = run(True, fail_at=0)
+        assert left == [] and captures == 0 and missed > 0, (captures, table, missed, left)
+        assert unwarmed == eager
+    finally:
+        hook.remove()
+        llm.close()
+
+
 def test_batch_invariant_mode_gives_a_chat_the_same_logits_alone_and_beside_others_in_any_chunks():
     """bf16, CUDA graphs: six prompts (40–400 tokens) read and answered together, in chunks of 32 beside the
     others' decode rows, give every token's logits bit for bit as each read alone (in chunks of 256, one row

@@ -281,13 +281,16 @@ class ModelRunner:
             if self.ready:
                 self.missed += 1
                 return forward(*inputs)
+            warmed = not self._graphs  # the first capture's run outside the graph does the lazy set-up for all
             try:
-                self._graphs[key] = CapturedCall(forward, *inputs, pool=self._pool)
+                self._graphs[key] = CapturedCall(forward, *inputs, pool=self._pool, warm_up=warmed)
             except Exception:
                 # torch leaves a pool whose capture failed marked as recording: later captures into it would
                 # all fail ("already recording to mempool_id"), so the next ones take a new pool
                 self._pool = torch.cuda.graph_pool_handle()
-                raise
+                if warmed:
+                    raise
+                self._graphs[key] = CapturedCall(forward, *inputs, pool=self._pool)  # set-up left for this shape
             self.captures += 1
         graph = self._graphs[key]
         for buffer, value in zip(graph.inputs, inputs):

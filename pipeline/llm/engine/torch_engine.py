@@ -141,8 +141,13 @@ class TorchLLMEngine:
         scheduler = self.scheduler
         with torch.inference_mode():
             if self.use_cuda_graphs:  # every step's graph before the first request: none is captured mid-reply
-                with launching():
-                    self.runner.capture_table(self.rows.kv)
+                try:
+                    with launching():
+                        self.runner.capture_table(self.rows.kv)
+                except Exception as e:  # noqa: BLE001 - the steps the table lacks run eagerly: slower, as right
+                    warnings.warn(f"capturing the step graphs failed ({type(e).__name__}: {e}); the steps without "
+                                  f"one run without CUDA graphs", stacklevel=1)
+                    self.runner.ready = True
             if self.speculation is not None and self.device.type == "cuda":
                 try:
                     self._measure()
