@@ -223,3 +223,28 @@ def test_draws_match_transformers_processors_row_by_row(mixed):
         drawn = sample(logits, params, seen, columns).tolist()
         expected = [_reference_draw(logits[i], seen[i], p, u) for i, (p, u) in enumerate(zip(params, uniforms))]
         assert drawn == expected, trial
+
+
+def test_an_engine_thread_that_fails_tells_every_request_queued_or_to_come(qwen2_demo, monkeypatch):
+    """A failure past the requests' own guards (here the thread's set-up, as a CUDA error there would) ends the
+    request already queued with the reason, and a later one is refused at once with it: none waits for ever."""
+    from pipeline.llm.engine.model_runner import ModelRunner
+
+    submitted = threading.Event()
+
+    def failing_set_up(self):
+        submitted.wait()
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(ModelRunner, "enter_thread", failing_set_up)
+    model = load_decoder(qwen2_demo)
+    engine = TorchLLMEngine(model, 256, model.config.vocab_size, use_cuda_graphs=False)
+    queued = engine.submit(Prompt((5, 6, 7)), SamplingParams(max_new_tokens=4), set())
+    submitted.set()
+    engine._thread.join()
+    with pytest.raises(UserError, match="stopped .* restart the app"):
+        engine.submit(Prompt((5, 6, 7)), SamplingParams(max_new_tokens=4), set())
+    with pytest.raises(UserError, match=r"the language model stopped \(RuntimeError: CUDA error: an illegal"):
+        list(queued)
+    assert queued.stats.finish_reason == "error"
+    engine.close()

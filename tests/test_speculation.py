@@ -480,14 +480,24 @@ def test_verify_costs_are_kept_for_the_next_launch_and_a_damaged_record_is_measu
 
 
 class StandInGraph:
-    """What the runner needs of a captured CUDA graph, on the CPU: inputs copied into buffers of its own, and a
-    replay that runs the step on them (eagerly). Each capture is recorded."""
+    """What the runner needs of a captured CUDA graph, on the CPU: inputs copied into buffers of its own, a run
+    outside the graph where asked (`warm_up`), and a replay that runs the step on them (eagerly). Each capture
+    is recorded with its warm-up; a capture numbered in `refused` fails where it had no warm-up run before it
+    (as one meeting lazy set-up would), or in any case where it is numbered in `broken`."""
 
     captured: list = []
+    refused: set[int] = set()
+    broken: set[int] = set()
 
-    def __init__(self, fn, *example, pool=None):
+    def __init__(self, fn, *example, pool=None, warm_up: bool = True):
         self.fn, self.inputs = fn, [x.clone() if x is not None else None for x in example]
-        StandInGraph.captured.append(tuple(x.shape if x is not None else None for x in example))
+        if warm_up:
+            fn(*self.inputs)
+        if len(StandInGraph.captured) in StandInGraph.broken or \
+                not warm_up and len(StandInGraph.captured) in StandInGraph.refused:
+            StandInGraph.refused.discard(len(StandInGraph.captured))
+            raise RuntimeError("operation not permitted when stream is capturing")
+        StandInGraph.captured.append((tuple(x.shape if x is not None else None for x in example), warm_up))
 
     def replay(self):
         return self.fn(*self.inputs)
@@ -536,6 +546,38 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
     table = len(engine.runner.table_keys())
     assert engine.runner.ready and engine.runner.captures == table == len(StandInGraph.captured), \
         (engine.keys, engine.runner.table_keys())  # all of them as it started, none since
+    assert [warm for _, warm in StandInGraph.captured] == [True] + [False] * (table - 1)  # one warm-up run
     assert engine.runner.missed == 0 and engine.status()["verify_steps"] > 0, engine.status()
     eager, _ = run(False)
     assert graphed == eager, (graphed, eager)
+
+
+def test_a_capture_refused_without_a_warm_up_is_retried_with_one_and_a_failed_table_leaves_eager_steps(model,
+                                                                                                        monkeypatch):
+    """A table capture without a warm-up run that fails (lazy set-up inside it) is made again after one, and the
+    table completes; where the first capture (warmed) fails, the engine warns and runs its steps eagerly, with
+    the same replies (CPU stand-in: `StandInGraph`)."""
+    from pipeline.llm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "CapturedCall", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    prompt = Prompt(tuple(range(7, 47)))
+    params = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.0)
+
+    def run(graphs: bool, refused: set[int] = frozenset(), broken: set[int] = frozenset()):
+        StandInGraph.captured.clear()
+        StandInGraph.refused, StandInGraph.broken = set(refused), set(broken)
+        engine = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=4, prefill_chunk=16,
+                                use_cuda_graphs=graphs)
+        reply = list(engine.submit(prompt, params, set()))
+        engine.close()
+        return reply, engine.runner
+
+    eager, _ = run(False)
+    retried, runner = run(True, refused={3})
+    assert runner.captures == len(runner.table_keys()) and runner.missed == 0 and not StandInGraph.refused
+    assert [warm for _, warm in StandInGraph.captured][:5] == [True, False, False, True, False]
+    assert retried == eager
+    with pytest.warns(UserWarning, match="capturing the step graphs failed"):
+        unwarmed, runner = run(True, broken={0})
+    assert runner.ready and runner.captures == 0 and runner.missed > 0 and unwarmed == eager

@@ -38,7 +38,7 @@ class Scheduler:
         self.running: list[Request] = []  # running[i] runs in cache row i
         self.prefilling: list[Request] = []  # prefilling[j] reads its prompt in row len(running) + j
         self._wake = threading.Condition()
-        self._closed = False
+        self._closed = ""  # why no request is taken any more, once closed
         self.most_held = 0  # the most requests that have held rows at once (a batch seen, whatever the polling)
         self.drafted = self.accepted = 0  # drafted tokens checked and kept, over every step settled
 
@@ -48,14 +48,14 @@ class Scheduler:
             self.proposer.join(request)
         with self._wake:
             if self._closed:
-                raise UserError("the language model was unloaded; reload the page")
+                raise UserError(self._closed)
             self.waiting.append(request)
             self._wake.notify()
 
-    def close(self) -> None:
-        """No more requests; the engine thread's `next_joining` returns None."""
+    def close(self, why: str = "the language model was unloaded; reload the page") -> None:
+        """No more requests (`add` raises `why`); the engine thread's `next_joining` returns None."""
         with self._wake:
-            self._closed = True
+            self._closed = why
             self._wake.notify()
 
     def next_joining(self) -> list[Request] | None:

@@ -137,6 +137,18 @@ class TorchLLMEngine:
     # ---- the engine thread -------------------------------------------------------------------
 
     def _loop(self) -> None:
+        """The engine thread. Where it fails past the guards of the requests' own work (a CUDA error setting up
+        its thread), every request, queued or to come, is told why rather than left waiting for ever."""
+        try:
+            self._serve()
+        except Exception as e:  # noqa: BLE001 - said to every request; the app's other tools go on
+            error = UserError(f"the language model stopped ({type(e).__name__}: {e}); restart the app")
+            self.scheduler.close(str(error))
+            for request in self.scheduler.drop_all():
+                request.stream.deliver(error)
+                self.outputs.finish(request, FinishReason.ERROR)
+
+    def _serve(self) -> None:
         self.runner.enter_thread()
         scheduler = self.scheduler
         with torch.inference_mode():
