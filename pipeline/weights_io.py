@@ -17,6 +17,7 @@ import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors import safe_open
@@ -40,6 +41,13 @@ PIECE = 64 << 20  # bytes per read into a pinned buffer; PIECES of them in fligh
 PIECES = 4
 
 
+def _safetensors_index(f: BinaryIO) -> tuple[dict, int]:
+    """A safetensors file's index (each tensor's dtype, shape and byte range; "__metadata__") and where the
+    tensors' bytes start, read from the file open as `f` at its start."""
+    size = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(size)), 8 + size
+
+
 def _read_safetensors(path: Path, keep: Callable[[str], bool], device: torch.device | None) -> dict[str, Tensor]:
     with safe_open(str(path), framework="pt") as f:  # (also checks the index against the file's size)
         if device is None or device.type != "cuda":
@@ -52,9 +60,8 @@ def _read_pieces(path: Path, keep: Callable[[str], bool], device: torch.device) 
     `PIECES` threads) rather than through the file's memory map: there each 4 KB page faulted in as the copy
     to the GPU touched it (a 7B chat's 5.5 GB of int4 weights: 1.1 s; H200, 2026-11-30)."""
     with path.open("rb", buffering=0) as f:
-        size = int.from_bytes(f.read(8), "little")
-        index = json.loads(f.read(size))
-        base, fd = 8 + size, f.fileno()
+        index, base = _safetensors_index(f)
+        fd = f.fileno()
         spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in index.items()
                        if name != "__metadata__" and keep(name))
         out = {name: torch.empty(index[name]["shape"], dtype=SAFETENSORS_TYPES[index[name]["dtype"]], device=device)
@@ -158,7 +165,7 @@ def read_weight_file(path: Path, what: str = "weights file", keep: Callable[[str
         raise UserError(f"cannot read {what} {path}: {reason}") from None
 
 
-SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}  # the float types
+SAFETENSORS_BYTES = {name: t.itemsize for name, t in SAFETENSORS_TYPES.items() if t.is_floating_point}  # the floats
 
 
 def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
@@ -169,7 +176,7 @@ def loaded_bytes(path: Path, dtype: torch.dtype) -> int:
     try:
         if path.suffix == ".safetensors":
             with path.open("rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+                header, _ = _safetensors_index(f)
             total = 0
             for name, entry in header.items():
                 if name != "__metadata__":
