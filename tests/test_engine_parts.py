@@ -173,6 +173,21 @@ def test_the_model_runners_steps_continue_its_prefill_like_one_forward_pass(qwen
         assert cache.seen[0, drawn[0, 0]]
 
 
+def test_the_graph_table_holds_each_prompt_size_once_and_wide_steps_up_to_their_rows(qwen2_demo):
+    """The graphs captured as an engine starts: a decode step per rows bucket, a step that reads prompt text once
+    per prompt size (its rows padded to the widest bucket), and a step feeding several tokens a row per width
+    for the buckets up to `wide_rows` only."""
+    model = load_decoder(qwen2_demo)
+    runner = ModelRunner(model, 64, model.config.vocab_size, max_batch=8, use_cuda_graphs=False, widths=(3, 5),
+                         wide_rows=4, step_tokens=16)
+    keys = runner.table_keys()
+    assert len(keys) == len(set(keys))
+    assert [k for k in keys if k[1] == 1 and not k[2]] == [(b, 1, 0) for b in (1, 2, 4, 8)]
+    assert [k for k in keys if k[2]] == [(8, 1, 1 << i) for i in range(4, 10)
+                                         if runner.tile <= 1 << i <= runner.graphed_tokens]
+    assert sorted(k for k in keys if k[1] > 1) == [(b, w, 0) for b in (1, 2, 4) for w in (3, 5)]
+
+
 def rows_of_model(model) -> CacheRows:
     return CacheRows(model.config, 2, 65, model.config.vocab_size, torch.float32, torch.device("cpu"))
 

@@ -13,8 +13,8 @@ import torch
 
 from pipeline.llm.engine.scheduler import Proposer
 from pipeline.llm.engine.params import SamplingParams
-from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, PROBE_EVERY, DraftState, PerRequest, PromptLookup, batch_cap,
-                                             best_draft, expected_tokens, Speculation, VerifyCost)
+from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, MAX_ROWS, PROBE_EVERY, DraftState, PerRequest, PromptLookup,
+                                             batch_cap, best_draft, expected_tokens, Speculation, VerifyCost)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.model.kv_cache import KVCache
@@ -88,6 +88,15 @@ def test_a_batch_drafts_only_what_pays_for_all_of_its_rows():
         assert tokens / eight(longest) >= len(rows), (rows, cap)
 
 
+def test_no_step_drafts_past_max_rows_chats():
+    """Past MAX_ROWS chats no row drafts, however well its drafts are kept (8 chats measured slower speculating
+    than not on the H200, where the cost model said otherwise); up to MAX_ROWS the cost model decides."""
+    proposer = Proposer(Speculation(PromptLookup(), VerifyCost(0.0, 0.0)), context=1000)
+    running = [Running() for _ in range(MAX_ROWS + 1)]
+    proposer.states = {r: DraftState(None, accepted=9.0, checked=9.0) for r in running}
+    assert all(proposer.wanted(running[:MAX_ROWS]).values()) and not any(proposer.wanted(running).values())
+
+
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
 
 PROMPT = Prompt(tuple(range(5, 25)))
@@ -144,13 +153,14 @@ class TreeDraft(PerRequest):
 
 
 def replies(model, speculation, seeds, **params) -> list[tuple[int, ...]]:
-    """Each seed's reply, asked a batch (8) at a time: a queue never empty would keep a prompt in every step, and
-    no step drafts while a prompt is read, so whether drafts come at all would hang on the machine's speed."""
+    """Each seed's reply, asked a batch (MAX_ROWS: the most that draft) at a time: a queue never empty would keep a
+    prompt in every step, and no step drafts while a prompt is read, so whether drafts come at all would hang on
+    the machine's speed."""
     engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=8, rows=16, speculation=speculation)
     seeds, out = list(seeds), []
-    for wave in range(0, len(seeds), 8):
+    for wave in range(0, len(seeds), MAX_ROWS):
         streams = [engine.submit(PROMPT, SamplingParams(**{**PARAMS, **params}, seed=seed), set())
-                   for seed in seeds[wave:wave + 8]]
+                   for seed in seeds[wave:wave + MAX_ROWS]]
         out += [tuple(s) for s in streams]
     status = engine.status()
     engine.close()
@@ -549,6 +559,36 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
     assert [warm for _, warm in StandInGraph.captured] == [True] + [False] * (table - 1)  # one warm-up run
     assert engine.runner.missed == 0 and engine.status()["verify_steps"] > 0, engine.status()
     eager, _ = run(False)
+    assert graphed == eager, (graphed, eager)
+
+
+def test_a_prompt_read_beside_one_chat_in_the_widest_bucket_leaves_the_bucket_s_other_rows_idle(model, monkeypatch):
+    """A graphed step that reads a prompt runs its rows in the widest bucket (one graph per prompt size). Four
+    chats fill the rows and three end, so the rows past the one left held their last tokens, live; a fifth
+    prompt then joins that chat's chained steps, in one of those rows. Those rows must write nothing there:
+    both replies equal an engine's without graphs (CPU stand-in: `StandInGraph`)."""
+    from pipeline.llm.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "CapturedCall", StandInGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    prompts = [Prompt(tuple(range(11 + 7 * i, 31 + 7 * i))) for i in range(4)]
+    short, long = (SamplingParams(max_new_tokens=n, temperature=0, repetition_penalty=1.0) for n in (6, 120))
+
+    def run(graphs: bool) -> tuple[list[int], list[int], TorchLLMEngine]:
+        engine = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=4, rows=4, prefill_chunk=16,
+                                use_cuda_graphs=graphs)
+        streams = [engine.submit(p, long if i == 0 else short, set()) for i, p in enumerate(prompts)]
+        for s in streams[1:]:
+            list(s)
+        joining = engine.submit(Prompt(tuple(range(40, 100))), short, set())
+        replies = list(streams[0]), list(joining)
+        engine.close()
+        return (*replies, engine)
+
+    StandInGraph.captured.clear()
+    *graphed, engine = run(True)
+    assert engine.runner.missed == 0
+    *eager, _ = run(False)
     assert graphed == eager, (graphed, eager)
 
 

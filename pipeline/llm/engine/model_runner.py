@@ -79,10 +79,10 @@ class RowsFeed:
 
 class ModelRunner:
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int,
-                 use_cuda_graphs: bool | None = None, widths: Sequence[int] = (1,), exact_rows: bool = True,
-                 step_tokens: int | None = None):
+                 use_cuda_graphs: bool | None = None, widths: Sequence[int] = (1,), wide_rows: int = 1,
+                 exact_rows: bool = True, step_tokens: int | None = None):
         """`widths`: how many tokens a row may feed in a step (1, and more where the engine verifies tokens:
-        it pads to one of these); `context` positions per row, plus as many positions past it as the widest
+        it pads to one of these), by at most `wide_rows` rows (a power of two) where more than one; `context` positions per row, plus as many positions past it as the widest
         (`positions` in all: the cache rows' length) that padding rows of a bucketed step write. `exact_rows`:
         one row feeding several tokens runs them as one-row launches, rounding as its one-token steps do
         (low-bit weights: greedy replies the same with verify steps as without); else the batch kernels, faster,
@@ -90,7 +90,7 @@ class ModelRunner:
         scheduler's budget of a step's tokens while rows run (None: none), which bounds the prompt tokens a
         graphed step lays out, so the graph table holds no larger step."""
         self.model, self.vocab_size, self.exact_rows, self.max_batch = model, vocab_size, exact_rows, max_batch
-        self.widths = tuple(sorted(set(widths) | {1}))
+        self.widths, self.wide_rows = tuple(sorted(set(widths) | {1})), wide_rows
         self.tile = decode_attention.tile_queries(model.config.num_heads, model.config.num_kv_heads)
         # each chunk (one per other row at most) starts a run of `tile` tokens: up to tile - 1 of padding
         laid_out = step_tokens + (max_batch - 1) * (self.tile - 1) if step_tokens else MAX_GRAPHED_TOKENS
@@ -105,6 +105,7 @@ class ModelRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
         self._state = torch.zeros(max_batch, 4, dtype=torch.long, device=self.device)  # rows' token, position, rotary offset, live
+        self._padding = torch.tensor([[0, self.scratch, 0, 0]] * max_batch, device=self.device)  # a padding row's
         self._ahead: torch.cuda.Event | None = None  # marks the step launched last
         # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
         # benchmark's two engines), or a step and a warm-up on two streams, never share them.
@@ -145,8 +146,11 @@ class ModelRunner:
         if graphed and text:
             layout = self._layout(text, pow2_at_least(max(len(layout[0]), 16)), self.max_batch)
         ids, places, lasts = layout
-        rows_in, (bucket, per_row, need, kv_len) = self._rows_input(rows, full=on_gpu) if rows is not None \
-            else (None, (0, 0, 0, 0))
+        # a graphed step that reads prompt text runs its rows in the largest bucket: one graph per prompt size
+        # (the padding rows read nothing, and cost a few GEMM rows beside the prompt's)
+        rows_in, (bucket, per_row, need, kv_len) = \
+            self._rows_input(rows, on_gpu, self.max_batch if graphed and text else pow2_at_least(rows.n)) \
+            if rows is not None else (None, (0, 0, 0, 0))
         host = [*ids, *places, *lasts, *(v for c in prefills for v in c.prompt.ids[c.start:c.end])]
         chunk_in = None
         if host:
@@ -222,18 +226,19 @@ class ModelRunner:
         offsets, lengths = offsets + [0] * pad, lengths + [0] * pad
         return ids, [*rows, *positions, *offsets, *lengths], last + [0] * max(lasts - len(last), 0)
 
-    def _rows_input(self, rows: RowsFeed, full: bool) -> tuple[Tensor, tuple[int, int, int, int]]:
+    def _rows_input(self, rows: RowsFeed, full: bool, bucket: int) -> tuple[Tensor, tuple[int, int, int, int]]:
         """The rows' inputs on the device [bucket, T + 3] (tokens, start, rotary offset, live: padding rows write
         the scratch positions and read nothing), and (bucket, T, the T asked for, key length: the cache's whole length where `full`,
         on a GPU, so a step's sums never depend on whether it replays a graph; else rounded up from the longest
         row's)."""
-        n, bucket = rows.n, pow2_at_least(rows.n)
+        n = rows.n
         need = 1 if rows.tokens is None else len(rows.tokens[0])
         kv_len = self.positions if full else min(-(-rows.kv_need // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + need)
         if need == 1:
             if rows.chained is not None:
                 self._state[:n, 0].copy_(rows.chained)
                 self._state[:n, 1] += 1
+                self._state[n:bucket].copy_(self._padding[:bucket - n])  # a bucket wider than the last step's
             else:
                 # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
                 # run): one buffer kept for every step was rewritten while an earlier step's copy still
@@ -300,13 +305,13 @@ class ModelRunner:
 
     def table_keys(self) -> list[tuple[int, int, int]]:
         """(rows, tokens per row, prompt tokens) of every step a graph replays: 1..max_batch rows (powers of two)
-        feeding one token each, with prompt tokens beside them (a joining prompt's chunks, padded to a power of
-        two, up to `graphed_tokens`) or none, and feeding each wider width alone (no prompt is read beside
-        those: the engine feeds more than one token a row only while none is)."""
+        feeding one token each; max_batch rows with prompt tokens beside them (a joining prompt's chunks, padded
+        to a power of two, up to `graphed_tokens`); and 1..wide_rows rows feeding each wider width, alone (the
+        engine feeds more than one token a row only while no prompt is read)."""
         batches = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch]
-        sizes = [0] + [1 << i for i in range(4, self.graphed_tokens.bit_length()) if 1 << i >= self.tile]
-        return [(b, 1, c) for b in batches for c in sizes] + \
-            [(b, width, 0) for b in batches for width in self.widths[1:]]
+        sizes = [1 << i for i in range(4, self.graphed_tokens.bit_length()) if 1 << i >= self.tile]
+        return [(b, 1, 0) for b in batches] + [(self.max_batch, 1, c) for c in sizes] + \
+            [(b, width, 0) for b in batches if b <= self.wide_rows for width in self.widths[1:]]
 
     def capture_table(self, cache: KVCache) -> None:
         """Capture every step of `table_keys` before the engine serves (on stand-in inputs: the rows write their

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.plan import Request, Scheduled, StepPlan
-from pipeline.llm.engine.speculation import DRAFT_SIZES, Ask, DraftState, Speculation, VerifyCost, batch_cap
+from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_ROWS, Ask, DraftState, Speculation, VerifyCost, batch_cap
 
 
 class Scheduler:
@@ -218,7 +218,9 @@ class Proposer:
 
     def wanted(self, running: Sequence[Request]) -> dict[Request, int]:
         """How many tokens each running request would draft this step (0: none), by its acceptance so far, cut
-        for a batch of several to what pays for all of its rows (`speculation.batch_cap`)."""
+        for a batch of several to what pays for all of its rows (`speculation.batch_cap`); none past MAX_ROWS rows."""
+        if len(running) > MAX_ROWS:
+            return {}
         most, cost = self.speculation.max_draft, self.cost_for(len(running))
         asked = {r: self.states[r].wanted(cost, most, self.room(r)) for r in running}
         if len(running) < 2 or not any(asked.values()):
