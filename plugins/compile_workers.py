@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from plugins.triton_cache import folder, keep
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_WORKERS = 16  # each holds torch and Triton (about 0.5 GB of RAM)
 
@@ -104,7 +106,7 @@ class Manifest:
         import triton
 
         self.version = triton.__version__
-        self.path = Path(triton.knobs.cache.dir) / "studio-compiled-in-workers.json"
+        self.path = folder() / "studio-compiled-in-workers.json"
 
     def _read(self) -> set[str]:
         try:
@@ -117,12 +119,7 @@ class Manifest:
         return [s for s in dict.fromkeys(specs) if s.digest(self.version) not in known]
 
     def add(self, specs: list[Spec]) -> None:
-        known = self._read() | {s.digest(self.version) for s in specs}
-        with contextlib.suppress(OSError):  # a list not written costs the next launch workers, nothing else
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_text(json.dumps(sorted(known)))
-            os.replace(tmp, self.path)
+        keep(self.path, json.dumps(sorted(self._read() | {s.digest(self.version) for s in specs})))
 
 
 def worker_count(specs: int) -> int:

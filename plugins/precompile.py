@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from plugins.compile_workers import Manifest, compile_in_workers, help_workers, noting
+from plugins.triton_cache import remember_key
 from plugins.decode_attention import LONG_TILE_ROWS, TILE_ROWS, decode_attention
 from plugins.fused import (add_rms_norm_fused, compiling_ahead, rms_norm_fused, rope_cache_write_fused, rotary_fused,
                            silu_mul_fused)
@@ -175,6 +176,7 @@ def ask(cases: list[Case], device: torch.device, noted: Callable[[int], None] = 
     failed: list[str] = []
     try:
         if device.type == "cuda":
+            remember_key()  # before the first kernel is looked up in Triton's cache
             with noting() as specs:
                 issue(cases)
             manifest = Manifest()
