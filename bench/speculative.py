@@ -377,21 +377,25 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
                                                                 exact=exact))
         list(fast.submit(Prompt(cases[0][0][2]), SamplingParams(max_new_tokens=1), set()))  # its start-up measure done:
         half = len(cases) // 2  # the grounded patterns, then as many open chats
-        for chats in (half, 2 * half):  # 4 chats (two of each kind: they speculate) and 8 (past MAX_ROWS: they don't)
+        for chats in (2, half, 2 * half):  # as many of each kind: 2, 4 and 8 chats at once
             group = cases[:chats // 2] + cases[half:half + chats // 2]
-            together = {}  # (it captures graphs, holding every engine's steps back meanwhile)
+            together, counts = {}, {}
             for name, engine in (("plain", plain), ("lookup", fast)):
-                for _ in range(2):  # the first run captures the graphs
+                for _ in range(2):  # the first run reads the prompts, the second finds them cached
+                    before = (engine.steps, engine.verify_steps, engine.runner.missed)
                     started = time.perf_counter()
                     streams = [engine.submit(Prompt(c[2]), params, set()) for c, params in group]
                     got = [list(s) for s in streams]
                     wall = time.perf_counter() - started
                 together[name] = (sum(len(g) for g in got) / wall, got)
+                counts[name] = [now - was for now, was in zip((engine.steps, engine.verify_steps, engine.runner.missed),
+                                                              before)]
             res[f"{mode}_{chats}_chats"] = {"plain_tok_s": round(together["plain"][0], 1),
                                             "lookup_tok_s": round(together["lookup"][0], 1),
                                             "x": round(together["lookup"][0] / together["plain"][0], 3),
                                             "identical_to_alone": together["lookup"][1] == [c[3] for c, _ in group]
-                                            and together["plain"][1] == [c[3] for c, _ in group]}
+                                            and together["plain"][1] == [c[3] for c, _ in group],
+                                            "steps_verify_steps_missed": counts}
             print(mode, chats, "chats", res[f"{mode}_{chats}_chats"], flush=True)
         fast.close()
         if ceiling:

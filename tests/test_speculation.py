@@ -231,13 +231,13 @@ def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, ke
 # ---- one ask per step, and no clock -------------------------------------------------------------------------
 
 def test_a_draft_model_is_asked_once_per_step_for_all_rows_and_drafts_them_as_one_batch(model):
-    """Three chats speculate with a draft model (the model drafting for itself through an engine of its
-    own): each engine step asks the drafter once, for every row that drafts, and the draft engine runs
-    those drafts side by side. The replies are plain decoding's."""
+    """Chats speculate with a draft model (the model drafting for itself through an engine of its own), as many
+    as may draft together (MAX_ROWS): each engine step asks the drafter once, for every row that drafts, and the
+    draft engine runs those drafts side by side. The replies are plain decoding's."""
     from pipeline.llm.draft_model import DraftModel
 
     params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
-    prompts = [Prompt(tuple(range(5 + i, 25 + i))) for i in range(3)]
+    prompts = [Prompt(tuple(range(5 + i, 25 + i))) for i in range(MAX_ROWS)]
     plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=4)
     expected = [list(plain.submit(p, params, set())) for p in prompts]
     plain.close()
@@ -249,13 +249,13 @@ def test_a_draft_model_is_asked_once_per_step_for_all_rows_and_drafts_them_as_on
     submitted, step = threading.Event(), engine.runner.step
     engine.runner.step = lambda *args, **kwargs: submitted.wait() and step(*args, **kwargs)
     streams = [engine.submit(p, params, set()) for p in prompts]
-    submitted.set()  # the first step waits for all three (else the first chat may end before the last joins)
+    submitted.set()  # the first step waits for all of them (else the first chat may end before the last joins)
     assert [list(s) for s in streams] == expected
     status = engine.status()
     engine.close()
     steps = [step for step, _ in calls]
     assert len(steps) == len(set(steps)), calls  # one call a step
-    assert max(n for _, n in calls) == 3 and drafter_engine.status()["most_running"] == 3, calls  # one batch
+    assert max(n for _, n in calls) == MAX_ROWS == drafter_engine.status()["most_running"], calls  # one batch
     assert status["accepted_tokens"] > 0 and drafter.reused > 0  # drafts from the work asked a step ahead
 
 

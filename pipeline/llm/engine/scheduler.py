@@ -237,8 +237,9 @@ class Proposer:
 
     def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows) -> list[list[int]] | None:
         """Each running request's draft (in row order), asked of the drafter in one call; None where none was
-        found: the step is a plain one."""
-        asking = [r for r in running if wanted.get(r) and self.room(r) > 0]
+        found: the step is a plain one (as with more than MAX_ROWS rows: settling the step in flight may have
+        promoted a prompt since `wanted`)."""
+        asking = [r for r in running if wanted.get(r) and self.room(r) > 0] if len(running) <= MAX_ROWS else []
         if not asking:
             return None
         proposed = self.speculation.drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,),

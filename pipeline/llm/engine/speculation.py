@@ -38,10 +38,12 @@ from plugins.precompile import VERIFY_ROWS
 # a step checks one of these many positions past the last token (one CUDA graph each; the kernels compile for these)
 DRAFT_SIZES = tuple(rows - 1 for rows in VERIFY_ROWS)
 MAX_DRAFT = DRAFT_SIZES[-1]  # drafted tokens per step at most (a verify step scores MAX_DRAFT + 1 positions)
-# a step verifies drafts only while at most this many chats run (a power of two: a graph bucket): with 8, by the
-# cost model never slower, prompt lookup measured 0.94x plain steps in bf16 and 0.98x in int4 (H200, 2026-11-29),
-# and each larger bucket's verify graphs cost every launch their captures
-MAX_ROWS = 4
+# a step verifies drafts only while at most this many chats run (a power of two: a graph bucket). Prompt lookup
+# measured against plain steps (H200, 2026-11-30, bench/RESULTS.md), by the cost model never slower: with drafts
+# up to 4 rows, 4 chats 0.95x (bf16) and 0.99x (int4), 8 chats 0.99x and 0.94x; up to 2 rows, 2 chats 0.97-1.00x,
+# 4 chats 1.14x and 1.01-1.04x, 8 chats 0.99x and 1.00x. Each larger bucket's verify graphs also cost every launch
+# their captures.
+MAX_ROWS = 2
 PROBE_EVERY = 16  # plain steps before a request whose drafts stopped paying tries a short draft again
 DECAY = 0.8  # weight of the earlier acceptance counts at each new verify
 
