@@ -177,7 +177,14 @@ class Workspace:
     def reserve(self, partial_floats: int, counters: int) -> None:
         """Grow to at least these sizes (in a graph's eager warm-up: allocation is not graphable). An
         outgrown buffer is kept, not freed: a graph captured before (a decode step's) keeps its address,
-        and a verify step with more rows of partials must not hand that memory to anything else."""
+        and a verify step with more rows of partials must not hand that memory to anything else. Never inside a
+        capture: the new counters' zeros would be written only as that graph replays, and a graph captured
+        after it could replay first on whatever the memory held (a speculating int4 engine's replies parted
+        from plain decoding's, H200, 2026-11-30): it raises, and the capture is made again after a run."""
+        grows = self.partials.numel() < partial_floats or self.counters.numel() < counters
+        if grows and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the split-K workspace would grow inside a CUDA graph capture: run the call once "
+                               "before capturing it")
         if self.partials.numel() < partial_floats:
             self._outgrown.append(self.partials)
             self.partials = torch.empty(partial_floats, dtype=torch.float32, device=self.device)
