@@ -201,13 +201,13 @@ def _engine(ours, speculation):
 
 
 def test_speculation_keeps_greedy_replies_token_for_token(ours):
-    """Three replies decoded together, with speculation off and with prompt lookup drafting up to 2 and up
-    to 8 tokens: the same tokens, and drafts were in fact checked and kept (not a run that never
-    speculated); the kept drafts show in each reply's status line."""
-    from pipeline.llm.engine.speculation import CPU, PromptLookup, Speculation
+    """Replies decoded together (as many as draft together, MAX_ROWS), with speculation off and with prompt
+    lookup drafting up to 2 and up to 8 tokens: the same tokens, and drafts were in fact checked and kept (not a
+    run that never speculated); the kept drafts show in each reply's status line."""
+    from pipeline.llm.engine.speculation import CPU, MAX_ROWS, PromptLookup, Speculation
 
     params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
-    prompts = [ours.format.render([{"role": "user", "content": text}]) for text in QUOTING]
+    prompts = [ours.format.render([{"role": "user", "content": text}]) for text in QUOTING[:MAX_ROWS]]
 
     def replies(engine) -> tuple[list[list[int]], list]:
         streams = [engine.submit(p, params, ours.format.stop_ids) for p in prompts]
@@ -225,11 +225,11 @@ def test_speculation_keeps_greedy_replies_token_for_token(ours):
 
 
 def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):
-    """Rows with and without drafts batched together give what each gives alone without speculation: a
-    JSON-schema reply (its grammar stepped through the drafts), a seeded sampled reply with penalties,
-    `logit_bias` and log-probabilities (the same tokens: one uniform number per kept token), and a greedy
-    reply that quotes its prompt."""
-    from pipeline.llm.engine.speculation import CPU, PromptLookup, Speculation
+    """Rows with and without drafts batched together (as many at once as draft together, MAX_ROWS) give what
+    each gives alone without speculation: a JSON-schema reply (its grammar stepped through the drafts), a seeded
+    sampled reply with penalties, `logit_bias` and log-probabilities (the same tokens: one uniform number per
+    kept token), and a greedy reply that quotes its prompt."""
+    from pipeline.llm.engine.speculation import CPU, MAX_ROWS, PromptLookup, Speculation
     from pipeline.llm.language_model import LanguageModel
     from pipeline.llm.text.structure import Structure
 
@@ -253,7 +253,7 @@ def test_speculation_keeps_grammars_seeds_penalties_and_logprobs(ours):
     alone = [reply(plain, *r) for r in requests]
     plain.close()
     fast = LanguageModel(ours.tokenizer, _engine(ours, Speculation(PromptLookup(), CPU)), "lookup", "")
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(MAX_ROWS) as pool:
         together = list(pool.map(lambda r: reply(fast, *r), requests))
     status = fast.status()
     fast.close()
