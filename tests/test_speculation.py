@@ -563,25 +563,27 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
 
 
 def test_a_prompt_read_beside_one_chat_in_the_widest_bucket_leaves_the_bucket_s_other_rows_idle(model, monkeypatch):
-    """A graphed step that reads a prompt runs its rows in the widest bucket (one graph per prompt size). Four
-    chats fill the rows and three end, so the rows past the one left held their last tokens, live; a fifth
-    prompt then joins that chat's chained steps, in one of those rows. Those rows must write nothing there:
-    both replies equal an engine's without graphs (CPU stand-in: `StandInGraph`)."""
+    """A graphed step that reads a prompt runs its rows in the widest bucket (one graph per prompt size). Two chats
+    fill the rows and one ends; the other decodes alone for some steps, so the bucket's second row still holds
+    the ended chat's last token and position, live; a third prompt then joins the first chat's chained steps, in
+    that very row (the only one free), and is read over several steps. That row must write nothing there: both replies equal an engine's without graphs (CPU
+    stand-in: `StandInGraph`)."""
     from pipeline.llm.engine import model_runner
 
     monkeypatch.setattr(model_runner, "CapturedCall", StandInGraph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    prompts = [Prompt(tuple(range(11 + 7 * i, 31 + 7 * i))) for i in range(4)]
+    prompts = [Prompt(tuple(range(11 + 7 * i, 31 + 7 * i))) for i in range(2)]
     short, long = (SamplingParams(max_new_tokens=n, temperature=0, repetition_penalty=1.0) for n in (6, 120))
 
     def run(graphs: bool) -> tuple[list[int], list[int], TorchLLMEngine]:
-        engine = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=4, rows=4, prefill_chunk=16,
+        engine = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=2, rows=2, prefill_chunk=16,
                                 use_cuda_graphs=graphs)
-        streams = [engine.submit(p, long if i == 0 else short, set()) for i, p in enumerate(prompts)]
-        for s in streams[1:]:
-            list(s)
-        joining = engine.submit(Prompt(tuple(range(40, 100))), short, set())
-        replies = list(streams[0]), list(joining)
+        first, ending = engine.submit(prompts[0], long, set()), engine.submit(prompts[1], short, set())
+        list(ending)
+        tokens = iter(first)
+        ahead = [next(tokens) for _ in range(12)]  # steps of the first chat alone (a narrower bucket), chained
+        joining = engine.submit(Prompt(tuple(range(40, 100))), short, set())  # over its position 25: the ended one's
+        replies = ahead + list(tokens), list(joining)
         engine.close()
         return (*replies, engine)
 

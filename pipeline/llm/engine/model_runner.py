@@ -82,8 +82,9 @@ class ModelRunner:
                  use_cuda_graphs: bool | None = None, widths: Sequence[int] = (1,), wide_rows: int = 1,
                  exact_rows: bool = True, step_tokens: int | None = None):
         """`widths`: how many tokens a row may feed in a step (1, and more where the engine verifies tokens:
-        it pads to one of these), by at most `wide_rows` rows (a power of two) where more than one; `context` positions per row, plus as many positions past it as the widest
-        (`positions` in all: the cache rows' length) that padding rows of a bucketed step write. `exact_rows`:
+        it pads to one of these), by at most `wide_rows` rows (a power of two) where more than one; `context`
+        positions per row, plus as many positions past it as the widest (`positions` in all: the cache rows'
+        length) that padding rows of a bucketed step write. `exact_rows`:
         one row feeding several tokens runs them as one-row launches, rounding as its one-token steps do
         (low-bit weights: greedy replies the same with verify steps as without); else the batch kernels, faster,
         whose rounding may part a reply from the plain one where two tokens are nearly tied. `step_tokens`: the
@@ -238,7 +239,8 @@ class ModelRunner:
             if rows.chained is not None:
                 self._state[:n, 0].copy_(rows.chained)
                 self._state[:n, 1] += 1
-                self._state[n:bucket].copy_(self._padding[:bucket - n])  # a bucket wider than the last step's
+                if bucket > n:  # a bucket wider than the last step's: its extra rows idle
+                    self._state[n:bucket].copy_(self._padding[:bucket - n])
             else:
                 # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
                 # run): one buffer kept for every step was rewritten while an earlier step's copy still

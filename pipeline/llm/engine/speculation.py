@@ -39,10 +39,10 @@ from plugins.precompile import VERIFY_ROWS
 DRAFT_SIZES = tuple(rows - 1 for rows in VERIFY_ROWS)
 MAX_DRAFT = DRAFT_SIZES[-1]  # drafted tokens per step at most (a verify step scores MAX_DRAFT + 1 positions)
 # a step verifies drafts only while at most this many chats run (a power of two: a graph bucket). Prompt lookup
-# measured against plain steps (H200, 2026-11-30, bench/RESULTS.md), by the cost model never slower: with drafts
-# up to 4 rows, 4 chats 0.95x (bf16) and 0.99x (int4), 8 chats 0.99x and 0.94x; up to 2 rows, 2 chats 0.97-1.00x,
-# 4 chats 1.14x and 1.01-1.04x, 8 chats 0.99x and 1.00x. Each larger bucket's verify graphs also cost every launch
-# their captures.
+# against plain steps (H200, 2026-11-30, bench/RESULTS.md), by the cost model never slower: with drafts up to 4
+# rows, 4 chats 0.95x (bf16) and 0.99x (int4), 8 chats 0.99x and 0.94x; up to 2 rows, 2 chats 1.01-1.11x and
+# 0.97-1.00x, 4 chats 1.02-1.14x and 1.01-1.04x, 8 chats 0.99-1.01x and 1.00-1.03x. Each larger bucket's verify
+# graphs also cost every launch their captures.
 MAX_ROWS = 2
 PROBE_EVERY = 16  # plain steps before a request whose drafts stopped paying tries a short draft again
 DECAY = 0.8  # weight of the earlier acceptance counts at each new verify
