@@ -11,7 +11,8 @@
 #   long:    a prompt chunk's attention per tile (bench/chunk_attention.py) and the 32k read in the long tile and
 #            the short one (bench/chunked_prefill.py --short-only)
 #   captures: the GPU tests of every CUDA graph capture (chat, the graph table and its retried captures, SAM,
-#            MiniGPT-4, the split-K workspace never grown inside one) and of the weights read onto the GPU in pieces
+#            MiniGPT-4, the split-K workspace never grown inside one; captures beside other threads' GPU work,
+#            engines starting beside one replying) and of the weights read onto the GPU in pieces
 #   decode:  bench/decode_limit.py --parts gemv,decode (the int4 decode step against its roofline)
 #   spec7b:  bench/speculative.py --parts engine7b on the real replies' draft patterns (recorded on the CPU)
 #   invariant: batch-invariant mode: its kernels (bench/invariant_kernels.py), its GPU test beside the engine tests
@@ -23,8 +24,8 @@ for part in "$@"; do
     workers) step 200 test_gpu_workers python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -k "worker_processes or compile_ahead_not_in" ;;
     tests) step 300 test_gpu python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider -o faulthandler_timeout=200 \
              -k "speculation_on_gpu or graph_table or two_engines or sampling_kernels or chat_on_gpu_graphs or quantized_chat_graphs or draft_model_on_the_gpu" ;;
-    captures) step 150 test_gpu_captures python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \
-                -k "chat_on_gpu_graphs or graph_table or segment_on_gpu or minigpt4 or quantized_chat_graphs or capture_that_fails or in_pieces or split_k_workspace" ;;
+    captures) step 300 test_gpu_captures python3 -m pytest tests/test_gpu.py -v -p no:cacheprovider \
+                -k "chat_on_gpu_graphs or graph_table or segment_on_gpu or minigpt4 or quantized_chat_graphs or capture_that_fails or in_pieces or split_k_workspace or capture_holds or tune_and_capture or two_engines" ;;
     decode) step 240 decode_limit python3 bench/decode_limit.py --parts gemv,decode ;;
     chunked) step 330 chunked_prefill python3 bench/chunked_prefill.py ;;
     long) step 150 chunk_attention python3 bench/chunk_attention.py

@@ -1,12 +1,23 @@
-"""CUDA streams that no other live owner shares, and the gate between CUDA graph captures and other
-threads' GPU work.
+"""CUDA streams that no other live owner shares, and one CUDA graph capture at a time.
 
 `torch.cuda.Stream()` hands out streams from a pool of 32 per priority, round-robin, so after 32 requests
 two owners hold the same stream: an engine's thread then replayed its graphs on the very stream another
 engine's thread was capturing on ("Cannot prepare for replay during capturing stage", and captures
 invalidated: a speculating engine measuring its steps while a plain one decoded, H200, 2026-11-27). Each
 engine takes its stream here (`own_stream`: one no live owner holds, given back as the engine closes), and
-every capture runs on the one `capture_stream`.
+every capture runs on the one `capture_stream`, in thread-local mode, one at a time (`capturing`).
+
+Engines run on threads of their own and capture as they start (a chat's step table) or at first use of a shape
+(SAM, MiniGPT-4), so a capture runs while other engines serve. A probe on an H200 (2026-11-30, torch 2.11, a
+thread-local capture of 300 kernels repeated beside another thread's work) found what that other work may do:
+launch kernels on its own stream or the default one, allocate (fresh `cudaMalloc`s of 1.2 GB included), empty
+torch's cache, synchronise its stream or an event, time with events, copy from pinned memory, compile and load
+a Triton kernel, and run SDPA; every capture replayed right. Two things broke it, and the app does neither
+while it serves (`tests/test_cuda_streams.py` reads the sources for them):
+- a synchronize of the whole device (torch's `cuda.synchronize()`) in any thread invalidates the capture
+  ("operation not permitted when stream is capturing"): wait on a stream or an event instead;
+- a draw from torch's default CUDA generator in another thread fails while a capture runs ("Offset increment
+  outside graph capture"): random numbers on the GPU come from a generator of the caller's own.
 """
 
 from __future__ import annotations
@@ -21,62 +32,16 @@ _claimed: set[tuple[int, int]] = set()  # (device, stream handle) held by a live
 _lock = threading.Lock()
 
 
-class _CaptureGate:
-    """One CUDA graph capture at a time in the process, and none while another thread launches GPU work.
-
-    Engines run on threads of their own (a chat model, a draft model, SAM) and capture at first use of a
-    shape. Two captures at once shared torch's one default capture stream ("beginAllocateToPool: already
-    recording to mempool_id", H200, two engines over one model); a capture in thread-local mode, on a
-    stream no engine held, was still invalidated while another engine decoded (H200, 2026-11-27: a
-    speculating engine measuring its steps beside a plain one). So work that launches on the GPU runs
-    inside `launching()` (any number of threads at once, re-entrant), and `capturing()` waits for every
-    other thread's launching to end and holds new ones back until the capture is done; a thread waiting
-    to capture does not count as launching meanwhile (two engines that both capture would otherwise wait
-    on each other). Once an engine's shapes are captured, the gate costs a lock per step."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._launching: dict[int, int] = {}  # thread → its nesting depth of launching()
-        self._capturer: int | None = None
-
-    @contextlib.contextmanager
-    def launching(self) -> Iterator[None]:
-        me = threading.get_ident()
-        with self._cond:
-            # a thread already launching goes on (a capture waiting for it must not wait on it in turn)
-            self._cond.wait_for(lambda: self._capturer in (None, me) or me in self._launching)
-            self._launching[me] = self._launching.get(me, 0) + 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._launching[me] -= 1
-                if not self._launching[me]:
-                    del self._launching[me]
-                self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
-        me = threading.get_ident()
-        with self._cond:
-            depth = self._launching.pop(me, 0)  # waiting here, this thread launches nothing
-            self._cond.notify_all()
-            self._cond.wait_for(lambda: self._capturer is None)
-            self._capturer = me
-            self._cond.wait_for(lambda: not self._launching)
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._capturer = None
-                if depth:
-                    self._launching[me] = depth
-                self._cond.notify_all()
+_capture_lock = threading.Lock()
 
 
-_gate = _CaptureGate()
-launching = _gate.launching
-capturing = _gate.capturing
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """One CUDA graph capture at a time in the process: every capture runs on the one `capture_stream`, and
+    each registers torch's default CUDA generator, which two captures at once would both claim. Other threads'
+    GPU work goes on meanwhile; no gate on it (see the module's note on what it must not do)."""
+    with _capture_lock:
+        yield
 
 
 def own_stream(device: torch.device | int | None = None) -> torch.cuda.Stream:

@@ -56,14 +56,14 @@ def graphed_us(calls: list[Callable[[], object]], repeats: int = 10) -> float:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
-    torch.cuda.synchronize()
+    torch.cuda.current_stream().synchronize()  # not the device's: another engine may be capturing (`plugins.cuda_streams`)
     times = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         graph.replay()
         b.record()
-        torch.cuda.synchronize()
+        b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(calls))
     return sorted(times)[len(times) // 2]
 
@@ -173,7 +173,8 @@ def candidates(layer: LowBitWeight, rows: int) -> list[Config]:
 def fastest(layers: list[LowBitWeight], rows: int) -> Config:
     """The candidate that runs `rows` rows through `layers` (rotating through them) in the least time."""
     w0 = layers[0]
-    x = torch.randn(rows, w0.in_features - w0.pad, device=w0.data.device, dtype=w0.dtype)  # the layer pads it
+    own = torch.Generator(w0.data.device).manual_seed(0)  # not torch's default one: see `plugins.cuda_streams`
+    x = torch.randn(rows, w0.in_features - w0.pad, device=w0.data.device, dtype=w0.dtype, generator=own)  # padded by the layer
     best: tuple[float, Config] | None = None
     for config in candidates(w0, rows):
         try:

@@ -23,6 +23,7 @@ from pipeline.llm.engine.params import SamplingParams  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.minigpt4.engine import TorchVisionEncoder  # noqa: E402
 from pipeline.minigpt4.weights import demo_vision_dir, load_vision_folder  # noqa: E402
+from pipeline.cuda_graphs import CapturedCall  # noqa: E402
 from pipeline.sam.model import load_sam  # noqa: E402
 from pipeline.sam.weights import resolve_sam  # noqa: E402
 from pipeline.sam.engine import GraphedSamEngine, TorchSamEngine  # noqa: E402
@@ -265,6 +266,21 @@ def test_a_low_bit_verify_step_gives_the_decode_steps_logits_bit_for_bit(mode, g
         runner.close()
 
 
+def _int4_model(seed: int = 0):
+    """A small int4 Qwen2-shaped decoder on the low-bit kernels (tuned now)."""
+    from pipeline.llm.model.decoder import Decoder
+    from pipeline.llm.weights.config import DecoderConfig
+    from pipeline.llm.weights.quant import quantize_decoder, use_kernels
+    from plugins.lowbit_tuning import TunedConfigs
+
+    config = DecoderConfig(family="qwen2", vocab_size=1024, hidden_size=1024, intermediate_size=4096, num_layers=4,
+                           num_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=2048, qkv_bias=True)
+    torch.manual_seed(seed)
+    model = quantize_decoder(Decoder(config).to(torch.bfloat16), "int4", "cuda").cuda().eval()
+    use_kernels(model, TunedConfigs())
+    return model
+
+
 def test_two_engines_over_one_int4_model_at_once_give_what_each_gives_alone():
     """A plain and a speculating engine over one int4 model, decoding at the same time on their two streams,
     each give the greedy replies they give alone, and the speculating one plain decoding's, round after
@@ -273,17 +289,9 @@ def test_two_engines_over_one_int4_model_at_once_give_what_each_gives_alone():
     partials, and int4 speculation's replies parted from plain decoding's in some runs and not in others."""
     import threading
 
-    from pipeline.llm.model.decoder import Decoder
-    from pipeline.llm.weights.config import DecoderConfig
-    from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from pipeline.llm.engine.speculation import GPU_LOW_BIT, PromptLookup, Speculation
-    from plugins.lowbit_tuning import TunedConfigs
 
-    config = DecoderConfig(family="qwen2", vocab_size=1024, hidden_size=1024, intermediate_size=4096, num_layers=4,
-                           num_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=2048, qkv_bias=True)
-    torch.manual_seed(0)
-    model = quantize_decoder(Decoder(config).to(torch.bfloat16), "int4", "cuda").cuda().eval()
-    use_kernels(model, TunedConfigs())
+    model = _int4_model()
     params = SamplingParams(max_new_tokens=96, temperature=0, repetition_penalty=1.0)
     alone_engine = TorchLLMEngine(model, 2048, 1024, max_batch=4)
     plain = TorchLLMEngine(model, 2048, 1024, max_batch=4)
@@ -305,6 +313,138 @@ def test_two_engines_over_one_int4_model_at_once_give_what_each_gives_alone():
         assert beside == [alone], round_
     assert fast.status()["drafted_tokens"] > 0
     for engine in (alone_engine, plain, fast):
+        engine.close()
+
+
+def _other_work(kind: str):
+    """One piece of GPU work of `kind`, as another engine's thread does it while a capture runs; `step(k)`."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add(x_ptr, n, c: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + c, mask=i < n)
+
+    t = torch.randn(256, 256, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    own = torch.Generator("cuda").manual_seed(2)
+    graph = CapturedCall(lambda x: x @ x, t) if kind == "a graph replayed" else None
+    return {
+        "kernels": lambda k: (t @ t).sum(),
+        "allocations and an emptied cache": lambda k: (torch.empty(1 << 20 + k % 8, device="cuda").fill_(1),
+                                                       torch.cuda.empty_cache()),
+        "a read back": lambda k: (t @ t).sum().item(),
+        "pageable copies each way": lambda k: t.copy_(torch.full(t.shape, float(k))).cpu(),
+        "an event waited on": lambda k: torch.cuda.current_stream().record_event().synchronize(),
+        "a graph replayed": lambda k: graph(t).sum().item(),
+        "a Triton kernel compiled": lambda k: add[(1,)](t, 64, c=float(k % 4), BLOCK=64),
+        "draws from its own generator": lambda k: torch.rand(1024, device="cuda", generator=own).sum().item(),
+    }[kind]
+
+
+@pytest.mark.parametrize("kind", ["kernels", "allocations and an emptied cache", "a read back",
+                                  "pageable copies each way", "an event waited on", "a graph replayed",
+                                  "a Triton kernel compiled", "draws from its own generator"])
+def test_a_capture_holds_while_another_thread_does_gpu_work(kind):
+    """No gate holds other threads' GPU work back while a graph is captured (`plugins.cuda_streams`): each kind
+    of work the engines do, looping on another thread's stream, leaves every capture whole and right."""
+    import threading
+
+    from plugins.cuda_streams import own_stream, release
+
+    w = torch.randn(512, 512, device="cuda") / 23
+
+    def body(x):
+        for _ in range(100):
+            x = torch.tanh(x @ w) + 0.01
+        return x
+
+    stream, stop, done, errors = own_stream(), threading.Event(), [0], []
+
+    def loop():
+        with torch.cuda.stream(stream):
+            step = _other_work(kind)
+            k = 0
+            while not stop.is_set():
+                try:
+                    step(k)
+                    done[0] += 1
+                except Exception as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+                    return
+                k += 1
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    try:
+        while not done[0] and not errors:
+            stop.wait(0.01)
+        for seed in range(6):
+            x = torch.randn(64, 512, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+            captured = CapturedCall(body, x)
+            assert torch.allclose(captured(x), body(x), atol=1e-4)
+        during = done[0]
+    finally:
+        stop.set()
+        thread.join()
+        release(stream)
+    assert not errors, errors
+    assert during > 1
+
+
+def test_engines_tune_and_capture_while_another_engine_replies():
+    """While one engine replies without pause, a model's kernels are tuned (each candidate timed in a captured
+    graph) and two engines over it start (their step tables captured, their verify steps timed): every graph
+    is captured, nothing fails or warns, and every reply is the one its model gives alone; no gate held the
+    replying engine back."""
+    import threading
+    import warnings
+
+    from pipeline.llm.engine.speculation import GPU_LOW_BIT, PromptLookup, Speculation
+
+    model = _int4_model()
+    params = SamplingParams(max_new_tokens=64, temperature=0, repetition_penalty=1.0)
+    prompts = [Prompt(tuple(int(t) for t in torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n))))
+               for n in (40, 300, 700)]
+
+    def replies(engine) -> list[list[int]]:  # one chat at a time: the same rows in every step as alone
+        return [list(engine.submit(p, params, set())) for p in prompts]
+
+    serving = TorchLLMEngine(model, 2048, 1024, max_batch=4)
+    alone = replies(serving)
+    stop, rounds, errors = threading.Event(), [], []
+
+    def serve():
+        try:
+            while not stop.is_set():
+                rounds.append(replies(serving))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=serve)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        thread.start()
+        try:
+            steps = serving.steps
+            twin = _int4_model()  # the same weights, its kernels tuned now (their configs may differ: timed)
+            started = []
+            for _ in range(2):
+                engine = TorchLLMEngine(twin, 2048, 1024, max_batch=4,
+                                        speculation=Speculation(PromptLookup(), GPU_LOW_BIT, measured=True))
+                started.append(replies(engine))
+                assert engine.runner.captures == len(engine.runner.table_keys()) and not engine.runner.missed
+                engine.close()
+            assert serving.steps > steps
+        finally:
+            stop.set()
+            thread.join()
+    assert not errors, errors
+    assert not [str(w.message) for w in caught if "failed" in str(w.message)]
+    assert rounds and all(r == alone for r in rounds)
+    plain = TorchLLMEngine(twin, 2048, 1024, max_batch=4)
+    assert started == [replies(plain)] * 2
+    for engine in (serving, plain):
         engine.close()
 
 

@@ -17,7 +17,6 @@ from torch import Tensor
 from pipeline.cuda_graphs import CapturedCall
 from pipeline.engine_session import Session
 from pipeline.minigpt4.vision import MiniGPT4Vision, VisionConfig
-from plugins.cuda_streams import launching
 
 
 class VisionEncoder(Protocol):
@@ -49,7 +48,7 @@ class TorchVisionEncoder:
     def encode(self, pixels: Tensor) -> Tensor:
         if not self.graphed:
             return self.model(pixels.to(self.device, self.dtype))[0]
-        with self._lock, launching():  # (lock first: a thread holding the lock may be capturing)
+        with self._lock:
             x = pixels.to(self.device, self.dtype)
             self._graph = self._graph or CapturedCall(self.model, x)
             return self._graph(x)[0]

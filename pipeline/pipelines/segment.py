@@ -135,7 +135,7 @@ class SegmentPipeline:
                 raise UserError("the GPU ran out of memory encoding this image; close other tools or "
                                 "use a smaller SAM variant") from None
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
+                torch.cuda.current_stream(device).synchronize()  # not the device: see `plugins.cuda_streams`
             stats.encoder_runs += 1
             stats.last_encoder_ms = (time.perf_counter() - start) * 1e3
             self._cache[handle.key] = embedding

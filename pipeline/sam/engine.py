@@ -23,7 +23,6 @@ from pipeline.engine_session import Session
 from pipeline.sam.mask_decoder import select_masks
 from pipeline.sam.model import Sam, SamConfig
 from pipeline.sam.prompt_encoder import labelled_points
-from plugins.cuda_streams import launching
 
 Points = tuple[Tensor, Tensor]  # coordinates [B, N, 2] in model-input pixels, labels [B, N] (1 object, 0 background)
 
@@ -83,7 +82,7 @@ class GraphedSamEngine(TorchSamEngine):
 
     @torch.inference_mode()
     def encode(self, pixels: Tensor) -> Tensor:
-        with self._lock, launching():  # (lock first: a thread holding the lock may be capturing)
+        with self._lock:
             x = pixels.to(self.device, self.dtype)
             self._encoder = self._encoder or CapturedCall(self.model.image_encoder, x)
             return self._encoder(x).float()
@@ -95,10 +94,9 @@ class GraphedSamEngine(TorchSamEngine):
         if coords is not None and coords.shape[0] > 1:
             # A batch of prompts (segment everything): its kernels are big enough to hide their launches,
             # and a graph would hold on to its large buffers for good.
-            with launching():
-                return super().decode(embedding, points, box, mask_input, multimask)
+            return super().decode(embedding, points, box, mask_input, multimask)
         key = (0 if coords is None else coords.shape[1], box is not None, mask_input is not None, multimask)
-        with self._lock, launching():
+        with self._lock:
             if key not in self._decoders:
                 def decode(e, c, lab, b, m):
                     return self.model.decode(e, (c, lab) if c is not None else None, b, m, multimask)

@@ -341,13 +341,13 @@ class ModelRunner:
         feed = RowsFeed(rows, [[0] * width] * rows, [self.scratch] * rows, [0] * rows, kv_need=self.scratch + width)
         for _ in range(3):  # a first run, and a replay
             self.step(cache, feed)
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()  # this engine's own: see `plugins.cuda_streams`
         start = time.perf_counter()
         for _ in range(repeats):
             logits, _ = self.step(cache, feed)
             if settled:
                 logits[:, 0, :1].cpu()
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         return (time.perf_counter() - start) / repeats
 
     def one_step_ahead(self) -> None:

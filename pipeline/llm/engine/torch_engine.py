@@ -44,7 +44,6 @@ from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.plan import Request, StepPlan
 from pipeline.llm.engine.scheduler import Proposer, Scheduler
 from pipeline.llm.engine.speculation import MAX_ROWS, Speculation, costs_on
-from plugins.cuda_streams import launching
 
 LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
 
@@ -154,8 +153,7 @@ class TorchLLMEngine:
         with torch.inference_mode():
             if self.use_cuda_graphs:  # every step's graph before the first request: none is captured mid-reply
                 try:
-                    with launching():
-                        self.runner.capture_table(self.rows.kv)
+                    self.runner.capture_table(self.rows.kv)
                 except Exception as e:  # noqa: BLE001 - the steps the table lacks run eagerly: slower, as right
                     warnings.warn(f"capturing the step graphs failed ({type(e).__name__}: {e}); the steps without "
                                   f"one run without CUDA graphs", stacklevel=1)
@@ -167,11 +165,10 @@ class TorchLLMEngine:
                     warnings.warn(f"measuring the verify steps failed ({type(e).__name__}: {e}); speculation "
                                   f"takes the prior costs", stacklevel=1)
             while (joining := scheduler.next_joining()) is not None:
-                with launching():  # GPU work: no other thread's graph capture meanwhile (`plugins.cuda_streams`)
-                    for request in joining:
-                        self._guarded([request], self._admit, request)
-                    if any(r.stream.cancelled for r in scheduler.running):
-                        self._guarded(list(scheduler.running), self._drain)  # settle the step in flight first
+                for request in joining:
+                    self._guarded([request], self._admit, request)
+                if any(r.stream.cancelled for r in scheduler.running):
+                    self._guarded(list(scheduler.running), self._drain)  # settle the step in flight first
                 for r in [r for r in scheduler.running + scheduler.prefilling if r.stream.cancelled]:
                     self.outputs.finish(r, r.stream.reason)
                 self._guarded(scheduler.running + scheduler.prefilling, self._step)
@@ -182,9 +179,8 @@ class TorchLLMEngine:
     def _measure(self) -> None:
         """The verify costs on this GPU (`speculation.costs_on`): those an earlier launch recorded, else measured
         now on the steps the graph table holds, one row and the most rows that verify."""
-        with launching():
-            costs = costs_on(self.speculation, lambda rows, k, settled: self.runner.step_seconds(
-                self.rows.kv, rows, k + 1, settled), (1, self.runner.wide_rows))
+        costs = costs_on(self.speculation, lambda rows, k, settled: self.runner.step_seconds(
+            self.rows.kv, rows, k + 1, settled), (1, self.runner.wide_rows))
         self.proposer.costs = costs or self.proposer.costs
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
@@ -225,21 +221,20 @@ class TorchLLMEngine:
         of the GPU."""
         running = self.scheduler.running
         pending = self._pending
-        with launching():  # a step chains on the one in flight where that was a plain step of the same rows
-            if pending is not None and (pending.plan.verifies or [s.request for s in pending.plan.rows] != running
-                                        or not running):
-                self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
-        plan = self.scheduler.plan(self._pending is not None, self._settle_now)
-        with launching():  # (the plan outside: a draft model's engine may be waiting to capture a graph)
-            if plan.rows or plan.chunks:
-                try:
-                    self._launch(plan)
-                except Exception as e:  # noqa: BLE001 - a step that read prompts: theirs end, the running take it again
-                    if not plan.chunks:
-                        raise
-                    self._fail([s.request for s in plan.chunks], e)
-                    self._drain()  # the rows were not advanced: their next step starts from the host
-                self.runner.one_step_ahead()
+        # a step chains on the one in flight where that was a plain step of the same rows
+        if pending is not None and (pending.plan.verifies or [s.request for s in pending.plan.rows] != running
+                                    or not running):
+            self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
+        plan = self.scheduler.plan(self._pending is not None, self._drain)
+        if plan.rows or plan.chunks:
+            try:
+                self._launch(plan)
+            except Exception as e:  # noqa: BLE001 - a step that read prompts: theirs end, the running take it again
+                if not plan.chunks:
+                    raise
+                self._fail([s.request for s in plan.chunks], e)
+                self._drain()  # the rows were not advanced: their next step starts from the host
+            self.runner.one_step_ahead()
 
     def _offset(self, request: Request, position: int) -> int:
         """The rotary offset of `request`'s tokens from `position` on: its table's, moved by its prompt's
@@ -287,10 +282,6 @@ class TorchLLMEngine:
         previous, self._pending = self._pending, self.outputs.launched(plan, drawn, kept, kept_logits, logprobs)
         if previous is not None:
             self.outputs.settle(previous)
-
-    def _settle_now(self) -> None:
-        with launching():
-            self._drain()
 
     def _drain(self) -> None:
         """Settle the step in flight now (waiting for the GPU)."""
