@@ -34,6 +34,7 @@ Parts (`--parts`, comma-separated):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -320,7 +321,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
     from llm_engine import random_prompt, random_qwen25_7b
     from pipeline.llm.engine.params import SamplingParams
     from pipeline.llm.text.prompt import Prompt
-    from pipeline.llm.engine.speculation import GPU_FLOAT, GPU_LOW_BIT, Speculation, VerifyCost
+    from pipeline.llm.engine.speculation import Speculation, VerifyCost, prompt_lookup
     from pipeline.llm.engine.torch_engine import TorchLLMEngine
     from pipeline.llm.weights.quant import quantize_decoder, use_kernels
     from plugins.lowbit_tuning import TunedConfigs
@@ -337,7 +338,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
             quantize_decoder(model, quant, "cuda")
             use_kernels(model, TunedConfigs())
         vocab = model.config.vocab_size
-        cost = GPU_LOW_BIT if quant != "none" else GPU_FLOAT
+        app = prompt_lookup("cuda", quant != "none", exact)  # the app's costs, measuring and rows that draft
         plain = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16)
         cases = []
         for kind in ("input_grounded", "open_chat"):
@@ -357,7 +358,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
                 case = (r["prompt"], r["plain"], tuple(prompt), reply)
                 cases.append((case, params))
                 fast = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16,
-                                      speculation=Speculation(ShadowDrafts([case]), cost, measured=True, exact=exact))
+                                      speculation=dataclasses.replace(app, drafter=ShadowDrafts([case])))
                 for _ in range(2):
                     stream = fast.submit(Prompt(prompt), params, set())
                     got = list(stream)
@@ -373,8 +374,7 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
                                      "acceptance": round(kept / drafted, 3) if drafted else 0.0}
             print(mode, kind, res[f"{mode}_{kind}"], flush=True)
         fast = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16,
-                              speculation=Speculation(ShadowDrafts([c for c, _ in cases]), cost, measured=True,
-                                                                exact=exact))
+                              speculation=dataclasses.replace(app, drafter=ShadowDrafts([c for c, _ in cases])))
         list(fast.submit(Prompt(cases[0][0][2]), SamplingParams(max_new_tokens=1), set()))  # its start-up measure done:
         half = len(cases) // 2  # the grounded patterns, then as many open chats
         for chats in (2, half, 2 * half):  # as many of each kind: 2, 4 and 8 chats at once

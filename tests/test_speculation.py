@@ -3,6 +3,7 @@ rule — sampled replies keep plain decoding's distribution (a chi-square test a
 distribution of a tiny model's 3-token replies) and a seeded reply its very tokens. Greedy identity on
 the real SmolLM2 is in test_real_model.py."""
 
+import dataclasses
 import math
 import threading
 import time
@@ -13,8 +14,9 @@ import torch
 
 from pipeline.llm.engine.scheduler import Proposer
 from pipeline.llm.engine.params import SamplingParams
-from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, MAX_ROWS, PROBE_EVERY, DraftState, PerRequest, PromptLookup,
-                                             batch_cap, best_draft, expected_tokens, Speculation, VerifyCost)
+from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, LOW_BIT_MAX_ROWS, MAX_ROWS, PROBE_EVERY, DraftState,
+                                             PerRequest, PromptLookup, batch_cap, best_draft, expected_tokens,
+                                             prompt_lookup, Speculation, VerifyCost)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.model.kv_cache import KVCache
@@ -88,13 +90,18 @@ def test_a_batch_drafts_only_what_pays_for_all_of_its_rows():
         assert tokens / eight(longest) >= len(rows), (rows, cap)
 
 
-def test_no_step_drafts_past_max_rows_chats():
-    """Past MAX_ROWS chats no row drafts, however well its drafts are kept (8 chats measured slower speculating
-    than not on the H200, where the cost model said otherwise); up to MAX_ROWS the cost model decides."""
-    proposer = Proposer(Speculation(PromptLookup(), VerifyCost(0.0, 0.0)), context=1000)
-    running = [Running() for _ in range(MAX_ROWS + 1)]
+@pytest.mark.parametrize("low_bit", [False, True])
+def test_no_step_drafts_past_max_rows_chats(low_bit):
+    """Past `max_rows` chats no row drafts, however well its drafts are kept (8 chats measured slower speculating
+    than not on the H200, where the cost model said otherwise; low-bit weights already at 2 chats); up to
+    `max_rows` the cost model decides. The app's GPU speculation takes 2 rows, and 1 with low-bit weights."""
+    app = prompt_lookup("cuda", low_bit)
+    assert app.max_rows == (LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS)
+    proposer = Proposer(dataclasses.replace(app, cost=VerifyCost(0.0, 0.0)), context=1000)
+    running = [Running() for _ in range(app.max_rows + 1)]
     proposer.states = {r: DraftState(None, accepted=9.0, checked=9.0) for r in running}
-    assert all(proposer.wanted(running[:MAX_ROWS]).values()) and not any(proposer.wanted(running).values())
+    assert all(proposer.wanted(running[:app.max_rows]).values()) and not any(proposer.wanted(running).values())
+    assert proposer.drafts(running, dict.fromkeys(running, 4), None) is None  # (settling promoted a chat since)
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
 from pipeline.llm.engine.plan import Request, Scheduled, StepPlan
-from pipeline.llm.engine.speculation import DRAFT_SIZES, MAX_ROWS, Ask, DraftState, Speculation, VerifyCost, batch_cap
+from pipeline.llm.engine.speculation import DRAFT_SIZES, Ask, DraftState, Speculation, VerifyCost, batch_cap
 
 
 class Scheduler:
@@ -218,8 +218,8 @@ class Proposer:
 
     def wanted(self, running: Sequence[Request]) -> dict[Request, int]:
         """How many tokens each running request would draft this step (0: none), by its acceptance so far, cut
-        for a batch of several to what pays for all of its rows (`speculation.batch_cap`); none past MAX_ROWS rows."""
-        if len(running) > MAX_ROWS:
+        for a batch of several to what pays for all of its rows (`speculation.batch_cap`); none past `max_rows` rows."""
+        if len(running) > self.speculation.max_rows:
             return {}
         most, cost = self.speculation.max_draft, self.cost_for(len(running))
         asked = {r: self.states[r].wanted(cost, most, self.room(r)) for r in running}
@@ -237,9 +237,9 @@ class Proposer:
 
     def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows) -> list[list[int]] | None:
         """Each running request's draft (in row order), asked of the drafter in one call; None where none was
-        found: the step is a plain one (as with more than MAX_ROWS rows: settling the step in flight may have
+        found: the step is a plain one (as with more than `max_rows` rows: settling the step in flight may have
         promoted a prompt since `wanted`)."""
-        asking = [r for r in running if wanted.get(r) and self.room(r) > 0] if len(running) <= MAX_ROWS else []
+        asking = [r for r in running if wanted.get(r) and self.room(r) > 0] if len(running) <= self.speculation.max_rows else []
         if not asking:
             return None
         proposed = self.speculation.drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,),

@@ -14,7 +14,7 @@ drafted token accepted with probability a, independently): k maximises the expec
 drafting and tries again with a short draft every `PROBE_EVERY` steps, so a chat where lookup does not
 pay runs as plain decode steps. With several chats the step's cost is the batch's: `batch_cap` cuts every
 row's draft to the length that pays for the batch as a whole, none where none does, so by the cost model a
-batch never runs slower for its drafts; past `MAX_ROWS` chats none drafts (there the model erred). The cost
+batch never runs slower for its drafts; past `Speculation.max_rows` chats none drafts (there the model erred). The cost
 is fixed while the engine runs (on a GPU measured once by the first launch, `costs_on`, and kept for the next
 ones), never read from the clock between steps: which steps verify follows
 from the tokens alone, the same in every run. The engine's scheduler owns the drafts (`scheduler.Proposer`:
@@ -42,8 +42,10 @@ MAX_DRAFT = DRAFT_SIZES[-1]  # drafted tokens per step at most (a verify step sc
 # against plain steps (H200, 2026-11-30, bench/RESULTS.md), by the cost model never slower: with drafts up to 4
 # rows, 4 chats 0.95x (bf16) and 0.99x (int4), 8 chats 0.99x and 0.94x; up to 2 rows, 2 chats 1.01-1.11x and
 # 0.97-1.00x, 4 chats 1.02-1.14x and 1.01-1.04x, 8 chats 0.99-1.01x and 1.00-1.03x. Each larger bucket's verify
-# graphs also cost every launch their captures.
+# graphs also cost every launch their captures. Low-bit weights on a GPU draft with one chat only (2 chats
+# 0.97-1.00x in four runs, H200 2026-11-30: `LOW_BIT_MAX_ROWS`).
 MAX_ROWS = 2
+LOW_BIT_MAX_ROWS = 1
 PROBE_EVERY = 16  # plain steps before a request whose drafts stopped paying tries a short draft again
 DECAY = 0.8  # weight of the earlier acceptance counts at each new verify
 
@@ -261,6 +263,7 @@ class Speculation:
     measured: bool = False  # the engine measures the cost on its GPU (`costs_on`), once: kept in
     record: Path | None = None  # this file, and read from it by later launches
     exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_rows`)
+    max_rows: int = MAX_ROWS  # drafts only while at most this many chats run
 
     @property
     def description(self) -> str:
@@ -274,7 +277,7 @@ def prompt_lookup(device: str, low_bit: bool, exact: bool = True, record: Path |
     if device == "cpu":
         return Speculation(PromptLookup(), CPU, exact=exact)
     return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True, exact=exact,
-                       record=record)
+                       record=record, max_rows=LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS)
 
 
 @dataclasses.dataclass

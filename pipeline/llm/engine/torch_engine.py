@@ -43,7 +43,7 @@ from pipeline.llm.engine.params import InvalidSampling, SamplingParams
 from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.plan import Request, StepPlan
 from pipeline.llm.engine.scheduler import Proposer, Scheduler
-from pipeline.llm.engine.speculation import MAX_ROWS, Speculation, costs_on
+from pipeline.llm.engine.speculation import Speculation, costs_on
 
 LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
 
@@ -71,8 +71,9 @@ class TorchLLMEngine:
         self.device, self.hidden_size = model.norm.weight.device, c.hidden_size
         rows = max(rows or 2 * max_batch, max_batch)
         self.proposer = Proposer(speculation, context) if speculation is not None else None
+        verifying = min(speculation.max_rows, max_batch) if speculation else 1  # rows a verify step may have
         self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs,
-                                  self.proposer.widths if self.proposer else (1,), min(MAX_ROWS, max_batch),
+                                  self.proposer.widths if self.proposer else (1,), verifying,
                                   exact_rows=speculation is None or speculation.exact, step_tokens=prefill_chunk)
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk,
@@ -180,7 +181,7 @@ class TorchLLMEngine:
         """The verify costs on this GPU (`speculation.costs_on`): those an earlier launch recorded, else measured
         now on the steps the graph table holds, one row and the most rows that verify."""
         costs = costs_on(self.speculation, lambda rows, k, settled: self.runner.step_seconds(
-            self.rows.kv, rows, k + 1, settled), (1, self.runner.wide_rows))
+            self.rows.kv, rows, k + 1, settled), sorted({1, self.runner.wide_rows}))
         self.proposer.costs = costs or self.proposer.costs
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
