@@ -153,13 +153,16 @@ class _Batch:
 class WorkerPool:
     """Worker processes for one GPU, each fed by a thread of its own from one queue. They start once (a
     worker imports torch and Triton: seconds) and serve every compile of a launch (the kernels compiled while
-    the weights load, the tuning candidates, the tuned step variants); each leaves after IDLE_S without work."""
+    the weights load, the tuning candidates, the tuned step variants); each leaves after IDLE_S without work.
+    Batches may be asked for at once (the tuning candidates while other kernels compile): a spec queued or
+    compiling for one batch is compiled once, and its answer goes to every batch that asked."""
 
     IDLE_S = 60.0
     STALL_S = 300.0
 
     def __init__(self, device_index: int, count: int):
-        self.todo: queue.Queue[tuple[Spec, _Batch]] = queue.Queue()
+        self.todo: queue.Queue[Spec] = queue.Queue()
+        self.asked: dict[Spec, list[_Batch]] = {}  # each spec queued or compiling, and the batches waiting for it
         self.serving, self.lock, self.why_gone = count, threading.Lock(), "no compile worker left"
         # the worker sees this GPU alone, as device 0: it compiles for its architecture and never makes a CUDA
         # context on it (that would hold GPU memory while the KV cache is sized)
@@ -173,9 +176,13 @@ class WorkerPool:
     def compile(self, specs: list[Spec], done: Callable[[], None]) -> tuple[list[Spec], list[str]]:
         """Queue `specs` and wait for their answers: until every one has one, or until none came for
         STALL_S (a worker stuck: what is left is compiled by the launch itself, which asks for them all)."""
+        specs = list(dict.fromkeys(specs))
         batch = _Batch(len(specs), done)
-        for spec in specs:
-            self.todo.put((spec, batch))
+        with self.lock:
+            for spec in specs:
+                if spec not in self.asked:
+                    self.todo.put(spec)
+                self.asked.setdefault(spec, []).append(batch)
         left, since = batch.left, time.monotonic()
         while not batch.finished.wait(1.0):
             if not self.alive():  # every worker gone: what is left is this process's to compile
@@ -205,14 +212,13 @@ class WorkerPool:
                     item = self.todo.get(timeout=self.IDLE_S)
                 except queue.Empty:
                     return
-                spec, batch = item
-                proc.stdin.write(json.dumps([spec.module, spec.name, spec.data]) + "\n")
+                proc.stdin.write(json.dumps([item.module, item.name, item.data]) + "\n")
                 proc.stdin.flush()
                 why = json.loads(proc.stdout.readline() or "{}")  # nothing: it died
                 if not isinstance(why, (str, type(None))):
                     raise EOFError
-                item = None
-                batch.answer(spec, why)
+                item, spec = None, item
+                self.answer(spec, why)
         except Exception:  # noqa: BLE001 - it died, could not start, or spoke garbage: the rest go to the others
             tail = ["no message"]
             with contextlib.suppress(Exception):
@@ -220,7 +226,7 @@ class WorkerPool:
                 tail = err.read().decode(errors="replace").strip().splitlines()[-1:] or tail
             self.why_gone = f"a compile worker exited ({tail[0][:200]})"
             if item is not None:
-                item[1].answer(item[0], self.why_gone)
+                self.answer(item, self.why_gone)
         finally:
             if proc is not None:
                 for pipe in (proc.stdin, proc.stdout):
@@ -238,13 +244,20 @@ class WorkerPool:
             if not self.alive():
                 self._drain()
 
+    def answer(self, spec: Spec, why: str | None) -> None:
+        """`spec` compiled (`why` None) or not: every batch that asked for it is told."""
+        with self.lock:
+            batches = self.asked.pop(spec, [])
+        for batch in batches:
+            batch.answer(spec, why)
+
     def _drain(self) -> None:
         while True:
             try:
-                spec, batch = self.todo.get_nowait()
+                spec = self.todo.get_nowait()
             except queue.Empty:
                 return
-            batch.answer(spec, self.why_gone)
+            self.answer(spec, self.why_gone)
 
 
 _pools: dict[int, WorkerPool] = {}
@@ -335,10 +348,10 @@ def help_workers(device_index: int, until: Callable[[], bool]) -> None:
             time.sleep(0.5)
             continue
         try:
-            spec, batch = pool.todo.get(timeout=0.5)
+            spec = pool.todo.get(timeout=0.5)
         except queue.Empty:
             continue
-        batch.answer(spec, compile_spec(spec))
+        pool.answer(spec, compile_spec(spec))
 
 
 def _work() -> None:

@@ -36,6 +36,7 @@ CANDIDATES = {  # per batch bucket: one row (the single chat), and 2–16 rows (
     8: tuple(Config(64, st, sk) for st in (1, 2) for sk in SPLITS[:4]),  # 16 splits: 16 rows of partials each
 }
 CALLS = 24
+CANDIDATES_WHAT = "low-bit kernel candidates"  # their compiles' name, which `tune_layers` waits for alone
 # Configs tuned on the GPUs we measured on, by GPU model (`TunedConfigs.shipped_name`): a first launch there
 # times nothing for the shapes they hold (as vLLM ships its MoE kernels' configs per GPU).
 SHIPPED = Path(__file__).with_name("tuned")
@@ -133,7 +134,7 @@ def compile_candidates(cases: list[tuple[LowBitWeight, int]], say: Callable[[str
     `AsyncCompileMode`; about a second each, one after another otherwise), those compiled ahead
     (`compile_ahead`) excepted. Where this Triton lacks it, the timing loop compiles each on first use. A
     candidate that fails to compile is left to it too."""
-    compile_now(candidate_cases(cases), say, "low-bit kernel candidates")
+    compile_now(candidate_cases(cases), say, CANDIDATES_WHAT)
 
 
 def candidate_cases(cases: list[tuple[LowBitWeight, int]]) -> list[Case]:
@@ -153,14 +154,17 @@ def compile_ahead(stand_ins: list[LowBitWeight], tuned: TunedConfigs, verify: bo
     if stand_ins and device.type == "cuda":
         tuned.adopt_shipped(torch.cuda.get_device_name(device))
     cases: list[Case] = list(others)
+    missing: list[tuple[LowBitWeight, int]] = []
     for w in stand_ins:
         key = w.shape_key()
         if all(f"{key} b{rows}" in tuned.configs for rows in CANDIDATES):
             w.config, w.batch_config = tuned.configs[f"{key} b1"], tuned.configs[f"{key} b8"]
             cases += [(w, *call) for call in step_calls(w, verify)]
         else:
-            missing = [(w, rows) for rows in CANDIDATES if f"{key} b{rows}" not in tuned.configs]
-            cases += candidate_cases(missing) + [(w, *call) for call in prefill_calls(w)]
+            missing += [(w, rows) for rows in CANDIDATES if f"{key} b{rows}" not in tuned.configs]
+            cases += [(w, *call) for call in prefill_calls(w)]
+    if missing:  # first in the workers' queue: tuning waits for these alone, while the others compile
+        compile_in_background(candidate_cases(missing), device, CANDIDATES_WHAT)
     if cases:
         compile_in_background(cases, device, "kernels")
 

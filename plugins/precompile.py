@@ -14,10 +14,10 @@ step launches are not compiled (`tests/test_precompile.py`). With it no low-bit 
 compiled one at a time in a first launch any more (H200, 2026-11-27, `bench/RESULTS.md`, "Quick to start").
 
 Two moments (`studio.backends.torch_decoder`): while the weights are still being read or quantized,
-a thread of its own (`Background`) compiles what needs no weights (layer stand-ins,
-`LowBitWeight.stand_in`: the tuning candidates on a new GPU, every step variant where the tuned configs
-are on disk); after tuning, `compile_steps` compiles the step variants of the tuned configs that are
-not compiled yet, and shows their progress.
+threads of their own (`Background`) compile what needs no weights (layer stand-ins,
+`LowBitWeight.stand_in`: on a new GPU the tuning candidates first, so that tuning starts while the rest
+compile; every step variant where the tuned configs are on disk); after tuning, `compile_steps` compiles
+the step variants of the tuned configs that are not compiled yet, and shows their progress.
 """
 
 from __future__ import annotations
@@ -234,10 +234,11 @@ def _mode():
 
 
 def compile_now(cases: list[Case], say: Callable[[str], None], what: str) -> int:
-    """Compile every kernel `cases` launch that is not compiled (or under way) yet, all at once (`ask`);
-    returns how many were asked for. Where this Triton lacks `AsyncCompileMode` each compiles at its first
-    launch."""
-    settle(say)
+    """Compile every kernel `cases` launch that is not compiled yet, all at once (`ask`; those the background
+    compiles of the same `what` were given are waited for, others asked for beside them, each compiled once:
+    `compile_workers.WorkerPool`); returns how many were asked for. Where this Triton lacks `AsyncCompileMode`
+    each compiles at its first launch."""
+    settle(say, what)
     mode = _mode()
     if mode is None or not cases:
         return 0
@@ -345,7 +346,9 @@ def compile_in_background(cases: list[Case], device: torch.device, what: str) ->
     return Background(cases, device, what)
 
 
-def settle(say: Callable[[str], None] = lambda line: None) -> None:
-    """Wait for the compiles started in the background (before timing kernels or compiling others)."""
-    while _running:
-        _running.pop(0).wait(say)
+def settle(say: Callable[[str], None] = lambda line: None, what: str | None = None) -> None:
+    """Wait for the compiles started in the background (those of `what` alone, where given): before the kernels
+    are timed or launched."""
+    for job in [job for job in _running if what in (None, job.what)]:
+        job.wait(say)
+        _running.remove(job)

@@ -46,7 +46,7 @@ from pipeline.minigpt4.vision import MiniGPT4Vision
 from pipeline.sam.engine import SamEngine, torch_sam_engine
 from pipeline.sam.model import Sam
 from plugins.precompile import compile_steps, model_calls, settle
-from plugins.lowbit_tuning import TunedConfigs, compile_ahead
+from plugins.lowbit_tuning import CANDIDATES_WHAT, TunedConfigs, compile_ahead
 
 VISION_BACKENDS = ("torch", "onnxruntime", "tensorrt")
 KV_SHARE_OF_FREE_MEMORY = 0.4  # of what is free (on the GPU, or under the budget) once the weights are in
@@ -230,12 +230,15 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
         return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     why = kernel_unavailable(model)
     if why is None:
-        settle(say)  # the compiles begun above first: beside them, repacking the weights took 12 s, not 0.02 s
+        # the tuning candidates' compiles first (beside compiles in this process, repacking the weights took
+        # 12 s, not 0.02 s; the others compile in worker processes meanwhile), then the rest
+        settle(say, CANDIDATES_WHAT)
         use_kernels(model, tuned)
         if path is not None and tuned.changed:
             atomic_write(path, tuned.to_json())
         if device.type == "cuda":
             compile_steps([m.kernel for m in model.modules() if isinstance(m, QuantLinear)], verify, say)
+        settle(say)
         return model, f"{mode} weights (" + ("Triton low-bit kernels)" if device.type == "cuda" else
                                              "torch's CPU low-bit kernels, in bf16)")
     say(f"{model_id}: {why}")

@@ -82,6 +82,37 @@ def test_a_worker_that_cannot_start_or_answers_garbage_does_not_hold_the_launch(
     assert compiled == [] and failed == ["_gemv_kernel: a compile worker exited (no message)"] * 2
 
 
+def test_a_kernel_two_batches_ask_for_at_once_is_compiled_once_and_both_are_told(triton_cache, monkeypatch, tmp_path):
+    """The tuning candidates are asked for while the other kernels compile: a spec queued (or compiling) for one
+    batch is not queued again for another; its one answer reaches both. The worker here answers once a file
+    exists, so the second batch is asked while the first is still waiting."""
+    import threading
+
+    from plugins import compile_workers
+
+    go, log = tmp_path / "go", tmp_path / "asked.log"
+    worker = tmp_path / "waiting-worker"
+    worker.write_text(f'#!/bin/sh\necho ready\nwhile read -r line; do\n  while [ ! -f "{go}" ]; do sleep 0.05; done\n'
+                      f'  printf "%s\\n" "$line" >> "{log}"\n  echo null\ndone\n')
+    worker.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(worker))
+    C = Spec("plugins.lowbit", "_gemv_kernel", '{"a": 3}')
+    results: dict[str, tuple] = {}
+    first = threading.Thread(target=lambda: results.update(first=compile_in_workers([A, B], 13, workers=1)))
+    first.start()
+    while set(compile_workers._pools.get(13, compile_workers.WorkerPool(13, 0)).asked) != {A, B}:
+        first.join(0.01)
+    second = threading.Thread(target=lambda: results.update(second=compile_in_workers([B, C, C], 13)))
+    second.start()
+    while len(compile_workers._pools[13].asked.get(C, [])) != 1:
+        second.join(0.01)
+    go.touch()
+    first.join()
+    second.join()
+    assert results == {"first": ([A, B], []), "second": ([B, C], [])}
+    assert sorted(json.loads(line)[2] for line in log.read_text().splitlines()) == [A.data, B.data, C.data]
+
+
 def test_the_workers_serve_call_after_call_until_idle(triton_cache):
     from plugins import compile_workers
 

@@ -145,6 +145,10 @@ def test_compiling_ahead_covers_the_steps_where_tuned_and_the_candidates_where_n
     expected |= compiled([(layers[1], *c) for c in precompile.prefill_calls(layers[1])])
     said: list[str] = []
     lowbit_tuning.compile_ahead(stand_ins, tuned, True, CPU)
+    # the candidates first, on their own: tuning waits for them alone while the rest compile
+    assert [job.what for job in precompile._running] == [lowbit_tuning.CANDIDATES_WHAT, "kernels"]
+    precompile.settle(said.append, lowbit_tuning.CANDIDATES_WHAT)
+    assert [job.what for job in precompile._running] == ["kernels"]
     precompile.settle(said.append)
     assert set(notes) == expected
     assert not precompile._running and "while the weights loaded" in said[-1]
