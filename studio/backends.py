@@ -230,9 +230,7 @@ def torch_decoder(model_dir: Path, model_id: str, mode: str, dtype: torch.dtype,
         return load_decoder(model_dir, dtype=dtype, device=device), str(dtype).removeprefix("torch.")
     why = kernel_unavailable(model)
     if why is None:
-        # the tuning candidates' compiles first (beside compiles in this process, repacking the weights took
-        # 12 s, not 0.02 s; the others compile in worker processes meanwhile), then the rest
-        settle(say, CANDIDATES_WHAT)
+        settle(say, CANDIDATES_WHAT)  # the tuning's first (the others compile in worker processes meanwhile)
         use_kernels(model, tuned)
         if path is not None and tuned.changed:
             atomic_write(path, tuned.to_json())
