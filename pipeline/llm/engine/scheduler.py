@@ -239,7 +239,9 @@ class Proposer:
         """Each running request's draft (in row order), asked of the drafter in one call; None where none was
         found: the step is a plain one (as with more than `max_rows` rows: settling the step in flight may have
         promoted a prompt since `wanted`)."""
-        asking = [r for r in running if wanted.get(r) and self.room(r) > 0] if len(running) <= self.speculation.max_rows else []
+        if len(running) > self.speculation.max_rows:
+            return None
+        asking = [r for r in running if wanted.get(r) and self.room(r) > 0]
         if not asking:
             return None
         proposed = self.speculation.drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,),
