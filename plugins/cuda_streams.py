@@ -9,7 +9,7 @@ every capture runs on the one `capture_stream`, in thread-local mode, one at a t
 
 Engines run on threads of their own and capture as they start (a chat's step table) or at first use of a shape
 (SAM, MiniGPT-4), so a capture runs while other engines serve. A probe on an H200 (2026-11-30, torch 2.11, a
-thread-local capture of 300 kernels repeated beside another thread's work) found what that other work may do:
+thread-local capture of 150 matmul steps repeated beside another thread's work) found what that other work may do:
 launch kernels on its own stream or the default one, allocate (fresh `cudaMalloc`s of 1.2 GB included), empty
 torch's cache, synchronise its stream or an event, time with events, copy from pinned memory, compile and load
 a Triton kernel, and run SDPA; every capture replayed right. Two things broke it, and the app does neither

@@ -283,7 +283,7 @@ class ModelRunner:
         """`forward(*inputs)` by replaying the graph captured for `key` with `inputs` copied into its own; its
         output is the graph's own buffer, reused by the next replay. Graphs are captured as the engine starts
         (`capture_table`); a step whose key is not in the table after that runs eagerly (`missed` counts them:
-        a capture mid-reply costs tens of ms and the capture gate holds every other engine meanwhile)."""
+        a capture mid-reply costs tens of ms, and holds every other engine's captures back meanwhile)."""
         if key not in self._graphs:
             if self.ready:
                 self.missed += 1
