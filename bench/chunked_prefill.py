@@ -25,6 +25,9 @@ chunk step (target ≤ 3), and the long prompt's own first token, chunked agains
 Tokens are stamped on the engine thread as it hands them over (the stream's `deliver` wrapped), so no
 consumer thread's scheduling is in the numbers.
 
+The full run takes the app's default kernels: batch-invariant GEMMs for float weights on a GPU
+(`--no-batch-invariant`: cuBLAS's).
+
 With `--invariant-only`: the scenario in chunks of 128 with the default kernels and in batch-invariant mode
 (`--batch-invariant`), their steps' times, and whether each mode's greedy bf16 replies alone = with the others.
 
@@ -209,6 +212,8 @@ def main() -> None:
     ap.add_argument("--invariant-only", action="store_true",
                     help="only the batch-invariant comparison (chunks of 128, default kernels against invariant ones)")
     ap.add_argument("--seed", type=int, default=0, help="the prompts' seed (--invariant-only)")
+    ap.add_argument("--no-batch-invariant", action="store_true",
+                    help="the full run with cuBLAS's GEMMs (the app's --no-batch-invariant; else its default)")
     ap.add_argument("--short-only", action="store_true",
                     help="only the 20-token prompt behind a 32k read, the engine's attention tiles and, in the same "
                          "run, tiles of 64 rows (as before 2026-11-29)")
@@ -242,6 +247,10 @@ def main() -> None:
         report("chunked_prefill_short", res)
         print_short(res)
         return
+    kernels = "cuBLAS (--no-batch-invariant)" if args.no_batch_invariant else "batch-invariant (the app's default)"
+    res["kernels"] = kernels
+    if not args.no_batch_invariant:
+        assert make_batch_invariant(model) is None
     tokens = {}
     for name, chunk in MODES:
         res[name], tokens[name] = measured(model, chunk)
@@ -256,10 +265,13 @@ def main() -> None:
     report("chunked_prefill", res)
     del model
     fp32 = random_qwen25_7b(4).float()
+    if not args.no_batch_invariant:
+        assert make_batch_invariant(fp32) is None
     tokens = {name: measured(fp32, chunk)[1] for name, chunk in MODES}
     agreement(res, tokens, "fp32_4_layers_greedy_identical_to_whole", "fp32_4_layers_tokens_matching_whole")
     report("chunked_prefill", res)
-    print(f"\n{res['device']} · {res['shapes']} · {CHATS} chats decoding, an 8th joins with {LONG_PROMPT} tokens")
+    print(f"\n{res['device']} · {res['shapes']} · {kernels} · {CHATS} chats decoding, an 8th joins with "
+          f"{LONG_PROMPT} tokens")
     print(f"{'mode':15s} {'largest gap':>12s} {'median step':>12s} {'ratio':>6s} {'8th TTFT':>10s} "
           f"{'steps while read':>17s} {'greedy = whole: bf16':>21s} {'fp32':>6s}")
     for name, _ in MODES:

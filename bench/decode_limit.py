@@ -11,6 +11,9 @@ Parts (`--parts`, comma-separated; all by default):
   gemv     the int4/int8 kernels alone at the four projection shapes, batch 1 and 8, weights rotated
            past L2, each against the dequantizing reference
   real     a real-format Qwen2 checkpoint (transformers' save_pretrained) in each mode against transformers
+  invariant  bf16 with the default kernels against batch-invariant mode (`pipeline.llm.model.invariant`):
+           batch-1 greedy and UI-sampling tok/s and 8 concurrent chats, two engines over copies of one model
+           taking turns twice
   launch   a 7B int4 chat's first launch from a float checkpoint on disk (quantize, compile, tune, capture)
            with an empty Triton cache, its second launch from the caches, and a launch from the quantized
            weights with no tuned configs on this machine and an empty Triton cache (with the release's
@@ -48,6 +51,7 @@ from timing import copy_bandwidth_tbps, report  # noqa: E402
 from pipeline.llm.weights.config import config_from_hf  # noqa: E402
 from pipeline.llm.engine.torch_engine import TorchLLMEngine  # noqa: E402
 from pipeline.llm.model.decoder import Decoder  # noqa: E402
+from pipeline.llm.model.invariant import make_batch_invariant  # noqa: E402
 from pipeline.llm.text.prompt import Prompt  # noqa: E402
 from pipeline.llm.weights.quant import MODES, QuantLinear, dequantize, quantize, quantize_decoder, use_kernels  # noqa: E402
 from pipeline.llm.engine.params import SamplingParams  # noqa: E402
@@ -373,6 +377,34 @@ def one_launch(folder: Path, engines: Path, spawned: float) -> None:
     print(json.dumps(times), flush=True)
 
 
+def invariant_part(res: dict, layers: int) -> None:
+    vocab = QWEN25_7B["vocab_size"]
+    prompt = random_prompt(1, 128)
+    default = random_qwen25_7b(layers)
+    invariant = copy.deepcopy(default)
+    assert make_batch_invariant(invariant) is None
+    engines = {"default": TorchLLMEngine(default, 4096, vocab, max_batch=8, rows=16),
+               "batch-invariant": TorchLLMEngine(invariant, 4096, vocab, max_batch=8, rows=16)}
+    rounds: dict = {name: [] for name in engines}
+    with torch.inference_mode():
+        for _ in range(2):
+            for name, engine in engines.items():
+                row = {}
+                for params, key in ((GREEDY, "greedy"), (UI_DEFAULT, "ui_sampling")):
+                    run(engine, prompt, params)
+                    row[f"{key}_tok_s"] = round(statistics.median(run(engine, prompt, params)[1].tokens_per_s
+                                                                  for _ in range(3)), 1)
+                concurrent(engine, 8, UI_DEFAULT)
+                row["8_chats_aggregate_tok_s"] = concurrent(engine, 8, UI_DEFAULT)["aggregate_tok_s"]
+                rounds[name].append(row)
+    for engine in engines.values():
+        engine.close()
+    best = {name: {k: max(r[k] for r in rows) for k in rows[0]} for name, rows in rounds.items()}
+    res["invariant"] = {"rounds": rounds, "best": best,
+                        "ratio": {k: round(best["batch-invariant"][k] / best["default"][k], 3) for k in best["default"]}}
+    report(OUT_NAME, res)
+
+
 def main() -> None:
     global OUT_NAME
     ap = argparse.ArgumentParser()
@@ -403,6 +435,11 @@ def main() -> None:
         real_checkpoint_part(res)
     if "launch" in parts:
         launch_part(res, args.layers)
+    if "invariant" in parts:
+        invariant_part(res, args.layers)
+        for name, row in res["invariant"]["best"].items():
+            print(f"bf16 {name:16s} " + "  ".join(f"{k} {v}" for k, v in row.items()))
+        print("batch-invariant / default: " + "  ".join(f"{k} {v}×" for k, v in res["invariant"]["ratio"].items()))
     report(OUT_NAME, res)
 
 

@@ -2,7 +2,7 @@
 
 - `plugins.invariant_matmul` at Qwen2.5-7B's GEMM shapes (bf16): every row of a product of M rows (1, 3, 8,
   16, 100, 256, 1,024) equal, bit for bit, to the same row computed alone; the same under every launch shape of
-  `SHAPES` and `WIDE` (the row count and the weight's width pick one); and the time against `F.linear`
+  `SHAPES` (the row count and the weight's width pick one); and the time against `F.linear`
   (cuBLAS) at 1, 8, 256 and 1,024 rows, in CUDA graphs (no host time), four copies of the weight taking turns
   (no product finds its weight in L2).
 - the decode attention with fixed-size splits (`split_size=INVARIANT_SPLIT`): a decode query's output equal
@@ -29,16 +29,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from timing import report  # noqa: E402
 from plugins.decode_attention import INVARIANT_SPLIT, decode_attention  # noqa: E402
-from plugins.invariant_matmul import SHAPES, WIDE, Shape, invariant_linear  # noqa: E402
+from plugins.invariant_matmul import SHAPES, Shape, invariant_linear  # noqa: E402
 from plugins.lowbit_tuning import graphed_us  # noqa: E402
 
 GEMMS = {"wqkv": (4608, 3584), "wo": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
          "lm_head": (152064, 3584)}
 HEADS, KV_HEADS, DIM = 28, 4, 128
 # other launch shapes for a prompt's rows, timed and checked with `--candidates` (the row count's pick is SHAPES')
-CANDIDATES = (Shape(128, 128, 64, 4, 4), Shape(128, 128, 64, 8, 4), Shape(256, 128, 64, 8, 3), Shape(256, 64, 64, 8, 4),
-              Shape(64, 128, 64, 4, 4), Shape(128, 128, 32, 4, 5))
-USED = tuple(s for _, s in SHAPES) + (WIDE,)  # the shapes `shape_for` picks from
+CANDIDATES = (Shape(64, 256, 64, 8, 3, tma=True), Shape(64, 256, 64, 8, 3, walk=True, tma=True),
+              Shape(128, 256, 64, 8, 3, tma=True), Shape(128, 128, 64, 8, 3, tma=True),
+              Shape(128, 64, 64, 4, 4, tma=True), Shape(64, 64, 64, 4, 4, tma=True),
+              Shape(128, 256, 64, 8, 3, walk=True, tma=True), Shape(128, 128, 64, 8, 3, walk=True, tma=True),
+              Shape(64, 256, 64, 4, 3, tma=True), Shape(64, 128, 64, 4, 4, walk=True, tma=True))
+USED = tuple(dict.fromkeys(s for _, *pair in SHAPES for s in pair))  # the shapes `shape_for` picks from
+
+
+def label(s: Shape) -> str:
+    return f"{s.block_n}x{s.block_m}x{s.block_k}x{s.warps}x{s.stages}{'w' if s.walk else ''}{'t' if s.tma else ''}"
+
+
+def equal_under(x, w, bias, s: Shape, alone) -> bool | str:
+    try:
+        return bool(torch.equal(invariant_linear(x, w, bias, shape=s)[::37], alone[:len(range(0, x.shape[0], 37))]))
+    except Exception as e:  # noqa: BLE001 - reported
+        return f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def timed(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | None, shapes: tuple[Shape, ...]) -> dict:
@@ -48,8 +62,12 @@ def timed(x: torch.Tensor, weights: list[torch.Tensor], bias: torch.Tensor | Non
 
     theirs = per_call(lambda w: F.linear(x, w, bias))
     ours = per_call(lambda w: invariant_linear(x, w, bias))
-    each = {f"{s.block_n}x{s.block_m}x{s.block_k}x{s.warps}x{s.stages}": round(per_call(lambda w, s=s: invariant_linear(x, w, bias, shape=s))
-                                                         / theirs, 3) for s in shapes}
+    each = {}
+    for s in shapes:
+        try:
+            each[label(s)] = round(per_call(lambda w, s=s: invariant_linear(x, w, bias, shape=s)) / theirs, 3)
+        except Exception as e:  # noqa: BLE001 - a candidate this GPU or Triton cannot run is reported, not fatal
+            each[label(s)] = f"{type(e).__name__}: {str(e)[:200]}"
     return {"invariant_us": round(ours, 1), "cublas_us": round(theirs, 1), "ratio": round(ours / theirs, 3),
             "ratio_per_launch_shape": each}
 
@@ -65,12 +83,12 @@ def gemm_checks(device: torch.device, candidates: bool) -> dict:
         rows_equal = {m: bool(torch.equal(invariant_linear(x[:m], w, bias)[::37], alone[:len(range(0, m, 37))]))
                       for m in (3, 8, 16, 100, 256, 1024)}
         shapes = USED + (CANDIDATES if candidates else ())
-        shapes_equal = {f"{s.block_n}x{s.block_m}x{s.block_k}x{s.warps}x{s.stages}": bool(torch.equal(
-            invariant_linear(x[:256], w, bias, shape=s)[::37], alone[:len(range(0, 256, 37))])) for s in shapes}
+        shapes_equal = {f"{label(s)} @{m}": equal_under(x[:m], w, bias, s, alone) for s in shapes
+                        for m in (8, 256)}
         cublas_equal = bool(torch.equal(F.linear(x[:8], w, bias)[0], F.linear(x[:1], w, bias)[0]))
         copies = [w] + [w.clone() for _ in range(3)]  # weights rotated: a product reads its weight from memory
         times = {m: timed(x[:m], copies, bias, shapes if m > 64 else USED)
-                 for m in (1, 8, 256, 1024)}
+                 for m in (1, 8, 128, 136, 1024)}
         res[name] = {"rows_equal_alone": rows_equal, "launch_shapes_equal": shapes_equal,
                      "cublas_row_of_8_equals_alone": cublas_equal, "times": times}
         del w, x
@@ -128,13 +146,17 @@ def main() -> None:
            "gemms": gemm_checks(device, candidates), "attention": attention_checks(device)}
     report("invariant_kernels", res)
     print(f"\n{res['device']}: batch-invariant GEMMs (bf16, Qwen2.5-7B shapes)")
-    print(f"{'gemm':8s} {'rows = alone':>13s} {'shapes equal':>13s} {'cuBLAS 8 = 1':>13s}   time ratio to cuBLAS at 1 / 8 / 256 / 1024 rows")
+    print(f"{'gemm':8s} {'rows = alone':>13s} {'shapes equal':>13s} {'cuBLAS 8 = 1':>13s}   time ratio to cuBLAS at 1 / 8 / 128 / 136 / 1024 rows")
     for name, r in res["gemms"].items():
-        print(f"{name:8s} {str(all(r['rows_equal_alone'].values())):>13s} {str(all(r['launch_shapes_equal'].values())):>13s} "
+        print(f"{name:8s} {str(all(r['rows_equal_alone'].values())):>13s} {str(all(v is True for v in r['launch_shapes_equal'].values())):>13s} "
               f"{str(r['cublas_row_of_8_equals_alone']):>13s}   " + " / ".join(f"{t['ratio']:.2f}" for t in r["times"].values()))
+        unequal = [k for k, v in r["launch_shapes_equal"].items() if v is not True]
+        if unequal:
+            print("    not equal: " + "; ".join(f"{k} {r['launch_shapes_equal'][k]}" for k in unequal))
         if candidates:
-            for m in (256, 1024):
-                ranked = sorted(r["times"][m]["ratio_per_launch_shape"].items(), key=lambda kv: kv[1])[:3]
+            for m in (128, 136, 1024):
+                ranked = sorted(((k, v) for k, v in r["times"][m]["ratio_per_launch_shape"].items()
+                                 if isinstance(v, float)), key=lambda kv: kv[1])[:4]
                 print(f"    {m} rows, fastest shapes: " + ", ".join(f"{k} {v:.2f}" for k, v in ranked))
     a = res["attention"]
     print("\ndecode attention, fixed splits: " + ", ".join(f"{k} {v}" for k, v in a.items() if k != "times_per_layer"))

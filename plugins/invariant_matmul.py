@@ -29,6 +29,7 @@ from plugins.workspaces import workspace
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: batch-invariant mode is refused there (`unavailable`)
     triton = None
 
@@ -37,20 +38,29 @@ SPLIT_ALIGN = 256  # inputs per split: a multiple of this (of every BLOCK_K), so
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """A launch shape: output columns and activation rows per program, inputs per step, warps, stages."""
+    """A launch shape: output columns and activation rows per program, inputs per step, warps, stages; `walk`:
+    one program sums a tile's splits itself, in split order (prompt rows: no fp32 partials written and read
+    back); `tma`: the tiles come by the tensor-memory accelerator (Hopper on; where the inputs fit its tiles)."""
 
     block_n: int
     block_m: int
     block_k: int
     warps: int
     stages: int
+    walk: bool = False
+    tma: bool = False
 
 
-# by activation rows: up to 16 (decode steps, a verify step), up to 64, more (prompt chunks); past 128 rows a wide
-# weight (the gate/up projection, the LM head) takes tiles of 256 rows (`WIDE`: 1.2-1.6x cuBLAS's time at 256-1,024
-# rows where 128 took 1.5-1.8x, H200, `bench/results/invariant_kernels_h200_2026-11-29_candidates.json`)
-SHAPES = ((16, Shape(64, 16, 64, 4, 5)), (64, Shape(128, 64, 64, 4, 4)), (None, Shape(128, 128, 64, 8, 3)))
-WIDE = Shape(128, 256, 64, 8, 3)
+# by activation rows (up to 16: decode and verify steps; up to 128: a prompt chunk beside running chats; more: a
+# prompt read alone), the launch shape for a narrow weight, then for a wide one (`WIDE_N` outputs or more: the
+# gate/up projection, the LM head). Chosen by `bench/invariant_kernels.py --candidates` (H200, 2026-11-30:
+# `bench/results/invariant_kernels_h200_2026-11-30_candidates.json`); every candidate gave the same bits.
+SHAPES = ((16, Shape(64, 16, 64, 4, 5), Shape(64, 16, 64, 4, 5)),
+          (64, Shape(128, 64, 64, 4, 4), Shape(128, 64, 64, 4, 4)),
+          (128, Shape(64, 128, 64, 4, 4, tma=True), Shape(64, 128, 64, 4, 4, tma=True)),
+          (256, Shape(128, 64, 64, 4, 4, walk=True, tma=True), Shape(128, 128, 64, 8, 3, walk=True, tma=True)),
+          (None, Shape(128, 256, 64, 8, 3, walk=True, tma=True), Shape(256, 128, 64, 8, 3, walk=True, tma=True)))
+WIDE_N = 16384
 _sm_counts: dict[int, int] = {}
 
 
@@ -67,9 +77,7 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def shape_for(rows: int, n: int) -> Shape:
     """The launch shape for `rows` activation rows and `n` outputs (any gives the same bits)."""
-    if rows > 128 and n >= 16384:
-        return WIDE
-    return next(shape for most, shape in SHAPES if most is None or rows <= most)
+    return next(wide if n >= WIDE_N else narrow for most, narrow, wide in SHAPES if most is None or rows <= most)
 
 
 def splits(n: int, k: int, device: torch.device) -> int:
@@ -85,34 +93,47 @@ def splits(n: int, k: int, device: torch.device) -> int:
 
 if triton is not None:
     @triton.jit(do_not_specialize=["M"])
-    def _matmul_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn, stride_om, per_split,
-                       HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _matmul_kernel(x_ptr, w_ptr, x_desc, w_desc, bias_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_wn,
+                       stride_om, per_split, walk, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SUMMED: tl.constexpr,
+                       TMA: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
         # acc [BLOCK_N, BLOCK_M]: the weight's rows are the tensor cores' long side (a decode step has few
-        # activation rows). Split: this program's fp32 sums go to part[split, m, n], added by `_sum_splits_kernel`.
-        pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # activation rows). The row tiles of one weight tile run side by side (program_id 0), so a weight is read
+        # from memory once. A program sums `walk` splits of the inputs, each from zero, adding them in split order
+        # (SUMMED), as `_sum_splits_kernel` adds the partials SPLIT programs store to part[split, m, n].
+        pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         n_ok, m_ok = rn < N, rm < M
-        first = split * per_split
-        last = tl.minimum(first + per_split, K)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in range(first, last, BLOCK_K):
-            k_ok = k0 + rk < last
-            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None],
-                        mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(w.to(DOT), x.to(DOT), acc, input_precision=PRECISION)
+        total = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for s in range(walk):
+            first = (split * walk + s) * per_split
+            last = tl.minimum(first + per_split, K)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            for k0 in range(first, last, BLOCK_K):
+                if TMA:
+                    w = w_desc.load([pid_n * BLOCK_N, k0])
+                    x = x_desc.load([pid_m * BLOCK_M, k0]).T
+                else:
+                    k_ok = k0 + rk < last
+                    w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_wn + (k0 + rk)[None, :],
+                                mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                    x = tl.load(x_ptr + rm[None, :].to(tl.int64) * stride_xm + (k0 + rk)[:, None],
+                                mask=m_ok[None, :] & k_ok[:, None], other=0.0)
+                acc = tl.dot(w.to(DOT), x.to(DOT), acc, input_precision=PRECISION)
+            if SUMMED:
+                total += acc
+            else:
+                total = acc
         if SPLIT:
-            tl.store(part_ptr + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None], acc,
+            tl.store(part_ptr + (split * M + rm[None, :]).to(tl.int64) * N + rn[:, None], total,
                      mask=n_ok[:, None] & m_ok[None, :])
         else:
             if HAS_BIAS:
-                acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None], acc.to(out_ptr.dtype.element_ty),
-                     mask=n_ok[:, None] & m_ok[None, :])
+                total += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None],
+                     total.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
     @triton.jit(do_not_specialize=["M"])
     def _sum_splits_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -146,15 +167,21 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, shap
     split = splits(n, k, x.device)
     per_split = triton.cdiv(triton.cdiv(k, split), SPLIT_ALIGN) * SPLIT_ALIGN
     split = triton.cdiv(k, per_split)
-    part = workspace(x.device, split * m * n) if split > 1 else out
+    walked = shape.walk or split == 1
+    part = workspace(x.device, split * m * n) if not walked else out
     dot = _TL_DTYPES[x.dtype]
     has_bias = bias is not None
-    _matmul_kernel[(triton.cdiv(n, shape.block_n), triton.cdiv(m, shape.block_m), split)](
-        rows, weight, bias if has_bias else out, out, part, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
-        per_split, HAS_BIAS=has_bias, SPLIT=split > 1, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
+    tma = shape.tma and k % shape.block_k == 0 and rows.data_ptr() % 16 == 0 and x.device.type == "cuda"  # a tile
+    # never crosses a split's end
+    x_desc = TensorDescriptor.from_tensor(rows, [shape.block_m, shape.block_k]) if tma else None
+    w_desc = TensorDescriptor.from_tensor(weight, [shape.block_n, shape.block_k]) if tma else None
+    _matmul_kernel[(triton.cdiv(m, shape.block_m), triton.cdiv(n, shape.block_n), 1 if walked else split)](
+        rows, weight, x_desc, w_desc, bias if has_bias else out, out, part, m, n, k, rows.stride(0), weight.stride(0),
+        out.stride(0), per_split, split if walked else 1, HAS_BIAS=has_bias, SPLIT=not walked,
+        SUMMED=walked and split > 1, TMA=tma, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
         BLOCK_N=shape.block_n, BLOCK_M=shape.block_m, BLOCK_K=shape.block_k, num_warps=shape.warps,
         num_stages=shape.stages)
-    if split > 1:
+    if not walked:
         _sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, bias if has_bias else out, out, m, n, out.stride(0),
                                                      SPLITS=split, HAS_BIAS=has_bias, BLOCK=1024, num_warps=4)
     return out.view(*x.shape[:-1], n)

@@ -288,7 +288,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
                         kv_cache_bytes: int | None = None, engines: EngineOptions | None = None,
                         quant: str = "none", image_queries: int = 0, free_bytes: int | None = None,
                         speculate: str = "exact", draft: LanguageModel | None = None,
-                        batch_invariant: bool = False) -> LanguageModel:
+                        batch_invariant: bool | None = None) -> LanguageModel:
     """Tokenizer + engine for a checkpoint folder; `max_batch` conversations decode together; weights
     `quant`: none, int8, int4, or auto (what fits `free_bytes`, see `choose_quant`; on the CPU the model must fit
     the memory the machine has free: `check_memory`). Under `tensorrt`
@@ -296,7 +296,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     built once into the engine cache; a failed build falls back to torch. `speculate`: exact, fast or off
     (the torch engine's speculative decoding, `pipeline.llm.engine.speculation`); with a `draft` model (loaded,
     sharing the tokenizer: `load_draft`) drafts come from it instead of prompt lookup, and closing this model
-    closes it. `batch_invariant`: `pipeline.llm.model.invariant` (where it cannot be, the start-up report says why)."""
+    closes it. `batch_invariant`: `pipeline.llm.model.invariant` (None: where it can be; True: said where not)."""
     tokenizer = load_tokenizer(model_dir)
     config = read_config(model_dir)
     context = min(max_context, config.max_position_embeddings)
@@ -325,10 +325,10 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
         except Exception as e:  # noqa: BLE001 - any failure of a path that never ran here: fall back, say why
             engines.report.tell(f"{model_id}: the TensorRT-LLM engine failed ({failure(e)}); running on torch instead")
     model, weights = torch_decoder(model_dir, model_id, quant, dtype, target, engines, speculate != "off", tokenizer.vocab_size)
-    if batch_invariant:
+    if batch_invariant is not False:
         why = make_batch_invariant(model)
         weights += ", batch-invariant" if why is None else ""
-        if engines is not None:
+        if engines is not None and (batch_invariant or why is None):
             engines.report.say(f"{model_id}: " + (f"--batch-invariant is off: {why}" if why else
                                                   "batch-invariant: a reply is the same whatever other chats run"))
     if kv_cache_bytes is None and free_bytes is not None:

@@ -62,7 +62,7 @@ class StudioConfig:
     max_batch: int = 8
     speculate: str = "exact"
     draft: str = "auto"
-    batch_invariant: bool = False
+    batch_invariant: bool | None = None  # None: on where it can be (float weights on a GPU)
     gpu_memory: float | None = None  # GiB
     preload: bool = False
     share: bool = False
@@ -159,10 +159,11 @@ def _parser(description: str | None, prog: str | None, serving: bool) -> argpars
                         "greedy replies are the same as with off; fast: with int8/int4 weights one chat's check takes "
                         "the faster batch kernels, whose rounding may change a reply where two tokens are nearly "
                         "tied; off: one token per step")
-    p.add_argument("--batch-invariant", action="store_true",
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
                    help="chat replies that do not depend on what else runs: a greedy reply (temperature 0) is the same, "
-                        "bit for bit, alone or beside other chats, however its prompt was read (float weights on a "
-                        "GPU; on an H200 decode steps take about as long, prompts are read ~1.55x slower)")
+                        "bit for bit, alone or beside other chats, however its prompt was read. On by default where "
+                        "it can be (float weights on a GPU; on an H200 decode steps take as long, a prompt read "
+                        "beside other chats ~1.15x longer); --no-batch-invariant: cuBLAS's kernels")
     p.add_argument("--draft", default="auto", metavar="MODEL",
                    help="a small model sharing the chat model's tokenizer that drafts its tokens (as --model names "
                         "one, e.g. Qwen/Qwen2.5-0.5B-Instruct for Qwen2.5-7B-Instruct); auto (default) takes the "

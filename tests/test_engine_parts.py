@@ -183,8 +183,10 @@ def test_the_graph_table_holds_each_prompt_size_once_and_wide_steps_up_to_their_
     keys = runner.table_keys()
     assert len(keys) == len(set(keys))
     assert [k for k in keys if k[1] == 1 and not k[2]] == [(b, 1, 0) for b in (1, 2, 4, 8)]
-    assert [k for k in keys if k[2]] == [(8, 1, 1 << i) for i in range(4, 10)
-                                         if runner.tile <= 1 << i <= runner.graphed_tokens]
+    # the rows and prompt tokens make a power of two (the GEMMs' tiles), every size up to the largest laid out
+    assert [k for k in keys if k[2]] == [(8, 1, (1 << i) - 8) for i in range(4, 10) if (1 << i) - 8 <= runner.graphed_tokens]
+    laid_out = 16 + 6 * (runner.tile - 1)  # the budget, and a tile's padding at most for each chunk but the last
+    assert runner.graphed_tokens >= laid_out > runner.graphed_tokens // 2 - 8
     assert sorted(k for k in keys if k[1] > 1) == [(b, w, 0) for b in (1, 2, 4) for w in (3, 5)]
 
 

@@ -4,8 +4,6 @@ Skipped without a GPU (CI has none); run on the lent H100 with `python3 -m pytes
 Each graphed path is checked against the same computation run eagerly.
 """
 
-import copy
-
 import numpy as np
 import pytest
 import torch
@@ -48,17 +46,14 @@ def test_chat_on_gpu_graphs_match_eager(studio_cache, name):
     eager = list(eager_engine.submit(prompt, GREEDY, set()))
     assert graphed == eager and len(graphed) == 300
     eager_engine.close()
-    # Four at once through the graphed batch buckets (one of them reusing the finished reply's cached
-    # prompt) give the single reply. In fp32: in bf16 a batch-4 GEMM rounds differently from a batch-1
-    # GEMV, and which steps run 1 or 4 rows depends on when each request arrives.
-    fp32 = TorchLLMEngine(copy.deepcopy(engine.model).float(), 1024, llm.tokenizer.vocab_size)
-    assert fp32.use_cuda_graphs
-    single = list(fp32.submit(prompt, GREEDY, set()))
-    streams = [fp32.submit(prompt, GREEDY, set()) for _ in range(4)]
+    # Four at once through the graphed batch buckets (one of them reusing the finished reply's cached prompt)
+    # give the single reply, all of it: float weights on a GPU are batch-invariant by default (with cuBLAS a
+    # batch-4 GEMM rounds unlike a batch-1 GEMV, and which steps run 1 or 4 rows depends on when each arrives).
+    assert "batch-invariant" in llm.description
+    streams = [engine.submit(prompt, GREEDY, set()) for _ in range(4)]
     batched = [list(s) for s in streams]
-    assert fp32.status()["reused_tokens"] > 0
-    assert all(b[:64] == single[:64] and len(b) == 300 for b in batched)
-    fp32.close()
+    assert engine.status()["reused_tokens"] > 0
+    assert all(b == graphed for b in batched)
     events = list(pipe.stream([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=20, seed=3)))
     assert events[-1].stats.new_tokens > 0
 

@@ -28,7 +28,7 @@ CONFIG = DecoderConfig(family="qwen2", vocab_size=64, hidden_size=32, intermedia
 
 SCRIPT = r'''
 import torch
-from plugins.invariant_matmul import invariant_linear, splits
+from plugins.invariant_matmul import Shape, invariant_linear, shape_for, splits
 torch.manual_seed(0)
 for n, k in ((64, 4096), (200, 300)):  # split-K in four (inputs cut at 1,024), and unsplit with a ragged tail
     w, b = torch.randn(n, k) / k ** 0.5, torch.randn(n)
@@ -39,6 +39,9 @@ for n, k in ((64, 4096), (200, 300)):  # split-K in four (inputs cut at 1,024), 
     rows = x.reshape(16, k)
     for m in (1, 3, 16):  # a row's bits alone and among 3 or 16 (the interpreter: one launch shape, see the test)
         assert torch.equal(invariant_linear(rows[:m], w, b), full.reshape(16, n)[:m]), (n, k, m)
+        # one program summing the splits itself (a prompt's rows) = the splits' programs and their sum's
+        walked = Shape(**{**shape_for(m, n).__dict__, "walk": True})
+        assert torch.equal(invariant_linear(rows[:m], w, b, shape=walked), full.reshape(16, n)[:m]), (n, k, m)
     assert torch.allclose(invariant_linear(rows[:5], w), rows[:5] @ w.T, atol=1e-5, rtol=1e-5)  # no bias
     assert invariant_linear(rows[:0], w, b).shape == (0, n)
 assert splits(64, 4096, torch.device("cpu")) == 4 and splits(200, 300, torch.device("cpu")) == 1
@@ -69,6 +72,8 @@ def test_batch_invariant_mode_is_refused_on_the_cpu_and_for_low_bit_weights_leav
 
 
 def test_the_flag_reaches_the_chat_model_and_the_start_up_report_says_why_it_is_off(qwen2_demo, tmp_path):
+    """On by default where it can be (float weights on a GPU), silently off elsewhere; asked for where it cannot
+    be, the start-up report says why; --no-batch-invariant keeps cuBLAS's kernels."""
     class Report:
         lines: list[str] = []
 
@@ -77,12 +82,16 @@ def test_the_flag_reaches_the_chat_model_and_the_start_up_report_says_why_it_is_
 
         say = tell
 
-    assert parse_config(["--batch-invariant"]).batch_invariant and not parse_config([]).batch_invariant
-    llm = load_language_model(qwen2_demo, "demo/qwen2-tiny", max_context=256, max_batch=2, batch_invariant=True,
-                              engines=EngineOptions(EngineCache(tmp_path), Report()))
-    try:
-        assert any("--batch-invariant is off: batch-invariant GEMMs need a CUDA GPU" in line for line in Report.lines), \
-            Report.lines
-        assert "batch-invariant" not in llm.description
-    finally:
-        llm.close()
+    assert parse_config(["--batch-invariant"]).batch_invariant is True
+    assert parse_config(["--no-batch-invariant"]).batch_invariant is False
+    assert parse_config([]).batch_invariant is None
+    for asked in (True, None):
+        Report.lines = []
+        llm = load_language_model(qwen2_demo, "demo/qwen2-tiny", max_context=256, max_batch=2, batch_invariant=asked,
+                                  engines=EngineOptions(EngineCache(tmp_path), Report()))
+        try:
+            said = any("--batch-invariant is off: batch-invariant GEMMs need a CUDA GPU" in line for line in Report.lines)
+            assert said == bool(asked), Report.lines
+            assert "batch-invariant" not in llm.description
+        finally:
+            llm.close()

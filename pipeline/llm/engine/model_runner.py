@@ -93,9 +93,9 @@ class ModelRunner:
         self.model, self.vocab_size, self.exact_rows, self.max_batch = model, vocab_size, exact_rows, max_batch
         self.widths, self.wide_rows = tuple(sorted(set(widths) | {1})), wide_rows
         self.tile = decode_attention.tile_queries(model.config.num_heads, model.config.num_kv_heads)
-        # each chunk (one per other row at most) starts a run of `tile` tokens: up to tile - 1 of padding
-        laid_out = step_tokens + (max_batch - 1) * (self.tile - 1) if step_tokens else MAX_GRAPHED_TOKENS
-        self.graphed_tokens = min(pow2_at_least(laid_out), MAX_GRAPHED_TOKENS)
+        # each chunk but the last (one per other row at most) ends its run of `tile` tokens: up to tile - 1 of padding
+        laid_out = step_tokens + max(max_batch - 2, 0) * (self.tile - 1) if step_tokens else MAX_GRAPHED_TOKENS
+        self.graphed_tokens = self._text_size(min(laid_out, MAX_GRAPHED_TOKENS - max_batch))
         self.device = model.norm.weight.device
         self.scratch, self.positions = context, context + self.widths[-1]
         self.rope = RotaryTables(model.config, self.positions, self.device)
@@ -143,9 +143,10 @@ class ModelRunner:
         text = [c for c in chunks if not c.has_slots()] if on_gpu else []
         prefills = [c for c in chunks if c not in text]
         layout = self._layout(text)
-        graphed = graphed and self.use_cuda_graphs and not prefills and len(layout[0]) <= MAX_GRAPHED_TOKENS
+        graphed = graphed and self.use_cuda_graphs and not prefills and \
+            len(layout[0]) <= MAX_GRAPHED_TOKENS - self.max_batch
         if graphed and text:
-            layout = self._layout(text, pow2_at_least(max(len(layout[0]), 16)), self.max_batch)
+            layout = self._layout(text, self._text_size(len(layout[0])), self.max_batch)
         ids, places, lasts = layout
         # a graphed step that reads prompt text runs its rows in the largest bucket: one graph per prompt size
         # (the padding rows read nothing, and cost a few GEMM rows beside the prompt's)
@@ -204,17 +205,23 @@ class ModelRunner:
                           [*out[bucket * per_row:bucket * per_row + len(lasts)], *out[at:]]))
         return rows_logits, [firsts[id(c)] for c in chunks if c.logits]
 
+    def _text_size(self, laid: int) -> int:
+        """The prompt tokens a graphed step pads `laid` to: with its `max_batch` rows, a power of two of GEMM rows
+        (the batch-invariant GEMMs' tiles: 136 rows took 1.4-2.6x the time of 128 there, and cuBLAS 1.0-1.3x;
+        H200, `bench/results/invariant_kernels_h200_2026-11-30_rows.json`)."""
+        return pow2_at_least(max(laid + self.max_batch, 16)) - self.max_batch
+
     def _layout(self, chunks: list[ChunkRead], size: int = 0, lasts: int = 0) -> tuple[list[int], list[int], list[int]]:
         """The prompt tokens of `chunks` as one `Tokens` part: (ids, then each token's row, position, rotary
         offset and length, as flat lists, and the index of each chunk's last token where its logits are wanted).
-        Each chunk starts a run of `decode_attention.tile_queries` tokens (a run holds one row's); padding
-        tokens read nothing and write the scratch position; padded to `size` tokens and `lasts` indices
-        (a graph's shapes) where given."""
+        Each chunk starts a run of `decode_attention.tile_queries` tokens (a run holds one row's: a run's row is
+        its first token's); padding tokens read nothing and write the scratch position; padded to `size` tokens
+        and `lasts` indices (a graph's shapes) where given."""
         ids: list[int] = []
         rows, positions, offsets, lengths, last = [], [], [], [], []
-        for c in chunks:
+        for i, c in enumerate(chunks):
             n = c.end - c.start
-            pad = -n % self.tile
+            pad = -n % self.tile if i < len(chunks) - 1 else 0  # the last run may end with the size's padding
             if c.logits:
                 last.append(len(ids) + n - 1)
             ids += [*c.prompt.ids[c.start:c.end], *[0] * pad]
@@ -308,10 +315,10 @@ class ModelRunner:
     def table_keys(self) -> list[tuple[int, int, int]]:
         """(rows, tokens per row, prompt tokens) of every step a graph replays: 1..max_batch rows (powers of two)
         feeding one token each; max_batch rows with prompt tokens beside them (a joining prompt's chunks, padded
-        to a power of two, up to `graphed_tokens`); and 1..wide_rows rows feeding each wider width, alone (the
+        so that the rows and tokens make a power of two, up to `graphed_tokens`); and 1..wide_rows rows feeding each wider width, alone (the
         engine feeds more than one token a row only while no prompt is read)."""
         batches = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch]
-        sizes = [1 << i for i in range(4, self.graphed_tokens.bit_length()) if 1 << i >= self.tile]
+        sizes = sorted({self._text_size(1 << i) for i in range(self.graphed_tokens.bit_length())})
         return [(b, 1, 0) for b in batches] + [(self.max_batch, 1, c) for c in sizes] + \
             [(b, width, 0) for b in batches if b <= self.wide_rows for width in self.widths[1:]]
 
@@ -326,11 +333,12 @@ class ModelRunner:
         self.ready = True
 
     def _stand_in_chunks(self, size: int) -> list[ChunkRead]:
-        """Prompt chunks, each in a row of its own and inside its context, whose tokens lay out to more than half
-        of `size` (so they pad to it; 0: none)."""
+        """Prompt chunks, each in a row of its own and inside its context, whose tokens lay out to more than the
+        next smaller size (so they pad to `size`; 0: none)."""
         chunks: list[ChunkRead] = []
-        while size and (laid := len(self._layout(chunks)[0])) <= size // 2 and len(chunks) < self.max_batch:
-            n = min(size // 2 + 1 - laid, self.scratch - 1)
+        smaller = (size + self.max_batch) // 2 - self.max_batch
+        while size and (laid := len(self._layout(chunks)[0])) <= smaller and len(chunks) < self.max_batch:
+            n = min(smaller + 1 - laid, self.scratch - 1)
             chunks.append(ChunkRead(Prompt(tuple(range(1, n + 1))), len(chunks), 0, n, 0, logits=not chunks))
         return chunks
 

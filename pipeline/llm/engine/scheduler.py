@@ -28,11 +28,13 @@ from pipeline.llm.engine.speculation import DRAFT_SIZES, Ask, DraftState, Specul
 class Scheduler:
     """`step_tokens`: each step's budget while requests run; `lone_tokens`: while none runs. None: no
     budget, a prompt is read whole in one step. `proposer`: where the running requests' drafts come from
-    (speculative decoding; None: no drafts)."""
+    (speculative decoding; None: no drafts). `padded_rows`: where a step that reads prompt tokens beside
+    running requests computes that many rows whatever runs (a GPU's graphs), the budget counts them, not the
+    running requests alone."""
 
     def __init__(self, max_batch: int, rows: CacheRows, step_tokens: int | None = None,
-                 lone_tokens: int | None = None, proposer: Proposer | None = None):
-        self.max_batch, self.rows, self.proposer = max_batch, rows, proposer
+                 lone_tokens: int | None = None, proposer: Proposer | None = None, padded_rows: int | None = None):
+        self.max_batch, self.rows, self.proposer, self.padded_rows = max_batch, rows, proposer, padded_rows
         self.step_tokens, self.lone_tokens = step_tokens or None, lone_tokens or None
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # running[i] runs in cache row i
@@ -102,14 +104,15 @@ class Scheduler:
 
     def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
         """This step's prompt chunks, as (request, the position its chunk ends at), in row order. The budget:
-        while requests run, `step_tokens` less one position per running request and the `drafted` tokens
-        they check (at least one, so that prompts always advance); with none running, `lone_tokens`. It is
+        while requests run, `step_tokens` less one position per running request (or `padded_rows`) and the
+        `drafted` tokens they check (at least one, so that prompts always advance); with none running, `lone_tokens`. It is
         shared fairly among the prompts being read: each gets an equal part, and what a short one leaves
         goes to the others (water-filling). So a short prompt that joins while a long one is read gets its
         first token after a step or two, not after the long one's whole prefill. No budget (None): prompts
         are read whole (for comparison)."""
         reading = [r for r in self.prefilling if r.position < len(r.sig)]  # not those whose first token is drawn
-        budget = (self.step_tokens - len(self.running) - drafted if self.step_tokens else None) if self.running \
+        paid = self.padded_rows or len(self.running)
+        budget = (self.step_tokens - paid - drafted if self.step_tokens else None) if self.running \
             else self.lone_tokens
         if budget is None:
             return [(r, len(r.sig)) for r in reading]

@@ -77,7 +77,7 @@ class TorchLLMEngine:
                                   exact_rows=speculation is None or speculation.exact, step_tokens=prefill_chunk)
         self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk,
-                                   self.proposer)
+                                   self.proposer, max_batch if self.runner.use_cuda_graphs else None)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device, self.runner.widths[-1])
         self.outputs = Outputs(self.scheduler, self.rows, context, self.runner.to_host)
         self._pending: Launched | None = None  # the step in flight, its tokens not yet settled
