@@ -182,6 +182,9 @@ TILE_ROWS = 128
 LONG_TILE_ROWS = 256
 LONG_CHUNK, DEEP = 512, 8192  # a chunk alone of so many tokens, so deep into its row, takes LONG_TILE_ROWS
 INVARIANT_SPLIT = 256  # positions per split in batch-invariant mode (`split_size`)
+# batch-invariant prompt queries: at most this many splits (each query keeps every split's partial sums: splits of
+# INVARIANT_SPLIT asked 4.4 GB for a 1,024-token chunk at a 32k context, 7B shapes)
+PROMPT_SPLITS = 8
 _INVARIANT_LANES = 16  # the merge's lanes then: a fixed number, so every row's splits are added in one order
 _sm_counts: dict[int, int] = {}
 _failed = False  # set when a kernel failed to compile (the first call is outside any CUDA graph)
@@ -212,6 +215,13 @@ def prompt_tile_rows(tokens: int, start: int) -> int:
     """The tile for a chunk of `tokens` from position `start` alone in its call (one row: no runs to lay out, so
     any tile fits): long and deep, `LONG_TILE_ROWS` (each key loaded half as often), else `TILE_ROWS`."""
     return LONG_TILE_ROWS if tokens >= LONG_CHUNK and start >= DEEP else TILE_ROWS
+
+
+def split_length(kv_len: int, split_size: int, prompt: bool) -> int:
+    """Positions per split of batch-invariant sums: `split_size` for decode rows; for prompt queries (many a call)
+    enough that `kv_len` takes at most `PROMPT_SPLITS` (a prompt's `kv_len` is its cache's whole length, the same
+    in every call of an engine, so its sums still follow no batch)."""
+    return max(split_size, triton.cdiv(triton.cdiv(kv_len, PROMPT_SPLITS), 64) * 64) if prompt else split_size
 
 
 def tile_queries(heads: int, kv_heads: int, tile_rows: int = TILE_ROWS) -> int:
@@ -260,6 +270,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tenso
     tile_rows = max(16, triton.next_power_of_2(queries * group))
     tiles = triton.cdiv(batch, queries)
     # a verify step splits as a decode step of its rows: the same sums
+    split_size = split_size and split_length(kv_len, split_size, rows is not None)
     n_splits = triton.cdiv(kv_len, split_size) if split_size else \
         _splits(kv_len, (tiles if rows is not None else batch // tokens) * kv_heads, q.device)
     slots = batch * kv_heads * n_splits * group_pad

@@ -29,6 +29,7 @@ from plugins.workspaces import workspace
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # CPU-only installs: batch-invariant mode is refused there (`unavailable`)
     triton = None
@@ -62,6 +63,8 @@ SHAPES = ((16, Shape(64, 16, 64, 4, 5), Shape(64, 16, 64, 4, 5)),
           (None, Shape(128, 256, 64, 8, 3, walk=True, tma=True), Shape(256, 128, 64, 8, 3, walk=True, tma=True)))
 WIDE_N = 16384
 _sm_counts: dict[int, int] = {}
+_has_tma: dict[int, bool] = {}
+_stages: dict[tuple, int] = {}  # (shape, dtype, device): the stages whose tiles fit its shared memory
 
 
 def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -78,6 +81,13 @@ def unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
 def shape_for(rows: int, n: int) -> Shape:
     """The launch shape for `rows` activation rows and `n` outputs (any gives the same bits)."""
     return next(wide if n >= WIDE_N else narrow for most, narrow, wide in SHAPES if most is None or rows <= most)
+
+
+def fitted(shape: Shape, device: torch.device) -> Shape:
+    """`shape` without TMA where the GPU has none (before Hopper): the same tiles by plain loads, the same sums."""
+    if device.type == "cuda" and device.index not in _has_tma:
+        _has_tma[device.index] = torch.cuda.get_device_capability(device)[0] >= 9
+    return dataclasses.replace(shape, tma=shape.tma and _has_tma.get(device.index, False))
 
 
 def splits(n: int, k: int, device: torch.device) -> int:
@@ -163,7 +173,7 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, shap
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    shape = shape or shape_for(m, n)
+    shape = fitted(shape or shape_for(m, n), x.device)
     split = splits(n, k, x.device)
     per_split = triton.cdiv(triton.cdiv(k, split), SPLIT_ALIGN) * SPLIT_ALIGN
     split = triton.cdiv(k, per_split)
@@ -171,16 +181,25 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, shap
     part = workspace(x.device, split * m * n) if not walked else out
     dot = _TL_DTYPES[x.dtype]
     has_bias = bias is not None
-    tma = shape.tma and k % shape.block_k == 0 and rows.data_ptr() % 16 == 0 and x.device.type == "cuda"  # a tile
-    # never crosses a split's end
+    tma = shape.tma and k % shape.block_k == 0 and rows.data_ptr() % 16 == 0  # a tile never crosses a split's end
     x_desc = TensorDescriptor.from_tensor(rows, [shape.block_m, shape.block_k]) if tma else None
     w_desc = TensorDescriptor.from_tensor(weight, [shape.block_n, shape.block_k]) if tma else None
-    _matmul_kernel[(triton.cdiv(m, shape.block_m), triton.cdiv(n, shape.block_n), 1 if walked else split)](
-        rows, weight, x_desc, w_desc, bias if has_bias else out, out, part, m, n, k, rows.stride(0), weight.stride(0),
-        out.stride(0), per_split, split if walked else 1, HAS_BIAS=has_bias, SPLIT=not walked,
-        SUMMED=walked and split > 1, TMA=tma, DOT=dot, PRECISION="ieee" if dot == tl.float32 else "tf32",
-        BLOCK_N=shape.block_n, BLOCK_M=shape.block_m, BLOCK_K=shape.block_k, num_warps=shape.warps,
-        num_stages=shape.stages)
+    fits = (shape, x.dtype, x.device)
+    stages = _stages.get(fits, shape.stages)
+    while True:  # fewer stages where the tiles overflow shared memory (fp32 inputs, smaller GPUs): the same sums
+        try:
+            _matmul_kernel[(triton.cdiv(m, shape.block_m), triton.cdiv(n, shape.block_n), 1 if walked else split)](
+                rows, weight, x_desc, w_desc, bias if has_bias else out, out, part, m, n, k, rows.stride(0),
+                weight.stride(0), out.stride(0), per_split, split if walked else 1, HAS_BIAS=has_bias,
+                SPLIT=not walked, SUMMED=walked and split > 1, TMA=tma, DOT=dot,
+                PRECISION="ieee" if dot == tl.float32 else "tf32", BLOCK_N=shape.block_n, BLOCK_M=shape.block_m,
+                BLOCK_K=shape.block_k, num_warps=shape.warps, num_stages=stages)
+            break
+        except OutOfResources:
+            if stages == 1:
+                raise
+            stages -= 1
+    _stages[fits] = stages
     if not walked:
         _sum_splits_kernel[(triton.cdiv(n, 1024), m)](part, bias if has_bias else out, out, m, n, out.stride(0),
                                                      SPLITS=split, HAS_BIAS=has_bias, BLOCK=1024, num_warps=4)

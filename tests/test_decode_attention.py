@@ -144,6 +144,12 @@ rows, lengths = torch.full((40,), 2), torch.arange(101, 141)
 q = torch.randn(40, 8, 16)
 whole = da.decode_attention(q, k_cache, v_cache, lengths, 256, rows=rows, split_size=64)
 assert worst(whole, da.decode_attention_reference(q, k_cache, v_cache, lengths, 256, rows=rows)) < 1e-5
+# a prompt's queries over a long cache: at most PROMPT_SPLITS splits (each query keeps every split's sums)
+assert da.split_length(32768, 256, prompt=True) == 4096 and da.split_length(32768, 256, prompt=False) == 256
+assert da.split_length(700, 64, prompt=True) == 128 and da.split_length(256, 64, prompt=True) == 64
+lengths = torch.arange(601, 641)
+long = da.decode_attention(q, k_cache, v_cache, lengths, 704, rows=rows, split_size=64)
+assert worst(long, da.decode_attention_reference(q, k_cache, v_cache, lengths, 704, rows=rows)) < 1e-5
 print("ok")
 '''
 

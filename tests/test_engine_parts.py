@@ -128,6 +128,10 @@ def test_prompt_chunks_share_the_steps_budget_with_the_running_decodes():
     for r in [request(1) for _ in range(9)]:  # more running requests than the budget: prompts still advance
         scheduler.running.append(r)
     assert scheduler.chunks() == [(requests[1], 29)]
+    # a GPU's graphs compute all of max_batch's rows beside prompt tokens: the budget counts those rows
+    padded = Scheduler(4, rows_of(4), step_tokens=10, padded_rows=4)
+    padded.running, padded.prefilling, requests[1].position = [requests[0]], requests[1:], 4
+    assert padded.chunks() == [(requests[1], 7), (requests[2], 3)]
 
 
 def test_a_running_request_that_leaves_hands_its_row_to_a_prompt_being_read():
@@ -187,6 +191,12 @@ def test_the_graph_table_holds_each_prompt_size_once_and_wide_steps_up_to_their_
     assert [k for k in keys if k[2]] == [(8, 1, (1 << i) - 8) for i in range(4, 10) if (1 << i) - 8 <= runner.graphed_tokens]
     laid_out = 16 + 6 * (runner.tile - 1)  # the budget, and a tile's padding at most for each chunk but the last
     assert runner.graphed_tokens >= laid_out > runner.graphed_tokens // 2 - 8
+    # the last chunk's run ends in the graph's padding: 120 tokens beside the 8 rows make 128 GEMM rows, not 256
+    chunk = ChunkRead(Prompt(tuple(range(1, 121))), 0, 0, 120, 0, logits=True)
+    assert 120 % runner.tile and runner._text_size(len(runner._layout([chunk], tail=False)[0])) == 120
+    for _, _, size in (k for k in keys if k[2]):  # the stand-ins the table is captured on lay out to its sizes
+        chunks = runner._stand_in_chunks(size)
+        assert runner._text_size(len(runner._layout(chunks, tail=False)[0])) == size and len(chunks) <= 8
     assert sorted(k for k in keys if k[1] > 1) == [(b, w, 0) for b in (1, 2, 4) for w in (3, 5)]
 
 

@@ -146,7 +146,8 @@ class ModelRunner:
         graphed = graphed and self.use_cuda_graphs and not prefills and \
             len(layout[0]) <= MAX_GRAPHED_TOKENS - self.max_batch
         if graphed and text:
-            layout = self._layout(text, self._text_size(len(layout[0])), self.max_batch)
+            size = self._text_size(len(self._layout(text, tail=False)[0]))
+            layout = self._layout(text, size, self.max_batch, tail=False)
         ids, places, lasts = layout
         # a graphed step that reads prompt text runs its rows in the largest bucket: one graph per prompt size
         # (the padding rows read nothing, and cost a few GEMM rows beside the prompt's)
@@ -211,17 +212,19 @@ class ModelRunner:
         H200, `bench/results/invariant_kernels_h200_2026-11-30_rows.json`)."""
         return pow2_at_least(max(laid + self.max_batch, 16)) - self.max_batch
 
-    def _layout(self, chunks: list[ChunkRead], size: int = 0, lasts: int = 0) -> tuple[list[int], list[int], list[int]]:
+    def _layout(self, chunks: list[ChunkRead], size: int = 0, lasts: int = 0,
+                tail: bool = True) -> tuple[list[int], list[int], list[int]]:
         """The prompt tokens of `chunks` as one `Tokens` part: (ids, then each token's row, position, rotary
         offset and length, as flat lists, and the index of each chunk's last token where its logits are wanted).
         Each chunk starts a run of `decode_attention.tile_queries` tokens (a run holds one row's: a run's row is
         its first token's); padding tokens read nothing and write the scratch position; padded to `size` tokens
-        and `lasts` indices (a graph's shapes) where given."""
+        and `lasts` indices (a graph's shapes) where given. Not `tail`: the last chunk's run is not padded (a
+        graph's padding to `size` ends it)."""
         ids: list[int] = []
         rows, positions, offsets, lengths, last = [], [], [], [], []
         for i, c in enumerate(chunks):
             n = c.end - c.start
-            pad = -n % self.tile if i < len(chunks) - 1 else 0  # the last run may end with the size's padding
+            pad = -n % self.tile if tail or i < len(chunks) - 1 else 0
             if c.logits:
                 last.append(len(ids) + n - 1)
             ids += [*c.prompt.ids[c.start:c.end], *[0] * pad]
@@ -337,8 +340,8 @@ class ModelRunner:
         next smaller size (so they pad to `size`; 0: none)."""
         chunks: list[ChunkRead] = []
         smaller = (size + self.max_batch) // 2 - self.max_batch
-        while size and (laid := len(self._layout(chunks)[0])) <= smaller and len(chunks) < self.max_batch:
-            n = min(smaller + 1 - laid, self.scratch - 1)
+        while size and len(self._layout(chunks, tail=False)[0]) <= smaller and len(chunks) < self.max_batch:
+            n = min(smaller + 1 - len(self._layout(chunks)[0]), self.scratch - 1)
             chunks.append(ChunkRead(Prompt(tuple(range(1, n + 1))), len(chunks), 0, n, 0, logits=not chunks))
         return chunks
 
