@@ -10,7 +10,8 @@ output is summed along the inputs in one order, fixed by the weight's shape alon
   count: `bench/invariant_matmul.py` checks that the shapes used give the same bits);
 - split-K, where a weight has few output tiles, cuts the inputs at the same places for any row count
   (`splits`: from the weight's shape and the GPU's SM count), and `_sum_splits_kernel` adds the fp32
-  partials in split order;
+  partials in split order (for a prompt's rows one program sums its tile's splits itself, in that order:
+  `Shape.walk`, no partials written and read back);
 - the bias is added in fp32, then the sum is rounded once.
 
 Used for every GEMM of a decoder in batch-invariant mode (`pipeline.llm.model.invariant`), with the decode

@@ -1,12 +1,13 @@
 """Batch-invariant mode: a decoder whose every row is computed in the same order whatever else runs in its
 step, so a chat's greedy reply is the same, bit for bit, with or without other chats beside it, and a prompt's
-reply does not depend on how it was cut into chunks (`--batch-invariant`).
+reply does not depend on how it was cut into chunks: the app's default for float weights on a GPU
+(`--no-batch-invariant`: cuBLAS's kernels).
 
 Two kinds of kernel sum a row together with others and change order with the step's shape: the GEMMs
 (cuBLAS picks its algorithm by the row count) and the attention (its splits follow the batch). In this mode
 the float GEMMs run `plugins.invariant_matmul` and the attention takes fixed-size splits (`plugins.fused.
 INVARIANT`); the norms, RoPE and SiLU·up compute each row alone already. Its cost is in `bench/RESULTS.md`
-("batch-invariant mode"). Low-bit weights' kernels are not covered: their one-row and batch kernels differ.
+("batch-invariant by default"). Low-bit weights' kernels are not covered: their one-row and batch kernels differ.
 """
 
 from __future__ import annotations
