@@ -65,6 +65,7 @@ def test_batch_invariant_mode_is_refused_on_the_cpu_and_for_low_bit_weights_leav
     assert "CUDA GPU" in make_batch_invariant(model)
     quantized = quantize_decoder(Decoder(CONFIG).to(torch.bfloat16), "int4", "cpu")
     assert "low-bit" in make_batch_invariant(quantized)
+    assert "ONNX Runtime" in make_batch_invariant(nn.Module())  # not a torch decoder: the CPU's GGUF on ONNX Runtime
     for m in (model, quantized):
         assert all(module.kernels.decode_attention.__name__ == "decode_attention_fused"
                    for module in m.modules() if hasattr(module, "kernels"))

@@ -33,6 +33,8 @@ class InvariantLinear(nn.Module):
 def make_batch_invariant(model: Decoder) -> str | None:
     """Switch `model` to batch-invariant kernels in place; None when done, else why it cannot be (and nothing
     is changed)."""
+    if not isinstance(model, Decoder):  # `OnnxDecoder`: the CPU's built-in chat model
+        return "it runs on ONNX Runtime (a GGUF file's blocks as stored), not on the GPU's kernels"
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear)]
     if len(linears) != 4 * len(model.layers) + 1:  # q/k/v, o, gate/up and down per block, and the LM head
