@@ -56,7 +56,8 @@ class Shape:
 # by activation rows (up to 16: decode and verify steps; up to 128: a prompt chunk beside running chats; more: a
 # prompt read alone), the launch shape for a narrow weight, then for a wide one (`WIDE_N` outputs or more: the
 # gate/up projection, the LM head). Chosen by `bench/invariant_kernels.py --candidates` (H200, 2026-11-30:
-# `bench/results/invariant_kernels_h200_2026-11-30_candidates.json`); every candidate gave the same bits.
+# `bench/results/invariant_kernels_h200_2026-11-30_candidates.json`, `..._rows.json`); every candidate gave the same
+# bits. A graphed step beside running chats is 128 rows (`ModelRunner._text_size`).
 SHAPES = ((16, Shape(64, 16, 64, 4, 5), Shape(64, 16, 64, 4, 5)),
           (64, Shape(128, 64, 64, 4, 4), Shape(128, 64, 64, 4, 4)),
           (128, Shape(64, 128, 64, 4, 4, tma=True), Shape(64, 128, 64, 4, 4, tma=True)),
