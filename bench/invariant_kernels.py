@@ -2,9 +2,9 @@
 
 - `plugins.invariant_matmul` at Qwen2.5-7B's GEMM shapes (bf16): every row of a product of M rows (1, 3, 8,
   16, 100, 256, 1,024) equal, bit for bit, to the same row computed alone; the same under every launch shape of
-  `SHAPES` (the row count and the weight's width pick one); and the time against `F.linear`
-  (cuBLAS) at 1, 8, 256 and 1,024 rows, in CUDA graphs (no host time), four copies of the weight taking turns
-  (no product finds its weight in L2).
+  `SHAPES` (the row count and the weight's width pick one); and the time against `F.linear` (cuBLAS) at 1, 8,
+  128, 136 (a graphed prompt step before 2026-11-30) and 1,024 rows, in CUDA graphs (no host time), four copies
+  of the weight taking turns (no product finds its weight in L2).
 - the decode attention with fixed-size splits (`split_size=INVARIANT_SPLIT`): a decode query's output equal
   alone, in a batch of 8, under a larger cache bucket; a prompt's queries equal whether its chunks start at
   0 or elsewhere, and each equal to its own single-query tile; the time against the default splits at 8 rows
