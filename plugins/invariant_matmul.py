@@ -183,7 +183,8 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, shap
     part = workspace(x.device, split * m * n) if not walked else out
     dot = _TL_DTYPES[x.dtype]
     has_bias = bias is not None
-    tma = shape.tma and k % shape.block_k == 0 and rows.data_ptr() % 16 == 0  # a tile never crosses a split's end
+    tma = shape.tma and k % shape.block_k == 0 and rows.data_ptr() % 16 == weight.data_ptr() % 16 == 0  # a tile
+    # never crosses a split's end; TMA reads from 16-byte aligned addresses
     x_desc = TensorDescriptor.from_tensor(rows, [shape.block_m, shape.block_k]) if tma else None
     w_desc = TensorDescriptor.from_tensor(weight, [shape.block_n, shape.block_k]) if tma else None
     fits = (shape, x.dtype, x.device)

@@ -318,8 +318,8 @@ class ModelRunner:
     def table_keys(self) -> list[tuple[int, int, int]]:
         """(rows, tokens per row, prompt tokens) of every step a graph replays: 1..max_batch rows (powers of two)
         feeding one token each; max_batch rows with prompt tokens beside them (a joining prompt's chunks, padded
-        so that the rows and tokens make a power of two, up to `graphed_tokens`); and 1..wide_rows rows feeding each wider width, alone (the
-        engine feeds more than one token a row only while no prompt is read)."""
+        so that the rows and tokens make a power of two, up to `graphed_tokens`); and 1..wide_rows rows feeding
+        each wider width, alone (the engine feeds more than one token a row only while no prompt is read)."""
         batches = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i <= self.max_batch]
         sizes = sorted({self._text_size(1 << i) for i in range(self.graphed_tokens.bit_length())})
         return [(b, 1, 0) for b in batches] + [(self.max_batch, 1, c) for c in sizes] + \

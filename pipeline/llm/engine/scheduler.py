@@ -105,11 +105,11 @@ class Scheduler:
     def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
         """This step's prompt chunks, as (request, the position its chunk ends at), in row order. The budget:
         while requests run, `step_tokens` less one position per running request (or `padded_rows`) and the
-        `drafted` tokens they check (at least one, so that prompts always advance); with none running, `lone_tokens`. It is
-        shared fairly among the prompts being read: each gets an equal part, and what a short one leaves
-        goes to the others (water-filling). So a short prompt that joins while a long one is read gets its
-        first token after a step or two, not after the long one's whole prefill. No budget (None): prompts
-        are read whole (for comparison)."""
+        `drafted` tokens they check (at least one, so that prompts always advance); with none running,
+        `lone_tokens`. It is shared fairly among the prompts being read: each gets an equal part, and what a
+        short one leaves goes to the others (water-filling). So a short prompt that joins while a long one is
+        read gets its first token after a step or two, not after the long one's whole prefill. No budget
+        (None): prompts are read whole (for comparison)."""
         reading = [r for r in self.prefilling if r.position < len(r.sig)]  # not those whose first token is drawn
         paid = self.padded_rows or len(self.running)
         budget = (self.step_tokens - paid - drafted if self.step_tokens else None) if self.running \
