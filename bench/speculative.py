@@ -251,7 +251,6 @@ class ShadowDrafts(PerRequest):
     runs with real replies' acceptance, all its costs included (lookup aside). `cases`: (real prompt, real
     reply, 7B prompt, 7B reply) per request, told apart by the 7B prompt the history starts with."""
 
-    always = False
     name = "replayed lookup"
 
     def __init__(self, cases: list[tuple[list[int], list[int], tuple[int, ...], list[int]]]):
@@ -266,12 +265,15 @@ class ShadowDrafts(PerRequest):
     def close(self) -> None:
         """Nothing held."""
 
-    def draft(self, history, k: int, last=()) -> list[int]:
+    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
         i = next(i for i, case in enumerate(self.cases) if tuple(history[:len(case[2])]) == case[2])
         real_prompt, real_reply, prompt, reply = self.cases[i]
-        made = len(history) + len(last) - len(prompt)  # reply tokens so far
-        if made >= len(real_reply):
+        made = len(history) + len(last) - len(prompt)  # reply tokens known so far
+        if made + len(guessed) >= len(real_reply):
             return []
+        if list(guessed) != reply[made:made + len(guessed)]:  # hoped of a step that will not keep them: lookup
+            return [t + 1 for t in reply[made + len(guessed):made + len(guessed) + k]]  # after a wrong text
+        made += len(guessed)
         draft = self.lookups[i].draft([*real_prompt, *real_reply[:made]], k)
         kept = 0
         while kept < len(draft) and made + kept < len(real_reply) and draft[kept] == real_reply[made + kept]:
@@ -298,7 +300,7 @@ class SameDrafts(PerRequest):
     """Drafts the last token again: on `decisive` weights (which repeat it) every draft is kept, so the
     engine's speed-up at each draft length is its ceiling."""
 
-    always, name = True, "every draft kept"
+    name = "every draft kept"
 
     def __init__(self, most: int):
         self.most = most
@@ -309,8 +311,8 @@ class SameDrafts(PerRequest):
     def close(self) -> None:
         """Nothing held."""
 
-    def draft(self, history, k: int, last=()) -> list[int]:
-        return [(*history, *last)[-1]] * min(k, self.most)
+    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
+        return [(*history, *last, *guessed)[-1]] * min(k, self.most)
 
 
 def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] = ("none", "int4"), seed: int = 0,

@@ -167,7 +167,8 @@ def test_the_model_runners_steps_continue_its_prefill_like_one_forward_pass(qwen
         runner.step(cache.kv, None, [ChunkRead(prompt, 0, 2, 4, 0, logits=False)])  # in two chunks
         step, _ = runner.step(cache.kv, RowsFeed(2, [[ids[4]], [ids[4]]], [4, 4], [0, 0], kv_need=5))
         assert torch.allclose(step[0, 0], full[4], atol=1e-4) and torch.allclose(step[1, 0], full[4], atol=1e-4)
-        chained, _ = runner.step(cache.kv, RowsFeed(2, chained=torch.tensor([ids[5], ids[5]]), kv_need=6))
+        chained, _ = runner.step(cache.kv, RowsFeed(2, chained=(torch.tensor([ids[5], ids[5]]), torch.ones(2, dtype=torch.long)),
+                                                    kv_need=6))
         assert torch.allclose(chained[1, 0], full[5], atol=1e-4)  # positions one further
         sampler = Sampler(cache, vocab, max_batch=2, device=torch.device("cpu"))
         greedy = [SimpleNamespace(params=SamplingParams(temperature=0, repetition_penalty=1.0), draws=Draws(0),

@@ -67,6 +67,39 @@ class Running:
         self.stream = SimpleNamespace(stats=SimpleNamespace(new_tokens=0))
 
 
+def test_a_draft_made_while_a_step_is_in_flight_guesses_its_token_after_what_it_proposed_if_its_premise_held():
+    """With a step in flight (unsettled), a row's draft is asked one token longer, after the text as that step
+    leaves it if it keeps all it proposed: the first token is the guess of the token it draws, the rest the
+    draft, and the text assumed is kept with the plan. Once that step's own premise proved wrong (the text did
+    not go as it assumed), its proposed tokens are not hoped for: the draft follows the known text."""
+    from pipeline.llm.engine.plan import Scheduled
+
+    class Asked(PerRequest):
+        name = "asked"
+        asks: list = []
+
+        def index(self):
+            return self
+
+        def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
+            Asked.asks.append((tuple(last), tuple(guessed), k))
+            return list(range(50, 50 + k))
+
+    proposer = Proposer(Speculation(Asked(), VerifyCost(0.0, 0.0)), context=1000)
+    r = Running()
+    r.last_token, r.row, r.stop_ids, r.grammar = 9, 0, set(), None
+    proposer.join(r)
+    rows = [SimpleNamespace(held=[1, 2, 3, 4])]
+    assert proposer.drafts([r], {r: 2}, rows, {}) == [((50, 51), ())]  # nothing in flight: no guess
+    kept_all = Scheduled(r, 5, 3, proposed=(7, 8), chained=True, assumed=(3, 4, 9))  # held ...3, 4; last 9: as assumed
+    assert proposer.drafts([r], {r: 2}, rows, {r: kept_all}) == [((51, 52), (9, 7, 8, 50))]
+    assert Asked.asks[-1] == ((9,), (7, 8), 3)
+    wrong = dataclasses.replace(kept_all, assumed=(3, 4, 6))  # the step before drew 9, not the 6 guessed
+    assert proposer.drafts([r], {r: 2}, rows, {r: wrong}) == [((51, 52), (9, 50))] and Asked.asks[-1] == ((9,), (), 3)
+    assert not wrong.premise_held(rows[0].held, 9) and kept_all.premise_held(rows[0].held, 9)
+    assert Scheduled(r, 5, 1).premise_held([], 0)  # made with nothing in flight: assumed nothing
+
+
 def test_a_batch_drafts_only_what_pays_for_all_of_its_rows():
     """A verify step's cost is the batch's: one row's long draft makes all 8 wait. Each row alone would draft
     here, but for the batch the cap must pay over 8 plain tokens, and then by the cost model the batch's
@@ -101,7 +134,6 @@ def test_no_step_drafts_past_max_rows_chats(low_bit):
     running = [Running() for _ in range(app.max_rows + 1)]
     proposer.states = {r: DraftState(None, accepted=9.0, checked=9.0) for r in running}
     assert all(proposer.wanted(running[:app.max_rows]).values()) and not any(proposer.wanted(running).values())
-    assert proposer.drafts(running, dict.fromkeys(running, 4), None) is None  # (settling promoted a chat since)
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
@@ -141,7 +173,7 @@ class TreeDraft(PerRequest):
     """A drafter that proposes the most likely continuation (as a greedy draft model would): half the time
     or so the model draws something else, so drafts are both kept and rejected."""
 
-    always, name = True, "the most likely tokens"
+    name = "the most likely tokens"
 
     def __init__(self, tree):
         self.tree = tree
@@ -152,8 +184,8 @@ class TreeDraft(PerRequest):
     def index(self) -> "TreeDraft":
         return self
 
-    def draft(self, history, k: int, last=()) -> list[int]:
-        reply, draft = (*history[len(PROMPT.ids):], *last), []
+    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
+        reply, draft = (*history[len(PROMPT.ids):], *last, *guessed), []
         while len(draft) < k and (*reply, *draft) in self.tree:
             draft.append(self.tree[(*reply, *draft)][0][0])
         return draft
@@ -205,7 +237,7 @@ class RepeatDraft(PerRequest):
     """Drafts one token again and again: with a bias towards it, its drafts are often kept, and the
     penalties of the positions after a kept one decide whether it comes again."""
 
-    always, name = True, "one token again"
+    name = "one token again"
 
     def __init__(self, token: int):
         self.token = token
@@ -216,7 +248,7 @@ class RepeatDraft(PerRequest):
     def index(self) -> "RepeatDraft":
         return self
 
-    def draft(self, history, k: int, last=()) -> list[int]:
+    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
         return [self.token] * k
 
 
@@ -233,6 +265,28 @@ def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, ke
     plain, _ = replies(model, None, range(200), **penalties)
     assert speculative == plain
     assert status["accepted_tokens"] >= kept, status
+
+
+def test_verify_steps_run_one_ahead_of_the_host_and_each_seed_keeps_plain_decoding_s_tokens(model):
+    """A step after a verify step is launched before the host has read what that step kept (its tokens and
+    positions follow on the device): its rows' random numbers start where the kept count says, so seeded
+    sampled replies are plain decoding's, token for token, with drafts kept in part (their first two
+    right) and the draws of each step after a verify step taken from a window by the device."""
+    prompt = Prompt(tuple(range(5, 35)))
+    params = [SamplingParams(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, seed=seed) for seed in range(6)]
+    plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2)
+    expected = [list(plain.submit(prompt, p, set())) for p in params]
+    plain.close()
+    for p, reply in zip(params, expected):
+        engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
+                                speculation=Speculation(FirstRight(prompt, reply), VerifyCost(0.0, 0.0)))
+        behind = []
+        draw = engine.sampler.draw
+        engine.sampler.draw = lambda *args: behind.append(args[3] is not None) or draw(*args)
+        assert list(engine.submit(prompt, p, set())) == reply, p.seed
+        status = engine.status()
+        engine.close()
+        assert behind.count(True) >= 3 and 0 < status["accepted_tokens"] < status["drafted_tokens"], (behind, status)
 
 
 # ---- one ask per step, and no clock -------------------------------------------------------------------------
@@ -297,15 +351,20 @@ def test_a_draft_asked_a_step_ahead_serves_only_where_the_step_kept_its_whole_dr
     assert drafter.propose([Ask(state, kept_whole_other, (other,), 2)]) == [greedy([*kept_whole_other, other], 2)]
     assert drafter.reused == 1
     drafter.forget(state)
+    ahead = drafter.index()  # a step in flight: asked after the text as it leaves it if it keeps its whole draft
+    assert drafter.propose([Ask(ahead, text[:-1], text[-1:], 3)]) == [cont[:3]]
+    assert drafter.propose([Ask(ahead, text[:-1], text[-1:], 4, guessed=cont[:3])]) == [cont[3:7]]
+    assert drafter.reused == 2  # the work asked as the first draft was handed out
     drafter.close()
     plain.close()
 
 
 class FirstRight(PerRequest):
-    """Drafts the reply's next token right and the ones after it wrong: half of each draft kept at best, so
-    how long a draft pays depends on what a verify step costs."""
+    """Drafts the reply's next two tokens right and the ones after them wrong (where a step is in flight, the first
+    is the guess of its token: one of the draft kept), so how long a draft pays depends on what a verify step
+    costs."""
 
-    always, name = True, "first right"
+    name = "first right"
 
     def __init__(self, prompt: Prompt, reply: list[int]):
         self.prompt, self.reply = prompt, reply
@@ -316,9 +375,9 @@ class FirstRight(PerRequest):
     def close(self) -> None:
         """Nothing held."""
 
-    def draft(self, history, k: int, last=()) -> list[int]:
-        made = len(history) + len(last) - len(self.prompt)
-        return [t if i == 0 else t + 1 for i, t in enumerate(self.reply[made:made + k])]
+    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
+        made = len(history) + len(last) + len(guessed) - len(self.prompt)
+        return [t if i < 2 else t + 1 for i, t in enumerate(self.reply[made:made + k])]
 
 
 def test_which_steps_verify_follows_from_the_tokens_not_from_the_clock(model):
@@ -481,16 +540,16 @@ def test_verify_costs_are_kept_for_the_next_launch_and_a_damaged_record_is_measu
 
     timed = []
 
-    def seconds(rows: int, k: int, settled: bool) -> float:
-        """Steps of `rows` rows: 1 + 0.1 k plain steps, their host waiting for each adding 0.05 (0.1 at 8 rows)."""
+    def seconds(rows: int, k: int) -> float:
+        """Steps of `rows` rows checking k drafted tokens a row: 1.05 + 0.1 k plain steps (1.1 + 0.1 k at 8 rows)."""
         timed.append(rows)
-        return rows * (1.0 + 0.1 * k + (0.05 * (1 + (rows == 8)) if settled else 0.0))
+        return rows * (1.0 + (0.05 * (1 + (rows == 8)) + 0.1 * k if k else 0.0))
 
     gpu = Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record)
     measured = costs_on(gpu, seconds, (1, 8, 1))  # the damaged record: measured again, each row count once
     assert set(timed) == {1, 8} and set(measured) == {1, 8}, (timed, measured)
     fitted = [round(x, 9) for c in (measured[1], measured[8]) for x in (c.fixed, c.per_token)]
-    assert fitted == [0.05, 0.1, 0.1, 0.1], measured  # the host's wait in the fixed part
+    assert fitted == [0.05, 0.1, 0.1, 0.1], measured
     timed.clear()
     assert costs_on(gpu, seconds, (1, 8)) == measured == read_costs(record) and not timed  # the next launch: recorded
     assert costs_on(Speculation(PromptLookup(), CPU), seconds, (1, 8)) is None and not timed  # a CPU: the prior
@@ -535,7 +594,7 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
     prompts = [Prompt(tuple(rng.randrange(5, model.config.vocab_size) for _ in range(n))) for n in (30, 90, 12)]
 
     class Repeats(PerRequest):  # drafts the last token again: verify steps, some drafts kept
-        always, name = True, "repeats"
+        name = "repeats"
 
         def index(self):
             return self
@@ -543,8 +602,8 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
         def close(self) -> None:
             """Nothing held."""
 
-        def draft(self, history, k: int, last=()) -> list[int]:
-            return [last[-1]] * k
+        def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
+            return [(*last, *guessed)[-1]] * k
     params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
 
     def run(graphs: bool) -> tuple[list[list[int]], TorchLLMEngine]:

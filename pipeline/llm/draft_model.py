@@ -10,9 +10,9 @@ that request's last draft. A greedy draft proposes each token for certain; the v
 drafts (`Sampler.draw`) keeps the target's own distribution.
 
 Drafts are asked a step ahead: as a step's drafts are handed out, the small model starts on the next step's,
-as if the step keeps its whole draft (`_Ahead`), and works while the target checks this one. Where the step
-does keep it all, the next step's draft is that work's, once its first token proved to be the one the step
-drew; else it is dropped and the draft is asked again. Which tokens are drafted follows from the text alone.
+as if the step keeps its whole draft (`_Ahead`), and works while the target checks this one. Where the text
+the next step is asked after continues as that work assumed, the draft is that work's; else it is dropped
+and the draft is asked again. Which tokens are drafted follows from the text alone.
 """
 
 from __future__ import annotations
@@ -29,19 +29,16 @@ from pipeline.llm.text.prompt import Prompt
 
 @dataclasses.dataclass(frozen=True)
 class _Ahead:
-    """A request's next draft, asked while a step checks `draft`: the small model's continuation of the
-    request's first `known` tokens and `draft` (one token more than a draft: the step's own drawn token)."""
+    """A request's next draft, asked while a step checks a draft: the small model's continuation of `text` (the
+    request's text and that draft; one token more than a draft: the step's own drawn token)."""
 
-    known: int
-    draft: tuple[int, ...]
+    text: tuple
     stream: TokenStream
 
 
 class DraftModel:
     """A drafter (see `speculation.Drafter`) over a small model's engine; `name` says which. `reused`: drafts
     taken from the work asked a step ahead."""
-
-    always = True  # it always has a draft: no cheap look ahead decides whether reading the step in flight pays
 
     def __init__(self, engine: LLMEngine, name: str):
         self.engine, self.name = engine, name
@@ -57,27 +54,28 @@ class DraftModel:
         """The small model's k most likely next tokens, one after another, after each ask's text (from the
         work asked a step ahead where that still continues the text); none where the text holds an image's
         slots (the small model cannot read them) or outgrows its context. Then each next draft is asked."""
-        texts = [(*a.history, *a.last) for a in asks]
+        texts = [(*a.history, *a.last, *a.guessed) for a in asks]
         ahead = [self._take(a, text) for a, text in zip(asks, texts)]
         fresh = [self._submit(a.state, text, a.k) if got is None else None for a, text, got in zip(asks, texts, ahead)]
         drafts = [got if got is not None else list(s) if s is not None else [] for got, s in zip(ahead, fresh)]
         for a, text, draft in zip(asks, texts, drafts):
             if draft and (stream := self._submit(a.state, (*text, *draft), a.k + 1)) is not None:
-                self._ahead[a.state] = _Ahead(len(text), tuple(draft), stream)
+                self._ahead[a.state] = _Ahead((*text, *draft), stream)
         return drafts
 
     def _take(self, ask: Ask, text: tuple) -> list[int] | None:
-        """`ask`'s draft from the work asked a step ahead: where the step kept that step's whole draft and drew
-        the token the small model put first; None where there is none such (it is let go of)."""
+        """`ask`'s draft from the work asked a step ahead: where `text` is that work's text followed by the small
+        model's first tokens (a step that kept its whole draft, and drew what the small model put next, where
+        the step was settled); None where there is none such (it is let go of)."""
         ahead = self._ahead.pop(ask.state, None)
         if ahead is None:
             return None
-        new = text[ahead.known:]
-        if len(new) == len(ahead.draft) + 1 and tuple(new[:-1]) == ahead.draft:
-            tokens = list(ahead.stream)
-            if tokens[:1] == [new[-1]] and len(tokens) > 1:
+        known = len(ahead.text)
+        if text[:known] == ahead.text:
+            tokens, new = list(ahead.stream), list(text[known:])
+            if tokens[:len(new)] == new and len(tokens) > len(new):
                 self.reused += 1
-                return tokens[1:1 + ask.k]
+                return tokens[len(new):len(new) + ask.k]
         ahead.stream.cancel()
         return None
 

@@ -66,14 +66,16 @@ class ChunkRead:
 @dataclasses.dataclass(frozen=True)
 class RowsFeed:
     """What rows 0..n-1 feed in a step: `tokens[i]` (one token, or the last one and those after it) at positions
-    starts[i].. with rotary offsets[i]; or, `chained`, the tokens the previous step drew (on the device),
-    each row one position further, so the host never stalls the GPU for them."""
+    starts[i].. with rotary offsets[i]; or, `chained`, after the step before (on the device: each row's last kept
+    token, and how many it kept, which moves its positions), each row's first token that step's last kept one
+    and its positions past what that step kept (the tokens after the first, where any, from `tokens`), so
+    the host never stalls the GPU for them."""
 
     n: int
     tokens: list[list[int]] | None = None
     starts: list[int] | None = None
     offsets: list[int] | None = None
-    chained: Tensor | None = None
+    chained: tuple[Tensor, Tensor] | None = None
     kv_need: int = 0  # the most positions a row reads in this step (its last position + 1)
 
 
@@ -105,7 +107,7 @@ class ModelRunner:
         self.ready = False  # the graph table is captured: no capture from now on
         self._pool = torch.cuda.graph_pool_handle() if self.use_cuda_graphs else None
         self._pinned = self.device.type == "cuda"
-        self._state = torch.zeros(max_batch, 4, dtype=torch.long, device=self.device)  # rows' token, position, rotary offset, live
+        self._state = torch.zeros(max_batch, 4, dtype=torch.long, device=self.device)  # rows' first token, position, rotary offset, live
         self._padding = torch.tensor([[0, self.scratch, 0, 0]] * max_batch, device=self.device)  # a padding row's
         self._ahead: torch.cuda.Event | None = None  # marks the step launched last
         # The split-K partials and counters of this runner's steps, its own: two engines over one model (a
@@ -241,27 +243,30 @@ class ModelRunner:
         """The rows' inputs on the device [bucket, T + 3] (tokens, start, rotary offset, live: padding rows write
         the scratch positions and read nothing), and (bucket, T, the T asked for, key length: the cache's whole length where `full`,
         on a GPU, so a step's sums never depend on whether it replays a graph; else rounded up from the longest
-        row's)."""
+        row's). Each row's first token, start, offset and liveness stay on the device (`_state`) for the next
+        step to chain on."""
         n = rows.n
         need = 1 if rows.tokens is None else len(rows.tokens[0])
         kv_len = self.positions if full else min(-(-rows.kv_need // GRAPH_BUCKET) * GRAPH_BUCKET, self.scratch + need)
+        if rows.chained is not None:
+            last, kept = rows.chained
+            self._state[:n, 0].copy_(last)
+            self._state[:n, 1] += kept
+            if bucket > n:  # a bucket wider than the last step's: its extra rows idle
+                self._state[n:bucket].copy_(self._padding[:bucket - n])
+        else:
+            # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
+            # run): one buffer kept for every step was rewritten while an earlier step's copy still
+            # waited in the stream, and that step ran on the next one's tokens and positions.
+            host = torch.tensor([[t[0], s, o, 1] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
+                                + [[0, self.scratch, 0, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
+            self._state[:bucket].copy_(host, non_blocking=True)
+        state = self._state[:bucket]
         if need == 1:
-            if rows.chained is not None:
-                self._state[:n, 0].copy_(rows.chained)
-                self._state[:n, 1] += 1
-                if bucket > n:  # a bucket wider than the last step's: its extra rows idle
-                    self._state[n:bucket].copy_(self._padding[:bucket - n])
-            else:
-                # Fresh pinned memory each time (torch's host allocator reuses a block only once its copy has
-                # run): one buffer kept for every step was rewritten while an earlier step's copy still
-                # waited in the stream, and that step ran on the next one's tokens and positions.
-                host = torch.tensor([[t[0], s, o, 1] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
-                                    + [[0, self.scratch, 0, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
-                self._state[:bucket].copy_(host, non_blocking=True)
-            return self._state[:bucket], (bucket, 1, 1, kv_len)
-        host = torch.tensor([[*t, s, o, 1] for t, s, o in zip(rows.tokens, rows.starts, rows.offsets)]
-                            + [[0] * need + [self.scratch, 0, 0]] * (bucket - n), dtype=torch.long, pin_memory=self._pinned)
-        return host.to(self.device, non_blocking=True), (bucket, need, need, kv_len)
+            return state, (bucket, 1, 1, kv_len)
+        after = torch.tensor([t[1:] for t in rows.tokens] + [[0] * (need - 1)] * (bucket - n), dtype=torch.long,
+                             pin_memory=self._pinned).to(self.device, non_blocking=True)
+        return torch.cat([state[:, :1], after, state[:, 1:]], 1), (bucket, need, need, kv_len)
 
     def _embeds(self, chunks: list[ChunkRead], ids: Tensor, offset: int) -> Tensor:
         """The step's input embeddings where a chunk holds an image's slots: the ids' embeddings with the
@@ -345,19 +350,16 @@ class ModelRunner:
             chunks.append(ChunkRead(Prompt(tuple(range(1, n + 1))), len(chunks), 0, n, 0, logits=not chunks))
         return chunks
 
-    def step_seconds(self, cache: KVCache, rows: int, width: int, settled: bool = False, repeats: int = 20) -> float:
+    def step_seconds(self, cache: KVCache, rows: int, width: int, repeats: int = 20) -> float:
         """Seconds a step of `rows` rows feeding `width` tokens each takes on this GPU (the step the graph table
-        holds, in the scratch positions, which hold nothing), host work included; `settled`: each step's
-        tokens read before the next is launched, as where a step's tokens decide the next one's inputs."""
+        holds, in the scratch positions, which hold nothing), host work included."""
         feed = RowsFeed(rows, [[0] * width] * rows, [self.scratch] * rows, [0] * rows, kv_need=self.scratch + width)
         for _ in range(3):  # a first run, and a replay
             self.step(cache, feed)
         torch.cuda.current_stream(self.device).synchronize()  # this engine's own: see `plugins.cuda_streams`
         start = time.perf_counter()
         for _ in range(repeats):
-            logits, _ = self.step(cache, feed)
-            if settled:
-                logits[:, 0, :1].cpu()
+            self.step(cache, feed)
         torch.cuda.current_stream(self.device).synchronize()
         return (time.perf_counter() - start) / repeats
 

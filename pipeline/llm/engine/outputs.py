@@ -26,7 +26,7 @@ class Launched:
     for, and the logits where a request keeps them. `consumed`: its tokens have advanced the grammars."""
 
     plan: StepPlan
-    chained: Tensor  # the rows' first drawn tokens, on the device: the next step's inputs where it chains
+    chained: tuple[Tensor, Tensor]  # the rows' last kept tokens and kept counts, on the device: a next step's inputs
     logits: Tensor | None
     logprobs: Tensor | None
     copied: tuple[Tensor, "torch.cuda.Event | None"]
@@ -49,8 +49,9 @@ class Outputs:
         """A step whose tokens `drawn` and counts `kept` (and log-probabilities) start their way to the host."""
         if logprobs is not None:
             logprobs = logprobs.to("cpu", non_blocking=True)  # pinned: ready with the tokens' copy
-        return Launched(plan, drawn[:len(plan.rows), 0], logits, logprobs,
-                        self.to_host(torch.cat([drawn, kept[:, None]], 1)))
+        n = len(plan.rows)
+        last = drawn[:n].gather(1, kept[:n, None] - 1)[:, 0] if plan.verifies else drawn[:n, 0]
+        return Launched(plan, (last, kept[:n]), logits, logprobs, self.to_host(torch.cat([drawn, kept[:, None]], 1)))
 
     def _host(self, step: Launched) -> tuple[list[list[int]], list[int]]:
         """The step's drawn tokens and kept counts on the host (waiting for its copy)."""
@@ -75,8 +76,9 @@ class Outputs:
         """Hand out a finished step's tokens: the one settlement of every step kind. A prompt read to its end
         joins the running requests with its first token; a running request keeps its fed tokens in its row
         and delivers each kept token, its proposed tokens kept up to the first the model would not have drawn
-        (its cache is rolled back by position: the rejected positions are written again later; the
-        scheduler, which proposed them, hears how many were kept)."""
+        (its cache is rolled back by position: the rejected positions are written again later, by the step
+        launched after this one too, which moved its positions on the device; the scheduler, which proposed them,
+        hears how many were kept)."""
         self.consume(step)
         tokens, kept = self._host(step)
         logits = step.logits if step.logits is not None else [None] * len(kept)
@@ -85,8 +87,9 @@ class Outputs:
             r = s.request
             if s.proposed:
                 r.draws.skip(k - 1)  # the first position's number was taken at the launch
-                self.scheduler.kept(r, len(s.proposed), k - 1)
-                r.position = s.start + k
+                fair = r.row < 0 or s.premise_held(self.rows[r.row].held, r.last_token)
+                self.scheduler.kept(r, len(s.proposed), k - 1, fair)
+                r.position -= s.size - k  # launched assuming all kept (a later step's too)
             fed = [r.last_token, *s.proposed]  # a chained row's last token: the one the step before delivered
             for j in range(k):
                 if r.row < 0:  # finished while this step ran, or by an earlier token of it

@@ -62,8 +62,8 @@ class Sampler:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
-    def draw(self, requests: Sequence[Request], logits: Tensor,
-             proposed: Sequence[Sequence[int]] = ()) -> tuple[Tensor, Tensor, Tensor | None]:
+    def draw(self, requests: Sequence[Request], logits: Tensor, proposed: Sequence[Sequence[int]] = (),
+             behind: tuple[Tensor, int] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Every position's token for a step's drawing requests (the running ones, in cache rows 0..n-1, and
         the prompts read to their end, in their rows): `logits` [n, T, vocab] score each request's fed tokens,
         its last token and the tokens proposed after it (`proposed[i]`, up to T - 1; none in a decode step,
@@ -78,7 +78,9 @@ class Sampler:
         tokens [n, T], how many each row keeps [n] (its kept proposed tokens + 1)
         and the log-probabilities [n, T, ...] where a request asks for them (see `logprobs_of`). The rows'
         penalty state takes the kept tokens; the uniform numbers are the caller's to `skip` (kept ones).
-        The host never waits for the GPU here."""
+        `behind`: the first rows follow a verify step not yet settled ((its kept counts [m] on the device, its
+        width W)): the host does not know which of their numbers come next, so each row's next W - 1 + T go up
+        and the device takes T of them from where its kept count says. The host never waits for the GPU here."""
         n, positions, vocab = logits.shape
         proposed = proposed or [()] * n
         params = [r.params for r in requests for _ in range(positions)]  # row i's position j: entry i*T + j
@@ -89,6 +91,11 @@ class Sampler:
             host = self._columns_host[self._flip, :len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
             host.numpy()[:] = sampling_columns(params, uniforms, self.vocab_size)
             columns.copy_(host, non_blocking=True)
+            if behind is not None and any(p.temperature for p in params):
+                kept, width = behind
+                ahead = self._upload([r.draws.peek(width - 1 + positions) for r in requests[:len(kept)]], torch.float32)
+                at = kept[:, None] - 1 + torch.arange(positions, device=self.device)[None]
+                columns[0, :len(kept) * positions] = ahead.gather(1, at).view(-1)
         rows = self._rows([r.row for r in requests])
         seen, counts = self._penalty_state(rows, proposed, positions, counts_penalized(params))
         flat = logits.reshape(n * positions, vocab)

@@ -17,7 +17,7 @@ thread may add a request.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
@@ -81,25 +81,23 @@ class Scheduler:
         self.most_held = max(self.most_held, len(self.running) + len(self.prefilling))
         return reused
 
-    def plan(self, in_flight: bool, settle: Callable[[], None]) -> StepPlan:
-        """This step: each running request's last token (the step in flight drew it, on the device, where
-        `in_flight`) and its draft, padded to a draft size, and the prompt chunks the budget leaves room for.
-        Drafts continue the last tokens, so where one may come the step in flight is settled first (`settle`);
-        none is proposed while a prompt is read (its chunk rides along)."""
+    def plan(self, in_flight: StepPlan | None = None) -> StepPlan:
+        """This step: each running request's last token and its draft, padded to a draft size, and the prompt chunks
+        the budget leaves room for. `in_flight`: the step the running rows chain on, not settled yet (its last
+        kept tokens and their positions are on the device; the drafts assume it keeps all it proposed). No draft
+        is proposed while a prompt is read (its chunk rides along)."""
         drafts = None
         if self.proposer is not None and self.running and not any(r.position < len(r.sig) for r in self.prefilling):
             wanted = self.proposer.wanted(self.running)
-            if any(wanted.values()) and (not in_flight or self.proposer.may_find(wanted, self.rows)):
-                if in_flight:
-                    settle()
-                    in_flight = False
-                drafts = self.proposer.drafts(self.running, wanted, self.rows)
-        drafts = drafts or [[]] * len(self.running)
-        width = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts), default=0))  # graphs hold these
-        rows = tuple(Scheduled(r, r.position, 1 + len(d), tuple(d), in_flight, width=1 + width)
-                     for r, d in zip(self.running, drafts))
+            if any(wanted.values()):
+                ahead = {s.request: s for s in in_flight.rows} if in_flight is not None else {}
+                drafts = self.proposer.drafts(self.running, wanted, self.rows, ahead)
+        drafts = drafts or [((), ())] * len(self.running)
+        width = next(k for k in (0, *DRAFT_SIZES) if k >= max((len(d) for d, _ in drafts), default=0))  # graphs hold these
+        rows = tuple(Scheduled(r, r.position, 1 + len(d), d, in_flight is not None, width=1 + width, assumed=a)
+                     for r, (d, a) in zip(self.running, drafts))
         chunks = tuple(Scheduled(r, r.position, end - r.position, last=end == len(r.sig))
-                       for r, end in self.chunks(sum(map(len, drafts))))
+                       for r, end in self.chunks(sum(len(d) for d, _ in drafts)))
         return StepPlan(rows, chunks)
 
     def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
@@ -127,10 +125,11 @@ class Scheduler:
             room -= take
         return [(r, ends[r]) for r in self.prefilling if r in ends]
 
-    def kept(self, request: Request, drafted: int, accepted: int) -> None:
+    def kept(self, request: Request, drafted: int, accepted: int, fair: bool = True) -> None:
         """A step checked `request`'s `drafted` tokens and kept the first `accepted`: its drafting hears it (while
-        it runs: one that ended meanwhile has no drafting left)."""
-        if (state := self.proposer.states.get(request)) is not None:
+        it runs: one that ended meanwhile has no drafting left; not `fair`: the draft was made after a text that
+        did not come, `Scheduled.premise_held`, and says nothing of the drafter's rate)."""
+        if fair and (state := self.proposer.states.get(request)) is not None:
             state.record(drafted, accepted)
         request.stream.stats.drafted_tokens += drafted
         request.stream.stats.accepted_tokens += accepted
@@ -231,27 +230,31 @@ class Proposer:
         cap = batch_cap([(self.states[r].expected_rate, k) for r, k in asked.items()], cost)
         return {r: min(k, cap) for r, k in asked.items()}
 
-    def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
-        """Whether a draft may come, looked at with the tokens already known (without the step in flight's,
-        whose reading stalls the GPU): a drafter that always has one says yes without looking."""
-        drafter = self.speculation.drafter
-        return drafter.always or any(drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,), 1)
-                                                      for r, k in wanted.items() if k]))
-
-    def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows) -> list[list[int]] | None:
-        """Each running request's draft (in row order), asked of the drafter in one call; None where none was
-        found: the step is a plain one (as with more than `max_rows` rows: settling the step in flight may have
-        promoted a prompt since `wanted`)."""
-        if len(running) > self.speculation.max_rows:
-            return None
+    def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows,
+               in_flight: dict[Request, Scheduled]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
+        """Each running request's draft and the text it assumed (in row order), asked of the drafter in one call;
+        None where none was found: the step is a plain one. A request whose step is in flight (`in_flight`, not
+        settled: the host does not know what it drew) drafts one token more after its text as that step would
+        leave it if it kept all it proposed (where its own draft's premise held: else its first token alone):
+        the first drafted token is the guess of the token that step draws, the rest are the draft; a wrong
+        guess costs a verify step that keeps its first token only, never a wrong token."""
         asking = [r for r in running if wanted.get(r) and self.room(r) > 0]
         if not asking:
             return None
-        proposed = self.speculation.drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,),
-                                                         min(wanted[r], self.room(r))) for r in asking])
-        found = {r: self.cut(r, draft) for r, draft in zip(asking, proposed)}
-        drafts = [found.get(r, []) for r in running]
-        return drafts if any(drafts) else None
+        asks = []
+        for r in asking:
+            s, held = in_flight.get(r), rows[r.row].held
+            hoped = s.proposed if s is not None and s.premise_held(held, r.last_token) else ()
+            asks.append(Ask(self.states[r].drafts, held, (r.last_token,), min(wanted[r], self.room(r)) + (s is not None),
+                            hoped))
+        found = {}
+        for r, ask, draft in zip(asking, asks, self.speculation.drafter.propose(asks)):
+            if r not in in_flight:
+                found[r] = (tuple(self.cut(r, draft)), ())
+            elif len(draft) > 1 and draft[0] not in r.stop_ids:
+                found[r] = (tuple(self.cut(r, draft[1:])), (r.last_token, *ask.guessed, draft[0]))
+        drafts = [found.get(r, ((), ())) for r in running]
+        return drafts if any(d for d, _ in drafts) else None
 
     def room(self, r: Request) -> int:
         """Tokens `r` may draft: what its reply's length and the context leave after this step's own token."""

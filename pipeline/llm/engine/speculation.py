@@ -19,7 +19,10 @@ is fixed while the engine runs (on a GPU measured once by the first launch, `cos
 ones), never read from the clock between steps: which steps verify follows
 from the tokens alone, the same in every run. The engine's scheduler owns the drafts (`scheduler.Proposer`:
 which rows draft in a step, and how many tokens). A drafter is asked once per step for every row that drafts
-(`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Which token is kept is the sampler's business
+(`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Verify steps run one
+ahead of the host as plain steps do (vLLM's asynchronous scheduling): a step's drafts are made while the step
+before is in flight, after the text as it would leave it if it kept all it proposed, one token longer (the
+first guesses the token it draws); a wrong guess costs a step that keeps one token, never a wrong token. Which token is kept is the sampler's business
 (`Sampler.draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
 tokens, exactly those of plain decoding.
 """
@@ -79,32 +82,29 @@ def write_costs(path: Path, costs: dict[int, VerifyCost]) -> None:
     atomic_write(path, json.dumps({rows: [c.fixed, c.per_token] for rows, c in costs.items()}))
 
 
-def fit_cost(seconds: Callable[[int, bool], float]) -> VerifyCost:
-    """What a step checking k drafted tokens a row costs in plain steps of the same rows, from `seconds(k,
-    settled)`: such steps timed on the GPU (`ModelRunner.step_seconds`), host work included (a small model on
-    a fast GPU is bound by it, not by its weights). The fixed part also holds the wait a verify step costs
-    the host: its tokens are settled before the next step is launched, where plain steps run one ahead of
-    the host (speculation measured slower than none with 8 chats and on int4's open chat while this wait
-    was left out, H200 2026-11-28)."""
-    plain = seconds(0, False)
-    wait = max(seconds(0, True) / plain - 1.0, 0.0)
-    extra = [(k, seconds(k, False) / plain - 1.0) for k in DRAFT_SIZES]
+def fit_cost(seconds: Callable[[int], float]) -> VerifyCost:
+    """What a step checking k drafted tokens a row costs in plain steps of the same rows, from `seconds(k)`: such
+    steps timed on the GPU (`ModelRunner.step_seconds`), host work included (a small model on a fast GPU is
+    bound by it, not by its weights). Verify steps run one ahead of the host as plain ones do (`StepPlan`'s
+    chained rows), so no wait of the host's is added."""
+    plain = seconds(0)
+    extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]
     mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
     slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
     slope = max(slope, 0.0)
-    return VerifyCost(max(mean_e - slope * mean_k, 0.0) + wait, slope)
+    return VerifyCost(max(mean_e - slope * mean_k, 0.0), slope)
 
 
-def costs_on(spec: Speculation, seconds: Callable[[int, int, bool], float],
+def costs_on(spec: Speculation, seconds: Callable[[int, int], float],
              row_counts: Sequence[int]) -> dict[int, VerifyCost] | None:
     """The verify costs of `spec` on this GPU per row count: those an earlier launch recorded, else fitted now
-    from `seconds(rows, k, settled)` (`fit_cost`) and recorded, measured once per GPU as the kernels' tuning
+    from `seconds(rows, k)` (`fit_cost`) and recorded, measured once per GPU as the kernels' tuning
     is; None where the prior costs serve (a CPU's were measured once: its tests decide nothing by the clock)."""
     if not spec.measured:
         return None
     if spec.record is not None and (costs := read_costs(spec.record)) is not None:
         return costs
-    costs = {rows: fit_cost(lambda k, settled: seconds(rows, k, settled)) for rows in sorted(set(row_counts))}
+    costs = {rows: fit_cost(lambda k: seconds(rows, k)) for rows in sorted(set(row_counts))}
     if spec.record is not None:
         write_costs(spec.record, costs)
     return costs
@@ -151,7 +151,7 @@ class PerRequest:
     `draft(history, k, last)`: prompt lookup (each request's own n-gram index), and plain test drafters."""
 
     def propose(self, asks: Sequence[Ask]) -> list[list[int]]:
-        return [a.state.draft(a.history, a.k, a.last) for a in asks]
+        return [a.state.draft(a.history, a.k, a.last, a.guessed) for a in asks]
 
     def forget(self, state) -> None:
         """A request ended: its state goes with it (nothing else holds it)."""
@@ -163,7 +163,6 @@ class PromptLookup(PerRequest):
     keeps its own index of where each n-gram last ended (`NgramIndex`), brought up to date with each
     step's new tokens, so a draft costs a few dictionary lookups however long the conversation."""
 
-    always = False  # it may find nothing: whether it would is looked at before the step in flight is read
     name = "prompt lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
@@ -185,16 +184,19 @@ class NgramIndex:
         self._ends: dict[tuple, int] = {}
         self._done = 0  # n-grams ending before this position are indexed
 
-    def draft(self, history: Sequence, k: int, last: Sequence = ()) -> list[int]:
-        """Up to `k` tokens that followed the longest n-gram ending `history` (+ `last`: a row's held tokens
-        and its token not yet fed, not copied into one list at every step) where it last occurred before."""
-        history = _Joined(history, last) if last else history
+    def draft(self, history: Sequence, k: int, last: Sequence = (), guessed: Sequence = ()) -> list[int]:
+        """Up to `k` tokens that followed the longest n-gram ending `history` + `last` + `guessed` (a row's held
+        tokens, its token not yet fed, not copied into one list at every step, and the tokens hoped of the step
+        in flight) where it last occurred before. Guessed tokens are looked up, never indexed."""
+        known = len(history) + len(last)
+        tail = (*last, *guessed)
+        history = _Joined(history, tail) if tail else history
         total = len(history)
-        for end in range(max(self._done, 1), total):  # the n-grams ending before the last position
+        for end in range(max(self._done, 1), known):  # the n-grams of the known text ending before its last position
             for n in self.sizes:
                 if end >= n:
                     self._ends[tuple(history[end - n:end])] = end
-        self._done = max(self._done, total)
+        self._done = max(self._done, known)
         for n in self.sizes:
             if total >= n and (end := self._ends.get(tuple(history[total - n:]))) is not None:
                 out = []
@@ -227,21 +229,20 @@ class _Joined(Sequence):
 @dataclasses.dataclass(frozen=True)
 class Ask:
     """One request's draft wanted in a step: its own drafting state (`Drafter.index()`), its text so far
-    (`history` + `last`: a row's held tokens and its token not yet fed) and at most `k` tokens."""
+    (`history` + `last`: a row's held tokens and its token not yet fed; then `guessed`: the tokens the step in
+    flight is hoped to keep, unknown to the host yet) and at most `k` tokens to follow it."""
 
     state: Any
     history: Sequence
     last: Sequence
     k: int
+    guessed: Sequence = ()
 
 
 class Drafter(Protocol):
     """Where drafts come from: `index()` makes a request's own state; `propose(asks)` drafts for every asking
-    request of a step at once (up to each one's k tokens after its text); `forget(state)`: a request ended.
-    `always`: it always has a draft (else the engine looks with the tokens it already knows before it waits
-    for the step in flight)."""
+    request of a step at once (up to each one's k tokens after its text); `forget(state)`: a request ended."""
 
-    always: bool
     name: str
 
     def index(self) -> Any: ...

@@ -13,8 +13,9 @@ budget, every running request feeds its last token (and, speculating, the tokens
 `speculation.py`, asked of the drafter once for all rows), and requests reading their prompts feed chunks of
 them, shared fairly; one forward runs it all, one draw takes every drawn position (a prompt's last one too)
 and one routine settles the step (`Outputs.settle`), a step later: the host reads a step's tokens while the
-GPU runs the next, whose inputs, after a plain step of the same rows, are the tokens drawn on the GPU. A prompt's last
-chunk draws its first token, and the request joins the running ones. Finished or cancelled requests
+GPU runs the next, whose inputs, after a step of the same rows (one that checked drafts too), are the last tokens
+kept on the GPU, at positions moved by the counts kept there (drafts made meanwhile guess what the step in
+flight keeps: `Scheduler.plan`). A prompt's last chunk draws its first token, and the request joins the running ones. Finished or cancelled requests
 leave at once. A row keeps its tokens after a reply, and a new request runs in the idle row holding the
 longest prefix of it, so a conversation's next turn prefills only what is new whoever sends it (the UI,
 an API client resending the whole conversation, the terminal chat). Idle rows are reclaimed least
@@ -180,8 +181,8 @@ class TorchLLMEngine:
     def _measure(self) -> None:
         """The verify costs on this GPU (`speculation.costs_on`): those an earlier launch recorded, else measured
         now on the steps the graph table holds, one row and the most rows that verify."""
-        costs = costs_on(self.speculation, lambda rows, k, settled: self.runner.step_seconds(
-            self.rows.kv, rows, k + 1, settled), sorted({1, self.runner.wide_rows}))
+        costs = costs_on(self.speculation, lambda rows, k: self.runner.step_seconds(self.rows.kv, rows, k + 1),
+                         sorted({1, self.runner.wide_rows}))
         self.proposer.costs = costs or self.proposer.costs
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
@@ -222,11 +223,11 @@ class TorchLLMEngine:
         of the GPU."""
         running = self.scheduler.running
         pending = self._pending
-        # a step chains on the one in flight where that was a plain step of the same rows
-        if pending is not None and (pending.plan.verifies or [s.request for s in pending.plan.rows] != running
-                                    or not running):
+        # a step chains on the one in flight where that ran the same rows (a grammar's drafts need its tokens first)
+        if pending is not None and ([s.request for s in pending.plan.rows] != running or not running or
+                                    self.proposer is not None and any(r.grammar is not None for r in running)):
             self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
-        plan = self.scheduler.plan(self._pending is not None, self._drain)
+        plan = self.scheduler.plan(self._pending.plan if self._pending is not None else None)
         if plan.rows or plan.chunks:
             try:
                 self._launch(plan)
@@ -243,18 +244,18 @@ class TorchLLMEngine:
         return self.runner.rope.offset(request.table, request.prompt.shift(position))
 
     def _launch(self, plan: StepPlan) -> None:
-        """Run `plan` in one forward: rows 0..n-1 feed their last token (chained on the GPU after the step in
-        flight) or their last token and drafts (padded to a draft size); the chunks are read beside them. Every
-        drawn position is drawn in one call, and the step's tokens start their way to the host."""
+        """Run `plan` in one forward: rows 0..n-1 feed their last token and drafts (padded to a draft size; chained on
+        the GPU after the step in flight, the last token and positions are that step's); the chunks are read beside
+        them. Every drawn position is drawn in one call, and the step's tokens start their way to the host."""
         rows, chunks = plan.rows, plan.chunks
-        feed = None
-        if rows and rows[0].chained:
-            feed = RowsFeed(len(rows), chained=self._pending.chained, kv_need=max(s.end for s in rows))
-        elif rows:
+        feed = behind = None
+        if rows:
             size = rows[0].width
             fed = [[s.request.last_token, *s.proposed, *[s.request.last_token] * (size - s.size)] for s in rows]
             feed = RowsFeed(len(rows), fed, [s.start for s in rows], [self._offset(s.request, s.start) for s in rows],
-                            kv_need=max(s.start for s in rows) + size)
+                            self._pending.chained if rows[0].chained else None, max(s.start for s in rows) + size)
+            if rows[0].chained and self._pending.plan.verifies:  # each row's draws start where that step's ended
+                behind = self._pending.chained[1], self._pending.plan.rows[0].width
         reads = [ChunkRead(s.request.prompt, s.request.row, s.start, s.end, self._offset(s.request, s.start), s.last)
                  for s in chunks]
         logits, firsts = self.runner.step(self.rows.kv, feed, reads, graphed=bool(rows))
@@ -277,7 +278,8 @@ class TorchLLMEngine:
         if self._pending is not None and any(s.request.grammar is not None for s in rows):
             self.outputs.consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
         kept_logits = logits.clone() if any(s.request.stream.logits is not None for s in drawing) else None  # graphs reuse theirs
-        drawn, kept, logprobs = self.sampler.draw([s.request for s in drawing], logits, [s.proposed for s in drawing])
+        drawn, kept, logprobs = self.sampler.draw([s.request for s in drawing], logits, [s.proposed for s in drawing],
+                                                  behind)
         for s in drawing:
             s.request.draws.skip(1)
         previous, self._pending = self._pending, self.outputs.launched(plan, drawn, kept, kept_logits, logprobs)
