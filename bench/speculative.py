@@ -251,6 +251,7 @@ class ShadowDrafts(PerRequest):
     runs with real replies' acceptance, all its costs included (lookup aside). `cases`: (real prompt, real
     reply, 7B prompt, 7B reply) per request, told apart by the 7B prompt the history starts with."""
 
+    always = False
     name = "replayed lookup"
 
     def __init__(self, cases: list[tuple[list[int], list[int], tuple[int, ...], list[int]]]):
@@ -300,7 +301,7 @@ class SameDrafts(PerRequest):
     """Drafts the last token again: on `decisive` weights (which repeat it) every draft is kept, so the
     engine's speed-up at each draft length is its ceiling."""
 
-    name = "every draft kept"
+    always, name = True, "every draft kept"
 
     def __init__(self, most: int):
         self.most = most

@@ -337,7 +337,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     # ONNX Runtime's CPU decoder rounds its inputs to int8 per block: a verify step's rows and the decode steps they
     # stand for part at near-ties (so "exact" could not hold), and prompt lookup measured no faster there (SmolLM2)
     onnx_cpu = quant == GGUF and target.type == "cpu"
-    measured_for = f"{model_id} {weights} {speculate} one-ahead batch {batch} context {context}" + \
+    measured_for = f"{model_id} {weights} {speculate} batch {batch} context {context}" + \
         (f" drafts {draft.model_id} {draft.engine.description}" if draft is not None else "")
     record = engines.cache.root / "kernels" / record_name(
         "verify", f"{Path(model_id).name}-{hashlib.sha256(measured_for.encode()).hexdigest()[:12]}",

@@ -75,7 +75,7 @@ def test_a_draft_made_while_a_step_is_in_flight_guesses_its_token_after_what_it_
     from pipeline.llm.engine.plan import Scheduled
 
     class Asked(PerRequest):
-        name = "asked"
+        always, name = True, "asked"
         asks: list = []
 
         def index(self):
@@ -134,6 +134,7 @@ def test_no_step_drafts_past_max_rows_chats(low_bit):
     running = [Running() for _ in range(app.max_rows + 1)]
     proposer.states = {r: DraftState(None, accepted=9.0, checked=9.0) for r in running}
     assert all(proposer.wanted(running[:app.max_rows]).values()) and not any(proposer.wanted(running).values())
+    assert proposer.drafts(running, dict.fromkeys(running, 4), None, {}) is None  # (settling promoted a chat since)
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
@@ -173,7 +174,7 @@ class TreeDraft(PerRequest):
     """A drafter that proposes the most likely continuation (as a greedy draft model would): half the time
     or so the model draws something else, so drafts are both kept and rejected."""
 
-    name = "the most likely tokens"
+    always, name = True, "the most likely tokens"
 
     def __init__(self, tree):
         self.tree = tree
@@ -237,7 +238,7 @@ class RepeatDraft(PerRequest):
     """Drafts one token again and again: with a bias towards it, its drafts are often kept, and the
     penalties of the positions after a kept one decide whether it comes again."""
 
-    name = "one token again"
+    always, name = True, "one token again"
 
     def __init__(self, token: int):
         self.token = token
@@ -268,18 +269,35 @@ def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, ke
 
 
 def test_verify_steps_run_one_ahead_of_the_host_and_each_seed_keeps_plain_decoding_s_tokens(model):
-    """A step after a verify step is launched before the host has read what that step kept (its tokens and
-    positions follow on the device): its rows' random numbers start where the kept count says, so seeded
-    sampled replies are plain decoding's, token for token, with drafts kept in part (their first two
-    right) and the draws of each step after a verify step taken from a window by the device."""
+    """While a chat's drafts are kept whole (a quote), the step after a verify step is launched before the host
+    has read what that step kept (its tokens and positions follow on the device): its rows' random numbers
+    start where the kept count says, so seeded sampled replies are plain decoding's, token for token; once a
+    draft is kept in part, the host reads each verify step first (`Scheduler.chains_after`)."""
     prompt = Prompt(tuple(range(5, 35)))
-    params = [SamplingParams(max_new_tokens=24, temperature=1.0, top_k=0, top_p=1.0, seed=seed) for seed in range(6)]
+    params = [SamplingParams(max_new_tokens=40, temperature=1.0, top_k=0, top_p=1.0, seed=seed) for seed in range(6)]
     plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2)
     expected = [list(plain.submit(prompt, p, set())) for p in params]
     plain.close()
+
+    class Quotes(PerRequest):  # the reply's tokens up to its 30th, then wrong ones
+        always, name = True, "a quote"
+
+        def __init__(self, reply: list[int]):
+            self.reply = reply
+
+        def index(self):
+            return self
+
+        def close(self) -> None:
+            """Nothing held."""
+
+        def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
+            made = len(history) + len(last) + len(guessed) - len(prompt)
+            return [t if made + i < 30 else t + 1 for i, t in enumerate(self.reply[made:made + k])]
+
     for p, reply in zip(params, expected):
         engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
-                                speculation=Speculation(FirstRight(prompt, reply), VerifyCost(0.0, 0.0)))
+                                speculation=Speculation(Quotes(reply), VerifyCost(0.0, 0.0), max_draft=3))
         behind = []
         draw = engine.sampler.draw
         engine.sampler.draw = lambda *args: behind.append(args[3] is not None) or draw(*args)
@@ -364,7 +382,7 @@ class FirstRight(PerRequest):
     is the guess of its token: one of the draft kept), so how long a draft pays depends on what a verify step
     costs."""
 
-    name = "first right"
+    always, name = True, "first right"
 
     def __init__(self, prompt: Prompt, reply: list[int]):
         self.prompt, self.reply = prompt, reply
@@ -460,7 +478,7 @@ def test_fast_speculation_checks_one_chats_drafts_on_the_batch_kernels(model, mo
     original = lowbit.rows_as_one_row
     monkeypatch.setattr(lowbit, "rows_as_one_row", lambda on: (one_row.append(on), original(on))[1])
     engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
-                            speculation=Speculation(FirstRight(prompt, reply), CPU, exact=exact))
+                            speculation=Speculation(FirstRight(prompt, reply[:8]), CPU, exact=exact))  # then plain steps
     assert list(engine.submit(prompt, params, set())) == reply
     status = engine.status()
     engine.close()
@@ -540,16 +558,16 @@ def test_verify_costs_are_kept_for_the_next_launch_and_a_damaged_record_is_measu
 
     timed = []
 
-    def seconds(rows: int, k: int) -> float:
-        """Steps of `rows` rows checking k drafted tokens a row: 1.05 + 0.1 k plain steps (1.1 + 0.1 k at 8 rows)."""
+    def seconds(rows: int, k: int, settled: bool) -> float:
+        """Steps of `rows` rows: 1 + 0.1 k plain steps, their host waiting for each adding 0.05 (0.1 at 8 rows)."""
         timed.append(rows)
-        return rows * (1.0 + (0.05 * (1 + (rows == 8)) + 0.1 * k if k else 0.0))
+        return rows * (1.0 + 0.1 * k + (0.05 * (1 + (rows == 8)) if settled else 0.0))
 
     gpu = Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record)
     measured = costs_on(gpu, seconds, (1, 8, 1))  # the damaged record: measured again, each row count once
     assert set(timed) == {1, 8} and set(measured) == {1, 8}, (timed, measured)
     fitted = [round(x, 9) for c in (measured[1], measured[8]) for x in (c.fixed, c.per_token)]
-    assert fitted == [0.05, 0.1, 0.1, 0.1], measured
+    assert fitted == [0.05, 0.1, 0.1, 0.1], measured  # the host's wait in the fixed part
     timed.clear()
     assert costs_on(gpu, seconds, (1, 8)) == measured == read_costs(record) and not timed  # the next launch: recorded
     assert costs_on(Speculation(PromptLookup(), CPU), seconds, (1, 8)) is None and not timed  # a CPU: the prior
@@ -594,7 +612,7 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
     prompts = [Prompt(tuple(rng.randrange(5, model.config.vocab_size) for _ in range(n))) for n in (30, 90, 12)]
 
     class Repeats(PerRequest):  # drafts the last token again: verify steps, some drafts kept
-        name = "repeats"
+        always, name = True, "repeats"
 
         def index(self):
             return self

@@ -40,6 +40,8 @@ class DraftModel:
     """A drafter (see `speculation.Drafter`) over a small model's engine; `name` says which. `reused`: drafts
     taken from the work asked a step ahead."""
 
+    always = True  # it always has a draft: no cheap look ahead decides whether reading the step in flight pays
+
     def __init__(self, engine: LLMEngine, name: str):
         self.engine, self.name = engine, name
         self._sessions = itertools.count()

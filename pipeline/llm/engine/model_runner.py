@@ -350,16 +350,19 @@ class ModelRunner:
             chunks.append(ChunkRead(Prompt(tuple(range(1, n + 1))), len(chunks), 0, n, 0, logits=not chunks))
         return chunks
 
-    def step_seconds(self, cache: KVCache, rows: int, width: int, repeats: int = 20) -> float:
+    def step_seconds(self, cache: KVCache, rows: int, width: int, settled: bool = False, repeats: int = 20) -> float:
         """Seconds a step of `rows` rows feeding `width` tokens each takes on this GPU (the step the graph table
-        holds, in the scratch positions, which hold nothing), host work included."""
+        holds, in the scratch positions, which hold nothing), host work included; `settled`: each step's
+        tokens read before the next is launched, as where a step's tokens decide the next one's inputs."""
         feed = RowsFeed(rows, [[0] * width] * rows, [self.scratch] * rows, [0] * rows, kv_need=self.scratch + width)
         for _ in range(3):  # a first run, and a replay
             self.step(cache, feed)
         torch.cuda.current_stream(self.device).synchronize()  # this engine's own: see `plugins.cuda_streams`
         start = time.perf_counter()
         for _ in range(repeats):
-            self.step(cache, feed)
+            logits, _ = self.step(cache, feed)
+            if settled:
+                logits[:, 0, :1].cpu()
         torch.cuda.current_stream(self.device).synchronize()
         return (time.perf_counter() - start) / repeats
 

@@ -17,7 +17,7 @@ thread may add a request.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pipeline.errors import UserError
 from pipeline.llm.engine.cache_rows import CacheRows
@@ -81,14 +81,22 @@ class Scheduler:
         self.most_held = max(self.most_held, len(self.running) + len(self.prefilling))
         return reused
 
-    def plan(self, in_flight: StepPlan | None = None) -> StepPlan:
+    def plan(self, in_flight: StepPlan | None, settle: Callable[[], None]) -> StepPlan:
         """This step: each running request's last token and its draft, padded to a draft size, and the prompt chunks
         the budget leaves room for. `in_flight`: the step the running rows chain on, not settled yet (its last
-        kept tokens and their positions are on the device; the drafts assume it keeps all it proposed). No draft
-        is proposed while a prompt is read (its chunk rides along)."""
+        kept tokens and their positions are on the device). Drafts continue the text: where one may come, that
+        step is settled first (`settle`), but where each drafting row's drafts are kept whole lately (a quote
+        running on) and its speculation chains, the drafts guess what that step keeps (`Proposer.drafts`) and no
+        step waits for the host. No draft is proposed while a prompt is read (its chunk rides along)."""
         drafts = None
         if self.proposer is not None and self.running and not any(r.position < len(r.sig) for r in self.prefilling):
             wanted = self.proposer.wanted(self.running)
+            if any(wanted.values()) and in_flight is not None and not self.proposer.chains(wanted):
+                if self.proposer.may_find(wanted, self.rows):
+                    settle()
+                    in_flight = None
+                else:
+                    wanted = {}
             if any(wanted.values()):
                 ahead = {s.request: s for s in in_flight.rows} if in_flight is not None else {}
                 drafts = self.proposer.drafts(self.running, wanted, self.rows, ahead)
@@ -230,6 +238,20 @@ class Proposer:
         cap = batch_cap([(self.states[r].expected_rate, k) for r, k in asked.items()], cost)
         return {r: min(k, cap) for r, k in asked.items()}
 
+    def chains(self, wanted: dict[Request, int]) -> bool:
+        """Whether this step's drafts may guess what the step in flight keeps rather than wait for it: where the
+        speculation chains and each drafting row kept its last drafts whole (the guess then mostly right; guessed
+        after steps that kept part of their drafts, a third fewer drafted tokens were kept, 7B on an H200,
+        2026-11-30: `bench/RESULTS.md`)."""
+        return self.speculation.chained and all(self.states[r].whole for r, k in wanted.items() if k)
+
+    def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
+        """Whether a draft may come, looked at with the tokens already known (without the step in flight's,
+        whose reading stalls the GPU): a drafter that always has one says yes without looking."""
+        drafter = self.speculation.drafter
+        return drafter.always or any(drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,), 1)
+                                                      for r, k in wanted.items() if k]))
+
     def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows,
                in_flight: dict[Request, Scheduled]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
         """Each running request's draft and the text it assumed (in row order), asked of the drafter in one call;
@@ -237,7 +259,10 @@ class Proposer:
         settled: the host does not know what it drew) drafts one token more after its text as that step would
         leave it if it kept all it proposed (where its own draft's premise held: else its first token alone):
         the first drafted token is the guess of the token that step draws, the rest are the draft; a wrong
-        guess costs a verify step that keeps its first token only, never a wrong token."""
+        guess costs a verify step that keeps its first token only, never a wrong token. None as well past
+        `max_rows` rows (settling the step in flight may have promoted a prompt since `wanted`)."""
+        if len(running) > self.speculation.max_rows:
+            return None
         asking = [r for r in running if wanted.get(r) and self.room(r) > 0]
         if not asking:
             return None

@@ -21,8 +21,10 @@ from the tokens alone, the same in every run. The engine's scheduler owns the dr
 which rows draft in a step, and how many tokens). A drafter is asked once per step for every row that drafts
 (`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Verify steps run one
 ahead of the host as plain steps do (vLLM's asynchronous scheduling): a step's drafts are made while the step
-before is in flight, after the text as it would leave it if it kept all it proposed, one token longer (the
-first guesses the token it draws); a wrong guess costs a step that keeps one token, never a wrong token. Which token is kept is the sampler's business
+before is in flight, where each drafting row's drafts are kept whole lately (a quote running on), after the
+text as that step would leave it if it kept all it proposed, one token longer (the first guesses the token it
+draws); a wrong guess costs a step that keeps one token, never a wrong token. Elsewhere the step in flight is
+read first (`Scheduler.plan`). Which token is kept is the sampler's business
 (`Sampler.draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
 tokens, exactly those of plain decoding.
 """
@@ -82,29 +84,33 @@ def write_costs(path: Path, costs: dict[int, VerifyCost]) -> None:
     atomic_write(path, json.dumps({rows: [c.fixed, c.per_token] for rows, c in costs.items()}))
 
 
-def fit_cost(seconds: Callable[[int], float]) -> VerifyCost:
-    """What a step checking k drafted tokens a row costs in plain steps of the same rows, from `seconds(k)`: such
-    steps timed on the GPU (`ModelRunner.step_seconds`), host work included (a small model on a fast GPU is
-    bound by it, not by its weights). Verify steps run one ahead of the host as plain ones do (`StepPlan`'s
-    chained rows), so no wait of the host's is added."""
-    plain = seconds(0)
-    extra = [(k, seconds(k) / plain - 1.0) for k in DRAFT_SIZES]
+def fit_cost(seconds: Callable[[int, bool], float]) -> VerifyCost:
+    """What a step checking k drafted tokens a row costs in plain steps of the same rows, from `seconds(k,
+    settled)`: such steps timed on the GPU (`ModelRunner.step_seconds`), host work included (a small model on
+    a fast GPU is bound by it, not by its weights). The fixed part also holds the wait a verify step costs
+    the host where its tokens are settled before the next step is launched (`Scheduler.chains_after`), where
+    plain steps run one ahead of the host (speculation measured slower than none with 8 chats and on int4's
+    open chat while this wait was left out, H200 2026-11-28; and slower with it left out for verify steps
+    run one ahead, 2026-11-30)."""
+    plain = seconds(0, False)
+    wait = max(seconds(0, True) / plain - 1.0, 0.0)
+    extra = [(k, seconds(k, False) / plain - 1.0) for k in DRAFT_SIZES]
     mean_k, mean_e = sum(k for k, _ in extra) / len(extra), sum(e for _, e in extra) / len(extra)
     slope = sum((k - mean_k) * (e - mean_e) for k, e in extra) / sum((k - mean_k) ** 2 for k, _ in extra)
     slope = max(slope, 0.0)
-    return VerifyCost(max(mean_e - slope * mean_k, 0.0), slope)
+    return VerifyCost(max(mean_e - slope * mean_k, 0.0) + wait, slope)
 
 
-def costs_on(spec: Speculation, seconds: Callable[[int, int], float],
+def costs_on(spec: Speculation, seconds: Callable[[int, int, bool], float],
              row_counts: Sequence[int]) -> dict[int, VerifyCost] | None:
     """The verify costs of `spec` on this GPU per row count: those an earlier launch recorded, else fitted now
-    from `seconds(rows, k)` (`fit_cost`) and recorded, measured once per GPU as the kernels' tuning
+    from `seconds(rows, k, settled)` (`fit_cost`) and recorded, measured once per GPU as the kernels' tuning
     is; None where the prior costs serve (a CPU's were measured once: its tests decide nothing by the clock)."""
     if not spec.measured:
         return None
     if spec.record is not None and (costs := read_costs(spec.record)) is not None:
         return costs
-    costs = {rows: fit_cost(lambda k: seconds(rows, k)) for rows in sorted(set(row_counts))}
+    costs = {rows: fit_cost(lambda k, settled: seconds(rows, k, settled)) for rows in sorted(set(row_counts))}
     if spec.record is not None:
         write_costs(spec.record, costs)
     return costs
@@ -163,6 +169,7 @@ class PromptLookup(PerRequest):
     keeps its own index of where each n-gram last ended (`NgramIndex`), brought up to date with each
     step's new tokens, so a draft costs a few dictionary lookups however long the conversation."""
 
+    always = False  # it may find nothing: whether it would is looked at before the step in flight is read
     name = "prompt lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
@@ -241,8 +248,11 @@ class Ask:
 
 class Drafter(Protocol):
     """Where drafts come from: `index()` makes a request's own state; `propose(asks)` drafts for every asking
-    request of a step at once (up to each one's k tokens after its text); `forget(state)`: a request ended."""
+    request of a step at once (up to each one's k tokens after its text); `forget(state)`: a request ended.
+    `always`: it always has a draft (else the engine looks with the tokens it already knows before it waits
+    for the step in flight)."""
 
+    always: bool
     name: str
 
     def index(self) -> Any: ...
@@ -265,6 +275,7 @@ class Speculation:
     record: Path | None = None  # this file, and read from it by later launches
     exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_rows`)
     max_rows: int = MAX_ROWS  # drafts only while at most this many chats run
+    chained: bool = True  # a verify step whose rows keep whole drafts runs one ahead of the host (`chains_after`)
 
     @property
     def description(self) -> str:
@@ -278,7 +289,7 @@ def prompt_lookup(device: str, low_bit: bool, exact: bool = True, record: Path |
     if device == "cpu":
         return Speculation(PromptLookup(), CPU, exact=exact)
     return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True, exact=exact,
-                       record=record, max_rows=LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS)
+                       record=record, max_rows=LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS, chained=not low_bit)
 
 
 @dataclasses.dataclass

@@ -181,8 +181,8 @@ class TorchLLMEngine:
     def _measure(self) -> None:
         """The verify costs on this GPU (`speculation.costs_on`): those an earlier launch recorded, else measured
         now on the steps the graph table holds, one row and the most rows that verify."""
-        costs = costs_on(self.speculation, lambda rows, k: self.runner.step_seconds(self.rows.kv, rows, k + 1),
-                         sorted({1, self.runner.wide_rows}))
+        costs = costs_on(self.speculation, lambda rows, k, settled: self.runner.step_seconds(
+            self.rows.kv, rows, k + 1, settled), sorted({1, self.runner.wide_rows}))
         self.proposer.costs = costs or self.proposer.costs
 
     def _guarded(self, requests: list[Request], fn: Callable, *args) -> None:
@@ -227,7 +227,7 @@ class TorchLLMEngine:
         if pending is not None and ([s.request for s in pending.plan.rows] != running or not running or
                                     self.proposer is not None and any(r.grammar is not None for r in running)):
             self._drain()  # else this step's inputs come from the host (nothing runs: nothing to overlap)
-        plan = self.scheduler.plan(self._pending.plan if self._pending is not None else None)
+        plan = self.scheduler.plan(self._pending.plan if self._pending is not None else None, self._drain)
         if plan.rows or plan.chunks:
             try:
                 self._launch(plan)
