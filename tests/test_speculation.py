@@ -98,6 +98,9 @@ def test_a_draft_made_while_a_step_is_in_flight_guesses_its_token_after_what_it_
     assert proposer.drafts([r], {r: 2}, rows, {r: wrong}) == [((51, 52), (9, 50))] and Asked.asks[-1] == ((9,), (), 3)
     assert not wrong.premise_held(rows[0].held, 9) and kept_all.premise_held(rows[0].held, 9)
     assert Scheduled(r, 5, 1).premise_held([], 0)  # made with nothing in flight: assumed nothing
+    # guessing pays only where the host runs ahead of the device and a wasted draft is cheap (bench/RESULTS.md)
+    assert prompt_lookup("cuda", False).chained and not prompt_lookup("cuda", True).chained
+    assert not prompt_lookup("cpu", False).chained
 
 
 def test_a_batch_drafts_only_what_pays_for_all_of_its_rows():
@@ -297,7 +300,7 @@ def test_verify_steps_run_one_ahead_of_the_host_and_each_seed_keeps_plain_decodi
 
     for p, reply in zip(params, expected):
         engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
-                                speculation=Speculation(Quotes(reply), VerifyCost(0.0, 0.0), max_draft=3))
+                                speculation=Speculation(Quotes(reply), VerifyCost(0.0, 0.0), max_draft=3, chained=True))
         behind = []
         draw = engine.sampler.draw
         engine.sampler.draw = lambda *args: behind.append(args[3] is not None) or draw(*args)

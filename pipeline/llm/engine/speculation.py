@@ -275,7 +275,8 @@ class Speculation:
     record: Path | None = None  # this file, and read from it by later launches
     exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_rows`)
     max_rows: int = MAX_ROWS  # drafts only while at most this many chats run
-    chained: bool = True  # a verify step whose rows keep whole drafts runs one ahead of the host (`chains_after`)
+    chained: bool = False  # while drafts are kept whole, the next draft guesses what the step in flight keeps
+    # rather than wait for it (`Proposer.chains`): where the host runs ahead of the device, with float weights
 
     @property
     def description(self) -> str:
