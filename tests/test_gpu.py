@@ -499,6 +499,37 @@ def test_a_prompt_chunks_attention_matches_the_reference_at_qwen_7b_heads():
         assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() <= 4e-3, (size, start)
 
 
+def test_a_short_prompt_read_beside_a_deep_long_chunk_takes_its_tile_and_gets_the_logits_it_gets_alone():
+    """An eager step that reads a short prompt beside a long chunk deep into another row (a prompt sent while a 32k
+    one is read) takes the long chunk's tile (`prompt_tile_rows`), each chunk laid out in runs of that tile's
+    queries: both chunks' logits equal, bit for bit (batch-invariant kernels), those of each read alone."""
+    from pipeline.llm.engine.model_runner import ChunkRead, ModelRunner
+    from pipeline.llm.model.decoder import Decoder
+    from pipeline.llm.model.invariant import make_batch_invariant
+    from pipeline.llm.model.kv_cache import KVCache
+    from pipeline.llm.weights.config import DecoderConfig
+    from plugins import decode_attention
+
+    config = DecoderConfig(family="qwen2", vocab_size=1024, hidden_size=1792, intermediate_size=2048, num_layers=2,
+                           num_heads=28, num_kv_heads=4, head_dim=64, max_position_embeddings=16384, qkv_bias=True)
+    torch.manual_seed(0)
+    model = Decoder(config).to(torch.bfloat16).cuda().eval()
+    assert make_batch_invariant(model) is None
+    runner = ModelRunner(model, 9216, config.vocab_size, max_batch=2, use_cuda_graphs=False)
+    generator = torch.Generator().manual_seed(2)
+    long, short = (Prompt(tuple(torch.randint(1, 1024, (n,), generator=generator).tolist())) for n in (8704, 20))
+    deep, beside = ChunkRead(long, 0, 8192, 8704, 0, logits=True), ChunkRead(short, 1, 0, 20, 0, logits=True)
+    assert decode_attention.prompt_tile_rows(512, 8192) == decode_attention.LONG_TILE_ROWS
+    with torch.inference_mode():
+        cache = KVCache(config, 2, runner.positions, torch.bfloat16, "cuda")
+        runner.step(cache, None, [ChunkRead(long, 0, 0, 8192, 0, logits=False)], graphed=False)
+        alone = [runner.step(cache, None, [c], graphed=False)[1][0].clone() for c in (deep, beside)]
+        together = [t.clone() for t in runner.step(cache, None, [deep, beside], graphed=False)[1]]
+    runner.close()
+    assert all(torch.equal(a, t) for a, t in zip(alone, together)), [(a - t).abs().max().item()
+                                                                     for a, t in zip(alone, together)]
+
+
 def test_the_segment_overlay_drawn_on_the_gpu_equals_the_cpu_one():
     from app.segment_render import render_overlay
 

@@ -147,9 +147,16 @@ class ModelRunner:
         layout = self._layout(text)
         graphed = graphed and self.use_cuda_graphs and not prefills and \
             len(layout[0]) <= MAX_GRAPHED_TOKENS - self.max_batch
+        tile_rows = decode_attention.TILE_ROWS
         if graphed and text:
             size = self._text_size(len(self._layout(text, tail=False)[0]))
             layout = self._layout(text, size, self.max_batch, tail=False)
+        elif text:  # eagerly (a prompt read with nothing running, and what joins it): the tile its longest chunk takes
+            longest = max(text, key=lambda c: c.end - c.start)
+            tile_rows = decode_attention.prompt_tile_rows(longest.end - longest.start, longest.start)
+            if tile_rows != decode_attention.TILE_ROWS and len(text) > 1:  # runs as long as that tile's queries
+                c = self.model.config
+                layout = self._layout(text, run=decode_attention.tile_queries(c.num_heads, c.num_kv_heads, tile_rows))
         ids, places, lasts = layout
         # a graphed step that reads prompt text runs its rows in the largest bucket: one graph per prompt size
         # (the padding rows read nothing, and cost a few GEMM rows beside the prompt's)
@@ -161,9 +168,6 @@ class ModelRunner:
         if host:
             chunk_in = torch.tensor(host, dtype=torch.long, pin_memory=self._pinned).to(self.device, non_blocking=True)
         size = len(ids)
-        # one chunk alone (a prompt read with nothing running; eager): its tile by its length and depth
-        tile_rows = decode_attention.prompt_tile_rows(size, text[0].start) if len(text) == 1 and not graphed \
-            else decode_attention.TILE_ROWS
 
         def forward(rows_in: Tensor | None, chunk_in: Tensor | None) -> Tensor | None:
             parts: list[Part] = []
@@ -214,19 +218,19 @@ class ModelRunner:
         H200, `bench/results/invariant_kernels_h200_2026-11-30_rows.json`)."""
         return pow2_at_least(max(laid + self.max_batch, 16)) - self.max_batch
 
-    def _layout(self, chunks: list[ChunkRead], size: int = 0, lasts: int = 0,
-                tail: bool = True) -> tuple[list[int], list[int], list[int]]:
+    def _layout(self, chunks: list[ChunkRead], size: int = 0, lasts: int = 0, tail: bool = True,
+                run: int | None = None) -> tuple[list[int], list[int], list[int]]:
         """The prompt tokens of `chunks` as one `Tokens` part: (ids, then each token's row, position, rotary
         offset and length, as flat lists, and the index of each chunk's last token where its logits are wanted).
         Each chunk starts a run of `decode_attention.tile_queries` tokens (a run holds one row's: a run's row is
         its first token's); padding tokens read nothing and write the scratch position; padded to `size` tokens
         and `lasts` indices (a graph's shapes) where given. Not `tail`: the last chunk's run is not padded (a
-        graph's padding to `size` ends it)."""
+        graph's padding to `size` ends it). `run`: runs of so many tokens (a larger tile's), not `self.tile`."""
         ids: list[int] = []
         rows, positions, offsets, lengths, last = [], [], [], [], []
         for i, c in enumerate(chunks):
             n = c.end - c.start
-            pad = -n % self.tile if tail or i < len(chunks) - 1 else 0
+            pad = -n % (run or self.tile) if tail or i < len(chunks) - 1 else 0
             if c.logits:
                 last.append(len(ids) + n - 1)
             ids += [*c.prompt.ids[c.start:c.end], *[0] * pad]
