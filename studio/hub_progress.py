@@ -14,7 +14,7 @@ import io
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from tqdm import tqdm
@@ -63,21 +63,13 @@ class FirstUseDownload:
         return True
 
 
-WAKE_S = 0.2  # how often a download's caller wakes to see a Ctrl+C
-
-
 def interruptible(download: Callable[[], T], cancel: threading.Event) -> T:
     """`download()` (given a progress class over `cancel`) in a thread of its own, so that a Ctrl+C in this
     one sets `cancel` and huggingface_hub's download threads stop at their next read. Interrupted in
-    its own wait, `snapshot_download` would let every file finish before the process could end. The wait wakes
-    every `WAKE_S`, so a pending Ctrl+C is raised here within that even where no system call of this thread was
-    interrupted (a preload went on loading the model after a Ctrl+C in two full test runs on a busy machine;
-    the cause is not known)."""
+    its own wait, `snapshot_download` would let every file finish before the process could end."""
     with ThreadPoolExecutor(1, thread_name_prefix="download") as pool:
         job = pool.submit(download)
         try:
-            while not wait([job], timeout=WAKE_S).done:
-                pass
             return job.result()
         except KeyboardInterrupt:
             cancel.set()
