@@ -53,12 +53,8 @@ def stop_for_sure(seconds: float) -> None:
     has not ended it, every thread's stack goes to stderr (to see what held it) and the process exits.
     The signal is seen through the wakeup fd, written by the C-level handler at once, so this holds even
     when the main thread is busy and no Python handler runs yet. Caches and the conversation database
-    are written atomically or journaled: stopping at any point loses nothing committed.
-
-    SIGINT is made to raise KeyboardInterrupt whatever the process inherited: a shell starts a background
-    job (`launch.py &` in a script) with SIGINT ignored, and Python then leaves it ignored, so
-    `kill -INT` would do nothing."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    are written atomically or journaled: stopping at any point loses nothing committed. (SIGINT raises
+    KeyboardInterrupt from the start-up on, whatever the process inherited: `studio.compose.configure_process`.)"""
     heard, wake = os.pipe()
     os.set_blocking(wake, False)
     signal.set_wakeup_fd(wake)

@@ -9,6 +9,7 @@ imports `launch`. Process-wide settings are made in one place, `configure_proces
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 from collections.abc import Callable, Collection
@@ -73,10 +74,14 @@ OFFLINE_SEGMENT = ("**Demo SAM: you are offline.** MobileSAM is not on this mach
 
 
 def configure_process() -> None:
-    """The process-wide settings the app runs with, made once at start-up: the GIL's switch interval
-    (above), and huggingface_hub's read size, so a download's Cancel is seen within 1 MiB, not 10."""
+    """The process-wide settings the app runs with, made once at start-up (on the main thread): the GIL's
+    switch interval (above); huggingface_hub's read size, so a download's Cancel is seen within 1 MiB, not 10;
+    and Ctrl+C raising KeyboardInterrupt whatever the process inherited. A shell starts a background job
+    (`launch.py &` in a script) with SIGINT ignored, and Python leaves it ignored: a Ctrl+C or `kill -INT`
+    during the start-up (a `--preload` download) did nothing, and the app went on to serve."""
     sys.setswitchinterval(GIL_SWITCH_S)
     hub_constants.DOWNLOAD_CHUNK_SIZE = READ_BYTES
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def engine_options(config: StudioConfig, out: Callable[[str], None] | None = print_line) -> EngineOptions:
