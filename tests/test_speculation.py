@@ -5,6 +5,7 @@ the real SmolLM2 is in test_real_model.py."""
 
 import dataclasses
 import math
+import random
 import threading
 import time
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from pipeline.llm.engine.scheduler import Proposer
 from pipeline.llm.engine.params import SamplingParams
 from pipeline.llm.engine.speculation import (CPU, GPU_FLOAT, LOW_BIT_MAX_ROWS, MAX_ROWS, PROBE_EVERY, DraftState,
                                              PerRequest, PromptLookup, batch_cap, best_draft, expected_tokens,
-                                             prompt_lookup, Speculation, VerifyCost)
+                                             lookup_on_device, prompt_lookup, Speculation, VerifyCost)
 from pipeline.llm.engine.torch_engine import TorchLLMEngine
 from pipeline.llm.model.loading import load_decoder
 from pipeline.llm.model.kv_cache import KVCache
@@ -67,40 +68,28 @@ class Running:
         self.stream = SimpleNamespace(stats=SimpleNamespace(new_tokens=0))
 
 
-def test_a_draft_made_while_a_step_is_in_flight_guesses_its_token_after_what_it_proposed_if_its_premise_held():
-    """With a step in flight (unsettled), a row's draft is asked one token longer, after the text as that step
-    leaves it if it keeps all it proposed: the first token is the guess of the token it draws, the rest the
-    draft, and the text assumed is kept with the plan. Once that step's own premise proved wrong (the text did
-    not go as it assumed), its proposed tokens are not hoped for: the draft follows the known text."""
-    from pipeline.llm.engine.plan import Scheduled
-
-    class Asked(PerRequest):
-        always, name = True, "asked"
-        asks: list = []
-
-        def index(self):
-            return self
-
-        def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
-            Asked.asks.append((tuple(last), tuple(guessed), k))
-            return list(range(50, 50 + k))
-
-    proposer = Proposer(Speculation(Asked(), VerifyCost(0.0, 0.0)), context=1000)
-    r = Running()
-    r.last_token, r.row, r.stop_ids, r.grammar = 9, 0, set(), None
-    proposer.join(r)
-    rows = [SimpleNamespace(held=[1, 2, 3, 4])]
-    assert proposer.drafts([r], {r: 2}, rows, {}) == [((50, 51), ())]  # nothing in flight: no guess
-    kept_all = Scheduled(r, 5, 3, proposed=(7, 8), chained=True, assumed=(3, 4, 9))  # held ...3, 4; last 9: as assumed
-    assert proposer.drafts([r], {r: 2}, rows, {r: kept_all}) == [((51, 52), (9, 7, 8, 50))]
-    assert Asked.asks[-1] == ((9,), (7, 8), 3)
-    wrong = dataclasses.replace(kept_all, assumed=(3, 4, 6))  # the step before drew 9, not the 6 guessed
-    assert proposer.drafts([r], {r: 2}, rows, {r: wrong}) == [((51, 52), (9, 50))] and Asked.asks[-1] == ((9,), (), 3)
-    assert not wrong.premise_held(rows[0].held, 9) and kept_all.premise_held(rows[0].held, 9)
-    assert Scheduled(r, 5, 1).premise_held([], 0)  # made with nothing in flight: assumed nothing
-    # guessing pays only where the host runs ahead of the device and a wasted draft is cheap (bench/RESULTS.md)
-    assert prompt_lookup("cuda", False).chained and not prompt_lookup("cuda", True).chained
-    assert not prompt_lookup("cpu", False).chained
+def test_prompt_lookup_on_the_device_drafts_what_the_host_index_drafts():
+    """The device's prompt lookup (every row's windows compared at once) drafts, for rows of other lengths side by
+    side, what the host's n-gram index drafts after the same text: the latest longest match, cut at the text's end
+    and at an image's slot (-1 on the device, past any draft too). The app's GPU prompt lookup drafts there,
+    with float and low-bit weights; a CPU's on the host."""
+    rng = random.Random(3)
+    for trial in range(60):
+        vocab, k = rng.choice([3, 5, 40]), rng.choice([1, 2, 4, 8])
+        texts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 50))] for _ in range(3)]
+        if trial % 4 == 0:
+            texts[0][len(texts[0]) // 3:len(texts[0]) // 3 + 2] = [-1, -1]  # an image's slots
+        tokens = torch.full((3, 64), 9, dtype=torch.long)
+        for i, text in enumerate(texts):
+            tokens[i, :len(text)] = torch.tensor(text)
+        for cut in range(1, 50, 7):
+            lengths = [min(cut, len(t)) for t in texts]
+            device = lookup_on_device(tokens, torch.tensor(lengths), k, (3, 2)).tolist()
+            for text, n, row in zip(texts, lengths, device):
+                host = PromptLookup().index().draft([t if t >= 0 else object() for t in text[:n - 1]], k, text[n - 1:n])
+                assert [t for t in row if t >= 0] == host and row[len(host):] == [-1] * (k - len(host)), (text[:n], k)
+    assert prompt_lookup("cuda", False).on_device and prompt_lookup("cuda", True).on_device
+    assert not prompt_lookup("cpu", False).on_device
 
 
 def test_a_batch_drafts_only_what_pays_for_all_of_its_rows():
@@ -137,7 +126,7 @@ def test_no_step_drafts_past_max_rows_chats(low_bit):
     running = [Running() for _ in range(app.max_rows + 1)]
     proposer.states = {r: DraftState(None, accepted=9.0, checked=9.0) for r in running}
     assert all(proposer.wanted(running[:app.max_rows]).values()) and not any(proposer.wanted(running).values())
-    assert proposer.drafts(running, dict.fromkeys(running, 4), None, {}) is None  # (settling promoted a chat since)
+    assert proposer.drafts(running, dict.fromkeys(running, 4), None) is None  # (settling promoted a chat since)
 
 
 # ---- the acceptance rule, against the exact distribution of a tiny model -------------------------------------
@@ -188,8 +177,8 @@ class TreeDraft(PerRequest):
     def index(self) -> "TreeDraft":
         return self
 
-    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
-        reply, draft = (*history[len(PROMPT.ids):], *last, *guessed), []
+    def draft(self, history, k: int, last=()) -> list[int]:
+        reply, draft = (*history[len(PROMPT.ids):], *last), []
         while len(draft) < k and (*reply, *draft) in self.tree:
             draft.append(self.tree[(*reply, *draft)][0][0])
         return draft
@@ -252,41 +241,47 @@ class RepeatDraft(PerRequest):
     def index(self) -> "RepeatDraft":
         return self
 
-    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
+    def draft(self, history, k: int, last=()) -> list[int]:
         return [self.token] * k
+
+    def draft_on_device(self, tokens, lengths, k: int):
+        return torch.full((len(tokens), k), self.token)
 
 
 @pytest.mark.parametrize("bias, kept", [(6.0, 60), (1.0, 20)])
-def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, kept):
+@pytest.mark.parametrize("on_device", [False, True])
+def test_penalties_count_the_drafted_tokens_before_each_position(model, bias, kept, on_device):
     """With repetition, presence and frequency penalties, a drafted token kept at one position is penalised
     at the positions after it, as plain decoding penalises it, and a rejected one is not: every seed gives
-    plain decoding's tokens (a strong bias: drafts mostly kept; a weak one: often rejected)."""
+    plain decoding's tokens (a strong bias: drafts mostly kept; a weak one: often rejected), drafts made on the
+    host or on the device."""
     token = 77
     penalties = dict(max_new_tokens=6, top_k=5, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
                      logit_bias=((token, bias),))
-    speculative, status = replies(model, Speculation(RepeatDraft(token), VerifyCost(0.0, 0.0), max_draft=4),
-                                  range(200), **penalties)
+    speculation = Speculation(RepeatDraft(token), VerifyCost(0.0, 0.0), max_draft=4, on_device=on_device)
+    speculative, status = replies(model, speculation, range(200), **penalties)
     plain, _ = replies(model, None, range(200), **penalties)
     assert speculative == plain
     assert status["accepted_tokens"] >= kept, status
 
 
-def test_verify_steps_run_one_ahead_of_the_host_and_each_seed_keeps_plain_decoding_s_tokens(model):
-    """While a chat's drafts are kept whole (a quote), the step after a verify step is launched before the host
-    has read what that step kept (its tokens and positions follow on the device): its rows' random numbers
-    start where the kept count says, so seeded sampled replies are plain decoding's, token for token; once a
-    draft is kept in part, the host reads each verify step first (`Scheduler.chains_after`)."""
+def test_verify_steps_drafted_on_the_device_run_one_ahead_of_the_host_and_each_seed_keeps_plain_decoding_s_tokens(
+        model):
+    """Drafts made on the device follow the tokens the step in flight kept there, so every step after the first is
+    launched before the host has read the one before, after verify steps that kept all of their drafts or a part
+    (its rows' positions, last tokens, drafts and random numbers follow on the device): seeded sampled replies are
+    plain decoding's, token for token, and the host never settles a step to draft."""
     prompt = Prompt(tuple(range(5, 35)))
     params = [SamplingParams(max_new_tokens=40, temperature=1.0, top_k=0, top_p=1.0, seed=seed) for seed in range(6)]
     plain = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2)
     expected = [list(plain.submit(prompt, p, set())) for p in params]
     plain.close()
 
-    class Quotes(PerRequest):  # the reply's tokens up to its 30th, then wrong ones
+    class Quotes(PerRequest):  # on the device, after the text there: the reply's tokens up to its 30th, then wrong ones
         always, name = True, "a quote"
 
         def __init__(self, reply: list[int]):
-            self.reply = reply
+            self.reply = torch.tensor([*reply, *[0] * 10])
 
         def index(self):
             return self
@@ -294,20 +289,51 @@ def test_verify_steps_run_one_ahead_of_the_host_and_each_seed_keeps_plain_decodi
         def close(self) -> None:
             """Nothing held."""
 
-        def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
-            made = len(history) + len(last) + len(guessed) - len(prompt)
-            return [t if made + i < 30 else t + 1 for i, t in enumerate(self.reply[made:made + k])]
+        def draft_on_device(self, tokens, lengths, k: int):
+            assert tokens[0, :len(prompt)].tolist() == list(prompt.ids)  # the text there is the reply so far
+            made = lengths - len(prompt)
+            at = made[:, None] + torch.arange(k)[None]
+            assert (tokens.gather(1, (lengths - 1)[:, None])[:, 0] == self.reply[made - 1]).all()
+            return torch.where(at < 30, self.reply[at], self.reply[at] + 1)
 
     for p, reply in zip(params, expected):
         engine = TorchLLMEngine(model, 64, model.config.vocab_size, max_batch=2,
-                                speculation=Speculation(Quotes(reply), VerifyCost(0.0, 0.0), max_draft=3, chained=True))
-        behind = []
-        draw = engine.sampler.draw
-        engine.sampler.draw = lambda *args: behind.append(args[3] is not None) or draw(*args)
+                                speculation=Speculation(Quotes(reply), VerifyCost(0.0, 0.0), max_draft=3, on_device=True))
+        steps, launch = [], engine._launch
+        engine._launch = lambda plan: steps.append((plan.verifies, plan.rows and plan.rows[0].chained)) or launch(plan)
+        drain = engine._drain
+        engine._drain = lambda: steps.append("drained") or drain()
         assert list(engine.submit(prompt, p, set())) == reply, p.seed
         status = engine.status()
         engine.close()
-        assert behind.count(True) >= 3 and 0 < status["accepted_tokens"] < status["drafted_tokens"], (behind, status)
+        assert steps[:3] == [(False, ()), "drained", (True, False)], steps  # the prompt, its first token settled
+        verifying = steps[3:-1]  # none waits for the host until the reply ends
+        assert all(step in ((True, True), (False, True)) for step in verifying), str(steps)  # (the last: no room)
+        assert sum(verifies for verifies, _ in verifying) >= 10, str(steps)
+        assert 0 < status["accepted_tokens"] < status["drafted_tokens"], status
+
+
+def test_prompt_lookup_on_the_device_drafts_where_the_reply_repeats_and_keeps_plain_decoding_s_replies(model):
+    """The app's GPU prompt lookup, drafting on the device (here the CPU's tensors), beside the host's: two chats at
+    once give plain decoding's greedy replies, and where the replies fall into loops the device drafts as much as
+    the host does (a verify step is launched where the text the host knows holds a match: without that look, the
+    first tokens' misses stopped the drafting, 0 drafted tokens)."""
+    prompts = [Prompt(tuple(range(5, 12)) * 3), Prompt(tuple(range(40, 44)) * 5)]
+    params = SamplingParams(max_new_tokens=64, temperature=0, repetition_penalty=1.0)
+
+    def replies(speculation):
+        engine = TorchLLMEngine(model, 256, model.config.vocab_size, max_batch=4, speculation=speculation)
+        streams = [engine.submit(p, params, set()) for p in prompts]
+        got = [list(s) for s in streams]
+        status = engine.status()
+        engine.close()
+        return got, status
+
+    plain, _ = replies(None)
+    host, on_host = replies(Speculation(PromptLookup(), GPU_FLOAT))
+    device, on_device = replies(Speculation(PromptLookup(), GPU_FLOAT, on_device=True))
+    assert host == plain and device == plain
+    assert on_device["accepted_tokens"] >= 0.5 * on_host["accepted_tokens"] > 0, (on_host, on_device)
 
 
 # ---- one ask per step, and no clock -------------------------------------------------------------------------
@@ -372,10 +398,6 @@ def test_a_draft_asked_a_step_ahead_serves_only_where_the_step_kept_its_whole_dr
     assert drafter.propose([Ask(state, kept_whole_other, (other,), 2)]) == [greedy([*kept_whole_other, other], 2)]
     assert drafter.reused == 1
     drafter.forget(state)
-    ahead = drafter.index()  # a step in flight: asked after the text as it leaves it if it keeps its whole draft
-    assert drafter.propose([Ask(ahead, text[:-1], text[-1:], 3)]) == [cont[:3]]
-    assert drafter.propose([Ask(ahead, text[:-1], text[-1:], 4, guessed=cont[:3])]) == [cont[3:7]]
-    assert drafter.reused == 2  # the work asked as the first draft was handed out
     drafter.close()
     plain.close()
 
@@ -396,8 +418,8 @@ class FirstRight(PerRequest):
     def close(self) -> None:
         """Nothing held."""
 
-    def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
-        made = len(history) + len(last) + len(guessed) - len(self.prompt)
+    def draft(self, history, k: int, last=()) -> list[int]:
+        made = len(history) + len(last) - len(self.prompt)
         return [t if i < 2 else t + 1 for i, t in enumerate(self.reply[made:made + k])]
 
 
@@ -623,8 +645,8 @@ def test_every_step_replays_a_graph_captured_before_the_engine_is_ready(model, m
         def close(self) -> None:
             """Nothing held."""
 
-        def draft(self, history, k: int, last=(), guessed=()) -> list[int]:
-            return [(*last, *guessed)[-1]] * k
+        def draft(self, history, k: int, last=()) -> list[int]:
+            return [last[-1]] * k
     params = SamplingParams(max_new_tokens=24, temperature=0, repetition_penalty=1.0)
 
     def run(graphs: bool) -> tuple[list[list[int]], TorchLLMEngine]:

@@ -56,7 +56,7 @@ class DraftModel:
         """The small model's k most likely next tokens, one after another, after each ask's text (from the
         work asked a step ahead where that still continues the text); none where the text holds an image's
         slots (the small model cannot read them) or outgrows its context. Then each next draft is asked."""
-        texts = [(*a.history, *a.last, *a.guessed) for a in asks]
+        texts = [(*a.history, *a.last) for a in asks]
         ahead = [self._take(a, text) for a, text in zip(asks, texts)]
         fresh = [self._submit(a.state, text, a.k) if got is None else None for a, text, got in zip(asks, texts, ahead)]
         drafts = [got if got is not None else list(s) if s is not None else [] for got, s in zip(ahead, fresh)]

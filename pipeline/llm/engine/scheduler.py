@@ -84,28 +84,28 @@ class Scheduler:
     def plan(self, in_flight: StepPlan | None, settle: Callable[[], None]) -> StepPlan:
         """This step: each running request's last token and its draft, padded to a draft size, and the prompt chunks
         the budget leaves room for. `in_flight`: the step the running rows chain on, not settled yet (its last
-        kept tokens and their positions are on the device). Drafts continue the text: where one may come, that
-        step is settled first (`settle`), but where each drafting row's drafts are kept whole lately (a quote
-        running on) and its speculation chains, the drafts guess what that step keeps (`Proposer.drafts`) and no
-        step waits for the host. No draft is proposed while a prompt is read (its chunk rides along)."""
-        drafts = None
+        kept tokens and their positions are on the device). Drafts continue the text: where a draft may come, by the
+        text the host knows (`Proposer.may_find`), made on the device (prompt lookup on a GPU, no grammar:
+        `Proposer.on_device`) they follow that step's kept tokens there and no step waits for the host; made on the
+        host, that step is settled first (`settle`). No draft is proposed while a prompt is read (its chunk rides
+        along)."""
+        drafts, on_device = None, 0
         if self.proposer is not None and self.running and not any(r.position < len(r.sig) for r in self.prefilling):
             wanted = self.proposer.wanted(self.running)
-            if any(wanted.values()) and in_flight is not None and not self.proposer.chains(wanted):
-                if self.proposer.may_find(wanted, self.rows):
+            if any(wanted.values()) and self.proposer.on_device(self.running):
+                on_device = self.proposer.device_width(wanted) if self.proposer.may_find(wanted, self.rows) else 0
+            elif any(wanted.values()) and (in_flight is None or self.proposer.may_find(wanted, self.rows)):
+                if in_flight is not None:
                     settle()
                     in_flight = None
-                else:
-                    wanted = {}
-            if any(wanted.values()):
-                ahead = {s.request: s for s in in_flight.rows} if in_flight is not None else {}
-                drafts = self.proposer.drafts(self.running, wanted, self.rows, ahead)
-        drafts = drafts or [((), ())] * len(self.running)
-        width = next(k for k in (0, *DRAFT_SIZES) if k >= max((len(d) for d, _ in drafts), default=0))  # graphs hold these
-        rows = tuple(Scheduled(r, r.position, 1 + len(d), d, in_flight is not None, width=1 + width, assumed=a)
-                     for r, (d, a) in zip(self.running, drafts))
+                drafts = self.proposer.drafts(self.running, wanted, self.rows)
+        drafts = drafts or [()] * len(self.running)
+        longest = max([on_device, *map(len, drafts)])
+        width = next(k for k in (0, *DRAFT_SIZES) if k >= longest)  # graphs hold these
+        rows = tuple(Scheduled(r, r.position, 1 + (on_device or len(d)), d, in_flight is not None, width=1 + width,
+                               on_device=on_device) for r, d in zip(self.running, drafts))
         chunks = tuple(Scheduled(r, r.position, end - r.position, last=end == len(r.sig))
-                       for r, end in self.chunks(sum(len(d) for d, _ in drafts)))
+                       for r, end in self.chunks(sum(s.size - 1 for s in rows)))
         return StepPlan(rows, chunks)
 
     def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
@@ -133,12 +133,11 @@ class Scheduler:
             room -= take
         return [(r, ends[r]) for r in self.prefilling if r in ends]
 
-    def kept(self, request: Request, drafted: int, accepted: int, fair: bool = True) -> None:
-        """A step checked `request`'s `drafted` tokens and kept the first `accepted`: its drafting hears it (while
-        it runs: one that ended meanwhile has no drafting left; not `fair`: the draft was made after a text that
-        did not come, `Scheduled.premise_held`, and says nothing of the drafter's rate)."""
-        if fair and (state := self.proposer.states.get(request)) is not None:
-            state.record(drafted, accepted)
+    def kept(self, request: Request, asked: int, drafted: int, accepted: int) -> None:
+        """A step checked `request`'s `drafted` tokens (`asked` positions) and kept the first `accepted`: its
+        drafting hears it (while it runs: one that ended meanwhile has no drafting left)."""
+        if (state := self.proposer.states.get(request)) is not None:
+            state.record(asked, accepted)
         request.stream.stats.drafted_tokens += drafted
         request.stream.stats.accepted_tokens += accepted
         self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
@@ -238,48 +237,41 @@ class Proposer:
         cap = batch_cap([(self.states[r].expected_rate, k) for r, k in asked.items()], cost)
         return {r: min(k, cap) for r, k in asked.items()}
 
-    def chains(self, wanted: dict[Request, int]) -> bool:
-        """Whether this step's drafts may guess what the step in flight keeps rather than wait for it: where the
-        speculation chains and each drafting row kept its last drafts whole (the guess then mostly right; guessed
-        after steps that kept part of their drafts, a third fewer drafted tokens were kept, 7B on an H200,
-        2026-11-30: `bench/RESULTS.md`)."""
-        return self.speculation.chained and all(self.states[r].whole for r, k in wanted.items() if k)
+    def on_device(self, running: Sequence[Request]) -> bool:
+        """Whether this step's drafts are made on the device (`Speculation.on_device`): not where a row has a
+        grammar, whose masks are made through its draft on the host."""
+        return self.speculation.on_device and all(r.grammar is None for r in running)
+
+    def device_width(self, wanted: dict[Request, int]) -> int:
+        """How many tokens every row drafts on the device (the draft size at least the longest wanted); 0 where
+        no row has room left. The device drafts what it finds: the width is paid whatever is found (and counted
+        as asked, `DraftState.record`, so a row whose drafts come short asks fewer)."""
+        longest = max(min(k, self.room(r)) for r, k in wanted.items())
+        return next(k for k in DRAFT_SIZES if k >= longest) if longest > 0 else 0
 
     def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
         """Whether a draft may come, looked at with the tokens already known (without the step in flight's,
-        whose reading stalls the GPU): a drafter that always has one says yes without looking."""
+        whose reading stalls the GPU; where drafts are made on the device, whether a verify step is worth its width):
+        a drafter that always has one says yes without looking."""
         drafter = self.speculation.drafter
         return drafter.always or any(drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,), 1)
                                                       for r, k in wanted.items() if k]))
 
-    def drafts(self, running: Sequence[Request], wanted: dict[Request, int], rows: CacheRows,
-               in_flight: dict[Request, Scheduled]) -> list[tuple[tuple[int, ...], tuple[int, ...]]] | None:
-        """Each running request's draft and the text it assumed (in row order), asked of the drafter in one call;
-        None where none was found: the step is a plain one. A request whose step is in flight (`in_flight`, not
-        settled: the host does not know what it drew) drafts one token more after its text as that step would
-        leave it if it kept all it proposed (where its own draft's premise held: else its first token alone):
-        the first drafted token is the guess of the token that step draws, the rest are the draft; a wrong
-        guess costs a verify step that keeps its first token only, never a wrong token. None as well past
-        `max_rows` rows (settling the step in flight may have promoted a prompt since `wanted`)."""
+    def drafts(self, running: Sequence[Request], wanted: dict[Request, int],
+               rows: CacheRows) -> list[tuple[int, ...]] | None:
+        """Each running request's draft (in row order), asked of the drafter in one call; None where none was
+        found: the step is a plain one. None as well past `max_rows` rows (settling the step in flight may have
+        promoted a prompt since `wanted`)."""
         if len(running) > self.speculation.max_rows:
             return None
         asking = [r for r in running if wanted.get(r) and self.room(r) > 0]
         if not asking:
             return None
-        asks = []
-        for r in asking:
-            s, held = in_flight.get(r), rows[r.row].held
-            hoped = s.proposed if s is not None and s.premise_held(held, r.last_token) else ()
-            asks.append(Ask(self.states[r].drafts, held, (r.last_token,), min(wanted[r], self.room(r)) + (s is not None),
-                            hoped))
-        found = {}
-        for r, ask, draft in zip(asking, asks, self.speculation.drafter.propose(asks)):
-            if r not in in_flight:
-                found[r] = (tuple(self.cut(r, draft)), ())
-            elif len(draft) > 1 and draft[0] not in r.stop_ids:
-                found[r] = (tuple(self.cut(r, draft[1:])), (r.last_token, *ask.guessed, draft[0]))
-        drafts = [found.get(r, ((), ())) for r in running]
-        return drafts if any(d for d, _ in drafts) else None
+        asks = [Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,), min(wanted[r], self.room(r)))
+                for r in asking]
+        found = {r: tuple(self.cut(r, draft)) for r, draft in zip(asking, self.speculation.drafter.propose(asks))}
+        drafts = [found.get(r, ()) for r in running]
+        return drafts if any(drafts) else None
 
     def room(self, r: Request) -> int:
         """Tokens `r` may draft: what its reply's length and the context leave after this step's own token."""

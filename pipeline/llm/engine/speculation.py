@@ -19,12 +19,12 @@ is fixed while the engine runs (on a GPU measured once by the first launch, `cos
 ones), never read from the clock between steps: which steps verify follows
 from the tokens alone, the same in every run. The engine's scheduler owns the drafts (`scheduler.Proposer`:
 which rows draft in a step, and how many tokens). A drafter is asked once per step for every row that drafts
-(`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. Verify steps run one
-ahead of the host as plain steps do (vLLM's asynchronous scheduling): a step's drafts are made while the step
-before is in flight, where each drafting row's drafts are kept whole lately (a quote running on), after the
-text as that step would leave it if it kept all it proposed, one token longer (the first guesses the token it
-draws); a wrong guess costs a step that keeps one token, never a wrong token. Elsewhere the step in flight is
-read first (`Scheduler.plan`). Which token is kept is the sampler's business
+(`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. On a GPU prompt lookup
+drafts on the device (vLLM's `ngram_gpu`: `lookup_on_device` over the rows' tokens kept there, `CacheRows.tokens`),
+after the tokens the step before kept there, so a verify step runs one ahead of the host as a plain step does
+(vLLM's asynchronous scheduling) and no step waits for the host to read the one in flight; a drafter on the host
+(a draft model, a row with a grammar) has the step in flight read first (`Scheduler.plan`). Which token is kept
+is the sampler's business
 (`Sampler.draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
 tokens, exactly those of plain decoding.
 """
@@ -36,6 +36,9 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+import torch
+from torch import Tensor
 
 from pipeline.files import atomic_write
 from plugins.precompile import VERIFY_ROWS
@@ -157,7 +160,7 @@ class PerRequest:
     `draft(history, k, last)`: prompt lookup (each request's own n-gram index), and plain test drafters."""
 
     def propose(self, asks: Sequence[Ask]) -> list[list[int]]:
-        return [a.state.draft(a.history, a.k, a.last, a.guessed) for a in asks]
+        return [a.state.draft(a.history, a.k, a.last) for a in asks]
 
     def forget(self, state) -> None:
         """A request ended: its state goes with it (nothing else holds it)."""
@@ -167,7 +170,8 @@ class PromptLookup(PerRequest):
     """Drafts from the conversation itself: the tokens that followed the most recent earlier occurrence of
     the longest n-gram (`max_ngram` down to `min_ngram` tokens) that ends the text so far. A request
     keeps its own index of where each n-gram last ended (`NgramIndex`), brought up to date with each
-    step's new tokens, so a draft costs a few dictionary lookups however long the conversation."""
+    step's new tokens, so a draft costs a few dictionary lookups however long the conversation. On a GPU the same
+    rule runs on the device (`draft_on_device`), over every row's tokens at once."""
 
     always = False  # it may find nothing: whether it would is looked at before the step in flight is read
     name = "prompt lookup"
@@ -181,6 +185,50 @@ class PromptLookup(PerRequest):
     def close(self) -> None:
         """Nothing to let go of (a draft model's drafter closes its engine)."""
 
+    def draft_on_device(self, tokens: Tensor, lengths: Tensor, k: int) -> Tensor:
+        return lookup_on_device(tokens, lengths, k, range(self.max_ngram, self.min_ngram - 1, -1))
+
+
+def lookup_on_device(tokens: Tensor, lengths: Tensor, k: int, sizes: Sequence[int]) -> Tensor:
+    """`NgramIndex.draft`'s rule for every row at once, in a few tensor operations on the rows' device: row i's text is
+    tokens[i, :lengths[i]] (-1: an image's slot, never matched nor drafted); its draft is the k tokens that followed
+    the latest earlier occurrence of the longest n-gram (of `sizes`) that ends it, cut at the text's end or a slot
+    (-1 past it, and for a row where nothing matched) [n, k]. The host reads none of it: a verify step made of these
+    drafts is launched while the step before is in flight. Every window of the row is compared (vLLM's `ngram_gpu`):
+    the host's index does not exist on the device, and 2 rows of 32k tokens are a few hundred thousand compares."""
+    n, positions = tokens.shape
+    at = torch.arange(positions, device=tokens.device)
+    ends = torch.full((n,), -1, dtype=torch.long, device=tokens.device)
+    for size in sizes:  # longest first: a shorter n-gram's match counts only where no longer one matched
+        tail = tokens.gather(1, (lengths[:, None] - size + at[None, :size]).clamp(min=0))
+        windows = tokens.unfold(1, size, 1)  # window w: tokens w..w+size-1, ending before w + size
+        end = torch.arange(size, positions + 1, device=tokens.device)[None]
+        whole = (lengths >= size) & (tail >= 0).all(-1)  # the text holds a whole n-gram of token ids at its end
+        hit = (windows == tail[:, None]).all(-1) & (end < lengths[:, None]) & whole[:, None]
+        latest = torch.where(hit, end, -1).amax(1)
+        ends = torch.where(ends < 0, latest, ends)
+    picked = (ends[:, None] + at[None, :k]).clamp(0, positions - 1)
+    draft = tokens.gather(1, picked)
+    inside = (ends[:, None] >= 0) & (picked < lengths[:, None]) & (draft >= 0)
+    inside = inside.long().cumprod(1).bool()  # a slot ends the draft
+    return torch.where(inside, draft, -1)
+
+
+@dataclasses.dataclass
+class ProposalsOnDevice:
+    """A step's drafts, made on the device when the runner has the rows' start positions there (after the step in
+    flight's kept counts moved them, `ModelRunner`): `k` tokens after each row's text, `tokens[i, :start + 1]`
+    (-1 where none); `made` keeps them for the draw."""
+
+    drafter: Drafter
+    tokens: Tensor  # the running rows' tokens [rows, positions] (`CacheRows.tokens`)
+    k: int
+    made: Tensor | None = None
+
+    def __call__(self, starts: Tensor) -> Tensor:
+        self.made = self.drafter.draft_on_device(self.tokens[:len(starts)], starts + 1, self.k)
+        return self.made
+
 
 class NgramIndex:
     """Where each n-gram of one request's history last ended. The history only grows while the request
@@ -191,19 +239,16 @@ class NgramIndex:
         self._ends: dict[tuple, int] = {}
         self._done = 0  # n-grams ending before this position are indexed
 
-    def draft(self, history: Sequence, k: int, last: Sequence = (), guessed: Sequence = ()) -> list[int]:
-        """Up to `k` tokens that followed the longest n-gram ending `history` + `last` + `guessed` (a row's held
-        tokens, its token not yet fed, not copied into one list at every step, and the tokens hoped of the step
-        in flight) where it last occurred before. Guessed tokens are looked up, never indexed."""
-        known = len(history) + len(last)
-        tail = (*last, *guessed)
-        history = _Joined(history, tail) if tail else history
+    def draft(self, history: Sequence, k: int, last: Sequence = ()) -> list[int]:
+        """Up to `k` tokens that followed the longest n-gram ending `history` + `last` (a row's held tokens and
+        its token not yet fed, not copied into one list at every step) where it last occurred before."""
+        history = _Joined(history, last) if last else history
         total = len(history)
-        for end in range(max(self._done, 1), known):  # the n-grams of the known text ending before its last position
+        for end in range(max(self._done, 1), total):  # the n-grams ending before the text's last position
             for n in self.sizes:
                 if end >= n:
                     self._ends[tuple(history[end - n:end])] = end
-        self._done = max(self._done, known)
+        self._done = max(self._done, total)
         for n in self.sizes:
             if total >= n and (end := self._ends.get(tuple(history[total - n:]))) is not None:
                 out = []
@@ -236,21 +281,20 @@ class _Joined(Sequence):
 @dataclasses.dataclass(frozen=True)
 class Ask:
     """One request's draft wanted in a step: its own drafting state (`Drafter.index()`), its text so far
-    (`history` + `last`: a row's held tokens and its token not yet fed; then `guessed`: the tokens the step in
-    flight is hoped to keep, unknown to the host yet) and at most `k` tokens to follow it."""
+    (`history` + `last`: a row's held tokens and its token not yet fed) and at most `k` tokens to follow it."""
 
     state: Any
     history: Sequence
     last: Sequence
     k: int
-    guessed: Sequence = ()
 
 
 class Drafter(Protocol):
     """Where drafts come from: `index()` makes a request's own state; `propose(asks)` drafts for every asking
     request of a step at once (up to each one's k tokens after its text); `forget(state)`: a request ended.
     `always`: it always has a draft (else the engine looks with the tokens it already knows before it waits
-    for the step in flight)."""
+    for the step in flight). A drafter that drafts on the device too has `draft_on_device(tokens, lengths, k)`:
+    [n, k] drafts after each row's text tokens[i, :lengths[i]] (-1: none; `lookup_on_device`)."""
 
     always: bool
     name: str
@@ -275,8 +319,8 @@ class Speculation:
     record: Path | None = None  # this file, and read from it by later launches
     exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_rows`)
     max_rows: int = MAX_ROWS  # drafts only while at most this many chats run
-    chained: bool = False  # while drafts are kept whole, the next draft guesses what the step in flight keeps
-    # rather than wait for it (`Proposer.chains`): where the host runs ahead of the device, with float weights
+    on_device: bool = False  # drafts made on the device (`Drafter.draft_on_device`): verify steps run one ahead
+    # of the host as plain steps do, with a verify step as wide as the draft asked whatever is found
 
     @property
     def description(self) -> str:
@@ -290,7 +334,7 @@ def prompt_lookup(device: str, low_bit: bool, exact: bool = True, record: Path |
     if device == "cpu":
         return Speculation(PromptLookup(), CPU, exact=exact)
     return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True, exact=exact,
-                       record=record, max_rows=LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS, chained=not low_bit)
+                       record=record, max_rows=LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS, on_device=True)
 
 
 @dataclasses.dataclass
@@ -332,7 +376,8 @@ class DraftState:
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verify step checked `drafted` tokens and kept the first `accepted`; a rejection ends the run,
-        so the tokens after it say nothing of the rate and are not counted."""
+        so the tokens after it say nothing of the rate and are not counted. A draft made on the device counts
+        all the positions it was asked for: those it did not find were paid for as rejected ones."""
         if drafted:
             self.accepted = DECAY * self.accepted + accepted
             self.checked = DECAY * self.checked + accepted + (accepted < drafted)
