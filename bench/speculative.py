@@ -47,11 +47,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline.llm.engine.speculation import MAX_DRAFT, PerRequest  # noqa: E402
+from pipeline.llm.engine.speculation import PerRequest  # noqa: E402
 from timing import report  # noqa: E402
 
 KS = tuple(range(1, 9))
-HEAD = 8  # a 7B prompt's first tokens: which case a row runs (random prompts: no two alike)
 CONTEXT = 1024
 INPUT_GROUNDED = {
     "summarise": "Summarise this paragraph in two sentences:\n\nThe city council met on Tuesday to discuss the new "
@@ -250,9 +249,7 @@ class ShadowDrafts(PerRequest):
     kept at the same place of a real SmolLM2 reply (with the draft length the engine asks for): the first
     ones are the 7B model's own next tokens (from a plain run), the rest are other tokens. So the engine
     runs with real replies' acceptance, all its costs included (lookup aside). `cases`: (real prompt, real
-    reply, 7B prompt, 7B reply) per request, told apart by the 7B prompt the history starts with. On the device
-    (the app's GPU prompt lookup drafts there) the same drafts come from a table by case and reply length, looked
-    up by the rows' first tokens and text lengths there."""
+    reply, 7B prompt, 7B reply) per request, told apart by the 7B prompt the history starts with."""
 
     always = False
     name = "replayed lookup"
@@ -271,11 +268,8 @@ class ShadowDrafts(PerRequest):
 
     def draft(self, history, k: int, last=()) -> list[int]:
         i = next(i for i, case in enumerate(self.cases) if tuple(history[:len(case[2])]) == case[2])
-        return self._shadow(i, len(history) + len(last) - len(self.cases[i][2]), k)
-
-    def _shadow(self, i: int, made: int, k: int) -> list[int]:
-        """Case i's draft of up to k tokens once `made` reply tokens are known (asked with `made` growing)."""
         real_prompt, real_reply, prompt, reply = self.cases[i]
+        made = len(history) + len(last) - len(prompt)  # reply tokens known so far
         if made >= len(real_reply):
             return []
         draft = self.lookups[i].draft([*real_prompt, *real_reply[:made]], k)
@@ -284,18 +278,6 @@ class ShadowDrafts(PerRequest):
             kept += 1
         own = reply[made:made + len(draft)]
         return [t if i < kept else t + 1 for i, t in enumerate(own)]
-
-    def draft_on_device(self, tokens: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-        if not hasattr(self, "table"):  # every case's draft at every reply length, and each prompt's first tokens
-            most = max(len(c[1]) for c in self.cases) + 1
-            table = [[[*d, *[-1] * (MAX_DRAFT - len(d))] for d in (self._shadow(i, made, MAX_DRAFT) for made in range(most))]
-                     for i in range(len(self.cases))]
-            self.table = torch.tensor(table, device=tokens.device)
-            self.heads = torch.tensor([c[2][:HEAD] for c in self.cases], device=tokens.device)
-            self.prompt_lengths = torch.tensor([len(c[2]) for c in self.cases], device=tokens.device)
-        case = (tokens[:, None, :HEAD] == self.heads[None]).all(-1).long().argmax(1)
-        made = (lengths - self.prompt_lengths[case]).clamp(0, self.table.shape[1] - 1)
-        return self.table[case, made, :k]
 
 
 def decisive(model):
@@ -348,16 +330,15 @@ def engine7b_part(res: dict, real_json: Path, layers: int, modes: Sequence[str] 
     res.update(device=torch.cuda.get_device_name(), layers=layers, context=2048, seed=seed,
                note="random weights made decisive (`decisive`): same shapes and work, greedy tokens that no "
                     "rounding difference flips, so drafts are kept exactly where the real replies kept them")
-    for mode in modes:  # "int4:fast": int4 weights, one chat's verify steps on the batch kernels (`--speculate fast`);
-        quant, _, kind = mode.partition(":")  # "int4:host": drafts made on the host, each verify step read first
+    for mode in modes:  # "int4:fast": int4 weights, one chat's verify steps on the batch kernels (`--speculate fast`)
+        quant, _, kind = mode.partition(":")
         exact = kind != "fast"
         model = decisive(random_qwen25_7b(layers))
         if quant != "none":
             quantize_decoder(model, quant, "cuda")
             use_kernels(model, TunedConfigs())
         vocab = model.config.vocab_size
-        app = dataclasses.replace(prompt_lookup("cuda", quant != "none", exact),  # the app's costs, measuring and rows
-                                  on_device=kind != "host")  # that draft
+        app = prompt_lookup("cuda", quant != "none", exact)  # the app's costs, measuring and rows that draft
         plain = TorchLLMEngine(model, 2048, vocab, max_batch=8, rows=16)
         cases = []
         for kind in ("input_grounded", "open_chat"):

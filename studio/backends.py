@@ -347,7 +347,7 @@ def load_language_model(model_dir: Path, model_id: str, backend: str = "torch", 
     if speculation is not None and draft is not None:  # its cost is its own steps too: measured
         speculation = dataclasses.replace(speculation, drafter=DraftModel(draft.engine, f"the draft model "
                                                                                        f"{draft.model_id}"), measured=True,
-                                          record=record, on_device=False)
+                                          record=record)
     engine = TorchLLMEngine(model, context, tokenizer.vocab_size, max_batch=batch, rows=rows, speculation=speculation)
     if target.type == "cuda":
         warm_up(engine, model_id, engines.report.tell if engines is not None else (lambda line: None))

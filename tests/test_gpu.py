@@ -290,8 +290,7 @@ def test_two_engines_over_one_int4_model_at_once_give_what_each_gives_alone():
     params = SamplingParams(max_new_tokens=96, temperature=0, repetition_penalty=1.0)
     alone_engine = TorchLLMEngine(model, 2048, 1024, max_batch=4)
     plain = TorchLLMEngine(model, 2048, 1024, max_batch=4)
-    fast = TorchLLMEngine(model, 2048, 1024, max_batch=4,
-                          speculation=Speculation(PromptLookup(), GPU_LOW_BIT, on_device=True))
+    fast = TorchLLMEngine(model, 2048, 1024, max_batch=4, speculation=Speculation(PromptLookup(), GPU_LOW_BIT))
 
     def replies(engine, prompts) -> list[list[int]]:  # one chat at a time: its verify rows round as its decode steps
         return [list(engine.submit(p, params, set())) for p in prompts]
@@ -605,17 +604,16 @@ def test_speculation_on_gpu_keeps_greedy_replies(studio_cache, tmp_path):
     policy.fit_cost = lambda *args, **kwargs: timed.append(True) or measure(*args, **kwargs)
     try:
         record = tmp_path / "verify.json"
-        assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record, on_device=True))[0] == plain
+        assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
         assert timed == [True, True] and set(read_costs(record)) == {1, policy.MAX_ROWS}, (timed, read_costs(record))
-        assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record, on_device=True))[0] == plain
+        assert replies(Speculation(PromptLookup(), GPU_FLOAT, measured=True, record=record))[0] == plain
         assert timed == [True, True], timed  # the second engine took the recorded costs, timing nothing
     finally:
         policy.fit_cost = measure
     # whether drafts pay at costs measured by the clock depends on this machine's speed (a tiny model on a fast GPU
     # is bound by its host); at the prior costs they do, and the replies stay plain decoding's
-    for on_device in (True, False):  # drafts made on the device (the app's), and on the host
-        lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT, on_device=on_device))
-        assert lookup == plain and status["drafted_tokens"] > 0, (on_device, status)
+    lookup, status = replies(Speculation(PromptLookup(), GPU_FLOAT))
+    assert lookup == plain and status["drafted_tokens"] > 0, status
     drafter = TorchLLMEngine(model, 1024, vocab, max_batch=4)
     drafted, status = replies(Speculation(DraftModel(drafter, "itself"), GPU_FLOAT))
     drafter.close()
@@ -706,7 +704,7 @@ def test_the_graph_table_is_captured_before_ready_and_serves_a_mixed_run(studio_
 
     def run(graphs: bool):
         engine = TorchLLMEngine(model, 1024, vocab, max_batch=4, prefill_chunk=64, use_cuda_graphs=graphs,
-                                speculation=Speculation(PromptLookup(), GPU_FLOAT, measured=True, on_device=True))
+                                speculation=Speculation(PromptLookup(), GPU_FLOAT, measured=True))
         first = engine.submit(prompts[0], params, set())
         next(iter(first))
         streams = [first, *(engine.submit(p, params, set()) for p in prompts[1:])]

@@ -19,7 +19,6 @@ import time
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor
 
 from pipeline.llm.model.kv_cache import KVCache
 from pipeline.llm.weights.config import DecoderConfig
@@ -60,15 +59,13 @@ class Row:
 
 class CacheRows:
     """The KV cache, the penalties' per-row state (`seen`: the repetition mask, prompt included;
-    `counts`: how often the reply used each token) and the rows' contents; where tokens are proposed on the
-    device, the rows' tokens there too (`tokens`: each at the position it is fed at, -1 for an image's slots)."""
+    `counts`: how often the reply used each token) and the rows' contents."""
 
     def __init__(self, config: DecoderConfig, rows: int, positions: int, vocab_size: int, dtype: torch.dtype,
-                 device: torch.device, tokens: bool = False):
+                 device: torch.device):
         self.kv = KVCache(config, rows, positions, dtype, device)
         self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
-        self.tokens = torch.full((rows, positions), -1, dtype=torch.long, device=device) if tokens else None
         self.rows = [Row() for _ in range(rows)]
         self._index: dict[int, set[Row]] = {}  # block hash → the rows holding that block (at that place)
 
@@ -146,23 +143,11 @@ class CacheRows:
         if a == b:
             return
         self.kv.swap_rows(a, b, max(self.rows[a].written, self.rows[b].written))
-        for t in (self.seen, self.counts, *([self.tokens] if self.tokens is not None else [])):  # by slices: no
-            # index list to upload (that would wait for the GPU)
+        for t in (self.seen, self.counts):  # by slices: no index list to upload (that would wait for the GPU)
             held = t[a].clone()
             t[a] = t[b]
             t[b] = held
         self.rows[a], self.rows[b] = self.rows[b], self.rows[a]
-
-    def record(self, starts: Tensor, drawn: Tensor, firsts: Sequence[tuple[int, int]] = ()) -> None:
-        """A step drew `drawn` [m, T]: rows 0..n-1 fed tokens from `starts` [n] on (on the device), then prompts
-        whose first token is drawn, each (row, position it will be fed at). Each drawn token goes where it is fed
-        if kept (past the kept ones, where later steps write again), for the tokens proposed on the device next."""
-        n = len(starts)
-        if n:
-            at = starts[:, None] + 1 + torch.arange(drawn.shape[1], device=drawn.device)
-            self.tokens[:n].scatter_(1, at.clamp(max=self.tokens.shape[1] - 1), drawn[:n])
-        for j, (row, position) in enumerate(firsts):
-            self.tokens[row, position:position + 1] = drawn[n + j, :1]
 
     def release(self, i: int) -> None:
         """Row `i`'s request ended: it keeps its tokens for whoever continues them."""

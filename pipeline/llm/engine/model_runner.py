@@ -67,8 +67,9 @@ class ChunkRead:
 class RowsFeed:
     """What rows 0..n-1 feed in a step: `tokens[i]` (one token, or the last one and those after it) at positions
     starts[i].. with rotary offsets[i]; or, `chained`, after the step before (on the device: each row's last kept
-    token, and how many it kept, which moves its positions), each row's first token that step's last kept one and its
-    positions past what that step kept (the tokens after the first from `tokens`, or `after`): the host never waits."""
+    token, and how many it kept, which moves its positions), each row's first token that step's last kept one
+    and its positions past what that step kept (the tokens after the first, where any, from `tokens`), so
+    the host never stalls the GPU for them."""
 
     n: int
     tokens: list[list[int]] | None = None
@@ -76,7 +77,6 @@ class RowsFeed:
     offsets: list[int] | None = None
     chained: tuple[Tensor, Tensor] | None = None
     kv_need: int = 0  # the most positions a row reads in this step (its last position + 1)
-    after: Callable[[Tensor], Tensor] | None = None  # else `tokens`': made on the device from the starts there (-1: none)
 
 
 class ModelRunner:
@@ -268,11 +268,8 @@ class ModelRunner:
         state = self._state[:bucket]
         if need == 1:
             return state, (bucket, 1, 1, kv_len)
-        if rows.after is not None:  # a row's padding past what was found: token 0, whose check keeps nothing
-            after = torch.cat([made := rows.after(state[:n, 1]).clamp(min=0), made.new_zeros(bucket - n, need - 1)])
-        else:
-            after = torch.tensor([t[1:] for t in rows.tokens] + [[0] * (need - 1)] * (bucket - n), dtype=torch.long,
-                                 pin_memory=self._pinned).to(self.device, non_blocking=True)
+        after = torch.tensor([t[1:] for t in rows.tokens] + [[0] * (need - 1)] * (bucket - n), dtype=torch.long,
+                             pin_memory=self._pinned).to(self.device, non_blocking=True)
         return torch.cat([state[:, :1], after, state[:, 1:]], 1), (bucket, need, need, kv_len)
 
     def _embeds(self, chunks: list[ChunkRead], ids: Tensor, offset: int) -> Tensor:
@@ -372,10 +369,6 @@ class ModelRunner:
                 logits[:, 0, :1].cpu()
         torch.cuda.current_stream(self.device).synchronize()
         return (time.perf_counter() - start) / repeats
-
-    def starts(self, n: int) -> Tensor:
-        """Rows 0..n-1's start positions in the step launched last, on the device."""
-        return self._state[:n, 1]
 
     def one_step_ahead(self) -> None:
         """Mark the step just launched and wait until the one before it has run: the host stays at most one

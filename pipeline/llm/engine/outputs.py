@@ -21,9 +21,8 @@ from pipeline.llm.engine.seam import FinishReason
 
 @dataclasses.dataclass
 class Launched:
-    """A launched step: its plan, the tokens it drew [n, T], how many of each row's it keeps [n] and how many
-    tokens each row's proposal made on the device held [n] (on the device and, once `copied` is done, on the
-    host: one copy, [n, T + 2]), their log-probabilities where asked
+    """A launched step: its plan, the tokens it drew [n, T] and how many of each row's it keeps [n] (on the
+    device and, once `copied` is done, on the host: one copy, [n, T + 1]), their log-probabilities where asked
     for, and the logits where a request keeps them. `consumed`: its tokens have advanced the grammars."""
 
     plan: StepPlan
@@ -46,33 +45,28 @@ class Outputs:
         self.scheduler, self.rows, self.context, self.to_host = scheduler, rows, context, to_host
 
     def launched(self, plan: StepPlan, drawn: Tensor, kept: Tensor, logits: Tensor | None,
-                 logprobs: Tensor | None, proposed: Tensor | None = None) -> Launched:
-        """A step whose tokens `drawn` and counts `kept` (and log-probabilities, and how many tokens the rows'
-        `proposed` [n, k] made on the device hold) start their way to the host."""
+                 logprobs: Tensor | None) -> Launched:
+        """A step whose tokens `drawn` and counts `kept` (and log-probabilities) start their way to the host."""
         if logprobs is not None:
             logprobs = logprobs.to("cpu", non_blocking=True)  # pinned: ready with the tokens' copy
         n = len(plan.rows)
         last = drawn[:n].gather(1, kept[:n, None] - 1)[:, 0] if plan.verifies else drawn[:n, 0]
-        found = kept.new_zeros(len(kept))
-        if proposed is not None:
-            found[:n] = (proposed >= 0).sum(1)
-        return Launched(plan, (last, kept[:n]), logits, logprobs,
-                        self.to_host(torch.cat([drawn, kept[:, None], found[:, None]], 1)))
+        return Launched(plan, (last, kept[:n]), logits, logprobs, self.to_host(torch.cat([drawn, kept[:, None]], 1)))
 
-    def _host(self, step: Launched) -> tuple[list[list[int]], list[int], list[int]]:
-        """The step's drawn tokens, kept counts and tokens found on the device on the host (waiting for its copy)."""
+    def _host(self, step: Launched) -> tuple[list[list[int]], list[int]]:
+        """The step's drawn tokens and kept counts on the host (waiting for its copy)."""
         host, done = step.copied
         if done is not None:
             done.synchronize()
         values = host.tolist()
-        return [v[:-2] for v in values], [v[-2] for v in values], [v[-1] for v in values]
+        return [v[:-1] for v in values], [v[-1] for v in values]
 
     def consume(self, step: Launched) -> None:
         """Advance the grammars of a step's requests by the tokens they keep (once per step)."""
         if step.consumed:
             return
         step.consumed = True
-        for s, tokens, kept, _ in zip(step.plan.drawing, *self._host(step)):
+        for s, tokens, kept in zip(step.plan.drawing, *self._host(step)):
             r = s.request
             if r.grammar is not None and r.row >= 0 and not r.stream.cancelled:
                 for token in tokens[:kept]:
@@ -86,17 +80,16 @@ class Outputs:
         launched after this one too, which moved its positions on the device; the scheduler, which proposed them,
         hears how many were kept)."""
         self.consume(step)
-        tokens, kept, found = self._host(step)
+        tokens, kept = self._host(step)
         logits = step.logits if step.logits is not None else [None] * len(kept)
         logprobs = step.logprobs if step.logprobs is not None else [None] * len(kept)
-        for s, drawn, k, f, row_logits, row_logprobs in zip(step.plan.drawing, tokens, kept, found, logits, logprobs):
+        for s, drawn, k, row_logits, row_logprobs in zip(step.plan.drawing, tokens, kept, logits, logprobs):
             r = s.request
-            if s.proposed or s.on_device:
+            if s.proposed:
                 r.draws.skip(k - 1)  # the first position's number was taken at the launch
-                self.scheduler.kept(r, s.size - 1, len(s.proposed) or f, k - 1)
+                self.scheduler.kept(r, len(s.proposed), k - 1)
                 r.position -= s.size - k  # launched assuming all kept (a later step's too)
-            fed = [r.last_token, *drawn]  # a kept proposed token is the one drawn before it; a chained row's last
-            # token: the one the step before delivered
+            fed = [r.last_token, *s.proposed]  # a chained row's last token: the one the step before delivered
             for j in range(k):
                 if r.row < 0:  # finished while this step ran, or by an earlier token of it
                     break

@@ -39,12 +39,11 @@ class Request:
 @dataclasses.dataclass(frozen=True, eq=False)
 class Scheduled:
     """One request's part of a step: `size` tokens fed from cache position `start` on. A running request feeds
-    its last token and the tokens proposed to follow it (`proposed` on the host, or `on_device` made on the device,
-    unknown to the host), and keeps the proposed ones up to the first the model would not have drawn. `chained`:
-    it runs after the step in flight, unsettled, whose last kept token it feeds and whose kept count moves its
-    positions, both on the device (`start` then assumes that step keeps all it proposed: the host learns what it
-    kept as it settles it). A request reading its prompt feeds a chunk of it, whose last position is drawn where
-    the chunk ends the prompt (`last`)."""
+    its last token and the tokens `proposed` to follow it, and keeps the proposed ones up to the first the model
+    would not have drawn. `chained`: it runs after the step in flight, unsettled, whose last kept token it feeds
+    and whose kept count moves its positions, both on the device (`start` then assumes that step keeps all it
+    proposed: the host learns what it kept as it settles it). A request reading its prompt feeds a chunk of it,
+    whose last position is drawn where the chunk ends the prompt (`last`)."""
 
     request: Request
     start: int
@@ -53,7 +52,6 @@ class Scheduled:
     chained: bool = False
     last: bool = False
     width: int = 1  # a running request's tokens fed, padded to the step's width (one the runner has graphs for)
-    on_device: int = 0  # tokens proposed after its last one on the device
 
     @property
     def end(self) -> int:
@@ -77,4 +75,4 @@ class StepPlan:
     @property
     def verifies(self) -> bool:
         """Some row feeds proposed tokens: the step checks them."""
-        return any(s.proposed or s.on_device for s in self.rows)
+        return any(s.proposed for s in self.rows)

@@ -44,19 +44,13 @@ class Sampler:
     def start(self, request: Request) -> None:
         """`request` starts its reply in row `request.row`: the row's penalty state is reset (the prompt's
         own ids count as seen, as transformers counts them; an image prompt's placeholders do not) and its
-        `logit_bias` becomes one row over the vocabulary, so a step uploads nothing for it. Where tokens are proposed
-        on the device, the row's tokens there become the prompt's (its slots -1: never matched)."""
+        `logit_bias` becomes one row over the vocabulary, so a step uploads nothing for it."""
         row, prompt, params = request.row, request.prompt, request.params
         self.rows.seen[row] = False
         if counts_penalized([params]):
             self.rows.counts[row] = 0
         if not prompt.slots:  # scatter, not index_put_: that waits for the GPU
             self.rows.seen[row].scatter_(0, self._upload(prompt.ids, torch.long), True)
-        if self.rows.tokens is not None:
-            ids = list(prompt.ids)
-            for slot, length in prompt.slots:
-                ids[slot:slot + length] = [-1] * length
-            self.rows.tokens[row, :len(ids)].copy_(self._upload(ids, torch.long), non_blocking=True)
         if params.logit_bias:
             ids, biases = zip(*params.logit_bias)
             request.bias = torch.zeros(self.vocab_size, device=self.device).scatter_(
@@ -68,13 +62,12 @@ class Sampler:
         host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
         return host.to(self.device, non_blocking=True)
 
-    def draw(self, requests: Sequence[Request], logits: Tensor, proposed: Sequence[Sequence[int]] | Tensor = (),
+    def draw(self, requests: Sequence[Request], logits: Tensor, proposed: Sequence[Sequence[int]] = (),
              behind: tuple[Tensor, int] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """Every position's token for a step's drawing requests (the running ones, in cache rows 0..n-1, and
         the prompts read to their end, in their rows): `logits` [n, T, vocab] score each request's fed tokens,
         its last token and the tokens proposed after it (`proposed[i]`, up to T - 1; none in a decode step,
-        T = 1; a prompt's last position at 0; or, made on the device, the first rows' [m, T - 1], -1 where none).
-        At each position a row draws its token
+        T = 1; a prompt's last position at 0). At each position a row draws its token
         exactly as a decode step would there if the proposed tokens before it were kept (bias, grammar,
         penalties counting those tokens, its own next uniform number), all positions in one batch; a
         proposed token is kept while the drawn token equals it. That is Leviathan et al.'s and Chen et al.'s
@@ -89,11 +82,7 @@ class Sampler:
         width W)): the host does not know which of their numbers come next, so each row's next W - 1 + T go up
         and the device takes T of them from where its kept count says. The host never waits for the GPU here."""
         n, positions, vocab = logits.shape
-        if isinstance(proposed, Tensor):  # as the host's lists: one column more, and the prompts' rows, of -1
-            proposed = torch.cat([proposed, proposed.new_full((len(proposed), 1), -1)], 1)
-            proposed = torch.cat([proposed, proposed.new_full((n - len(proposed), positions), -1)])
-        elif not proposed:
-            proposed = [()] * n
+        proposed = proposed or [()] * n
         params = [r.params for r in requests for _ in range(positions)]  # row i's position j: entry i*T + j
         uniforms = [u for r in requests for u in r.draws.peek(positions)]
         columns = self._columns[:len(COLUMNS) * n * positions].view(len(COLUMNS), n * positions)
@@ -108,8 +97,7 @@ class Sampler:
                 at = kept[:, None] - 1 + torch.arange(positions, device=self.device)[None]
                 columns[0, :len(kept) * positions] = ahead.gather(1, at).view(-1)
         rows = self._rows([r.row for r in requests])
-        seen, counts = self._penalty_state(rows, proposed, positions, counts_penalized(params),
-                                           any(p.repetition_penalty != 1.0 for p in params))
+        seen, counts = self._penalty_state(rows, proposed, positions, counts_penalized(params))
         flat = logits.reshape(n * positions, vocab)
         allowed = _biased([r for r in requests for _ in range(positions)], flat) \
             if any(r.bias is not None for r in requests) else flat
@@ -122,8 +110,7 @@ class Sampler:
             if counts is not None:
                 counts.scatter_add_(1, drawn, self._ones[:n])
         else:
-            fed = proposed if isinstance(proposed, Tensor) else \
-                self._upload([[*p, *[-1] * (positions - len(p))] for p in proposed], torch.long)
+            fed = self._upload([[*p, *[-1] * (positions - len(p))] for p in proposed], torch.long)
             kept = (drawn == fed).long().cumprod(1).sum(1) + 1
             taken = torch.arange(positions, device=self.device)[None] < kept[:, None]
             seen, counts = self.rows.seen[rows], self.rows.counts[rows] if counts is not None else None
@@ -146,11 +133,10 @@ class Sampler:
             return slice(rows[0], rows[0] + len(rows))
         return self._upload(rows, torch.long)
 
-    def _penalty_state(self, rows: slice | Tensor, proposed: Sequence[Sequence[int]] | Tensor, positions: int,
-                       counted: bool, repeats: bool) -> tuple[Tensor, Tensor | None]:
+    def _penalty_state(self, rows: slice | Tensor, proposed: Sequence[Sequence[int]], positions: int,
+                       counted: bool) -> tuple[Tensor, Tensor | None]:
         """The repetition mask and reply counts each position draws with: the rows' own (one position), or
-        a copy per position (repeat_interleave waits for the GPU) with the proposed tokens before it added (those
-        made on the device [n, T], -1 past them, added there where a penalty reads them: `repeats` or `counted`)."""
+        a copy per position (repeat_interleave waits for the GPU) with the proposed tokens before it added."""
         seen, counts = self.rows.seen[rows], self.rows.counts[rows] if counted else None
         if positions == 1:
             return seen, counts
@@ -160,16 +146,6 @@ class Sampler:
             return state[:, None].expand(n, positions, vocab).contiguous().view(n * positions, vocab)
 
         seen, counts = each_position(seen), each_position(counts) if counted else None
-        if isinstance(proposed, Tensor):
-            if repeats or counted:  # position j counts the proposed tokens before it: those at 0..j-1
-                earlier = (torch.arange(positions, device=self.device)[None, :, None] >
-                           torch.arange(positions, device=self.device)[None, None, :]) & (proposed[:, None] >= 0)
-                added = torch.zeros(n, positions, vocab, device=self.device).scatter_add_(
-                    2, proposed.clamp(min=0)[:, None].expand(n, positions, positions), earlier.float())
-                seen |= added.view(n * positions, vocab) > 0
-                if counts is not None:
-                    counts += added.view(n * positions, vocab)
-            return seen, counts
         before = [(i * positions + j) * vocab + t for i, p in enumerate(proposed) for j in range(1, len(p) + 1)
                   for t in p[:j]]  # as flat indices
         if before:  # index_fill_ and index_add_: an assigned Python value would come up from pageable memory

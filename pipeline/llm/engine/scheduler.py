@@ -84,28 +84,23 @@ class Scheduler:
     def plan(self, in_flight: StepPlan | None, settle: Callable[[], None]) -> StepPlan:
         """This step: each running request's last token and its draft, padded to a draft size, and the prompt chunks
         the budget leaves room for. `in_flight`: the step the running rows chain on, not settled yet (its last
-        kept tokens and their positions are on the device). Drafts continue the text: where a draft may come, by the
-        text the host knows (`Proposer.may_find`), made on the device (prompt lookup on a GPU, no grammar:
-        `Proposer.on_device`) they follow that step's kept tokens there and no step waits for the host; made on the
-        host, that step is settled first (`settle`). No draft is proposed while a prompt is read (its chunk rides
-        along)."""
-        drafts, on_device = None, 0
+        kept tokens and their positions are on the device). Drafts continue the text: where one may come, by the
+        text the host knows (`Proposer.may_find`), that step is settled first (`settle`); else this step runs
+        plain, chained on it. No draft is proposed while a prompt is read (its chunk rides along)."""
+        drafts = None
         if self.proposer is not None and self.running and not any(r.position < len(r.sig) for r in self.prefilling):
             wanted = self.proposer.wanted(self.running)
-            if any(wanted.values()) and self.proposer.on_device(self.running):
-                on_device = self.proposer.device_width(wanted) if self.proposer.may_find(wanted, self.rows) else 0
-            elif any(wanted.values()) and (in_flight is None or self.proposer.may_find(wanted, self.rows)):
+            if any(wanted.values()) and (in_flight is None or self.proposer.may_find(wanted, self.rows)):
                 if in_flight is not None:
                     settle()
                     in_flight = None
                 drafts = self.proposer.drafts(self.running, wanted, self.rows)
         drafts = drafts or [()] * len(self.running)
-        longest = max([on_device, *map(len, drafts)])
-        width = next(k for k in (0, *DRAFT_SIZES) if k >= longest)  # graphs hold these
-        rows = tuple(Scheduled(r, r.position, 1 + (on_device or len(d)), d, in_flight is not None, width=1 + width,
-                               on_device=on_device) for r, d in zip(self.running, drafts))
+        width = next(k for k in (0, *DRAFT_SIZES) if k >= max(map(len, drafts), default=0))  # graphs hold these
+        rows = tuple(Scheduled(r, r.position, 1 + len(d), d, in_flight is not None, width=1 + width)
+                     for r, d in zip(self.running, drafts))
         chunks = tuple(Scheduled(r, r.position, end - r.position, last=end == len(r.sig))
-                       for r, end in self.chunks(sum(s.size - 1 for s in rows)))
+                       for r, end in self.chunks(sum(map(len, drafts))))
         return StepPlan(rows, chunks)
 
     def chunks(self, drafted: int = 0) -> list[tuple[Request, int]]:
@@ -133,11 +128,11 @@ class Scheduler:
             room -= take
         return [(r, ends[r]) for r in self.prefilling if r in ends]
 
-    def kept(self, request: Request, asked: int, drafted: int, accepted: int) -> None:
-        """A step checked `request`'s `drafted` tokens (`asked` positions) and kept the first `accepted`: its
-        drafting hears it (while it runs: one that ended meanwhile has no drafting left)."""
+    def kept(self, request: Request, drafted: int, accepted: int) -> None:
+        """A step checked `request`'s `drafted` tokens and kept the first `accepted`: its drafting hears it (while
+        it runs: one that ended meanwhile has no drafting left)."""
         if (state := self.proposer.states.get(request)) is not None:
-            state.record(asked, accepted)
+            state.record(drafted, accepted)
         request.stream.stats.drafted_tokens += drafted
         request.stream.stats.accepted_tokens += accepted
         self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
@@ -237,22 +232,9 @@ class Proposer:
         cap = batch_cap([(self.states[r].expected_rate, k) for r, k in asked.items()], cost)
         return {r: min(k, cap) for r, k in asked.items()}
 
-    def on_device(self, running: Sequence[Request]) -> bool:
-        """Whether this step's drafts are made on the device (`Speculation.on_device`): not where a row has a
-        grammar, whose masks are made through its draft on the host."""
-        return self.speculation.on_device and all(r.grammar is None for r in running)
-
-    def device_width(self, wanted: dict[Request, int]) -> int:
-        """How many tokens every row drafts on the device (the draft size at least the longest wanted); 0 where
-        no row has room left. The device drafts what it finds: the width is paid whatever is found (and counted
-        as asked, `DraftState.record`, so a row whose drafts come short asks fewer)."""
-        longest = max(min(k, self.room(r)) for r, k in wanted.items())
-        return next(k for k in DRAFT_SIZES if k >= longest) if longest > 0 else 0
-
     def may_find(self, wanted: dict[Request, int], rows: CacheRows) -> bool:
         """Whether a draft may come, looked at with the tokens already known (without the step in flight's,
-        whose reading stalls the GPU; where drafts are made on the device, whether a verify step is worth its width):
-        a drafter that always has one says yes without looking."""
+        whose reading stalls the GPU): a drafter that always has one says yes without looking."""
         drafter = self.speculation.drafter
         return drafter.always or any(drafter.propose([Ask(self.states[r].drafts, rows[r.row].held, (r.last_token,), 1)
                                                       for r, k in wanted.items() if k]))

@@ -19,12 +19,11 @@ is fixed while the engine runs (on a GPU measured once by the first launch, `cos
 ones), never read from the clock between steps: which steps verify follows
 from the tokens alone, the same in every run. The engine's scheduler owns the drafts (`scheduler.Proposer`:
 which rows draft in a step, and how many tokens). A drafter is asked once per step for every row that drafts
-(`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. On a GPU prompt lookup
-drafts on the device (vLLM's `ngram_gpu`: `lookup_on_device` over the rows' tokens kept there, `CacheRows.tokens`),
-after the tokens the step before kept there, so a verify step runs one ahead of the host as a plain step does
-(vLLM's asynchronous scheduling) and no step waits for the host to read the one in flight; a drafter on the host
-(a draft model, a row with a grammar) has the step in flight read first (`Scheduler.plan`). Which token is kept
-is the sampler's business
+(`Drafter.propose`): a draft model's engine then drafts for all of them as one batch. A draft continues the text,
+so the step in flight is read first where a draft may come (`Scheduler.plan`); every other step runs one ahead
+of the host, after a verify step too. Two ways not to wait there measured slower (7B on an H200, 2026-11-30,
+`bench/RESULTS.md`): guessing the token the step in flight draws, and drafting on the device (vLLM's `ngram_gpu`)
+in a step as wide as the host decided without that step's tokens. Which token is kept is the sampler's business
 (`Sampler.draw`): the acceptance rule keeps the output's distribution, and a seeded reply's
 tokens, exactly those of plain decoding.
 """
@@ -36,9 +35,6 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
-
-import torch
-from torch import Tensor
 
 from pipeline.files import atomic_write
 from plugins.precompile import VERIFY_ROWS
@@ -91,7 +87,7 @@ def fit_cost(seconds: Callable[[int, bool], float]) -> VerifyCost:
     """What a step checking k drafted tokens a row costs in plain steps of the same rows, from `seconds(k,
     settled)`: such steps timed on the GPU (`ModelRunner.step_seconds`), host work included (a small model on
     a fast GPU is bound by it, not by its weights). The fixed part also holds the wait a verify step costs
-    the host where its tokens are settled before the next step is launched (`Scheduler.chains_after`), where
+    the host where its tokens are settled before the next step is launched (`Scheduler.plan`), where
     plain steps run one ahead of the host (speculation measured slower than none with 8 chats and on int4's
     open chat while this wait was left out, H200 2026-11-28; and slower with it left out for verify steps
     run one ahead, 2026-11-30)."""
@@ -170,8 +166,7 @@ class PromptLookup(PerRequest):
     """Drafts from the conversation itself: the tokens that followed the most recent earlier occurrence of
     the longest n-gram (`max_ngram` down to `min_ngram` tokens) that ends the text so far. A request
     keeps its own index of where each n-gram last ended (`NgramIndex`), brought up to date with each
-    step's new tokens, so a draft costs a few dictionary lookups however long the conversation. On a GPU the same
-    rule runs on the device (`draft_on_device`), over every row's tokens at once."""
+    step's new tokens, so a draft costs a few dictionary lookups however long the conversation."""
 
     always = False  # it may find nothing: whether it would is looked at before the step in flight is read
     name = "prompt lookup"
@@ -184,50 +179,6 @@ class PromptLookup(PerRequest):
 
     def close(self) -> None:
         """Nothing to let go of (a draft model's drafter closes its engine)."""
-
-    def draft_on_device(self, tokens: Tensor, lengths: Tensor, k: int) -> Tensor:
-        return lookup_on_device(tokens, lengths, k, range(self.max_ngram, self.min_ngram - 1, -1))
-
-
-def lookup_on_device(tokens: Tensor, lengths: Tensor, k: int, sizes: Sequence[int]) -> Tensor:
-    """`NgramIndex.draft`'s rule for every row at once, in a few tensor operations on the rows' device: row i's text is
-    tokens[i, :lengths[i]] (-1: an image's slot, never matched nor drafted); its draft is the k tokens that followed
-    the latest earlier occurrence of the longest n-gram (of `sizes`) that ends it, cut at the text's end or a slot
-    (-1 past it, and for a row where nothing matched) [n, k]. The host reads none of it: a verify step made of these
-    drafts is launched while the step before is in flight. Every window of the row is compared (vLLM's `ngram_gpu`):
-    the host's index does not exist on the device, and 2 rows of 32k tokens are a few hundred thousand compares."""
-    n, positions = tokens.shape
-    at = torch.arange(positions, device=tokens.device)
-    ends = torch.full((n,), -1, dtype=torch.long, device=tokens.device)
-    for size in sizes:  # longest first: a shorter n-gram's match counts only where no longer one matched
-        tail = tokens.gather(1, (lengths[:, None] - size + at[None, :size]).clamp(min=0))
-        windows = tokens.unfold(1, size, 1)  # window w: tokens w..w+size-1, ending before w + size
-        end = torch.arange(size, positions + 1, device=tokens.device)[None]
-        whole = (lengths >= size) & (tail >= 0).all(-1)  # the text holds a whole n-gram of token ids at its end
-        hit = (windows == tail[:, None]).all(-1) & (end < lengths[:, None]) & whole[:, None]
-        latest = torch.where(hit, end, -1).amax(1)
-        ends = torch.where(ends < 0, latest, ends)
-    picked = (ends[:, None] + at[None, :k]).clamp(0, positions - 1)
-    draft = tokens.gather(1, picked)
-    inside = (ends[:, None] >= 0) & (picked < lengths[:, None]) & (draft >= 0)
-    inside = inside.long().cumprod(1).bool()  # a slot ends the draft
-    return torch.where(inside, draft, -1)
-
-
-@dataclasses.dataclass
-class ProposalsOnDevice:
-    """A step's drafts, made on the device when the runner has the rows' start positions there (after the step in
-    flight's kept counts moved them, `ModelRunner`): `k` tokens after each row's text, `tokens[i, :start + 1]`
-    (-1 where none); `made` keeps them for the draw."""
-
-    drafter: Drafter
-    tokens: Tensor  # the running rows' tokens [rows, positions] (`CacheRows.tokens`)
-    k: int
-    made: Tensor | None = None
-
-    def __call__(self, starts: Tensor) -> Tensor:
-        self.made = self.drafter.draft_on_device(self.tokens[:len(starts)], starts + 1, self.k)
-        return self.made
 
 
 class NgramIndex:
@@ -293,8 +244,7 @@ class Drafter(Protocol):
     """Where drafts come from: `index()` makes a request's own state; `propose(asks)` drafts for every asking
     request of a step at once (up to each one's k tokens after its text); `forget(state)`: a request ended.
     `always`: it always has a draft (else the engine looks with the tokens it already knows before it waits
-    for the step in flight). A drafter that drafts on the device too has `draft_on_device(tokens, lengths, k)`:
-    [n, k] drafts after each row's text tokens[i, :lengths[i]] (-1: none; `lookup_on_device`)."""
+    for the step in flight)."""
 
     always: bool
     name: str
@@ -319,8 +269,6 @@ class Speculation:
     record: Path | None = None  # this file, and read from it by later launches
     exact: bool = True  # False: one chat's low-bit verify steps take the batch kernels (`ModelRunner.exact_rows`)
     max_rows: int = MAX_ROWS  # drafts only while at most this many chats run
-    on_device: bool = False  # drafts made on the device (`Drafter.draft_on_device`): verify steps run one ahead
-    # of the host as plain steps do, with a verify step as wide as the draft asked whatever is found
 
     @property
     def description(self) -> str:
@@ -334,7 +282,7 @@ def prompt_lookup(device: str, low_bit: bool, exact: bool = True, record: Path |
     if device == "cpu":
         return Speculation(PromptLookup(), CPU, exact=exact)
     return Speculation(PromptLookup(), GPU_LOW_BIT if low_bit else GPU_FLOAT, measured=True, exact=exact,
-                       record=record, max_rows=LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS, on_device=True)
+                       record=record, max_rows=LOW_BIT_MAX_ROWS if low_bit else MAX_ROWS)
 
 
 @dataclasses.dataclass
@@ -376,8 +324,7 @@ class DraftState:
 
     def record(self, drafted: int, accepted: int) -> None:
         """A verify step checked `drafted` tokens and kept the first `accepted`; a rejection ends the run,
-        so the tokens after it say nothing of the rate and are not counted. A draft made on the device counts
-        all the positions it was asked for: those it did not find were paid for as rejected ones."""
+        so the tokens after it say nothing of the rate and are not counted."""
         if drafted:
             self.accepted = DECAY * self.accepted + accepted
             self.checked = DECAY * self.checked + accepted + (accepted < drafted)

@@ -10,11 +10,12 @@ log-probabilities). This module keeps the loop and each request's life.
 
 There is one kind of step (`_step`), planned as data (`Scheduler.plan` → `StepPlan`): under one token
 budget, every running request feeds its last token (and, speculating, the tokens drafted after it:
-`speculation.py`; prompt lookup on a GPU drafts on the device), and requests reading their prompts feed chunks of
+`speculation.py`, asked of the drafter once for all rows), and requests reading their prompts feed chunks of
 them, shared fairly; one forward runs it all, one draw takes every drawn position (a prompt's last one too)
 and one routine settles the step (`Outputs.settle`), a step later: the host reads a step's tokens while the
-GPU runs the next, whose inputs, after a step of the same rows, are the last tokens kept on the GPU, at positions
-moved by the counts kept there. A prompt's last chunk draws its first token, and the request joins the running ones. Finished or cancelled requests
+GPU runs the next, whose inputs, after a step of the same rows (one that checked drafts too), are the last tokens
+kept on the GPU, at positions moved by the counts kept there (a step that drafts reads the one in flight first:
+`Scheduler.plan`). A prompt's last chunk draws its first token, and the request joins the running ones. Finished or cancelled requests
 leave at once. A row keeps its tokens after a reply, and a new request runs in the idle row holding the
 longest prefix of it, so a conversation's next turn prefills only what is new whoever sends it (the UI,
 an API client resending the whole conversation, the terminal chat). Idle rows are reclaimed least
@@ -43,7 +44,7 @@ from pipeline.llm.engine.params import InvalidSampling, SamplingParams
 from pipeline.llm.engine.sampling import Draws
 from pipeline.llm.engine.plan import Request, StepPlan
 from pipeline.llm.engine.scheduler import Proposer, Scheduler
-from pipeline.llm.engine.speculation import ProposalsOnDevice, Speculation, costs_on
+from pipeline.llm.engine.speculation import Speculation, costs_on
 
 LONE = 8  # a prompt read with no request running goes in chunks of LONE × prefill_chunk (1,024 by default)
 
@@ -75,8 +76,7 @@ class TorchLLMEngine:
         self.runner = ModelRunner(model, context, vocab_size, max_batch, use_cuda_graphs,
                                   self.proposer.widths if self.proposer else (1,), verifying,
                                   exact_rows=speculation is None or speculation.exact, step_tokens=prefill_chunk)
-        self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device,
-                              tokens=speculation is not None and speculation.on_device)
+        self.rows = CacheRows(c, rows, self.runner.positions, vocab_size, model.norm.weight.dtype, self.device)
         self.scheduler = Scheduler(max_batch, self.rows, prefill_chunk, prefill_chunk and LONE * prefill_chunk,
                                    self.proposer, max_batch if self.runner.use_cuda_graphs else None)
         self.sampler = Sampler(self.rows, vocab_size, max_batch, self.device, self.runner.widths[-1])
@@ -248,15 +248,12 @@ class TorchLLMEngine:
         the GPU after the step in flight, the last token and positions are that step's); the chunks are read beside
         them. Every drawn position is drawn in one call, and the step's tokens start their way to the host."""
         rows, chunks = plan.rows, plan.chunks
-        feed = behind = proposals = None
+        feed = behind = None
         if rows:
             size = rows[0].width
-            proposals = ProposalsOnDevice(self.speculation.drafter, self.rows.tokens, size - 1) if rows[0].on_device else None
-            fed = [[s.request.last_token, *s.proposed, *[s.request.last_token] * (size - 1 - len(s.proposed))]
-                   for s in rows]
+            fed = [[s.request.last_token, *s.proposed, *[s.request.last_token] * (size - s.size)] for s in rows]
             feed = RowsFeed(len(rows), fed, [s.start for s in rows], [self._offset(s.request, s.start) for s in rows],
-                            self._pending.chained if rows[0].chained else None, max(s.start for s in rows) + size,
-                            proposals)
+                            self._pending.chained if rows[0].chained else None, max(s.start for s in rows) + size)
             if rows[0].chained and self._pending.plan.verifies:  # each row's draws start where that step's ended
                 behind = self._pending.chained[1], self._pending.plan.rows[0].width
         reads = [ChunkRead(s.request.prompt, s.request.row, s.start, s.end, self._offset(s.request, s.start), s.last)
@@ -281,14 +278,11 @@ class TorchLLMEngine:
         if self._pending is not None and any(s.request.grammar is not None for s in rows):
             self.outputs.consume(self._pending)  # this step's masks need the last tokens (the GPU runs the forward meanwhile)
         kept_logits = logits.clone() if any(s.request.stream.logits is not None for s in drawing) else None  # graphs reuse theirs
-        proposed = proposals.made if proposals is not None else [s.proposed for s in drawing]
-        drawn, kept, logprobs = self.sampler.draw([s.request for s in drawing], logits, proposed, behind)
-        if self.rows.tokens is not None:  # where tokens fed later are, for the proposals made on the device
-            self.rows.record(self.runner.starts(len(rows)), drawn, [(s.request.row, s.end) for s in drawing[len(rows):]])
+        drawn, kept, logprobs = self.sampler.draw([s.request for s in drawing], logits, [s.proposed for s in drawing],
+                                                  behind)
         for s in drawing:
             s.request.draws.skip(1)
-        previous, self._pending = self._pending, self.outputs.launched(plan, drawn, kept, kept_logits, logprobs,
-                                                                       proposed if isinstance(proposed, torch.Tensor) else None)
+        previous, self._pending = self._pending, self.outputs.launched(plan, drawn, kept, kept_logits, logprobs)
         if previous is not None:
             self.outputs.settle(previous)
 
