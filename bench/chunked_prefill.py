@@ -25,7 +25,7 @@ chunk step (target ≤ 3), and the long prompt's own first token, chunked agains
 Tokens are stamped on the engine thread as it hands them over (the stream's `deliver` wrapped), so no
 consumer thread's scheduling is in the numbers.
 
-The full run takes the app's default kernels: batch-invariant GEMMs for float weights on a GPU
+The full run and `--short-only` take the app's default kernels: batch-invariant GEMMs for float weights on a GPU
 (`--no-batch-invariant`: cuBLAS's).
 
 With `--invariant-only`: the scenario in chunks of 128 with the default kernels and in batch-invariant mode
@@ -213,7 +213,8 @@ def main() -> None:
                     help="only the batch-invariant comparison (chunks of 128, default kernels against invariant ones)")
     ap.add_argument("--seed", type=int, default=0, help="the prompts' seed (--invariant-only)")
     ap.add_argument("--no-batch-invariant", action="store_true",
-                    help="the full run with cuBLAS's GEMMs (the app's --no-batch-invariant; else its default)")
+                    help="the full run or --short-only with cuBLAS's GEMMs (the app's --no-batch-invariant; "
+                         "else its default)")
     ap.add_argument("--short-only", action="store_true",
                     help="only the 20-token prompt behind a 32k read, the engine's attention tiles and, in the same "
                          "run, tiles of 64 rows (as before 2026-11-29)")
@@ -235,6 +236,10 @@ def main() -> None:
                   f"{m['greedy_identical_alone_vs_together']} {m['tokens_matching_per_chat']}")
         print(f"batch-invariant / default: median step {inv['median_step_ratio']}×, 8th TTFT {inv['joining_ttft_ratio']}×")
         return
+    kernels = "cuBLAS (--no-batch-invariant)" if args.no_batch_invariant else "batch-invariant (the app's default)"
+    res["kernels"] = kernels
+    if not args.no_batch_invariant:
+        assert make_batch_invariant(model) is None
     if args.short_only:
         res["short_behind_long"] = {}
         kept = decode_attention.TILE_ROWS, decode_attention.prompt_tile_rows
@@ -247,10 +252,6 @@ def main() -> None:
         report("chunked_prefill_short", res)
         print_short(res)
         return
-    kernels = "cuBLAS (--no-batch-invariant)" if args.no_batch_invariant else "batch-invariant (the app's default)"
-    res["kernels"] = kernels
-    if not args.no_batch_invariant:
-        assert make_batch_invariant(model) is None
     tokens = {}
     for name, chunk in MODES:
         res[name], tokens[name] = measured(model, chunk)

@@ -207,13 +207,15 @@ def test_a_short_prompt_is_not_queued_behind_a_long_ones_prefill(model):
     engine.close()
 
 
-def test_with_nothing_running_a_short_prompt_waits_for_one_chunk_of_a_long_ones_read(model):
-    """Nothing decoding, a 700-token prompt read in chunks of 8 × 16 = 128, and a 10-token prompt that joins
-    during its first chunk: the next step reads all of the short one beside 118 of the long one, so the
-    short one's first token is drawn in the second step (before: the long prompt was read whole, and the
-    short one waited for all of it). Both replies are the unchunked engine's."""
+def test_with_nothing_running_a_short_prompt_is_answered_after_one_chunk_of_a_long_ones_read_in_a_short_step(model):
+    """Nothing decoding, a 700-token prompt read in chunks of 8 × 16 = 128, and a 6-token prompt that joins
+    during its first chunk: the next step reads all of the short one beside only 10 of the long one (the
+    16 of a step beside running chats, not 122 of the long chunk's 128), so the short one's first token is
+    drawn in the second step and that step is short (before: the long prompt was read whole, and the short one
+    waited for all of it; then it waited for a long chunk beside it). Then the long one reads beside the short
+    one's decode. Both replies are the unchunked engine's."""
     engine = engine_of(model, 16)
-    long, short = Prompt(ids_of(4, 700)), Prompt(ids_of(5, 10))
+    long, short = Prompt(ids_of(4, 700)), Prompt(ids_of(5, 6))
     calls, joined = [], []
 
     def each_chunk(prompt, start, end):
@@ -224,5 +226,5 @@ def test_with_nothing_running_a_short_prompt_waits_for_one_chunk_of_a_long_ones_
     spy_on_prefill(engine, each_chunk)
     long_tokens = list(engine.submit(long, GREEDY, set()))
     assert list(joined[0]) == alone(model, short) and long_tokens == alone(model, long)
-    assert calls[:3] == [("long", 0, 128), ("long", 128, 246), ("short", 0, 10)], calls[:4]
+    assert calls[:4] == [("long", 0, 128), ("long", 128, 138), ("short", 0, 6), ("long", 138, 153)], calls[:5]
     engine.close()

@@ -107,16 +107,24 @@ class Scheduler:
         """This step's prompt chunks, as (request, the position its chunk ends at), in row order. The budget:
         while requests run, `step_tokens` less one position per running request (or `padded_rows`) and the
         `drafted` tokens they check (at least one, so that prompts always advance); with none running,
-        `lone_tokens`. It is shared fairly among the prompts being read: each gets an equal part, and what a
-        short one leaves goes to the others (water-filling). So a short prompt that joins while a long one is
-        read gets its first token after a step or two, not after the long one's whole prefill. No budget
-        (None): prompts are read whole (for comparison)."""
+        `lone_tokens`, unless `step_tokens` already ends one of several prompts' reads: then that step is as
+        short as a running one's, and that prompt's first token does not wait for a long chunk of the others.
+        It is shared fairly among the prompts being read: each gets an equal part, and what a short one leaves
+        goes to the others (water-filling). So a short prompt that joins while a long one is read gets its
+        first token after a step or two, not after the long one's whole prefill. No budget (None): prompts are
+        read whole (for comparison)."""
         reading = [r for r in self.prefilling if r.position < len(r.sig)]  # not those whose first token is drawn
-        paid = self.padded_rows or len(self.running)
-        budget = (self.step_tokens - paid - drafted if self.step_tokens else None) if self.running \
-            else self.lone_tokens
-        if budget is None:
+        if self.running and self.step_tokens:
+            return self._shared(reading, self.step_tokens - (self.padded_rows or len(self.running)) - drafted)
+        if self.running or not self.lone_tokens:
             return [(r, len(r.sig)) for r in reading]
+        short = self._shared(reading, self.step_tokens) if self.step_tokens and len(reading) > 1 else []
+        if any(end == len(r.sig) for r, end in short):
+            return short
+        return self._shared(reading, self.lone_tokens)
+
+    def _shared(self, reading: list[Request], budget: int) -> list[tuple[Request, int]]:
+        """`budget` positions (at least one) shared fairly among the prompts `reading`, in row order."""
         room = max(budget, 1)
         left = sorted(reading, key=lambda r: len(r.sig) - r.position)
         ends: dict[Request, int] = {}
