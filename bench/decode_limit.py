@@ -232,8 +232,9 @@ def gemv_part(res: dict) -> None:
         for mode in ("int4", "int8"):
             parts = quantize(weight, mode, torch.bfloat16)
             stored = sum(t.nbytes for t in parts.values())
-            layers = [lowbit.LowBitWeight.from_parts(parts, 4 if mode == "int4" else 8, torch.bfloat16, None,
-                                                     lowbit.Workspace(torch.device("cuda")))
+            shared = lowbit.Workspace(torch.device("cuda"))  # one model's layers share one, as in the app (each
+            # its own: the timing's warm-up grew only the first ones', so every split-K candidate failed to capture)
+            layers = [lowbit.LowBitWeight.from_parts(parts, 4 if mode == "int4" else 8, torch.bfloat16, None, shared)
                       for _ in range(max(2, min(24, -(-(400 << 20) // stored))))]
             configs = {1: fastest(layers, 1), 8: fastest(layers, 8)}  # as the app tunes them
             for layer in layers:
