@@ -57,8 +57,8 @@ class TorchLLMEngine:
     table_keys`). `prefill_chunk`: each step's token budget while requests run, shared by their decodes and
     the prompt chunks of joining ones (128: the running chats' largest gap while an 8th reads 4,000 tokens is
     1.59× their step at 7B on an H200, 2.28× with 256; `bench/chunked_prefill.py`); with none running, prompts
-    are read in chunks LONE times as long, so a prompt that joins waits for one such chunk, not for a long
-    prompt's whole read (None or 0: a joining prompt is read whole, stalling the others; for comparison)."""
+    are read in chunks LONE times as long, so a short prompt that joins waits for one such chunk and a short
+    step, not for a long prompt's whole read (None or 0: a joining prompt is read whole, stalling the others)."""
 
     def __init__(self, model: Decoder, context: int, vocab_size: int, max_batch: int = 8, rows: int | None = None,
                  use_cuda_graphs: bool | None = None, prefill_chunk: int | None = 128,
