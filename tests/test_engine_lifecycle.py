@@ -104,7 +104,7 @@ def test_a_launch_killed_mid_build_leaves_nothing_that_is_later_loaded(tmp_path)
     assert not [p for p in engines.iterdir() if p.is_dir() and "." in p.name]  # the leftovers were removed
 
 
-def test_check_reports_backends_and_engine_cache(tmp_path):
+def test_check_reports_backends_and_engines_not_built_yet_and_makes_nothing(tmp_path):
     env = {**os.environ, "STUDIO_CACHE": str(tmp_path / "cache")}
     engines = tmp_path / "engines"
 
@@ -123,10 +123,8 @@ def test_check_reports_backends_and_engine_cache(tmp_path):
     out = check(*ORT)
     assert "image chat engine: will be built once the weights are there" in out  # --check makes nothing
     assert "segment: torch (asked for)" in check(*ORT, "--segment-backend", "torch")
-    assert build_engines(tmp_path, "build", tmp_path / "cache", engines).wait(timeout=300) == 0
-    out = check(*ORT)
-    assert "image chat engine: minigpt4_vision: cached in" in out and "sam_mask_decoder: cached in" in out
-    assert out.count(", verified (") == 3, out  # each engine's verdict
+    assert not engines.exists() or not any(engines.iterdir())
+    # what --check says once they are built: test_offline_check_after_building_reports_the_engines_the_tools_will_run
 
 
 def test_selftest_builds_and_checks_every_engine(tmp_path):
