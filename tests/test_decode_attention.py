@@ -95,20 +95,21 @@ for b in range(6):  # query b: row b // 3, as a lone decode query of that length
     assert worst(expected[b:b + 1], alone) < 1e-6, b
 assert worst(da.decode_attention(q, k_cache, v_cache, lengths, 256, tokens=3), expected) < 1e-5
 
-# a prompt chunk: 40 queries of cache row 2 at positions 100..139, tiles of 16, 32 and 64 queries (64, 128 and
-# 256 head rows; the last tile short), splits of 128 positions (queries up to 128 have none in the second); the
-# reference equals SDPA's causal attention aligned to the last key
-rows, lengths = torch.full((40,), 2), torch.arange(101, 141)
+# a prompt chunk: 33 queries of cache row 2 at positions 100..132, tiles of 16, 32 and 64 queries (64, 128 and
+# 256 head rows; the last tile short: 1, 1 and 33 queries), splits of 128 positions (queries up to 128 have none in
+# the second); the reference equals SDPA's causal attention aligned to the last key. bf16 in one tile size: the
+# interpreter's dots are fp32 in any dtype (on the CPU a tile's code follows its size, not the dtype)
+rows, lengths = torch.full((33,), 2), torch.arange(101, 134)
 for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
-    q, k_cache, v_cache = (t.to(dtype) for t in (torch.randn(40, 8, 16), *(torch.randn(4, 2, 272, 16) for _ in range(2))))
-    k_cache[2, :, 140:], v_cache[2, :, 140:] = 100.0, 1e4  # garbage past the chunk's end
+    q, k_cache, v_cache = (t.to(dtype) for t in (torch.randn(33, 8, 16), *(torch.randn(4, 2, 272, 16) for _ in range(2))))
+    k_cache[2, :, 133:], v_cache[2, :, 133:] = 100.0, 1e4  # garbage past the chunk's end
     expected = da.decode_attention_reference(q, k_cache, v_cache, lengths, 256, rows=rows)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1)[None], k_cache[2:3, :, :140].float(), v_cache[2:3, :, :140].float(),
-        attn_mask=causal_lower_right(40, 140), enable_gqa=True)
-    assert worst(expected, sdpa[0].transpose(0, 1).reshape(40, 128)) < tol
-    for tile_rows in (64, da.TILE_ROWS, da.LONG_TILE_ROWS):
-        out = torch.full((40, 128), float("nan"), dtype=dtype)
+        q.float().transpose(0, 1)[None], k_cache[2:3, :, :133].float(), v_cache[2:3, :, :133].float(),
+        attn_mask=causal_lower_right(33, 133), enable_gqa=True)
+    assert worst(expected, sdpa[0].transpose(0, 1).reshape(33, 128)) < tol
+    for tile_rows in (64, da.TILE_ROWS, da.LONG_TILE_ROWS) if dtype == torch.float32 else (da.TILE_ROWS,):
+        out = torch.full((33, 128), float("nan"), dtype=dtype)
         da.decode_attention(q, k_cache, v_cache, lengths, 256, out, rows=rows, tile_rows=tile_rows)
         assert not out.isnan().any() and worst(out, expected) < tol, (dtype, tile_rows, worst(out, expected))
 
