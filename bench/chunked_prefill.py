@@ -18,8 +18,8 @@ at once) on a fresh engine, after one untimed run of the same shapes that captur
   which grows when the 8th joins, a few steps later with chunks), so greedy replies of random weights
   part after a while; in fp32 they must not.
 
-And with nothing decoding: a 20-token prompt sent while a 32,000-token prompt is read (in the engine's chunks
-of 2,048 with nothing running, against the prompt read whole): its time to first token as a multiple of one
+And with nothing decoding: a 20-token prompt sent while a 32,000-token prompt is read (in the engine's lone chunks
+of 1,024, and of 2,048 under a budget of 256, against the prompt read whole): its time to first token as a multiple of one
 chunk step (target ≤ 3), and the long prompt's own first token, chunked against whole.
 
 Tokens are stamped on the engine thread as it hands them over (the stream's `deliver` wrapped), so no
